@@ -1,0 +1,138 @@
+"""The configuration tree: one dataclass per TOML section.
+
+Every field has a type, a default and a docstring (the string literal right under it). The CLI
+flags, ``--help`` and docs/config_reference.md are all generated from these classes, so this file
+is the only list of options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Job:
+    config_file: str = ""
+    """TOML file to load; CLI flags override its values. `--config_file` is accepted too."""
+    dump_folder: str = "./outputs"
+    """Root folder for everything a run writes (TensorBoard logs, checkpoints, traces)."""
+    description: str = "titan training job"
+    """Free-text description of the job, printed at start-up."""
+    print_config: bool = False
+    """Print the merged configuration (defaults <- TOML <- CLI) at start-up."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model family from the registry in titan/models (currently: llama3)."""
+    flavor: str = "debugmodel"
+    """Model size: debugmodel, 8B, 70B, 405B."""
+    tokenizer_path: str = ""
+    """Tokenizer file (tiktoken `tokenizer.model`, sentencepiece `.model` or HF `tokenizer.json`).
+    Empty: the small tokenizer shipped in titan/data/assets."""
+    attn_type: str = "sdpa"
+    """Attention backend: sdpa (torch scaled_dot_product_attention) or flex (flex_attention)."""
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    """Optimizer: AdamW or Adam."""
+    lr: float = 8e-4
+    """Peak learning rate (reached at the end of warmup)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    implementation: str = "foreach"
+    """Kernel choice: for-loop, foreach or fused (fused needs a device that supports it)."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Linear warmup steps from ~0 to the peak lr."""
+    decay_ratio: float | None = None
+    """Fraction of steps spent decaying at the end (WSD: warmup, stable, decay). None: decay over
+    all steps after warmup."""
+    decay_type: str = "linear"
+    """Shape of the decay: linear, sqrt or cosine."""
+    min_lr_factor: float = 0.0
+    """Final lr as a fraction of the peak lr."""
+
+
+@dataclass
+class Training:
+    dataset: str = "pydoc"
+    """Dataset name from the registry (pydoc: the embedded offline corpus, c4, c4_validation) or
+    a local path when `dataset_path` is set."""
+    dataset_path: str = ""
+    """Local file or folder (jsonl/json/parquet/arrow/txt) to read instead of the hub source."""
+    dataset_text_field: str = "text"
+    """Column that holds the document text in local / hub datasets."""
+    dataset_txt_split: str = "paragraph"
+    """How .txt files are cut into documents: paragraph (at blank lines), line, or document
+    (one document per file)."""
+    local_batch_size: int = 8
+    """Sequences per micro-batch on each data-parallel rank."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all data-parallel ranks. -1: local_batch_size x dp.
+    A larger multiple means gradient accumulation."""
+    seq_len: int = 2048
+    """Tokens per sequence."""
+    steps: int = 10000
+    """Optimizer steps to train for."""
+    max_norm: float = 1.0
+    """Gradient-norm clipping threshold (total L2 norm over all parameters). <= 0 disables it."""
+    seed: int | None = None
+    """Seed for weight init and RNG. None: a fixed default of 0 is used so runs are repeatable."""
+    deterministic: bool = False
+    """Use deterministic algorithms (slower); for debugging numerics."""
+    mixed_precision_param: str = "bfloat16"
+    """FSDP parameter dtype in forward/backward: bfloat16 or float32 (on CPU bfloat16 matmuls are
+    very slow; use float32 there)."""
+    mixed_precision_reduce: str = "float32"
+    """FSDP gradient reduce dtype: float32 or bfloat16."""
+    dataloader_num_workers: int = 0
+    """Worker processes that prefetch batches (0: load in the training process)."""
+    gc_freq: int = 50
+    """Run Python's garbage collector every N steps (automatic gc is disabled to avoid stalls)."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Replicas of the model (DDP, or HSDP together with data_parallel_shard_degree)."""
+    data_parallel_shard_degree: int = -1
+    """FSDP shard group size. -1: the ranks left over by the other degrees."""
+    fsdp_reshard_after_forward: str = "default"
+    """Free gathered parameters after forward: default (yes, except the root module), always,
+    never."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log one console line (and TensorBoard scalars) every N steps."""
+    enable_tensorboard: bool = False
+    """Write TensorBoard event files."""
+    save_tb_folder: str = "tb"
+    """TensorBoard folder, relative to job.dump_folder."""
+    disable_color_printing: bool = False
+    """Plain console output without ANSI colors."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    metrics: Metrics = field(default_factory=Metrics)

@@ -1,0 +1,275 @@
+"""Build a JobConfig from defaults <- TOML file <- CLI flags.
+
+The option list, the types and the help text all come from the dataclasses in job_config.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import os
+import sys
+import types
+import typing
+from typing import Any
+
+from titan.config.job_config import JobConfig
+from titan.errors import TitanError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+# ---------------------------------------------------------------- schema
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings: the string literal placed right under each field."""
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
+
+
+@functools.cache
+def sections() -> dict[str, type]:
+    """Section name -> dataclass type."""
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+@functools.cache
+def section_fields(section_cls: type) -> dict[str, Any]:
+    """Field name -> resolved type annotation."""
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        return f"list[{type_name(inner)}]"
+    if tp is type(None):
+        return "None"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _closest(name: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else f"; valid: {', '.join(options)}"
+
+
+def _resolve(key: str) -> tuple[str, str, Any]:
+    """'section.field' -> (section, field, type), with a suggestion on a typo."""
+    section, _, name = key.partition(".")
+    secs = sections()
+    if section not in secs or not name:
+        if not name and section in secs:
+            raise TitanError(f"config key '{key}' names a section, not an option; use '{key}.<option>'")
+        raise TitanError(f"unknown config section '{section}'" + _closest(section, list(secs)))
+    fields = section_fields(secs[section])
+    if name not in fields:
+        valid = [f"{section}.{f}" for f in fields]
+        raise TitanError(f"unknown config key '{key}'" + _closest(key, valid))
+    return section, name, fields[name]
+
+
+# ---------------------------------------------------------------- values
+def _convert(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
+    """Check/convert one value to the field's type; TOML values are typed, CLI values are str."""
+
+    def bad() -> TitanError:
+        return TitanError(
+            f"config key '{key}' got {value!r}, expected {type_name(tp)}"
+        )
+
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if type(None) in args and (value is None or (from_cli and str(value).lower() in ("none", "null"))):
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(key, value, arg, from_cli=from_cli)
+            except TitanError:
+                continue
+        raise bad()
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if from_cli and isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    items = tomllib.loads(f"v = {text}")["v"]
+                except tomllib.TOMLDecodeError:
+                    raise bad() from None
+                return [_convert(key, v, inner, from_cli=False) for v in items]
+            items = [v.strip() for v in text.split(",") if v.strip()]
+            return [_convert(key, v, inner, from_cli=True) for v in items]
+        if not isinstance(value, list):
+            raise bad()
+        return [_convert(key, v, inner, from_cli=from_cli) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise bad()
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, int):
+            return value
+        if from_cli and isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise bad() from None
+        raise bad()
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, (int, float)):
+            return float(value)
+        if from_cli and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise bad() from None
+        raise bad()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad()
+    raise TitanError(f"config key '{key}' has an unsupported type {type_name(tp)}")
+
+
+# ---------------------------------------------------------------- sources
+def load_toml(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise TitanError(f"config file '{path}' does not exist (set --job.config_file to a TOML file, e.g. train_configs/debug_model.toml)")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise TitanError(f"config file '{path}' is not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise TitanError(f"config file '{path}' is not valid TOML: not UTF-8 text") from None
+
+
+def _flatten_toml(data: dict[str, Any], path: str) -> list[tuple[str, Any]]:
+    items = []
+    for section, body in data.items():
+        if not isinstance(body, dict):
+            if section in sections():
+                raise TitanError(f"config file '{path}': '{section}' must be a [section] table")
+            raise TitanError(f"config file '{path}': unknown config section '{section}'" + _closest(section, list(sections())))
+        for name, value in body.items():
+            if isinstance(value, dict):
+                raise TitanError(f"config file '{path}': unknown config section '{section}.{name}' (sections are one level deep)")
+            items.append((f"{section}.{name}", value))
+    return items
+
+
+def parse_cli(argv: list[str]) -> list[tuple[str, str]]:
+    """'--a.b v', '--a.b=v', bare '--a.b' for booleans -> [(key, raw str value)]."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) <= 2:
+            raise TitanError(f"unexpected command-line argument '{arg}'; options look like --section.key value (see --help)")
+        key, eq, value = arg[2:].partition("=")
+        if key == "config_file":  # SageMaker-style hyperparameter
+            key = "job.config_file"
+        _, _, tp = _resolve(key)
+        if eq:
+            pairs.append((key, value))
+            i += 1
+            continue
+        is_bool = tp is bool
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if is_bool and (nxt is None or nxt.startswith("--") or nxt.lower() not in _TRUE | _FALSE):
+            pairs.append((key, "true"))
+            i += 1
+            continue
+        if nxt is None:
+            raise TitanError(f"command-line option '--{key}' needs a value ({type_name(tp)})")
+        pairs.append((key, nxt))
+        i += 2
+    return pairs
+
+
+def _set(config: JobConfig, key: str, value: Any, *, from_cli: bool) -> None:
+    section, name, tp = _resolve(key)
+    setattr(getattr(config, section), name, _convert(key, value, tp, from_cli=from_cli))
+
+
+def load_config(argv: list[str] | None = None, *, env: dict[str, str] | None = None) -> JobConfig:
+    """defaults <- TOML (job.config_file) <- CLI flags; then validate."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cli = parse_cli(argv)
+    config = JobConfig()
+    config_file = next((v for k, v in reversed(cli) if k == "job.config_file"), "")
+    if config_file:
+        for key, value in _flatten_toml(load_toml(config_file), config_file):
+            try:
+                _set(config, key, value, from_cli=False)
+            except TitanError as e:
+                raise TitanError(f"config file '{config_file}': {e}") from None
+    for key, value in cli:
+        _set(config, key, value, from_cli=True)
+    config.job.config_file = config_file
+    from titan.config.validate import validate_config
+
+    validate_config(config)
+    return config
+
+
+# ---------------------------------------------------------------- output
+def to_dict(config: JobConfig) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(config)
+
+
+def format_help() -> str:
+    lines = [
+        "usage: train.py [--job.config_file FILE.toml] [--section.key VALUE ...]",
+        "",
+        "Options come from the TOML sections below; a command-line flag overrides the file.",
+        "Booleans may be given bare (--metrics.enable_tensorboard) or with true/false.",
+        "Lists: comma-separated (a,b) or TOML syntax ('[\"a\", \"b\"]').",
+    ]
+    for section, cls in sections().items():
+        lines += ["", f"[{section}]"]
+        defaults = cls()
+        docs = field_docs(cls)
+        for name, tp in section_fields(cls).items():
+            default = getattr(defaults, name)
+            lines.append(f"  --{section}.{name} ({type_name(tp)}, default: {default!r})")
+            for doc_line in docs.get(name, "").splitlines():
+                lines.append(f"      {doc_line}")
+    return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""Checks that need nothing but the config itself: run before any process group or model exists.
+
+Checks that need the world size or the model flavor live with ParallelDims and the model args.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from titan.config.job_config import JobConfig
+from titan.errors import TitanError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check(cond: bool, key: str, value: Any, valid: str) -> None:
+    if not cond:
+        raise TitanError(f"config key '{key}' got {value!r}; valid: {valid}")
+
+
+def _choice(key: str, value: Any, options: tuple[str, ...]) -> None:
+    _check(value in options, key, value, ", ".join(options))
+
+
+def validate_config(c: JobConfig) -> None:
+    t = c.training
+    _check(t.steps >= 1, "training.steps", t.steps, "an integer >= 1")
+    _check(t.local_batch_size >= 1, "training.local_batch_size", t.local_batch_size, "an integer >= 1")
+    _check(
+        t.global_batch_size == -1 or t.global_batch_size >= 1,
+        "training.global_batch_size", t.global_batch_size, "-1 (local_batch_size x dp) or an integer >= 1",
+    )
+    _check(t.seq_len >= 2, "training.seq_len", t.seq_len, "an integer >= 2")
+    _check(t.dataloader_num_workers >= 0, "training.dataloader_num_workers", t.dataloader_num_workers, "an integer >= 0")
+    _check(t.gc_freq >= 1, "training.gc_freq", t.gc_freq, "an integer >= 1")
+    _choice("training.dataset_txt_split", t.dataset_txt_split, ("paragraph", "line", "document"))
+    _choice("training.mixed_precision_param", t.mixed_precision_param, DTYPES[:2])
+    _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, DTYPES[:2])
+
+    # Sections whose builders own their checks: run those same checks now, before any work.
+    from titan.lr_scheduler import validate_lr_scheduler_config
+    from titan.optim import validate_optimizer_config
+
+    validate_optimizer_config(c.optimizer)
+    validate_lr_scheduler_config(c.lr_scheduler)
+
+    p = c.parallelism
+    _check(p.data_parallel_replicate_degree >= 1, "parallelism.data_parallel_replicate_degree",
+           p.data_parallel_replicate_degree, "an integer >= 1")
+    _check(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
+           "parallelism.data_parallel_shard_degree", p.data_parallel_shard_degree, "-1 (the rest) or an integer >= 1")
+    _choice("parallelism.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward, ("default", "always", "never"))
+
+    _check(c.metrics.log_freq >= 1, "metrics.log_freq", c.metrics.log_freq, "an integer >= 1")
+    _choice("model.attn_type", c.model.attn_type, ("sdpa", "flex"))
