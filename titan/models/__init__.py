@@ -1,0 +1,40 @@
+"""Model registry: name -> everything the trainer needs to build and parallelize that model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from titan.errors import TitanError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    model_cls: type
+    flavors: dict[str, Any]
+    parallelize_fn: Callable
+    get_nparams_and_flops: Callable
+
+
+def _llama3() -> ModelSpec:
+    from titan.models.llama import Transformer, get_nparams_and_flops, llama3_configs
+    from titan.models.llama.parallelize import parallelize_llama
+
+    return ModelSpec("llama3", Transformer, llama3_configs, parallelize_llama, get_nparams_and_flops)
+
+
+_REGISTRY: dict[str, Callable[[], ModelSpec]] = {"llama3": _llama3}
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    if name not in _REGISTRY:
+        raise TitanError(f"config key 'model.name' got {name!r}; valid: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]()
+
+
+def get_flavor(spec: ModelSpec, flavor: str) -> Any:
+    if flavor not in spec.flavors:
+        raise TitanError(f"config key 'model.flavor' got {flavor!r}; valid for {spec.name}: {', '.join(spec.flavors)}")
+    return spec.flavors[flavor]

@@ -1,0 +1,294 @@
+"""Llama 3 / 3.1 decoder in plain PyTorch.
+
+Parameter names follow Meta's reference checkpoints (tok_embeddings, layers.N.attention.wq, ...,
+norm, output) and RoPE uses Meta's interleaved-pair layout, so consolidated.*.pth weights load
+without permutation. Parallelism lives elsewhere: this file must stay free of torch.distributed
+so that the same module runs single-process, under FSDP/TP (DTensor parameters) and as a
+pipeline stage.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from titan.errors import TitanError
+from titan.models.llama.args import TransformerModelArgs
+
+
+def _scale_rope_freqs(freqs: torch.Tensor, args: TransformerModelArgs) -> torch.Tensor:
+    """Llama 3.1 context extension: keep high frequencies, divide low ones by scale_factor.
+
+    Wavelengths shorter than original_ctx / high_freq_factor are kept (they resolve local
+    order and were well trained); wavelengths longer than original_ctx / low_freq_factor are
+    stretched by scale_factor so the longer context stays in the trained angle range; in
+    between the two are blended linearly in original_ctx / wavelength.
+    """
+    ctx = args.rope_original_max_position_embeddings
+    lo, hi, scale = args.rope_low_freq_factor, args.rope_high_freq_factor, args.rope_scale_factor
+    wavelen = 2 * math.pi / freqs
+    smooth = ((ctx / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)
+    blended = (1 - smooth) * freqs / scale + smooth * freqs
+    return torch.where(
+        wavelen < ctx / hi, freqs, torch.where(wavelen > ctx / lo, freqs / scale, blended)
+    )
+
+
+def precompute_freqs_cis(
+    args: TransformerModelArgs, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Complex rotations e^{i m theta_j}, shape [max_seq_len, head_dim // 2], complex64."""
+    dim = args.head_dim
+    # fp32 regardless of the default dtype: angles up to ~1e5 rad need the mantissa.
+    idx = torch.arange(0, dim, 2, device=device, dtype=torch.float32)[: dim // 2]
+    freqs = 1.0 / (args.rope_theta ** (idx / dim))
+    if args.use_rope_scaling:
+        freqs = _scale_rope_freqs(freqs, args)
+    t = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(t, freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q/k [B, S, H, Dh] by position; adjacent feature pairs (2j, 2j+1) form a complex."""
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        f = freqs_cis.view(1, xc.shape[1], 1, xc.shape[-1])
+        return torch.view_as_real(xc * f).flatten(3).type_as(x)
+
+    return rotate(xq), rotate(xk)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, S, KVH, Dh] -> [B, S, KVH * n_rep, Dh]; each kv head serves n_rep adjacent q heads."""
+    if n_rep == 1:
+        return x
+    bs, slen, kvh, hd = x.shape
+    return x[:, :, :, None, :].expand(bs, slen, kvh, n_rep, hd).reshape(bs, slen, kvh * n_rep, hd)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 so bf16 activations don't lose the small mean-square terms.
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def _causal(b, h, q_idx, kv_idx):  # noqa: ANN001 - signature fixed by flex_attention
+    return q_idx >= kv_idx
+
+
+_BLOCK_MASKS: dict[tuple[int, str], BlockMask] = {}
+_compiled_flex = None
+
+
+def causal_block_mask(seqlen: int, device: torch.device) -> BlockMask:
+    """The causal BlockMask for one (seq_len, device), built once and shared by all layers."""
+    key = (seqlen, str(device))
+    if key not in _BLOCK_MASKS:
+        _BLOCK_MASKS[key] = create_block_mask(_causal, None, None, seqlen, seqlen, device=device)
+    return _BLOCK_MASKS[key]
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> torch.Tensor:
+    # Eager flex_attention is a reference path that materialises the full score matrix; on
+    # accelerators compile it once into the fused kernel. On CPU eager is kept: it is only
+    # used for tests there and compiling would cost tens of seconds per shape.
+    global _compiled_flex
+    if q.device.type == "cpu":
+        # Inductor's CPU flex template reads the 4-D size off the underlying buffer and fails
+        # on our transposed views (torch 2.13); a dense copy avoids that and is cheap on CPU.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if q.device.type == "cpu" or torch.compiler.is_compiling():
+        return flex_attention(q, k, v, block_mask=mask)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=mask)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: TransformerModelArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.kv_heads
+        self.head_dim = args.head_dim
+        self.attn_type = args.attn_type
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, block_mask: BlockMask | None = None
+    ) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        # Head counts are inferred (-1) so tensor parallelism can hand us a local shard of heads.
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        n_rep = self.n_heads // self.n_kv_heads
+        xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
+        q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # [B, H, S, Dh]
+        if self.attn_type == "flex":
+            if block_mask is None:
+                block_mask = causal_block_mask(seqlen, x.device)
+            out = _flex(q, k, v, block_mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
+        return self.wo(out)
+
+
+def ffn_hidden_dim(args: TransformerModelArgs) -> int:
+    """SwiGLU width: 2/3 of 4*dim (keeps the 3-matrix FFN at the 2-matrix cost), scaled, rounded."""
+    hidden = int(2 * (4 * args.dim) / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: TransformerModelArgs) -> None:
+        super().__init__()
+        # Kept so depth-scaled init stays right after pipeline splitting removes earlier layers.
+        self.layer_id = layer_id
+        self.n_layers = args.n_layers
+        self.depth_init = args.depth_init
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args))
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, block_mask: BlockMask | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, block_mask=block_mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        # Output projections (wo, w2, w3) write into the residual stream, whose variance grows
+        # with every block. depth_init shrinks them with the block's depth, 0.02/sqrt(2(l+1))
+        # (two residual writes per block, as in GPT-2 / OLMo); otherwise all blocks use the
+        # whole-network factor 0.02/sqrt(2 * n_layers).
+        depth = self.layer_id + 1 if self.depth_init else self.n_layers
+        out_std = 0.02 / math.sqrt(2 * depth)
+        for lin in (self.attention.wq, self.attention.wk, self.attention.wv, self.feed_forward.w1):
+            nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        for lin in (self.attention.wo, self.feed_forward.w2, self.feed_forward.w3):
+            nn.init.trunc_normal_(lin.weight, mean=0.0, std=out_std)
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+
+
+class Transformer(nn.Module):
+    def __init__(self, model_args: TransformerModelArgs) -> None:
+        super().__init__()
+        model_args.validate()
+        self.model_args = model_args
+        self.vocab_size = model_args.vocab_size
+        self.n_layers = model_args.n_layers
+        self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
+        # A ModuleDict keyed "0".."n-1" keeps FQNs stable when pipeline stages delete layers.
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, model_args) for i in range(model_args.n_layers)}
+        )
+        self.norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
+        self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+        if model_args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Non-persistent: derived from args, so checkpoints stay free of it; init_weights
+        # recomputes it after a meta-device build + to_empty().
+        self.register_buffer("freqs_cis", precompute_freqs_cis(model_args), persistent=False)
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202
+        # nn.Module._apply (to_empty, .to, .cuda) replaces each module's parameter separately,
+        # which silently unties shared weights; restore the tie afterwards.
+        out = super()._apply(fn, recurse)
+        if (
+            self.model_args.tie_embeddings
+            and self.tok_embeddings is not None
+            and self.output is not None
+            and self.output.weight is not self.tok_embeddings.weight
+        ):
+            self.output.weight = self.tok_embeddings.weight
+        return out
+
+    def _param_device(self) -> torch.device:
+        for p in self.parameters():
+            return p.device
+        return self.freqs_cis.device
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """(Re)initialise buffers and parameters in place; seed with torch.manual_seed first.
+
+        Only nn.init functions on existing parameters are used, so this works on plain tensors
+        and on FSDP/TP DTensor parameters alike, and on pipeline stages missing some modules.
+        """
+        device = buffer_device if buffer_device is not None else self._param_device()
+        self.freqs_cis = precompute_freqs_cis(self.model_args, device=device)
+        dim = self.model_args.dim
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
+        for layer in self.layers.values():
+            layer.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            # Logits start at unit scale: the normed hidden state has unit RMS, so std dim**-0.5
+            # gives O(1) logits. With tied embeddings this also sets the embedding (a std-1
+            # embedding would make the initial logits sqrt(dim) times too large).
+            std = dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] int64 -> logits [B, S, vocab] in the parameter dtype.
+
+        Pipeline stages: without tok_embeddings the input is already hidden states [B, S, dim];
+        without norm/output the hidden states are returned.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seqlen = h.shape[1]
+        if seqlen > self.freqs_cis.shape[0]:
+            raise TitanError(
+                f"sequence length {seqlen} exceeds model max_seq_len {self.freqs_cis.shape[0]}; "
+                "raise model max_seq_len or lower training.seq_len"
+            )
+        freqs_cis = self.freqs_cis[:seqlen]
+        block_mask = None
+        if self.model_args.attn_type == "flex":
+            block_mask = causal_block_mask(seqlen, h.device)
+        for layer in self.layers.values():
+            h = layer(h, freqs_cis, block_mask=block_mask)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
