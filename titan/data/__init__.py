@@ -1,0 +1,26 @@
+"""Data: tokenizers, datasets, packing and the stateful loader."""
+
+from __future__ import annotations
+
+from .datasets import DATASETS, DocumentSource, build_source, register_dataset
+from .loader import TitanDataLoader, build_dataloader
+
+__all__ = [
+    "DATASETS",
+    "DocumentSource",
+    "TitanDataLoader",
+    "Tokenizer",
+    "build_dataloader",
+    "build_source",
+    "build_tokenizer",
+    "register_dataset",
+]
+
+
+def __getattr__(name: str):
+    # lazy: the tokenizer module (tiktoken, sentencepiece, tokenizers) loads only when asked for
+    if name in ("build_tokenizer", "Tokenizer"):
+        from . import tokenizer
+
+        return getattr(tokenizer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

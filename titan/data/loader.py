@@ -1,0 +1,207 @@
+"""The stateful, DP-aware data loader.
+
+Layout: DP rank r with K = max(1, num_workers) loader workers runs K *streams*, slots r + W*k
+(W = DP world size), stride W*K (see titan/data/packing.py for what a stream owns). Worker k runs
+one stream and yields whole batches; ``StatefulDataLoader`` hands them out round-robin (in order),
+so the rank's batch sequence is the interleaving stream 0, 1, ..., K-1, 0, 1, ...
+
+Exact state with workers: every batch travels with its stream's state *after* that batch; the
+loader records it only when the batch is handed to the caller, so prefetched batches never leak
+into a checkpoint. ``state_dict()`` lists the K stream states starting with the one whose batch
+comes next; on restore worker k runs the k-th of them, so a fresh loader continues exactly where
+the old one stopped. (The stream's identity lives in its state, not in the worker id.)
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from titan.errors import TitanError
+from titan.tools.logging import logger
+
+from .datasets import DocumentSource, build_source
+from .packing import new_stream_state, pack_stream, reshard_states
+
+__all__ = ["PackedDataset", "TitanDataLoader", "build_dataloader"]
+
+STATE_VERSION = 1
+
+
+def _passthrough(item):
+    return item
+
+
+class PackedDataset(IterableDataset):
+    """Stateful IterableDataset: one stream per worker; yields (inputs, labels, worker, state).
+
+    ``inputs``/``labels`` are None on the final item of a finite stream (it only carries the state).
+    """
+
+    def __init__(self, source: DocumentSource, tokenizer, states: list[dict], *, seq_len: int,
+                 batch_size: int, infinite: bool, dp_rank: int = 0) -> None:
+        self.source = source
+        self.tokenizer = tokenizer
+        self.states = states
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.infinite = infinite
+        self.dp_rank = dp_rank
+        self._live: dict | None = None
+
+    def __iter__(self) -> Iterator[tuple]:
+        info = get_worker_info()
+        k, n = (info.id, info.num_workers) if info is not None else (0, 1)
+        if n != len(self.states):
+            raise RuntimeError(f"PackedDataset has {len(self.states)} stream states for {n} workers")
+        self._live = self.states[k]
+        label = f" (dp rank {self.dp_rank}, stream {self._live['slot']})"
+        for windows, state in pack_stream(self.source, self.tokenizer, self._live, seq_len=self.seq_len,
+                                          batch_size=self.batch_size, infinite=self.infinite, label=label):
+            self._live = state
+            if windows is None:
+                yield None, None, k, state
+            else:
+                yield windows[:, :-1].contiguous(), windows[:, 1:].contiguous(), k, state
+
+    def state_dict(self) -> dict:
+        return {"stream": copy.deepcopy(self._live if self._live is not None else self.states[0])}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.states = [copy.deepcopy(state["stream"])]
+
+
+class TitanDataLoader:
+    """Yields ``(input_ids, labels)``, LongTensors [local_batch_size, seq_len]; ``Stateful``.
+
+    - ``state_dict()``: this DP rank's position (picklable dict, a few hundred bytes).
+    - ``load_state_dict(state)``: continue exactly (same DP world size; the worker count may differ).
+    - ``load_resharded(states)``: the states of *all* old DP ranks when the DP world size changed:
+      the unread documents and unemitted tokens of all old ranks are re-dealt to the new ranks,
+      none repeated, none skipped (docs/datasets.md, "Resume and reshard").
+    Call the load methods before iterating; each ``iter()`` continues from the current state.
+    """
+
+    def __init__(self, source: DocumentSource, tokenizer, *, seq_len: int, local_batch_size: int,
+                 dp_rank: int, dp_world_size: int, num_workers: int = 0, infinite: bool = True) -> None:
+        self.source = source
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self.num_workers = num_workers
+        self.infinite = infinite
+        k = self._num_streams
+        self._states = [new_stream_state(dp_rank + dp_world_size * i, dp_world_size * k, source.num_docs)
+                        for i in range(k)]
+        self._last = -1  # index into _states of the stream that yielded last
+
+    @property
+    def _num_streams(self) -> int:
+        return max(1, self.num_workers)
+
+    def _ordered(self) -> list[dict]:
+        i = self._last + 1
+        return self._states[i:] + self._states[:i]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self._states, self._last = self._ordered(), -1
+        dataset = PackedDataset(self.source, self.tokenizer, copy.deepcopy(self._states), seq_len=self.seq_len,
+                                batch_size=self.local_batch_size, infinite=self.infinite, dp_rank=self.dp_rank)
+        with warnings.catch_warnings():  # torchdata calls the deprecated torch.set_vital
+            warnings.filterwarnings("ignore", message=".*set_vital.*")
+            loader = StatefulDataLoader(dataset, batch_size=None, num_workers=self.num_workers,
+                                        collate_fn=_passthrough, in_order=True)
+        for inputs, labels, k, state in loader:
+            self._states[k], self._last = state, k
+            if inputs is not None:
+                yield inputs, labels
+
+    def state_dict(self) -> dict:
+        return {
+            "version": STATE_VERSION,
+            "dataset": self.source.name,
+            "dp_rank": self.dp_rank,
+            "dp_world_size": self.dp_world_size,
+            "num_workers": self.num_workers,
+            "streams": copy.deepcopy(self._ordered()),
+        }
+
+    def _check(self, state: dict) -> bool:
+        """Validate a saved state; False when it belongs to another dataset (then start fresh)."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise TitanError(f"data loader state has an unknown format (expected version {STATE_VERSION})")
+        if state["dataset"] != self.source.name:
+            logger.warning(f"checkpoint's data loader state is for dataset {state['dataset']!r}, this run "
+                           f"reads {self.source.name!r}: starting {self.source.name!r} from its beginning")
+            return False
+        return True
+
+    def load_state_dict(self, state: dict) -> None:
+        if not self._check(state):
+            return
+        if state["dp_world_size"] != self.dp_world_size or state["dp_rank"] != self.dp_rank:
+            raise TitanError(
+                f"data loader state is from dp rank {state['dp_rank']} of {state['dp_world_size']}, this is "
+                f"rank {self.dp_rank} of {self.dp_world_size}: use load_resharded with all old ranks' states"
+            )
+        streams = copy.deepcopy(state["streams"])
+        if len(streams) != self._num_streams:
+            # only the worker count changed: re-deal this rank's own documents among its new streams
+            k, w = self._num_streams, self.dp_world_size
+            streams = reshard_states(streams, [self.dp_rank + w * i for i in range(k)], w * k)
+        self._states, self._last = streams, -1
+
+    def load_resharded(self, states: list[dict]) -> None:
+        """Restore from the states of all old DP ranks (any old world size and worker count).
+
+        Global document cursor M = the furthest position any old stream reached. Every document
+        an old stream still owned below M, and every old rank's partly packed buffer, is re-dealt
+        deterministically to the new streams; from M on, document positions are dealt i % (W'*K')
+        as in a fresh run. Same old and new world size: equivalent to ``load_state_dict``.
+        """
+        states = [s for s in states if self._check(s)]
+        if not states:
+            return
+        old_w = {s["dp_world_size"] for s in states}
+        if len(old_w) != 1:
+            raise TitanError(f"load_resharded: states from different dp world sizes {sorted(old_w)}")
+        (w_old,) = old_w
+        ranks = sorted(s["dp_rank"] for s in states)
+        if ranks != list(range(w_old)):
+            raise TitanError(f"load_resharded needs the states of all {w_old} old dp ranks, got ranks {ranks}")
+        if w_old == self.dp_world_size:
+            self.load_state_dict(states[ranks.index(self.dp_rank)])
+            return
+        old_streams = [st for s in states for st in s["streams"]]
+        strides = {st["stride"] for st in old_streams}
+        slots = sorted(st["slot"] for st in old_streams)
+        if len(strides) != 1 or slots != list(range(len(old_streams))) or strides != {len(old_streams)}:
+            raise TitanError("load_resharded: the old data loader states do not form one complete layout")
+        w, k = self.dp_world_size, self._num_streams
+        new = reshard_states(old_streams, list(range(w * k)), w * k)
+        self._states, self._last = [new[self.dp_rank + w * i] for i in range(k)], -1
+        logger.info(f"data loader resharded from {w_old} to {w} dp ranks")
+
+
+def build_dataloader(*, dataset: str, dataset_path: str, text_field: str, tokenizer, seq_len: int,
+                     local_batch_size: int, dp_rank: int, dp_world_size: int, num_workers: int = 0,
+                     infinite: bool = True, txt_split: str = "paragraph") -> TitanDataLoader:
+    """Build the loader for one DP rank (see TitanDataLoader). ``txt_split``: how .txt files are cut
+    into documents (paragraph, line, document)."""
+    if seq_len < 1 or local_batch_size < 1:
+        raise TitanError(f"training.seq_len ({seq_len}) and training.local_batch_size ({local_batch_size}) must be >= 1")
+    if not 0 <= dp_rank < dp_world_size:
+        raise TitanError(f"dp_rank {dp_rank} is outside the dp world size {dp_world_size}")
+    if num_workers < 0:
+        raise TitanError(f"training.dataloader_num_workers ({num_workers}) must be >= 0")
+    source = build_source(dataset, dataset_path, text_field, txt_split)
+    return TitanDataLoader(source, tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
+                           dp_rank=dp_rank, dp_world_size=dp_world_size, num_workers=num_workers,
+                           infinite=infinite)
