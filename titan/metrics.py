@@ -1,0 +1,229 @@
+"""Training metrics: one console line per log step, plus TensorBoard scalars.
+
+Usage in the loop::
+
+    metrics = MetricsProcessor(cfg, rank=rank, device=device, num_flops_per_token=flops)
+    metrics.reset(step)                      # after checkpoint load, right before the loop
+    ...  metrics.add_data_time(dt); metrics.count_tokens(batch.numel())   # per micro-batch
+    if metrics.should_log(step):
+        metrics.log(step, loss=loss, grad_norm=norm, lr=lr)
+    metrics.close()
+
+Throughput (tps) is tokens per second per device: the tokens this rank counted, divided by the
+wall time since the last log and by ``non_data_parallel_size`` (TP/CP/PP ranks work on the same
+tokens, so the devices sharing them split the credit).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import time
+from datetime import datetime
+from typing import Any
+
+import torch
+
+from titan.config.job_config import JobConfig
+from titan.tools.flops import get_peak_flops, mfu
+from titan.tools.logging import logger
+
+__all__ = ["MetricsProcessor", "Color", "strip_color"]
+
+_GIB = 1024**3
+
+
+class Color:
+    """ANSI escape codes for the console line."""
+
+    red = "\033[31m"
+    green = "\033[32m"
+    yellow = "\033[33m"
+    blue = "\033[34m"
+    magenta = "\033[35m"
+    cyan = "\033[36m"
+    white = "\033[37m"
+    reset = "\033[39m"
+
+
+class _NoColor:
+    red = green = yellow = blue = magenta = cyan = white = reset = ""
+
+
+_ANSI = re.compile(r"\033\[[0-9;]*m")
+
+
+def strip_color(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
+def _cpu_memory() -> tuple[float, float]:
+    """(resident bytes of this process, total physical RAM bytes; 0 when unknown)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[1]) * page
+    except (OSError, ValueError, IndexError):
+        # No procfs (macOS): peak RSS instead of current; KiB on Linux, bytes on macOS.
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        used = maxrss if os.uname().sysname == "Darwin" else maxrss * 1024
+    try:
+        total = page * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        total = 0
+    return float(used), float(total)
+
+
+class MetricsProcessor:
+    def __init__(
+        self,
+        job_config: JobConfig,
+        *,
+        rank: int,
+        device: torch.device,
+        num_flops_per_token: int,
+        float8: bool = False,
+        log_this_rank: bool | None = None,
+        non_data_parallel_size: int = 1,
+    ) -> None:
+        self.cfg = job_config.metrics
+        self.rank = rank
+        self.device = torch.device(device)
+        self.num_flops_per_token = num_flops_per_token
+        self.non_data_parallel_size = max(1, non_data_parallel_size)
+        self.log_this_rank = (rank == 0) if log_this_rank is None else log_this_rank
+        self.color = _NoColor() if self.cfg.disable_color_printing else Color()
+
+        self.device_name = "cpu"
+        self.peak_flops: float | None = None
+        if self.device.type == "cuda":
+            self.device_name = torch.cuda.get_device_name(self.device)
+            self.peak_flops = get_peak_flops(self.device_name, float8=float8)
+            if self.peak_flops is None:
+                logger.warning(f"peak FLOPs of {self.device_name!r} unknown; MFU shows n/a")
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+        self.writer: Any = None
+        self.tb_log_dir: str | None = None
+        if self.cfg.enable_tensorboard and rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+            self.tb_log_dir = os.path.join(
+                job_config.job.dump_folder, self.cfg.save_tb_folder, stamp
+            )
+            self.writer = SummaryWriter(log_dir=self.tb_log_dir)
+            logger.info(f"TensorBoard logs in {self.tb_log_dir}")
+
+        self.reset(0)
+
+    # -- accumulation between logs ---------------------------------------------------------
+
+    def reset(self, step: int = 0) -> None:
+        """Start a fresh measurement window ending the previous one at ``step`` (call once the
+        setup, e.g. checkpoint loading, is done so it does not count as training time)."""
+        self._last_step = step
+        self._last_time = time.perf_counter()
+        self._tokens = 0
+        self._data_time = 0.0
+
+    def count_tokens(self, n: int) -> None:
+        self._tokens += int(n)
+
+    def add_data_time(self, seconds: float) -> None:
+        self._data_time += float(seconds)
+
+    def should_log(self, step: int) -> bool:
+        return step == 1 or step % self.cfg.log_freq == 0
+
+    # -- reporting ---------------------------------------------------------------------------
+
+    def _memory(self) -> tuple[float, float, dict[str, float]]:
+        """(GiB, % of device total, extra TensorBoard scalars)."""
+        if self.device.type == "cuda":
+            stats = torch.cuda.memory_stats(self.device)
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            reserved = torch.cuda.max_memory_reserved(self.device)
+            active = stats.get("active_bytes.all.peak", 0)
+            gib, pct = reserved / _GIB, 100.0 * reserved / total
+            extra = {
+                "memory/max_reserved(GiB)": gib,
+                "memory/max_reserved(%)": pct,
+                "memory/max_active(GiB)": active / _GIB,
+                "memory/max_active(%)": 100.0 * active / total,
+                "memory/num_alloc_retries": float(stats.get("num_alloc_retries", 0)),
+                "memory/num_ooms": float(stats.get("num_ooms", 0)),
+            }
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return gib, pct, extra
+        used, total = _cpu_memory()
+        gib, pct = used / _GIB, (100.0 * used / total if total else 0.0)
+        return gib, pct, {"memory/rss(GiB)": gib, "memory/rss(%)": pct}
+
+    def log(
+        self,
+        step: int,
+        *,
+        loss: float | torch.Tensor,
+        grad_norm: float | torch.Tensor,
+        lr: float,
+        extra: dict[str, Any] | None = None,
+    ) -> dict[str, float]:
+        """Print the console line (on log ranks), write TensorBoard scalars (rank 0) and start a
+        new window. Returns the scalars that were logged."""
+        now = time.perf_counter()
+        elapsed = max(now - self._last_time, 1e-9)
+        steps = max(step - self._last_step, 1)
+        tps = self._tokens / (elapsed * self.non_data_parallel_size)
+        tflops = self.num_flops_per_token * tps / 1e12
+        mfu_pct = mfu(tps, self.num_flops_per_token, self.peak_flops) if self.peak_flops else None
+        mem_gib, mem_pct, mem_extra = self._memory()
+        loss_f, grad_norm_f = float(loss), float(grad_norm)
+
+        scalars: dict[str, float] = {
+            "loss_metrics/global_avg_loss": loss_f,
+            "grad_norm": grad_norm_f,
+            "lr": float(lr),
+            "throughput(tps)": tps,
+            "tflops": tflops,
+            **mem_extra,
+            "time_metrics/end_to_end(s)": elapsed / steps,
+            "time_metrics/data_loading(s)": self._data_time / steps,
+            "time_metrics/data_loading(%)": 100.0 * self._data_time / elapsed,
+        }
+        if mfu_pct is not None:
+            scalars["mfu(%)"] = mfu_pct
+        for key, value in (extra or {}).items():
+            scalars[key] = float(value)
+
+        if self.log_this_rank:
+            c = self.color
+            mfu_text = f"{mfu_pct:.2f}%" if mfu_pct is not None else "n/a"
+            line = (
+                f"{c.red}step: {step:2}  "
+                f"{c.green}loss: {loss_f:7.4f}  "
+                f"{c.yellow}grad_norm: {grad_norm_f:7.4f}  "
+                f"{c.cyan}memory: {mem_gib:5.2f}GiB({mem_pct:5.2f}%)  "
+                f"{c.blue}tps: {round(tps):,}  "
+                f"{c.magenta}tflops: {tflops:,.2f}  "
+                f"{c.magenta}mfu: {mfu_text}"
+            )
+            for key, value in (extra or {}).items():
+                line += f"  {c.white}{key}: {float(value):.4g}"
+            logger.info(line + c.reset)
+
+        if self.writer is not None:
+            for key, value in scalars.items():
+                self.writer.add_scalar(key, value, step)
+
+        self.reset(step)
+        # The time spent logging belongs to the next window, not to nobody.
+        self._last_time = now
+        return scalars
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+            self.writer = None
