@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Launch titan on this machine with torchrun.
+#   NGPU=8 CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh --training.steps 100
+# NGPU: processes to start (default: the number of GPUs, or 1 on a CPU-only machine).
+# CONFIG_FILE: TOML config (default: the debug model). LOG_RANK: ranks whose output is shown
+# (comma-separated, default 0). Extra arguments are passed to train.py as config overrides.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if [ -z "${NGPU:-}" ]; then
+  NGPU=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))" 2>/dev/null || echo 1)
+fi
+CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
+LOG_RANK=${LOG_RANK:-0}
+# Expandable segments reduce fragmentation with FSDP's varying all-gather buffer sizes.
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+export TORCHAO_FORCE_SKIP_LOADING_SO_FILES=${TORCHAO_FORCE_SKIP_LOADING_SO_FILES:-1}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
+
+exec torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+  --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
+  train.py --job.config_file "${CONFIG_FILE}" "$@"

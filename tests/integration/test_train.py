@@ -1,0 +1,82 @@
+"""train.py / run_train.sh run as a user runs them, in subprocesses (1 and 2 ranks, gloo on CPU)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+STEP_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+grad_norm:\s*([0-9.]+)")
+# Small enough for 2 CPU cores, same debug model.
+FAST = ["--training.seq_len", "128", "--training.local_batch_size", "4", "--metrics.disable_color_printing"]
+
+pytestmark = pytest.mark.slow
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
+    return env
+
+
+def run(cmd: list[str], **env_extra: str) -> dict[int, tuple[float, float]]:
+    env = _env()
+    env.update(env_extra)
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    steps = {int(m[1]): (float(m[2]), float(m[3])) for m in STEP_RE.finditer(text)}
+    assert steps, text[-4000:]
+    return steps
+
+
+def train_py(tmp_path: Path, *args: str) -> list[str]:
+    return [sys.executable, "train.py", "--job.config_file", "train_configs/debug_model.toml",
+            "--job.dump_folder", str(tmp_path), *FAST, *args]
+
+
+def torchrun(tmp_path: Path, nproc: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0",
+            *train_py(tmp_path, *args)[1:]]
+
+
+def test_debug_model_loss_falls_one_rank_with_tensorboard(tmp_path):
+    steps = run(train_py(tmp_path, "--training.steps", "30"))
+    assert sorted(steps) == list(range(1, 31))
+    first, last = steps[1][0], sum(steps[s][0] for s in range(26, 31)) / 5
+    assert last < first - 1.0, (first, last)
+    events = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert events, "TensorBoard event files were not written"
+
+
+def test_run_train_sh_two_ranks_loss_falls(tmp_path):
+    cmd = ["./run_train.sh", "--job.dump_folder", str(tmp_path), *FAST, "--training.steps", "30"]
+    steps = run(cmd, NGPU="2")
+    assert sorted(steps) == list(range(1, 31))
+    assert sum(steps[s][0] for s in range(26, 31)) / 5 < steps[1][0] - 1.0
+
+
+def test_fsdp_and_ddp_same_losses(tmp_path):
+    fsdp = run(torchrun(tmp_path / "fsdp", 2, "--training.steps", "10"))
+    ddp = run(torchrun(tmp_path / "ddp", 2, "--training.steps", "10",
+                       "--parallelism.data_parallel_replicate_degree", "2",
+                       "--parallelism.data_parallel_shard_degree", "1"))
+    assert sorted(fsdp) == sorted(ddp) == list(range(1, 11))
+    for step in fsdp:
+        assert abs(fsdp[step][0] - ddp[step][0]) < 1e-4, (step, fsdp[step], ddp[step])
+        assert abs(fsdp[step][1] - ddp[step][1]) < 1e-3, (step, fsdp[step], ddp[step])
+
+
+def test_bad_degrees_fail_fast_with_one_line(tmp_path):
+    env = _env()
+    cmd = torchrun(tmp_path, 2, "--parallelism.data_parallel_shard_degree", "3")
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if "titan: error" in line]
+    assert len(lines) == 1 and "world size is 2" in lines[0], out.stderr[-3000:]
+    # torchrun reports the failed child with its own traceback; titan's code adds none.
+    assert "titan/" not in out.stderr and "train.py\", line" not in out.stderr

@@ -1,0 +1,126 @@
+"""ParallelDims: the parallelism degrees, their checks, and the DeviceMesh built from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from titan.errors import TitanError
+
+# Outer to inner: pipeline stages talk least, tensor parallel ranks talk most (keep them closest).
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+    _mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._resolve_and_check()
+
+    def _resolve_and_check(self) -> None:
+        for name in ("dp_replicate", "cp", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise TitanError(f"parallelism degree {name}={getattr(self, name)} must be >= 1")
+        if self.dp_shard == -1:
+            others = self.dp_replicate * self.cp * self.tp * self.pp
+            if self.world_size % others:
+                raise TitanError(
+                    f"parallelism degrees replicate {self.dp_replicate} x cp {self.cp} x tp {self.tp} x pp {self.pp}"
+                    f" = {others} do not divide the world size {self.world_size}"
+                )
+            self.dp_shard = self.world_size // others
+        if self.dp_shard < 1:
+            raise TitanError(f"parallelism.data_parallel_shard_degree must be -1 or >= 1, got {self.dp_shard}")
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+        if product != self.world_size:
+            raise TitanError(
+                f"parallelism degrees replicate {self.dp_replicate} x shard {self.dp_shard} x cp {self.cp}"
+                f" x tp {self.tp} x pp {self.pp} = {product}, but the world size is {self.world_size};"
+                " make them multiply to the number of ranks (data_parallel_shard_degree = -1 takes the rest)"
+            )
+
+    # ------------------------------------------------------------ which dims are on
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_replicate * self.dp_shard > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP shards over dp_shard x cp (CP ranks also shard parameters)."""
+        return self.dp_shard * self.cp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def dp_degree(self) -> int:
+        """Ranks that see different data (replicas x shards)."""
+        return self.dp_replicate * self.dp_shard
+
+    # ------------------------------------------------------------ mesh
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """One mesh with named dims (degree-1 dims left out) plus flattened dp meshes."""
+        if self.world_size == 1:
+            return None
+        dims = [(name, getattr(self, name)) for name in MESH_ORDER if getattr(self, name) > 1]
+        names = tuple(n for n, _ in dims)
+        mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
+        self._flatten(mesh, names, ("dp_replicate", "dp_shard"), "dp")
+        self._flatten(mesh, names, ("dp_shard", "cp"), "dp_shard_cp")
+        self._flatten(mesh, names, ("dp_replicate", "dp_shard", "cp"), "dp_cp")
+        self._mesh = mesh
+        return mesh
+
+    @staticmethod
+    def _flatten(mesh: DeviceMesh, names: tuple[str, ...], parts: tuple[str, ...], flat: str) -> None:
+        present = tuple(p for p in parts if p in names)
+        if len(present) >= 2:
+            mesh[present]._flatten(mesh_dim_name=flat)
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        return self._mesh
+
+    def submesh(self, name: str) -> DeviceMesh | None:
+        """The named (or flattened) sub-mesh; None when that dimension has size 1."""
+        if self._mesh is None:
+            return None
+        names = self._mesh.mesh_dim_names or ()
+        if name in names:
+            return self._mesh[name]
+        flat = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"), "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+        present = [p for p in flat.get(name, ()) if p in names]
+        if len(present) == 1:
+            return self._mesh[present[0]]
+        if len(present) > 1:
+            return self._mesh[name]
+        return None
+
+    def dp_rank(self) -> int:
+        dp = self.submesh("dp")
+        return 0 if dp is None else dp.get_local_rank()

@@ -1,0 +1,79 @@
+"""Process-group set-up, device choice, seeding and gradient clipping across shards."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from titan.tools.logging import logger
+
+
+def world_info() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's environment; a plain run is 1 process."""
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+    )
+
+
+def pick_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device, world_size: int, timeout_s: int = 300) -> None:
+    """nccl on CUDA (with gloo for CPU tensors), gloo on CPU. Only under a launcher (world > 1)."""
+    if world_size == 1 or dist.is_initialized():
+        return
+    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    logger.info(f"initialized {backend} process group, world size {world_size}")
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def set_seed(seed: int, deterministic: bool) -> None:
+    """Same seed on every rank: data order comes from the loader, not from the RNG."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def total_grad_norm(parameters: Iterable[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """L2 norm of all gradients, summed over DTensor shards and (with PP) over pipeline stages."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if pp_group is not None:
+        sq = norm.pow(2)
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pp_group)
+        norm = sq.sqrt()
+    return norm
+
+
+def clip_grad_norm_(
+    parameters: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Clip to max_norm (if > 0) and return the total norm before clipping."""
+    norm = total_grad_norm(parameters, pp_group)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
+    return norm
