@@ -109,6 +109,7 @@ class Trainer:
             dp_rank=self.dp_rank,
             dp_world_size=self.parallel_dims.dp_degree,
             num_workers=t.dataloader_num_workers,
+            infinite=t.dataset_infinite,
         )
         self.metrics = MetricsProcessor(
             config, rank=self.rank, device=self.device, num_flops_per_token=self.flops_per_token

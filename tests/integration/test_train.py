@@ -80,3 +80,11 @@ def test_bad_degrees_fail_fast_with_one_line(tmp_path):
     assert len(lines) == 1 and "world size is 2" in lines[0], out.stderr[-3000:]
     # torchrun reports the failed child with its own traceback; titan's code adds none.
     assert "titan/" not in out.stderr and "train.py\", line" not in out.stderr
+
+
+def test_finite_dataset_stops_cleanly(tmp_path):
+    data = tmp_path / "tiny.jsonl"
+    data.write_text("\n".join('{"text": "%s"}' % ("word " * 200) for _ in range(3)) + "\n")
+    steps = run(train_py(tmp_path, "--training.dataset_path", str(data), "--training.dataset_infinite", "false",
+                         "--training.steps", "50"))
+    assert 1 <= max(steps) < 50

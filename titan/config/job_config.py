@@ -98,6 +98,9 @@ class Training:
     very slow; use float32 there)."""
     mixed_precision_reduce: str = "float32"
     """FSDP gradient reduce dtype: float32 or bfloat16."""
+    dataset_infinite: bool = True
+    """Re-loop over the dataset when it ends (logged, with an epoch counter). False: training
+    stops cleanly when the data runs out."""
     dataloader_num_workers: int = 0
     """Worker processes that prefetch batches (0: load in the training process)."""
     gc_freq: int = 50
