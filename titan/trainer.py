@@ -76,7 +76,9 @@ class Trainer:
         tokenizer = build_tokenizer(config.model.tokenizer_path)
 
         self.device = pick_device(local_rank)
-        check_layout(self.parallel_dims, par, model_args, t.seq_len, self.device.type, config.model.attn_type)
+        compile_cfg = getattr(config, "compile", None)  # the [compile] section, where present
+        compiled = bool(compile_cfg and compile_cfg.enable and "model" in compile_cfg.components)
+        check_layout(self.parallel_dims, par, model_args, t.seq_len, self.device.type, config.model.attn_type, compiled)
         init_distributed(self.device, world_size)
         self.parallel_dims.build_mesh(self.device.type)
         seed = DEFAULT_SEED if t.seed is None else t.seed

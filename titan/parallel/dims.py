@@ -148,7 +148,8 @@ class ParallelDims:
 
 
 def check_layout(  # noqa: ANN001
-    dims: ParallelDims, par, model_args, seq_len: int, device_type: str, attn_type: str = "sdpa"
+    dims: ParallelDims, par, model_args, seq_len: int, device_type: str, attn_type: str = "sdpa",
+    compiled: bool = False,
 ) -> None:
     """Checks that need the degrees, the model shape and the device, but no process group: run
     on every rank before init_distributed so a bad layout fails at once instead of hanging."""
@@ -167,6 +168,11 @@ def check_layout(  # noqa: ANN001
             raise TitanError(
                 "parallelism.enable_async_tensor_parallel needs CUDA (symmetric memory between GPUs);"
                 f" this run's device is {device_type}: set it to false"
+            )
+        if par.enable_async_tensor_parallel and not compiled:
+            raise TitanError(
+                "parallelism.enable_async_tensor_parallel works through compile's micro-pipeline pass:"
+                " also set compile.enable (with 'model' in compile.components)"
             )
     if dims.pp_enabled:
         num_stages(model_args.n_layers, dims.pp, par)

@@ -43,6 +43,7 @@ def test_degrees_must_multiply_to_world_size():
         ({"pp": 2}, ("--parallelism.pipeline_parallel_layers_per_stage", "1"), "cpu", "runs one stage per rank"),
         ({"cp": 2}, (), "cpu", "trains only on CUDA: on CPU, SDPA has no"),
         ({"cp": 2}, (), "cuda", None),
+        ({"tp": 2}, ("--parallelism.enable_async_tensor_parallel", "true"), "cuda", "also set compile.enable"),
     ],
 )
 def test_layout_checks(degrees, flags, device, message):
