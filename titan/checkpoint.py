@@ -70,11 +70,11 @@ class CheckpointManager:
         self.total_steps = config.training.steps
         self.root = os.path.join(config.job.dump_folder, self.cfg.folder)
         self.world_size = trainer.parallel_dims.world_size
-        self.rank = dist.get_rank() if self.world_size > 1 else 0
-        self.enabled = self.cfg.enable or self.cfg.create_seed_checkpoint
         if self.cfg.create_seed_checkpoint and self.world_size != 1:
             raise TitanError(f"checkpoint.create_seed_checkpoint needs 1 process without parallelism; this run has "
                              f"{self.world_size} ranks (run it with plain `python train.py`)")
+        self.rank = dist.get_rank() if self.world_size > 1 else 0
+        self.enabled = self.cfg.enable or self.cfg.create_seed_checkpoint
         distributed = self.enabled and self.world_size > 1
         self.save_pg = dist.new_group(backend="gloo") if distributed else None
         self.ctrl_pg = dist.new_group(backend="gloo") if distributed else None

@@ -137,7 +137,10 @@ class Trainer:
         t0 = time.perf_counter()
         for _ in range(self.grad_accum_steps):
             try:
-                inputs, labels = next(self._batches)
+                # A new DataLoader iterator draws a seed from the global RNG; resume restores that
+                # RNG, so the draw (once per process) must not move it, or resumed runs drift.
+                with torch.random.fork_rng(devices=[]):
+                    inputs, labels = next(self._batches)
             except StopIteration:
                 return None
             out.append((inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)))
