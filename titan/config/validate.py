@@ -69,3 +69,7 @@ def _validate_checkpoint(c: JobConfig) -> None:
     _check(bool(k.folder.strip()), "checkpoint.folder", k.folder, "a non-empty folder name under job.dump_folder")
     for part in k.exclude_from_loading:
         _choice("checkpoint.exclude_from_loading", part, CHECKPOINT_PARTS)
+    # Loading options would silently do nothing with checkpointing off.
+    for key, is_set in (("initial_load_path", bool(k.initial_load_path)), ("load_step", k.load_step != -1)):
+        if is_set and not k.enable:
+            raise TitanError(f"config key 'checkpoint.{key}' needs checkpoint.enable (add --checkpoint.enable)")

@@ -97,6 +97,8 @@ def test_checkpoint_config():
                       (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k")]:
         with pytest.raises(TitanError, match=key):
             load_config(args)
+    with pytest.raises(TitanError, match="'checkpoint.initial_load_path' needs checkpoint.enable"):
+        load_config(["--checkpoint.initial_load_path", "/some/step-10"])
 
 
 def test_seed_checkpoint_needs_one_process():
