@@ -90,16 +90,18 @@ def _scenario(rank: int, world: int, tmp: str) -> dict:
     seed = str(tmp_path / "seed/checkpoint/step-0")
 
     # --- 2-rank FSDP2
-    ref = _trainer(tmp_path / "a1", "--checkpoint.enable", "--checkpoint.interval", "2",
-                   "--checkpoint.async_mode", "async").train()
-    out["ref"] = ref
+    t = _trainer(tmp_path / "a1", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode", "async")
+    out["ref"] = t.train()
+    out["ref_tokens"] = t.tokens_seen
     out["a1_steps"] = sorted(int(p.name[5:]) for p in (tmp_path / "a1/checkpoint").glob("step-*"))
     # stop by SIGTERM on rank 1 only during step 3: both ranks must save step 3 and stop
     t = _trainer(tmp_path / "a2", "--checkpoint.enable", "--checkpoint.interval", "100")
     _signal_during(t, 3, send=(rank == 1))
     out["a2_first"] = t.train()
     out["a2_step3"] = _complete(tmp_path / "a2", 3)
-    out["a2_resumed"] = _trainer(tmp_path / "a2", "--checkpoint.enable", "--checkpoint.interval", "100").train()
+    t = _trainer(tmp_path / "a2", "--checkpoint.enable", "--checkpoint.interval", "100")
+    out["a2_resumed"] = t.train()
+    out["a2_tokens"] = t.tokens_seen
     # resume from the step-2 save that was written in the background while step 3 ran
     if rank == 0:
         (tmp_path / "a3/checkpoint").mkdir(parents=True)
@@ -132,6 +134,11 @@ def _scenario(rank: int, world: int, tmp: str) -> dict:
         out["b1_step"] = one.step
         out["b1_loader"] = one.dataloader.state_dict()
         out["probe1"] = _probe(one, 0, 1)
+        part = _trainer(tmp_path / "b4", "--checkpoint.enable", "--checkpoint.initial_load_path",
+                        str(tmp_path / "a2/checkpoint/step-3"), "--checkpoint.initial_load_model_only", "false",
+                        "--checkpoint.exclude_from_loading", "dataloader,optimizer")
+        out["b4"] = (part.step, part.dataloader.state_dict()["streams"][0]["next"],
+                     any(o.state for o in part.optimizers))
         # 1 rank, pinned-memory async mode, bf16 model-only export at the end, keep_latest_k=1
         b2 = _trainer(tmp_path / "b2", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode",
                       "async_with_pinned_mem", "--checkpoint.last_save_model_only", "--checkpoint.export_dtype",
@@ -179,6 +186,9 @@ def test_resume_layouts_seed_and_export(tmp_path):
     assert abs(loss2 - loss1) < 1e-5 and abs(after2 - after1) < 1e-5, (r0["probe2"], r0["probe1"])
     # the grad norm sums 5.8M squared entries in a layout-dependent order (measured rel. diff 3e-5)
     assert abs(norm2 - norm1) < 1e-4 * norm1, (r0["probe2"], r0["probe1"])
+    # exclude_from_loading: step restored, data loader from its start, optimizer state left empty
+    assert r0["b4"] == (3, 0, False)
+    assert r0["a2_tokens"] == r0["ref_tokens"] == 6 * 2 * 2 * 32
     loader = r0["b1_loader"]
     assert loader["dp_world_size"] == 1 and loader["streams"][0]["next"] > 0  # resharded, not fresh
 
