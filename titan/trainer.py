@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from titan.checkpoint import CheckpointManager
 from titan.config.job_config import JobConfig
 from titan.config.manager import to_dict
 from titan.data import build_dataloader, build_tokenizer
@@ -139,6 +140,9 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self._batches: Iterator | None = None
+        # Last in set-up: registers everything above and restores it (auto-resume) if there is a checkpoint.
+        self.checkpointer = CheckpointManager(config, self)
+        self.checkpointer.load()
         gc.disable()  # collected every gc_freq steps instead, so pauses don't differ across ranks
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
@@ -171,7 +175,10 @@ class Trainer:
         t0 = time.perf_counter()
         for _ in range(self.grad_accum_steps):
             try:
-                inputs, labels = next(self._batches)
+                # A new DataLoader iterator draws a seed from the global RNG; resume restores that
+                # RNG, so the draw (once per process) must not move it, or resumed runs drift.
+                with torch.random.fork_rng(devices=[]):
+                    inputs, labels = next(self._batches)
             except StopIteration:
                 return None
             out.append((inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)))
@@ -253,6 +260,12 @@ class Trainer:
             f"training {t.steps} steps: local batch {t.local_batch_size} x seq {t.seq_len},"
             f" dp {self.parallel_dims.dp_degree}, grad accumulation {self.grad_accum_steps}"
         )
+        if self.config.checkpoint.create_seed_checkpoint:
+            self.checkpointer.create_seed_checkpoint()
+            return losses
+        self.metrics.reset(self.step)
+        self.checkpointer.install_signal_handlers()
+        preempted = False
         while self.step < t.steps:
             microbatches = self.next_microbatches()
             if microbatches is None:
@@ -261,6 +274,7 @@ class Trainer:
             self.step += 1
             if self.step % t.gc_freq == 0:
                 gc.collect(1)
+            self.checkpointer.wait_for_staging()  # an async save may still be copying the weights
             loss, grad_norm = self.train_step(microbatches)
             self.tokens_seen += sum(lab.numel() for _, lab in microbatches) * self.parallel_dims.dp_degree
             if self.metrics.should_log(self.step):
@@ -269,6 +283,10 @@ class Trainer:
                 self.metrics.log(
                     self.step, loss=loss_value, grad_norm=grad_norm.item(), lr=self.lr_schedulers.get_last_lr()
                 )
+            if self.checkpointer.after_step(self.step):
+                preempted = True
+                break
+        self.checkpointer.finish(self.step, preempted)
         self.metrics.close()
         logger.info("training done")
         return losses

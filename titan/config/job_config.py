@@ -159,6 +159,42 @@ class Metrics:
 
 
 @dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save checkpoints (and resume from them). `--checkpoint.enable` alone turns it on."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.dump_folder; holds one `step-N` DCP folder per save."""
+    interval: int = 500
+    """Save every N steps; the last step is always saved too."""
+    keep_latest_k: int = 0
+    """Keep only the newest K complete checkpoints (0: keep all). The newest complete full
+    checkpoint is never deleted, whatever K."""
+    async_mode: str = "disabled"
+    """disabled (blocking save), async (write in a background thread while training goes on), or
+    async_with_pinned_mem (also copy to host memory in the background; pinned when a GPU exists)."""
+    last_save_model_only: bool = False
+    """Make the final save (at training.steps) model weights only, in export_dtype: the export for
+    inference or fine-tuning. Auto-resume ignores such exports."""
+    export_dtype: str = "float32"
+    """dtype of the model-only final save: float32, bfloat16 or float16. Only with
+    last_save_model_only; resumable checkpoints keep the training dtype."""
+    load_step: int = -1
+    """Step to resume from. -1: the newest complete checkpoint in folder (torn ones are skipped)."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts not to restore on resume: any of model, optimizer, lr_scheduler, dataloader,
+    train_state (e.g. ["dataloader"] to switch datasets mid-run)."""
+    initial_load_path: str = ""
+    """DCP checkpoint folder to start from when folder holds no checkpoint yet (another run's
+    step-N, a converted or seed checkpoint). Ignored once this run has its own checkpoints."""
+    initial_load_model_only: bool = True
+    """Load only the model weights from initial_load_path (True), or everything it holds minus
+    exclude_from_loading (False)."""
+    create_seed_checkpoint: bool = False
+    """Write the initialized weights as folder/step-0 (model only) and exit. Needs 1 process and no
+    parallelism; every layout that starts from it begins with identical weights."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -167,3 +203,4 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)

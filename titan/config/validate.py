@@ -63,3 +63,23 @@ def validate_config(c: JobConfig) -> None:
 
     _check(c.metrics.log_freq >= 1, "metrics.log_freq", c.metrics.log_freq, "an integer >= 1")
     _choice("model.attn_type", c.model.attn_type, ("sdpa", "flex"))
+    _validate_checkpoint(c)
+
+
+CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+def _validate_checkpoint(c: JobConfig) -> None:
+    k = c.checkpoint
+    _check(k.interval >= 1, "checkpoint.interval", k.interval, "an integer >= 1")
+    _check(k.keep_latest_k >= 0, "checkpoint.keep_latest_k", k.keep_latest_k, "0 (keep all) or an integer >= 1")
+    _choice("checkpoint.async_mode", k.async_mode, ("disabled", "async", "async_with_pinned_mem"))
+    _choice("checkpoint.export_dtype", k.export_dtype, DTYPES)
+    _check(k.load_step >= -1, "checkpoint.load_step", k.load_step, "-1 (latest) or a step >= 0")
+    _check(bool(k.folder.strip()), "checkpoint.folder", k.folder, "a non-empty folder name under job.dump_folder")
+    for part in k.exclude_from_loading:
+        _choice("checkpoint.exclude_from_loading", part, CHECKPOINT_PARTS)
+    # Loading options would silently do nothing with checkpointing off.
+    for key, is_set in (("initial_load_path", bool(k.initial_load_path)), ("load_step", k.load_step != -1)):
+        if is_set and not k.enable:
+            raise TitanError(f"config key 'checkpoint.{key}' needs checkpoint.enable (add --checkpoint.enable)")

@@ -1,0 +1,110 @@
+"""Commit marker, resume choice, keep_latest_k, debug kill hook, signal flag, [checkpoint] checks."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from titan.checkpointing.folders import MARKER, DebugKill, pick_resume, prune, scan, write_marker
+from titan.checkpointing.preemption import PreemptionWatcher
+from titan.config import load_config
+from titan.errors import TitanError
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _step(root: Path, step: int, complete: bool, model_only: bool = False) -> None:
+    d = root / f"step-{step}"
+    d.mkdir(parents=True)
+    (d / ".metadata").write_bytes(b"x")  # a torn save can have DCP's metadata and all its files
+    (d / "__0_0.distcp").write_bytes(b"x")
+    if complete:
+        write_marker(str(d), step, model_only=model_only, world_size=1, dp_degree=1)
+
+
+def test_torn_step_skipped_with_warning(tmp_path, caplog):
+    _step(tmp_path, 2, True)
+    _step(tmp_path, 4, False)
+    with caplog.at_level(logging.WARNING, logger="titan"):
+        found = pick_resume(str(tmp_path), -1)
+    assert found.step == 2 and found.complete
+    assert any("step-4" in r.getMessage() and "incomplete" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "step-4" / (MARKER + ".tmp")).exists()
+
+
+def test_load_step_and_exports(tmp_path):
+    assert pick_resume(str(tmp_path / "absent"), -1) is None
+    _step(tmp_path, 0, True, model_only=True)  # seed
+    assert pick_resume(str(tmp_path), -1).step == 0
+    _step(tmp_path, 3, True)
+    _step(tmp_path, 5, False)
+    _step(tmp_path, 6, True, model_only=True)  # final export: never resumed from
+    assert pick_resume(str(tmp_path), -1).step == 3
+    assert pick_resume(str(tmp_path), 3).step == 3
+    with pytest.raises(TitanError, match="load_step 5: no complete checkpoint step-5"):
+        pick_resume(str(tmp_path), 5)
+    with pytest.raises(TitanError, match="load_step 9"):
+        pick_resume(str(tmp_path), 9)
+
+
+def test_keep_latest_k_never_deletes_last_complete_full(tmp_path):
+    for step, complete, model_only in [(2, True, False), (3, False, False), (4, True, False),
+                                       (6, True, True), (8, False, False)]:
+        _step(tmp_path, step, complete, model_only)
+    prune(str(tmp_path), 0)  # 0 keeps everything
+    assert len(scan(str(tmp_path))) == 5
+    prune(str(tmp_path), 1)
+    # 6 is the newest (an export), 4 the newest full one; torn 3 is garbage; torn 8 may be in flight
+    assert [(f.step, f.complete) for f in scan(str(tmp_path))] == [(4, True), (6, True), (8, False)]
+
+
+def test_debug_kill_hook():
+    with pytest.raises(TitanError, match="TITAN_DEBUG_KILL_AT"):
+        DebugKill("save@4")
+    DebugKill("")("step", 4)  # unset: nothing
+    DebugKill("save:step=4")("step", 4)  # other point: nothing
+    code = "from titan.checkpointing.folders import DebugKill; DebugKill()('save', 4); print('alive')"
+    env = dict(os.environ, TITAN_DEBUG_KILL_AT="save:step=4")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert out.returncode == -signal.SIGKILL and "alive" not in out.stdout
+
+
+def test_signal_sets_flag_and_handlers_are_restored():
+    before = signal.getsignal(signal.SIGUSR1)
+    watcher = PreemptionWatcher(group=None)
+    watcher.install()
+    try:
+        assert not watcher.should_stop()
+        signal.raise_signal(signal.SIGUSR1)
+        assert watcher.should_stop()
+    finally:
+        watcher.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_checkpoint_config():
+    c = load_config(["--checkpoint.enable", "--checkpoint.exclude_from_loading", "dataloader,optimizer"])
+    assert c.checkpoint.enable and c.checkpoint.exclude_from_loading == ["dataloader", "optimizer"]
+    for args, key in [(["--checkpoint.async_mode", "thread"], "checkpoint.async_mode"),
+                      (["--checkpoint.export_dtype", "int8"], "checkpoint.export_dtype"),
+                      (["--checkpoint.exclude_from_loading", "model,weights"], "checkpoint.exclude_from_loading"),
+                      (["--checkpoint.interval", "0"], "checkpoint.interval"),
+                      (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k")]:
+        with pytest.raises(TitanError, match=key):
+            load_config(args)
+    with pytest.raises(TitanError, match="'checkpoint.initial_load_path' needs checkpoint.enable"):
+        load_config(["--checkpoint.initial_load_path", "/some/step-10"])
+
+
+def test_seed_checkpoint_needs_one_process():
+    from titan.checkpoint import CheckpointManager
+
+    config = load_config(["--checkpoint.create_seed_checkpoint"])
+    trainer = SimpleNamespace(parallel_dims=SimpleNamespace(world_size=2))
+    with pytest.raises(TitanError, match="create_seed_checkpoint needs 1 process"):
+        CheckpointManager(config, trainer)

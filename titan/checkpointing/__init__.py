@@ -1,0 +1,1 @@
+"""Checkpoint helpers used by titan/checkpoint.py: folders and commit, state dicts, preemption."""

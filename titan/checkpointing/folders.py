@@ -1,0 +1,145 @@
+"""Checkpoint folders on disk: naming, the completion marker, scanning, pruning.
+
+Layout: ``<dump_folder>/<folder>/step-N/`` holds one DCP checkpoint (``*.distcp`` files from every
+rank plus DCP's ``.metadata``). A save is *committed* only when rank 0 writes ``COMPLETE`` into
+it, after DCP reported that every rank finished writing; the marker itself is written to a
+temporary name and renamed, so it is never seen half-written. A ``step-N`` folder without the
+marker is *torn* (a crash or kill during the save): loading skips it with a warning and the next
+save to that step replaces it. DCP's own ``.metadata`` is not enough as a marker: it can exist
+while the run dies before the save is acknowledged (see the debug kill hook below).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+
+from titan.errors import TitanError
+from titan.tools.logging import logger
+
+MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step}")
+
+
+@dataclass(frozen=True)
+class Found:
+    step: int
+    path: str
+    complete: bool
+    model_only: bool = False
+
+
+def write_marker(path: str, step: int, *, model_only: bool, world_size: int, dp_degree: int) -> None:
+    info = {"step": step, "model_only": model_only, "world_size": world_size, "dp_degree": dp_degree,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    tmp = os.path.join(path, MARKER + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, MARKER))
+
+
+def read_marker(path: str) -> dict | None:
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def scan(root: str) -> list[Found]:
+    """All step-N folders under root, oldest first, each with whether it is complete."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        path = os.path.join(root, name)
+        if m and os.path.isdir(path):
+            info = read_marker(path)
+            found.append(Found(int(m[1]), path, info is not None, bool(info and info.get("model_only"))))
+    return sorted(found, key=lambda f: f.step)
+
+
+def pick_resume(root: str, load_step: int) -> Found | None:
+    """The checkpoint to resume from: ``load_step``, or the newest complete full one.
+
+    A model-only ``step-0`` (a seed checkpoint) counts when nothing newer exists; other model-only
+    folders are final exports and are never resumed from. Torn folders are skipped with a warning.
+    """
+    found = scan(root)
+    for f in found:
+        if not f.complete and (load_step == -1 or f.step == load_step):
+            logger.warning(f"checkpoint {f.path} is incomplete (no {MARKER} marker: the save was interrupted); "
+                           "skipping it")
+    if load_step >= 0:
+        match = [f for f in found if f.step == load_step and f.complete]
+        if not match:
+            steps = [f.step for f in found if f.complete]
+            raise TitanError(f"checkpoint.load_step {load_step}: no complete checkpoint step-{load_step} in {root}"
+                             f" (complete steps: {steps or 'none'})")
+        return match[0]
+    usable = [f for f in found if f.complete and (not f.model_only or f.step == 0)]
+    for f in found:
+        if f.complete and f.model_only and f.step > 0 and (not usable or f.step > usable[-1].step):
+            logger.info(f"{f.path} is a model-only export; resuming from an earlier full checkpoint")
+    return usable[-1] if usable else None
+
+
+def prune(root: str, keep_latest_k: int) -> None:
+    """Delete all but the newest ``keep_latest_k`` complete checkpoints (rank 0 only).
+
+    Never deletes the newest complete *full* checkpoint, even when newer model-only exports fill
+    the K slots. Torn folders older than the newest complete one are garbage and go as well.
+    """
+    if keep_latest_k <= 0:
+        return
+    found = scan(root)
+    complete = [f for f in found if f.complete]
+    if not complete:
+        return
+    keep = {f.step for f in complete[-keep_latest_k:]}
+    full = [f for f in complete if not f.model_only]
+    if full:
+        keep.add(full[-1].step)
+    newest = complete[-1].step
+    for f in found:
+        if f.step not in keep and (f.complete or f.step < newest):
+            logger.info(f"keep_latest_k={keep_latest_k}: deleting {f.path}")
+            shutil.rmtree(f.path, ignore_errors=True)
+
+
+class DebugKill:
+    """TEST-ONLY fault injection: SIGKILL this process at a chosen moment.
+
+    Set ``TITAN_DEBUG_KILL_AT`` to ``step=K`` (right after training step K, before its save) or
+    ``save:step=K`` (during the save of step K: every rank's files and DCP's ``.metadata`` are
+    written, the ``COMPLETE`` marker is not). Every rank that reaches the point kills itself,
+    exactly like ``kill -9``. Never set it in production; unset, it costs one dict lookup.
+    """
+
+    def __init__(self, spec: str | None = None) -> None:
+        spec = os.environ.get("TITAN_DEBUG_KILL_AT", "") if spec is None else spec
+        self.point, self.step = None, -1
+        if spec:
+            m = re.fullmatch(r"(?:(save):)?step=(\d+)", spec.strip())
+            if not m:
+                raise TitanError(f"TITAN_DEBUG_KILL_AT={spec!r}; valid: step=K or save:step=K")
+            self.point, self.step = (m[1] or "step"), int(m[2])
+
+    def __call__(self, point: str, step: int) -> None:
+        if self.point == point and self.step == step:
+            logger.warning(f"TITAN_DEBUG_KILL_AT: SIGKILL at {point} of step {step}")
+            for h in logger.handlers:
+                h.flush()
+            os.kill(os.getpid(), signal.SIGKILL)

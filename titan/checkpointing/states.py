@@ -1,0 +1,87 @@
+"""What goes into a checkpoint, as a DCP state dict, and how it comes back out.
+
+Keys (DCP flattens nested dicts with "."):
+
+- ``model.<fqn>``: the model parts' parameters and buffers (DTensors under FSDP/TP; DCP reshards).
+  A model-only checkpoint (seed, final export) stores them at the top level, ``<fqn>``, so plain
+  ``dcp.load(fresh_model.state_dict(), checkpoint_id=...)`` reads it.
+- ``optimizer.*`` (FQN-keyed, see titan/optim.py), ``lr_scheduler.*``: identical on every rank.
+- ``train_state``: pickled {step, tokens_seen}, identical on every rank.
+- ``rng.rank_<r>``, ``dataloader.dp_rank_<d>``: pickled bytes that differ per rank. DCP keeps only
+  one copy of a non-tensor key however many ranks save it, so per-rank values need distinct keys.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import re
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from titan.tools.logging import logger
+
+DP_KEY = re.compile(r"^dataloader\.dp_rank_(\d+)$")
+RNG_KEY = "rng.rank_{}"
+
+
+def model_state(model_parts: list[nn.Module], dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """All parts' weights in one FQN dict (parts own disjoint FQNs); cast to ``dtype`` if given."""
+    merged: dict[str, Any] = {}
+    for part in model_parts:
+        merged.update(get_model_state_dict(part))
+    if dtype is not None:
+        merged = {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in merged.items()}
+    return merged
+
+
+def load_model_state(model_parts: list[nn.Module], state: dict[str, Any]) -> None:
+    """Each part takes its own keys; together the parts must use every key."""
+    used = set()
+    for part in model_parts:
+        own = {k: state[k] for k in get_model_state_dict(part) if k in state}
+        used.update(own)
+        set_model_state_dict(part, own, options=StateDictOptions(strict=True))
+    missing = set(state) - used
+    if missing:
+        raise RuntimeError(f"checkpoint model keys used by no model part: {sorted(missing)[:5]}")
+
+
+def rng_state() -> bytes:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return pickle.dumps(state)
+
+
+def set_rng_state(blob: bytes) -> None:
+    state = pickle.loads(blob)
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        if len(state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        else:
+            logger.warning("checkpoint CUDA RNG states are for another GPU count; CUDA RNG not restored")
+
+
+def saved_dp_ranks(keys: set[str]) -> list[int]:
+    return sorted(int(m[1]) for k in keys if (m := DP_KEY.match(k)))
+
+
+def load_dataloader(dataloader: Any, blobs: dict[int, bytes], dp_rank: int, old: int, dp_degree: int) -> None:
+    """Restore this DP rank's loader from ``blobs`` (dp rank -> state); when the DP degree changed
+    (``old`` != ``dp_degree``) ``blobs`` holds all old ranks' states and they go to
+    ``load_resharded`` (the loader re-deals unread documents, none repeated or skipped)."""
+    if old == dp_degree:
+        dataloader.load_state_dict(pickle.loads(blobs[dp_rank]))
+        return
+    logger.info(f"checkpoint data loader states are from {old} dp ranks, this run has {dp_degree}: resharding")
+    dataloader.load_resharded([pickle.loads(blobs[r]) for r in sorted(blobs)])
