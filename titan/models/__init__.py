@@ -16,13 +16,19 @@ class ModelSpec:
     flavors: dict[str, Any]
     parallelize_fn: Callable
     get_nparams_and_flops: Callable
+    state_dict_adapter: Any = None
+    """titan <-> Hugging Face key/layout mapping (to_hf, from_hf, config conversion); None: no HF interop."""
 
 
 def _llama3() -> ModelSpec:
     from titan.models.llama import Transformer, get_nparams_and_flops, llama3_configs
     from titan.models.llama.parallelize import parallelize_llama
+    from titan.models.llama.state_dict_adapter import LlamaStateDictAdapter
 
-    return ModelSpec("llama3", Transformer, llama3_configs, parallelize_llama, get_nparams_and_flops)
+    return ModelSpec(
+        "llama3", Transformer, llama3_configs, parallelize_llama, get_nparams_and_flops,
+        state_dict_adapter=LlamaStateDictAdapter,
+    )
 
 
 _REGISTRY: dict[str, Callable[[], ModelSpec]] = {"llama3": _llama3}
