@@ -86,6 +86,7 @@ def test_config_round_trip_for_published_flavors():
     assert hf_config_to_args(args_to_hf_config(small_args(ffn_dim_multiplier=1.3))).dim == 64
 
 
+@pytest.mark.slow
 def test_parity_with_transformers_llama(tmp_path):
     transformers = pytest.importorskip("transformers")
     args = small_args()
@@ -129,6 +130,7 @@ def test_bad_hf_folders_give_clear_errors(tmp_path):
         save_model_dcp(sd, small_args(), tmp_path / "dcp")
 
 
+@pytest.mark.slow
 def test_convert_script_on_a_training_checkpoint_and_torch_save_round_trip(tmp_path, capsys):
     import torch.distributed.checkpoint as dcp
 

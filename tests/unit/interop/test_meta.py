@@ -43,6 +43,7 @@ def _config(dump: str):
     ])
 
 
+@pytest.mark.slow
 def test_two_shard_meta_checkpoint_converts_and_trains(tmp_path, capsys):
     from scripts.convert_llama_to_dcp import main
 
