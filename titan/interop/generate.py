@@ -20,9 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan.errors import TitanError
 from titan.interop import dcp as dcp_io
@@ -47,16 +45,6 @@ def checkpoint_args(path: str | Path, flavor: str | None = None) -> tuple[str, T
     return "dcp", args
 
 
-def _load_full(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Full tensors into a plain or TP model (each rank keeps its own shard)."""
-    with torch.no_grad():
-        for name, target in model.state_dict().items():
-            src = state[name].to(target.dtype)
-            if isinstance(target, DTensor):
-                src = distribute_tensor(src, target.device_mesh, target.placements)
-            target.copy_(src)
-
-
 def load_model(path: str | Path, *, max_seq_len: int, device: torch.device, dtype: torch.dtype = torch.float32,
                flavor: str | None = None, tp_mesh: DeviceMesh | None = None) -> Transformer:
     kind, args = checkpoint_args(path, flavor)
@@ -72,7 +60,7 @@ def load_model(path: str | Path, *, max_seq_len: int, device: torch.device, dtyp
     if kind == "dcp":
         dcp_io.load_model_from_dcp(model, path)
     else:
-        _load_full(model, hf_io.load_hf(path)[0])
+        hf_io.load_hf_into_model([model], path)
     # Module.to(dtype) would also cast the complex RoPE table to a real dtype: drop it, rebuild.
     model.freqs_cis = None
     model.to(dtype)

@@ -11,8 +11,12 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan.errors import TitanError
 from titan.interop import dcp as dcp_io
@@ -140,6 +144,45 @@ def load_hf(hf_dir: str | Path, dtype: torch.dtype | None = None) -> tuple[dict[
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
         raise TitanError(f"{hf_dir}: weights do not match config.json; missing {missing[:3]}, unexpected {extra[:3]}")
     return state, args
+
+
+def load_hf_into_model(model_parts: list[nn.Module], hf_dir: str | Path) -> TransformerModelArgs:
+    """Fill a built model (plain, FSDP, TP; pipeline parts take their own keys) from an HF folder:
+    the hook for `[checkpoint] initial_load_in_hf`. Every rank reads the files and keeps its shard."""
+    state, args = load_hf(hf_dir)
+    with torch.no_grad():
+        for part in model_parts:
+            for name, target in get_model_state_dict(part).items():
+                if name not in state:
+                    raise TitanError(f"{hf_dir}: no weight for model parameter {name!r}; wrong model folder?")
+                src = state[name]
+                if tuple(src.shape) != tuple(target.shape):
+                    raise TitanError(f"{hf_dir}: {name!r} has shape {tuple(src.shape)}, the model expects {tuple(target.shape)}")
+                src = src.to(device=target.device, dtype=target.dtype)
+                if isinstance(target, DTensor):
+                    src = distribute_tensor(src, target.device_mesh, target.placements)
+                target.copy_(src)
+    return args
+
+
+def save_model_hf(model_parts: list[nn.Module], args: TransformerModelArgs, out_dir: str | Path,
+                  dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """Gather a (possibly sharded) model and write an HF folder from rank 0: the hook for
+    `[checkpoint] last_save_in_hf`. Collective: every rank must call it. Pipeline-parallel parts
+    live on different ranks, so a rank 0 without all of them refuses rather than exporting half."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state: dict[str, torch.Tensor] = {}
+    for part in model_parts:
+        state.update(get_model_state_dict(part, options=options))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if args.tie_embeddings:
+        state.pop("output.weight", None)
+    missing = sorted(set(_expected_keys(args)) - set(state))
+    if missing:
+        raise TitanError(f"HF export needs the whole model on rank 0 but {missing[0]!r} is on another pipeline "
+                         "stage; export the DCP checkpoint with scripts/convert_hf.py to_hf instead")
+    save_hf(state, args, out_dir, max_shard_bytes, dtype)
 
 
 def import_hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> TransformerModelArgs:
