@@ -165,11 +165,12 @@ def load_hf_into_model(model_parts: list[nn.Module], hf_dir: str | Path) -> Tran
     return args
 
 
-def save_model_hf(model_parts: list[nn.Module], args: TransformerModelArgs, out_dir: str | Path,
+def save_model_hf(model_parts: list[nn.Module], out_dir: str | Path, args: TransformerModelArgs | None = None,
                   dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
     """Gather a (possibly sharded) model and write an HF folder from rank 0: the hook for
     `[checkpoint] last_save_in_hf`. Collective: every rank must call it. Pipeline-parallel parts
     live on different ranks, so a rank 0 without all of them refuses rather than exporting half."""
+    args = args if args is not None else model_parts[0].model_args
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state: dict[str, torch.Tensor] = {}
     for part in model_parts:

@@ -27,7 +27,7 @@ def _fsdp_round_trip(rank: int, world: int, src: str, out: str):
     load_hf_into_model([model], src)
     sharded = all(isinstance(p, DTensor) for p in model.parameters())
     full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in model.state_dict().items()}
-    save_model_hf([model], args, out)
+    save_model_hf([model], out)  # args from model.model_args
     return sharded, full if rank == 0 else None
 
 

@@ -10,7 +10,9 @@ from titan.config import load_config
 from titan.errors import TitanError
 from titan.interop.dcp import load_model_from_dcp, read_model_args, read_model_tensors
 from titan.loss import cross_entropy_sum
+from titan.models.llama.args import TransformerModelArgs, get_model_args
 from titan.models.llama.meta_checkpoint import _merge
+from titan.models.llama.model import Transformer
 from titan.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
@@ -36,22 +38,32 @@ def write_fake_meta(folder: Path, truth: dict[str, torch.Tensor], n_shards: int 
         torch.save(shard, folder / f"consolidated.{i:02d}.pth")
 
 
-def _config(dump: str):
-    return load_config([
-        "--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", dump,
-        "--training.seq_len", str(SEQ), "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false",
-    ])
+def _args(dump: str) -> list[str]:
+    return ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", dump,
+            "--training.seq_len", str(SEQ), "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false"]
+
+
+def _trainer_from(dump: str, dcp_dir: Path) -> Trainer:
+    """Through [checkpoint] initial_load_path when this build has the checkpoint manager, else by
+    loading into the Trainer's model with the interop helper (the same DCP reader contract)."""
+    try:
+        config = load_config([*_args(dump), "--checkpoint.enable", "true", "--checkpoint.initial_load_path", str(dcp_dir)])
+    except TitanError:  # no [checkpoint] section yet
+        trainer = Trainer(load_config(_args(dump)))
+        load_model_from_dcp(trainer.model_parts[0], dcp_dir)
+        return trainer
+    return Trainer(config)
 
 
 @pytest.mark.slow
 def test_two_shard_meta_checkpoint_converts_and_trains(tmp_path, capsys):
     from scripts.convert_llama_to_dcp import main
 
-    trainer = Trainer(_config(str(tmp_path / "dump")))
-    model = trainer.model_parts[0]
+    with torch.device("meta"):
+        shapes = Transformer(get_model_args("debugmodel", vocab_size=PARAMS["vocab_size"], max_seq_len=SEQ)).state_dict()
     torch.manual_seed(7)
     # Meta releases are bf16: make the truth bf16-representable so the fp32 model gets it exactly.
-    truth = {k: torch.randn_like(v).mul(0.05).bfloat16().float() for k, v in model.state_dict().items()}
+    truth = {k: torch.randn(v.shape).mul(0.05).bfloat16().float() for k, v in shapes.items()}
     write_fake_meta(tmp_path / "meta", truth)
 
     assert main([str(tmp_path / "meta"), str(tmp_path / "dcp")]) == 0
@@ -62,7 +74,8 @@ def test_two_shard_meta_checkpoint_converts_and_trains(tmp_path, capsys):
         assert torch.equal(converted[k].float(), truth[k]), k
     assert read_model_args(tmp_path / "dcp").n_kv_heads == 8
 
-    load_model_from_dcp(model, tmp_path / "dcp")  # bf16 on disk -> the fp32 model
+    trainer = _trainer_from(str(tmp_path / "dump"), tmp_path / "dcp")  # bf16 on disk -> the fp32 model
+    model = trainer.model_parts[0]
     for k, v in model.state_dict().items():
         assert torch.equal(v, truth[k]), k
     tokens = torch.randint(0, PARAMS["vocab_size"], (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
@@ -74,9 +87,6 @@ def test_two_shard_meta_checkpoint_converts_and_trains(tmp_path, capsys):
     assert not torch.equal(model.state_dict()["norm.weight"], truth["norm.weight"])  # it stepped
 
     # A checkpoint of another shape is refused by name before anything is loaded.
-    from titan.models.llama.model import Transformer
-    from titan.models.llama.args import TransformerModelArgs
-
     other = Transformer(TransformerModelArgs(dim=64, n_layers=6, n_heads=4, vocab_size=2048, max_seq_len=SEQ))
     with pytest.raises(TitanError, match="tok_embeddings.weight' has shape"):
         load_model_from_dcp(other, tmp_path / "dcp")
