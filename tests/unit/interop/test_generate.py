@@ -12,7 +12,7 @@ import torch
 from tests.unit.interop.test_hf import random_model, small_args
 from titan.errors import TitanError
 from titan.interop.generate import generate, load_model, sample
-from titan.interop.hf import save_hf
+from titan.interop.hf import import_hf_to_dcp, save_hf
 
 REPO = Path(__file__).resolve().parents[3]
 PROMPT = [5, 17, 99, 3, 64, 21, 8]
@@ -72,11 +72,14 @@ def test_bad_inputs_give_clear_errors(tmp_path, hf_folder):
 
 @pytest.mark.slow
 def test_tensor_parallel_2_ranks_gives_the_tp1_tokens(hf_folder, tmp_path):
+    # TP=1 from the HF folder, TP=2 from its DCP conversion: DCP reshards into the TP DTensors
+    # (the HF loader's shard-distributing path is checked on FSDP shards in test_hf_distributed).
     expected = _greedy(hf_folder)
+    import_hf_to_dcp(hf_folder, tmp_path / "dcp")
     out = tmp_path / "tp2.json"
     env = os.environ | {"OMP_NUM_THREADS": "1", "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(REPO / "scripts/generate.py"), "--checkpoint", str(hf_folder), "--prompt_ids",
+           str(REPO / "scripts/generate.py"), "--checkpoint", str(tmp_path / "dcp"), "--prompt_ids",
            ",".join(map(str, PROMPT)), "--max_new_tokens", str(N_NEW), "--ignore_eos", "--out_json", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
