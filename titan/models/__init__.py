@@ -19,14 +19,20 @@ class ModelSpec:
     pipelining_fn: Callable | None = None
     """Splits the meta model into pipeline stages: (model, dims, config, device, parallelize_fn,
     loss_fn) -> (schedule, model_parts, has_first_stage, has_last_stage)."""
+    state_dict_adapter: Any = None
+    """titan <-> Hugging Face key/layout mapping (to_hf, from_hf, config conversion); None: no HF interop."""
 
 
 def _llama3() -> ModelSpec:
     from titan.models.llama import Transformer, get_nparams_and_flops, llama3_configs
     from titan.models.llama.parallelize import parallelize_llama
     from titan.models.llama.pipeline import pipeline_llama
+    from titan.models.llama.state_dict_adapter import LlamaStateDictAdapter
 
-    return ModelSpec("llama3", Transformer, llama3_configs, parallelize_llama, get_nparams_and_flops, pipeline_llama)
+    return ModelSpec(
+        "llama3", Transformer, llama3_configs, parallelize_llama, get_nparams_and_flops, pipeline_llama,
+        state_dict_adapter=LlamaStateDictAdapter,
+    )
 
 
 _REGISTRY: dict[str, Callable[[], ModelSpec]] = {"llama3": _llama3}

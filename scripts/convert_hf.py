@@ -1,0 +1,87 @@
+"""Move Llama weights between titan DCP folders, Hugging Face folders and single torch.save files.
+
+    # titan checkpoint (a training step-N folder or a model-only one) -> HF folder
+    python scripts/convert_hf.py to_hf outputs/checkpoint/step-1000 hf_out --flavor 8B --dtype bfloat16
+    # HF folder (config.json + *.safetensors) -> model-only DCP folder for initial_load_path
+    python scripts/convert_hf.py from_hf Meta-Llama-3.1-8B dcp_out
+    # DCP <-> one torch.save file (torch.distributed.checkpoint.format_utils)
+    python scripts/convert_hf.py dcp_to_torch dcp_out model.pt [--all_state]
+    python scripts/convert_hf.py torch_to_dcp model.pt dcp_out
+
+to_hf needs the model shape: model_args.json in the DCP folder (written by titan's converters)
+or --flavor (vocab size, layer count and tied embeddings are then read off the tensors).
+Errors print one line and exit with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from titan.errors import TitanError  # noqa: E402
+from titan.interop import dcp as dcp_io  # noqa: E402
+from titan.interop import hf as hf_io  # noqa: E402
+from titan.models import get_flavor, get_model_spec  # noqa: E402
+from titan.parallel.fsdp import DTYPES  # noqa: E402
+
+
+def dcp_model_args(path: str, flavor: str | None, model: str = "llama3"):  # noqa: ANN201
+    """model_args.json if the folder has one, else the flavor reshaped to the tensors."""
+    dcp_io.model_tensor_metadata(path)  # a clear error first if this is no DCP model checkpoint
+    args = dcp_io.read_model_args(path)
+    if args is not None:
+        return args
+    if flavor is None:
+        raise TitanError(f"{path} has no {dcp_io.MODEL_ARGS_FILE}; pass --flavor (e.g. debugmodel, 8B)")
+    return dcp_io.infer_model_args(path, get_flavor(get_model_spec(model), flavor))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    to_hf = sub.add_parser("to_hf", help="titan DCP folder -> Hugging Face folder")
+    to_hf.add_argument("dcp_dir")
+    to_hf.add_argument("hf_dir")
+    to_hf.add_argument("--flavor", default=None, help="model flavor when the folder has no model_args.json")
+    to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast (default: keep the saved dtype)")
+    to_hf.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors file, GiB")
+    from_hf = sub.add_parser("from_hf", help="Hugging Face folder -> model-only titan DCP folder")
+    from_hf.add_argument("hf_dir")
+    from_hf.add_argument("dcp_dir")
+    from_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast (default: keep the saved dtype)")
+    to_torch = sub.add_parser("dcp_to_torch", help="DCP folder -> one torch.save file")
+    to_torch.add_argument("dcp_dir")
+    to_torch.add_argument("torch_file")
+    to_torch.add_argument("--all_state", action="store_true",
+                          help="keep everything (optimizer, dataloader, ...), not only the model tensors")
+    from_torch = sub.add_parser("torch_to_dcp", help="torch.save file -> DCP folder")
+    from_torch.add_argument("torch_file")
+    from_torch.add_argument("dcp_dir")
+    a = p.parse_args(argv)
+    try:
+        if a.cmd == "to_hf":
+            args = dcp_model_args(a.dcp_dir, a.flavor)
+            dtype = DTYPES[a.dtype] if a.dtype else None
+            hf_io.export_dcp_to_hf(a.dcp_dir, a.hf_dir, args, int(a.max_shard_gb * 1024**3), dtype)
+            print(f"wrote {a.hf_dir} (config.json, safetensors shards, {hf_io.INDEX_FILE})")
+        elif a.cmd == "from_hf":
+            args = hf_io.import_hf_to_dcp(a.hf_dir, a.dcp_dir, DTYPES[a.dtype] if a.dtype else None)
+            print(f"wrote {a.dcp_dir}: {args.n_layers} layers, dim {args.dim}")
+        elif a.cmd == "dcp_to_torch":
+            dcp_io.dcp_to_torch_file(a.dcp_dir, a.torch_file, model_only=not a.all_state)
+            print(f"wrote {a.torch_file}")
+        else:
+            dcp_io.torch_file_to_dcp(a.torch_file, a.dcp_dir)
+            print(f"wrote {a.dcp_dir}")
+    except TitanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Checkpoint interop: model-only DCP folders, Hugging Face folders, Meta releases, generation."""

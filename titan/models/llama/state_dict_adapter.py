@@ -1,0 +1,217 @@
+"""titan (Meta layout) <-> Hugging Face `LlamaForCausalLM` state dicts and configs.
+
+Two differences besides names:
+- RoPE layout. titan (like Meta's reference) rotates adjacent feature pairs (2j, 2j+1) of each
+  head; HF's `rotate_half` pairs feature j with j + head_dim/2. The same model therefore needs
+  the rows of wq and wk reordered inside every head (`_to_hf_rows` / `_from_hf_rows`). It is a
+  pure row permutation, so a round trip is bitwise lossless. wk uses the kv head count (GQA).
+- Tied embeddings. HF stores one `model.embed_tokens.weight` and sets `tie_word_embeddings`;
+  titan's state dict holds the same tensor under both tok_embeddings and output.
+
+Mapping is per key, so callers may convert any subset of a state dict (e.g. one shard at a
+time when exporting a large checkpoint).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from titan.errors import TitanError
+from titan.models.llama.args import TransformerModelArgs
+from titan.models.llama.model import ffn_hidden_dim
+
+_LAYER_MAP = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_MAP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_MAP_INV = {v: k for k, v in _LAYER_MAP.items()}
+_TOP_MAP_INV = {v: k for k, v in _TOP_MAP.items()}
+_TITAN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _to_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Per head, rows (0,1),(2,3),... (interleaved pairs) -> first halves then second halves."""
+    rows, cols = w.shape
+    hd = rows // n_heads
+    return w.view(n_heads, hd // 2, 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
+
+
+def _from_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows, cols = w.shape
+    hd = rows // n_heads
+    return w.view(n_heads, 2, hd // 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
+def to_hf(
+    state_dict: dict[str, torch.Tensor], model_args: TransformerModelArgs, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """titan model state dict (full tensors, any subset of keys) -> HF LlamaForCausalLM keys."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        if key in _TOP_MAP:
+            if key == "output.weight" and model_args.tie_embeddings:
+                continue  # HF keeps one copy and ties lm_head to embed_tokens
+            out[_TOP_MAP[key]] = _cast(value, dtype)
+            continue
+        m = _TITAN_LAYER.match(key)
+        if m is None or m.group(2) not in _LAYER_MAP:
+            raise TitanError(f"state dict key {key!r} has no Hugging Face Llama equivalent")
+        layer, rest = m.groups()
+        if rest == "attention.wq.weight":
+            value = _to_hf_rows(value, model_args.n_heads)
+        elif rest == "attention.wk.weight":
+            value = _to_hf_rows(value, model_args.kv_heads)
+        out[f"model.layers.{layer}.{_LAYER_MAP[rest]}"] = _cast(value, dtype)
+    return out
+
+
+def from_hf(
+    hf_state_dict: dict[str, torch.Tensor], model_args: TransformerModelArgs, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """HF LlamaForCausalLM state dict -> titan keys; with tied embeddings output.weight is the
+    embedding tensor itself (as in the titan model's own state dict)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in hf_state_dict.items():
+        if key.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer some old exports contain; titan derives it from the config
+        if key in _TOP_MAP_INV:
+            out[_TOP_MAP_INV[key]] = _cast(value, dtype)
+            continue
+        m = _HF_LAYER.match(key)
+        if m is None or m.group(2) not in _LAYER_MAP_INV:
+            raise TitanError(
+                f"Hugging Face key {key!r} is not part of a Llama model titan can load"
+                " (expected model.embed_tokens, model.layers.N.{self_attn,mlp,*_layernorm}, model.norm, lm_head)"
+            )
+        layer, rest = m.groups()
+        if rest == "self_attn.q_proj.weight":
+            value = _from_hf_rows(value, model_args.n_heads)
+        elif rest == "self_attn.k_proj.weight":
+            value = _from_hf_rows(value, model_args.kv_heads)
+        out[f"layers.{layer}.{_LAYER_MAP_INV[rest]}"] = _cast(value, dtype)
+    if model_args.tie_embeddings and "tok_embeddings.weight" in out:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def _ffn_settings(dim: int, intermediate: int) -> dict[str, Any]:
+    """multiple_of / ffn_dim_multiplier for which titan's SwiGLU width equals `intermediate`."""
+    base = int(2 * (4 * dim) / 3)
+    multipliers: list[float | None] = [None, 1.3, 1.2, 1.5, 2.0, intermediate / base]
+    for mult in multipliers:
+        for mult_of in (4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1):
+            args = TransformerModelArgs(dim=dim, multiple_of=mult_of, ffn_dim_multiplier=mult)
+            if ffn_hidden_dim(args) == intermediate:
+                return {"multiple_of": mult_of, "ffn_dim_multiplier": mult}
+    if base <= intermediate:
+        return {"multiple_of": intermediate, "ffn_dim_multiplier": None}  # rounds up to exactly it
+    raise TitanError(f"config.json intermediate_size {intermediate} cannot be expressed for hidden_size {dim}")
+
+
+def hf_config_to_args(config: dict[str, Any]) -> TransformerModelArgs:
+    """HF Llama config.json (as a dict) -> TransformerModelArgs; unsupported variants raise."""
+    def need(key: str) -> Any:
+        if key not in config:
+            raise TitanError(f"config.json has no {key!r}; is this a Llama (LlamaForCausalLM) checkpoint?")
+        return config[key]
+
+    if config.get("model_type", "llama") != "llama":
+        raise TitanError(f"config.json model_type is {config['model_type']!r}; only 'llama' is supported")
+    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if config.get(key, ok) != ok:
+            raise TitanError(f"config.json {key} is {config[key]!r}; titan's Llama supports only {ok!r}")
+    dim, n_heads = need("hidden_size"), need("num_attention_heads")
+    if config.get("head_dim") not in (None, dim // n_heads):
+        raise TitanError(f"config.json head_dim {config['head_dim']} != hidden_size / num_attention_heads")
+    # transformers >= 5 writes rope_parameters; older files have rope_theta + rope_scaling.
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    args = TransformerModelArgs(
+        dim=dim,
+        n_layers=need("num_hidden_layers"),
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        vocab_size=need("vocab_size"),
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        max_seq_len=config.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        **_ffn_settings(dim, need("intermediate_size")),
+    )
+    if rope_type == "llama3":
+        args = replace(
+            args,
+            use_rope_scaling=True,
+            rope_scale_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    elif rope_type != "default":
+        raise TitanError(f"config.json rope type {rope_type!r} is not supported; valid: default, llama3")
+    args.validate()
+    return args
+
+
+def args_to_hf_config(args: TransformerModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """TransformerModelArgs -> a config.json dict that transformers' LlamaForCausalLM loads."""
+    rope_scaling = None
+    if args.use_rope_scaling:
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": args.rope_scale_factor,
+            "low_freq_factor": args.rope_low_freq_factor,
+            "high_freq_factor": args.rope_high_freq_factor,
+            "original_max_position_embeddings": args.rope_original_max_position_embeddings,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": ffn_hidden_dim(args),
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+class LlamaStateDictAdapter:
+    """The registry's handle on this module (ModelSpec.state_dict_adapter)."""
+
+    to_hf = staticmethod(to_hf)
+    from_hf = staticmethod(from_hf)
+    hf_config_to_args = staticmethod(hf_config_to_args)
+    args_to_hf_config = staticmethod(args_to_hf_config)
