@@ -19,12 +19,16 @@ from titan.loss import IGNORE_INDEX, cross_entropy_sum
 from titan.lr_scheduler import build_lr_schedulers
 from titan.metrics import MetricsProcessor
 from titan.models import get_flavor, get_model_spec
-from titan.optim import build_optimizers
+from titan.optim import build_optimizers, cast_params_for_optimizer
 from titan.parallel.dims import ParallelDims
 from titan.parallel.fsdp import DTYPES
 from titan.parallel.init import init_model_weights
+from titan.parallel.comm import set_comm_env, set_pg_timeouts
 from titan.parallel.utils import clip_grad_norm_, init_distributed, pick_device, set_seed, world_info
+from titan.profiling import Profiler, validate_profiling_config
+from titan.stability import StabilityMonitor, param_norm
 from titan.tools.logging import init_logger, logger
+from titan.validate import Validator, validate_validation_config
 
 DEFAULT_SEED = 0
 
@@ -62,12 +66,16 @@ class Trainer:
             world_size=world_size,
         )
         self.grad_accum_steps = grad_accumulation_steps(config, self.parallel_dims.dp_degree)
+        self.stability = StabilityMonitor(config)
+        validate_profiling_config(config)
+        validate_validation_config(config)
         spec = get_model_spec(config.model.name)
         model_args = copy.deepcopy(get_flavor(spec, config.model.flavor))
         tokenizer = build_tokenizer(config.model.tokenizer_path)
 
         self.device = pick_device(local_rank)
-        init_distributed(self.device, world_size)
+        set_comm_env(config)  # NCCL reads the flight-recorder env when its groups are created
+        init_distributed(self.device, world_size, timeout_s=config.comm.init_timeout_seconds)
         self.parallel_dims.build_mesh(self.device.type)
         seed = DEFAULT_SEED if t.seed is None else t.seed
         set_seed(seed, t.deterministic)
@@ -78,9 +86,11 @@ class Trainer:
         model_args.vocab_size = tokenizer.vocab_size
         model_args.max_seq_len = t.seq_len
         model_args.attn_type = config.model.attn_type
+        model_args.depth_init = config.model.depth_init
         model_args.validate()
         with torch.device("meta"):
             model = spec.model_cls(model_args)
+        cast_params_for_optimizer(model, config.optimizer)
         self.num_params, self.flops_per_token = spec.get_nparams_and_flops(model, t.seq_len)
         logger.info(
             f"model {spec.name} {config.model.flavor}: {self.num_params:,} parameters,"
@@ -114,6 +124,10 @@ class Trainer:
         self.metrics = MetricsProcessor(
             config, rank=self.rank, device=self.device, num_flops_per_token=self.flops_per_token
         )
+        self.validator = None
+        if config.validation.enable:
+            self.validator = Validator(config, model_parts=self.model_parts, parallel_dims=self.parallel_dims,
+                                       tokenizer=tokenizer, device=self.device, metrics=self.metrics, amp=self.amp)
         self.step = 0
         self.tokens_seen = 0
         self._batches: Iterator | None = None
@@ -170,11 +184,15 @@ class Trainer:
             self.metrics.count_tokens(labels.numel())
         params = [p for m in self.model_parts for p in m.parameters()]
         grad_norm = clip_grad_norm_(params, self.config.training.max_norm)
-        self.optimizers.step()
-        self.lr_schedulers.step()
         dp = self.parallel_dims.submesh("dp")
         if dp is not None:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dp.get_group())
+        # Non-finite policy (training.nonfinite): a skipped step still advances step and LR.
+        if self.stability.check(self.step, loss_sum, grad_norm):
+            self.optimizers.step()
+        else:
+            self.optimizers.zero_grad()
+        self.lr_schedulers.step()
         return loss_sum, grad_norm
 
     # ------------------------------------------------------------ loop
@@ -186,6 +204,8 @@ class Trainer:
             f"training {t.steps} steps: local batch {t.local_batch_size} x seq {t.seq_len},"
             f" dp {self.parallel_dims.dp_degree}, grad accumulation {self.grad_accum_steps}"
         )
+        profiler = Profiler(self.config, rank=self.rank, device=self.device, start_step=self.step)
+        first_step = True
         while self.step < t.steps:
             microbatches = self.next_microbatches()
             if microbatches is None:
@@ -200,8 +220,17 @@ class Trainer:
                 loss_value = loss.item()
                 losses[self.step] = loss_value
                 self.metrics.log(
-                    self.step, loss=loss_value, grad_norm=grad_norm.item(), lr=self.lr_schedulers.get_last_lr()
+                    self.step, loss=loss_value, grad_norm=grad_norm.item(), lr=self.lr_schedulers.get_last_lr(),
+                    extra={"param_norm": param_norm(self.model_parts).item(), **self.stability.console()},
+                    extra_scalars=self.stability.scalars(),
                 )
+            if self.validator is not None and self.validator.should_validate(self.step):
+                self.validator.validate(self.step)
+            profiler.step(self.step)
+            if first_step:  # start-up is over: from now on a hang should fail fast
+                set_pg_timeouts(self.config.comm.train_timeout_seconds, self.parallel_dims, self.device)
+                first_step = False
+        profiler.close()
         self.metrics.close()
         logger.info("training done")
         return losses
