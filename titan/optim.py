@@ -220,3 +220,29 @@ def cast_params_for_optimizer(model: nn.Module, cfg: OptimizerConfig) -> None:
                 if id(p) not in new:
                     new[id(p)] = (p, nn.Parameter(p.detach().to(torch.bfloat16), p.requires_grad))
                 module.register_parameter(name, new[id(p)][1])
+
+
+def _fused_devices() -> list[str]:
+    try:
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+        return list(_get_fused_kernels_supported_devices())
+    except ImportError:  # private helper moved: let torch itself complain at step time
+        return []
+
+
+def _check_fused_supported(model_parts: list[nn.Module]) -> None:
+    """Fail at build time, not at the first step (torch only checks fused support in step())."""
+    supported = _fused_devices()
+    if not supported:
+        return
+    for part in model_parts:
+        for fqn, p in part.named_parameters():
+            if p.requires_grad and (
+                p.device.type not in supported or not torch.is_floating_point(p)
+            ):
+                raise TitanError(
+                    f"optimizer.implementation=fused is not supported for parameter {fqn} "
+                    f"({p.dtype} on {p.device.type}; fused needs floating point on one of "
+                    f"{', '.join(supported)}); use foreach or for-loop"
+                )

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 from titan.config.job_config import JobConfig
 from titan.data import build_dataloader
@@ -136,6 +137,12 @@ class Validator:
         finally:
             for m in self.model_parts:
                 m.train()
+                # A forward without backward leaves modules that don't reshard after forward
+                # (FSDP2's root by default) holding unsharded plain-tensor parameters; reshard so
+                # the optimizer, norms and checkpoints see the DTensor shards again.
+                for module in m.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
         group = self._dp_group()
         if group is not None:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
