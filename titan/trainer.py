@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from titan.config.job_config import JobConfig
 from titan.config.manager import to_dict
@@ -20,7 +22,8 @@ from titan.lr_scheduler import build_lr_schedulers
 from titan.metrics import MetricsProcessor
 from titan.models import get_flavor, get_model_spec
 from titan.optim import build_optimizers, cast_params_for_optimizer
-from titan.parallel.dims import ParallelDims
+from titan.parallel.cp import cp_shard_batch
+from titan.parallel.dims import ParallelDims, check_layout
 from titan.parallel.fsdp import DTYPES
 from titan.parallel.init import init_model_weights
 from titan.parallel.comm import set_comm_env, set_pg_timeouts
@@ -46,6 +49,11 @@ def grad_accumulation_steps(config: JobConfig, dp_degree: int) -> int:
     return t.global_batch_size // per_pass
 
 
+def _replicated(t: torch.Tensor) -> torch.Tensor:
+    """A loss computed under loss parallel is a replicated DTensor: take the plain value."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 class Trainer:
     def __init__(self, config: JobConfig):
         self.config = config
@@ -60,10 +68,11 @@ class Trainer:
         self.parallel_dims = ParallelDims(
             dp_replicate=par.data_parallel_replicate_degree,
             dp_shard=par.data_parallel_shard_degree,
-            cp=1,
-            tp=1,
-            pp=1,
+            cp=par.context_parallel_degree,
+            tp=par.tensor_parallel_degree,
+            pp=par.pipeline_parallel_degree,
             world_size=world_size,
+            enable_loss_parallel=not par.disable_loss_parallel,
         )
         self.grad_accum_steps = grad_accumulation_steps(config, self.parallel_dims.dp_degree)
         self.stability = StabilityMonitor(config)
@@ -74,6 +83,9 @@ class Trainer:
         tokenizer = build_tokenizer(config.model.tokenizer_path)
 
         self.device = pick_device(local_rank)
+        compile_cfg = getattr(config, "compile", None)  # the [compile] section, where present
+        compiled = bool(compile_cfg and compile_cfg.enable and "model" in compile_cfg.components)
+        check_layout(self.parallel_dims, par, model_args, t.seq_len, self.device.type, config.model.attn_type, compiled)
         set_comm_env(config)  # NCCL reads the flight-recorder env when its groups are created
         init_distributed(self.device, world_size, timeout_s=config.comm.init_timeout_seconds)
         self.parallel_dims.build_mesh(self.device.type)
@@ -96,11 +108,20 @@ class Trainer:
             f"model {spec.name} {config.model.flavor}: {self.num_params:,} parameters,"
             f" {self.flops_per_token:,} training FLOPs/token at seq_len {t.seq_len}"
         )
-        model = spec.parallelize_fn(model, self.parallel_dims, config)
-        model.to_empty(device=self.device)
-        init_model_weights(model, seed, buffer_device=self.device)
-        model.train()
-        self.model_parts = [model]
+        self.pp_schedule = None
+        if self.parallel_dims.pp_enabled:
+            self.pp_schedule, self.model_parts, self.pp_has_first, self.pp_has_last = spec.pipelining_fn(
+                model, self.parallel_dims, config, self.device, spec.parallelize_fn, self._pp_loss_fn
+            )
+        else:
+            self.model_parts = [spec.parallelize_fn(model, self.parallel_dims, config)]
+        del model
+        for part in self.model_parts:
+            part.to_empty(device=self.device)
+            init_model_weights(part, seed, buffer_device=self.device)
+            part.train()
+        # Set per step: the PP loss function divides by the step's global token count.
+        self._loss_scale = torch.ones((), device=self.device)
         # Without FSDP there is no MixedPrecisionPolicy: autocast gives the same compute dtype.
         self.amp = self._autocast_context(model_args)
 
@@ -122,16 +143,34 @@ class Trainer:
             infinite=t.dataset_infinite,
         )
         self.metrics = MetricsProcessor(
-            config, rank=self.rank, device=self.device, num_flops_per_token=self.flops_per_token
+            config, rank=self.rank, device=self.device, num_flops_per_token=self.flops_per_token,
+            non_data_parallel_size=self.parallel_dims.non_data_parallel_size,
         )
         self.validator = None
         if config.validation.enable:
             self.validator = Validator(config, model_parts=self.model_parts, parallel_dims=self.parallel_dims,
-                                       tokenizer=tokenizer, device=self.device, metrics=self.metrics, amp=self.amp)
+                                       tokenizer=tokenizer, device=self.device, metrics=self.metrics,
+                                       forward_loss_sum=self._eval_loss_sum)
         self.step = 0
         self.tokens_seen = 0
         self._batches: Iterator | None = None
         gc.disable()  # collected every gc_freq steps instead, so pauses don't differ across ranks
+
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        """Loss parallel: cross entropy (forward and backward) on vocab-sharded DTensor logits."""
+        return loss_parallel() if self.parallel_dims.loss_parallel_enabled else contextlib.nullcontext()
+
+    def _cp_context(self, inputs: torch.Tensor, labels: torch.Tensor) -> contextlib.AbstractContextManager:
+        """CP: forward and backward see this rank's sequence shard (and RoPE rows)."""
+        if not self.parallel_dims.cp_enabled:
+            return contextlib.nullcontext((inputs, labels))
+        return cp_shard_batch(
+            self.parallel_dims.submesh("cp"), self.model_parts, inputs, labels,
+            self.config.parallelism.context_parallel_rotate_method,
+        )
+
+    def _pp_loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_sum(logits, labels) * self._loss_scale
 
     def _autocast_context(self, model_args) -> contextlib.AbstractContextManager:  # noqa: ANN001
         dtype = self.config.training.mixed_precision_param
@@ -168,25 +207,25 @@ class Trainer:
         Returns (global mean token loss, total grad norm) as tensors; no host sync here.
         """
         self.optimizers.zero_grad()
-        model = self.model_parts[0]
         global_tokens = self._global_token_count(microbatches)
-        # Data-parallel wrappers average gradients over dp ranks; scaling by dp turns that into the
-        # sum over ranks, so the gradient is that of (sum of token losses / global tokens).
-        dp_scale = self.parallel_dims.dp_degree
+        # Data-parallel wrappers average gradients over dp (x cp) ranks; scaling by that turns it
+        # into the sum over ranks, so the gradient is that of (sum of token losses / global tokens).
+        dp_scale = self.parallel_dims.dp_degree * self.parallel_dims.cp
         loss_sum = torch.zeros((), device=self.device)
-        for inputs, labels in microbatches:
-            with self.amp:
-                logits = model(inputs)
-            local = cross_entropy_sum(logits, labels) / global_tokens
-            del logits
-            (local * dp_scale).backward()
-            loss_sum += local.detach()
-            self.metrics.count_tokens(labels.numel())
+        for full_inputs, full_labels in microbatches:
+            with self._cp_context(full_inputs, full_labels) as (inputs, labels):
+                if self.pp_schedule is not None:
+                    loss_sum += self._pp_forward_backward(inputs, labels, global_tokens, dp_scale)
+                else:
+                    loss_sum += self._forward_backward(inputs, labels, global_tokens, dp_scale)
+            self.metrics.count_tokens(full_labels.numel())
         params = [p for m in self.model_parts for p in m.parameters()]
-        grad_norm = clip_grad_norm_(params, self.config.training.max_norm)
-        dp = self.parallel_dims.submesh("dp")
-        if dp is not None:
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dp.get_group())
+        pp = self.parallel_dims.submesh("pp")
+        grad_norm = clip_grad_norm_(params, self.config.training.max_norm, pp.get_group() if pp is not None else None)
+        # CP ranks hold the loss of their sequence shard: the total sums over dp x cp.
+        dp_cp = self.parallel_dims.submesh("dp_cp")
+        if dp_cp is not None:
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dp_cp.get_group())
         # Non-finite policy (training.nonfinite): a skipped step still advances step and LR.
         if self.stability.check(self.step, loss_sum, grad_norm):
             self.optimizers.step()
@@ -194,6 +233,53 @@ class Trainer:
             self.optimizers.zero_grad()
         self.lr_schedulers.step()
         return loss_sum, grad_norm
+
+    def _forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor, dp_scale: int
+    ) -> torch.Tensor:
+        with self._loss_context():
+            with self.amp:
+                logits = self.model_parts[0](inputs)
+            local = cross_entropy_sum(logits, labels) / global_tokens
+            del logits
+            (local * dp_scale).backward()
+        return _replicated(local.detach())
+
+    def _pp_forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor, dp_scale: int
+    ) -> torch.Tensor:
+        """One pipeline step over local_batch_size / microbatch_size micro-batches. The last stage
+        holds the loss; a sum over the pp group hands it to every stage (rank 0 logs it)."""
+        self._loss_scale = dp_scale / global_tokens
+        targets, losses = (labels, []) if self.pp_has_last else (None, None)
+        with self._loss_context(), self.amp:
+            if self.pp_has_first:
+                self.pp_schedule.step(inputs, target=targets, losses=losses)
+            else:
+                self.pp_schedule.step(target=targets, losses=losses)
+        loss = torch.zeros((), device=self.device)
+        if self.pp_has_last:
+            loss = sum(_replicated(x.detach()) for x in losses) / dp_scale
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.parallel_dims.submesh("pp").get_group())
+        return loss
+
+    def _eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Validation forward (titan/validate.py): the batch's summed token loss, on every pp stage."""
+        if self.pp_schedule is None:
+            with self._loss_context(), self.amp:
+                return _replicated(cross_entropy_sum(self.model_parts[0](inputs), labels))
+        self._loss_scale = torch.ones((), device=self.device)  # the PP loss function then sums
+        targets, losses = (labels, []) if self.pp_has_last else (None, None)
+        with self._loss_context(), self.amp:
+            if self.pp_has_first:
+                self.pp_schedule.eval(inputs, target=targets, losses=losses)
+            else:
+                self.pp_schedule.eval(target=targets, losses=losses)
+        loss = torch.zeros((), device=self.device)
+        if self.pp_has_last:
+            loss = sum(_replicated(x.detach()).float() for x in losses)
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.parallel_dims.submesh("pp").get_group())
+        return loss
 
     # ------------------------------------------------------------ loop
     def train(self) -> dict[int, float]:
@@ -205,7 +291,7 @@ class Trainer:
             f" dp {self.parallel_dims.dp_degree}, grad accumulation {self.grad_accum_steps}"
         )
         profiler = Profiler(self.config, rank=self.rank, device=self.device, start_step=self.step)
-        first_step = True
+        first_step, pp = True, self.parallel_dims.submesh("pp")
         while self.step < t.steps:
             microbatches = self.next_microbatches()
             if microbatches is None:
@@ -221,7 +307,8 @@ class Trainer:
                 losses[self.step] = loss_value
                 self.metrics.log(
                     self.step, loss=loss_value, grad_norm=grad_norm.item(), lr=self.lr_schedulers.get_last_lr(),
-                    extra={"param_norm": param_norm(self.model_parts).item(), **self.stability.console()},
+                    extra={"param_norm": param_norm(self.model_parts, pp.get_group() if pp else None).item(),
+                           **self.stability.console()},
                     extra_scalars=self.stability.scalars(),
                 )
             if self.validator is not None and self.validator.should_validate(self.step):

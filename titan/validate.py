@@ -8,20 +8,19 @@ losses and token count reduced over dp), so it does not depend on the layout.
 Forward passes are dp-collective under FSDP, so all ranks must run the same number of batches:
 before each batch the ranks agree (all_reduce MIN) that every one of them still has data.
 
-Pipeline parallelism (not wired yet): ``forward_loss_sum`` is the one place that changes. With
-a PP schedule, the first stage feeds ``schedule.eval(inputs)``, the last stage passes
-``target=labels, losses=[]`` and sums the microbatch losses, where the schedule's loss function
-must return the token-loss *sum* (not the training loss divided by global tokens); the summed
-loss and the token count are then broadcast from the last stage over the pp group before the dp
-reduction, so every rank logs the same value.
+The model forward is the trainer's (``forward_loss_sum``): it knows tensor parallelism's loss
+parallel and the pipeline schedule. With pipeline parallelism it runs ``schedule.eval`` (the
+first stage feeds the inputs, the last stage passes the labels and collects the microbatch
+losses, with the schedule's loss function returning the token-loss *sum*), then sums over the
+pp group, so every stage holds the batch loss and all ranks log the same value. Without a
+trainer (tests, tools) the plain single-module forward is used.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -61,19 +60,20 @@ class Validator:
         tokenizer,  # noqa: ANN001 - titan.data.Tokenizer
         device: torch.device,
         metrics: MetricsProcessor,
-        amp: contextlib.AbstractContextManager | None = None,
+        forward_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         validate_validation_config(config)
-        if parallel_dims.pp_enabled:
-            raise TitanError("validation.enable with pipeline parallelism is not supported yet; "
-                             "set validation.enable = false (see titan/validate.py)")
+        if parallel_dims.cp_enabled:
+            raise TitanError("validation.enable with context parallelism is not supported yet (each cp rank would"
+                             " need its sequence shard); set validation.enable = false")
         v, t = config.validation, config.training
         self.freq, self.steps, self.last_step = v.freq, v.steps, t.steps
         self.model_parts = model_parts
         self.parallel_dims = parallel_dims
         self.device = device
         self.metrics = metrics
-        self.amp = amp if amp is not None else contextlib.nullcontext()
+        if forward_loss_sum is not None:
+            self.forward_loss_sum = forward_loss_sum  # type: ignore[method-assign]
         self.loader = build_dataloader(
             dataset=v.dataset,
             dataset_path=v.dataset_path,
@@ -105,10 +105,8 @@ class Validator:
         return bool(flag.item())
 
     def forward_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Sum of the token losses of one batch (fp32)."""
-        with self.amp:
-            logits = self.model_parts[0](inputs)
-        return cross_entropy_sum(logits, labels)
+        """Sum of the token losses of one batch (fp32); single module, no TP/PP."""
+        return cross_entropy_sum(self.model_parts[0](inputs), labels)
 
     def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         self.loader.load_state_dict(self._start)

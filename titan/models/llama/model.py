@@ -122,6 +122,20 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) ->
     return _compiled_flex(q, k, v, block_mask=mask)
 
 
+class SDPAttention(nn.Module):
+    """Causal SDPA as a parameter-free module: context parallelism hooks its inputs/outputs."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class FlexAttention(nn.Module):
+    """flex_attention as a parameter-free module (context parallelism gathers k/v in a hook)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+        return _flex(q, k, v, block_mask)
+
+
 class Attention(nn.Module):
     def __init__(self, args: TransformerModelArgs) -> None:
         super().__init__()
@@ -133,6 +147,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.inner_attention = FlexAttention() if args.attn_type == "flex" else SDPAttention()
 
     def forward(
         self, x: torch.Tensor, freqs_cis: torch.Tensor, block_mask: BlockMask | None = None
@@ -142,16 +157,18 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        # Sliced here, not by the caller: under TP/SP the caller only sees its sequence shard,
+        # while attention runs on the gathered sequence (under CP both are the local shard).
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
         n_rep = self.n_heads // self.n_kv_heads
         xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
         q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # [B, H, S, Dh]
         if self.attn_type == "flex":
             if block_mask is None:
                 block_mask = causal_block_mask(seqlen, x.device)
-            out = _flex(q, k, v, block_mask)
+            out = self.inner_attention(q, k, v, block_mask=block_mask)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = self.inner_attention(q, k, v)
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
         return self.wo(out)
 
@@ -281,12 +298,10 @@ class Transformer(nn.Module):
                 f"sequence length {seqlen} exceeds model max_seq_len {self.freqs_cis.shape[0]}; "
                 "raise model max_seq_len or lower training.seq_len"
             )
-        freqs_cis = self.freqs_cis[:seqlen]
-        block_mask = None
-        if self.model_args.attn_type == "flex":
-            block_mask = causal_block_mask(seqlen, h.device)
+        # The full table (attention slices it) and no block mask (attention builds the cached
+        # causal one for the length it sees): h may be a sequence shard under TP/SP.
         for layer in self.layers.values():
-            h = layer(h, freqs_cis, block_mask=block_mask)
+            h = layer(h, self.freqs_cis)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
