@@ -99,8 +99,10 @@ class MetricsProcessor:
         self.device = torch.device(device)
         self.num_flops_per_token = num_flops_per_token
         self.non_data_parallel_size = max(1, non_data_parallel_size)
-        if self.cfg.log_rank < -1:
-            raise TitanError(f"config key 'metrics.log_rank' got {self.cfg.log_rank}; valid: -1 (all ranks) or a rank")
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        if not -1 <= self.cfg.log_rank < world:
+            raise TitanError(f"config key 'metrics.log_rank' got {self.cfg.log_rank}; valid: -1 (all ranks) or a rank"
+                             f" below the world size {world}")
         if log_this_rank is None:
             log_this_rank = self.cfg.log_rank in (-1, rank)
         self.log_this_rank = log_this_rank

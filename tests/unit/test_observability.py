@@ -47,8 +47,12 @@ def test_wandb_missing_is_one_clear_error(tmp_path, monkeypatch):
         MetricsProcessor(cfg, rank=0, device=torch.device("cpu"), num_flops_per_token=10)
 
 
-def test_log_rank_selects_the_writer(tmp_path):
-    cfg = JobConfig(job=Job(dump_folder=str(tmp_path)), metrics=Metrics(log_rank=1))
+def test_log_rank_selects_the_writer(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg = JobConfig(job=Job(dump_folder=str(tmp_path)), metrics=Metrics(log_rank=4))
+    with pytest.raises(TitanError, match="metrics.log_rank' got 4.*below the world size 4"):
+        MetricsProcessor(cfg, rank=0, device=torch.device("cpu"), num_flops_per_token=1)
+    cfg.metrics.log_rank = 1
     assert not MetricsProcessor(cfg, rank=0, device=torch.device("cpu"), num_flops_per_token=1).log_this_rank
     mp = MetricsProcessor(cfg, rank=1, device=torch.device("cpu"), num_flops_per_token=1)
     assert mp.log_this_rank and mp.jsonl_path is not None
