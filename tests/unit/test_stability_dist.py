@@ -1,6 +1,7 @@
-"""Two gloo ranks, FSDP2 and pipeline parallel: non-finite decisions agree across ranks,
-validation reduces over dp / runs through the pipeline schedule, the parameter norm covers all
-shards and stages, and the process groups switch to the training timeout."""
+"""Two gloo ranks, FSDP2 / tensor parallel / pipeline parallel: non-finite decisions agree across
+ranks, validation reduces over dp, runs with loss parallel and through the pipeline schedule, the
+parameter norm covers all shards and stages, and the process groups switch to the training
+timeout."""
 
 import math
 from pathlib import Path
@@ -14,6 +15,7 @@ from tests.dist_utils import run_distributed
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = {
     "fsdp2": (),
+    "tp2": ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"),
     "pp2": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
             "--parallelism.pipeline_parallel_schedule", "GPipe"),
 }
@@ -86,13 +88,12 @@ def test_two_ranks_nonfinite_validation_param_norm_timeouts(tmp_path, layout, on
     assert r0["validation"] == r1["validation"] and math.isfinite(r0["validation"][3])
     assert r0["param_norm"] == pytest.approx(r1["param_norm"], rel=1e-6)
     assert r0["timeouts"] == r1["timeouts"] and set(r0["timeouts"]) == {42.0}
-    if layout == "pp2":
-        # same data as one process (dp = 1): losses and validation match it; the stages' squared
-        # norms add up to the total the log reports
+    # the stages' squared norms add up to the total the log reports
+    total_sq = r0["stage_sq"] + r1["stage_sq"] if layout == "pp2" else r0["stage_sq"]
+    assert r0["param_norm"] == pytest.approx(math.sqrt(total_sq), rel=1e-5)
+    if layout != "fsdp2":
+        # same data as one process (dp = 1): losses, validation and norms match it
         for step, loss in one_process["losses"].items():
             assert r0["losses"][step] == pytest.approx(loss, abs=1e-4)
         assert r0["validation"][3] == pytest.approx(one_process["validation"][3], abs=1e-4)
-        assert r0["param_norm"] == pytest.approx(math.sqrt(r0["stage_sq"] + r1["stage_sq"]), rel=1e-5)
         assert r0["param_norm"] == pytest.approx(one_process["param_norm"], rel=1e-5)
-    else:
-        assert r0["param_norm"] == pytest.approx(math.sqrt(r0["stage_sq"]), rel=1e-5)
