@@ -22,11 +22,11 @@ from titan.lr_scheduler import build_lr_schedulers
 from titan.metrics import MetricsProcessor
 from titan.models import get_flavor, get_model_spec
 from titan.optim import build_optimizers, cast_params_for_optimizer
+from titan.parallel.comm import set_comm_env, set_pg_timeouts
 from titan.parallel.cp import cp_shard_batch
 from titan.parallel.dims import ParallelDims, check_layout
 from titan.parallel.fsdp import DTYPES
 from titan.parallel.init import init_model_weights
-from titan.parallel.comm import set_comm_env, set_pg_timeouts
 from titan.parallel.utils import clip_grad_norm_, init_distributed, pick_device, set_seed, world_info
 from titan.profiling import Profiler, validate_profiling_config
 from titan.stability import StabilityMonitor, param_norm
@@ -204,7 +204,8 @@ class Trainer:
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over the micro-batches, clip, optimizer + LR step.
 
-        Returns (global mean token loss, total grad norm) as tensors; no host sync here.
+        Returns (global mean token loss, total grad norm) as tensors. One host sync: the
+        non-finite check (titan/stability.py) reads both before deciding on the optimizer step.
         """
         self.optimizers.zero_grad()
         global_tokens = self._global_token_count(microbatches)
