@@ -55,7 +55,8 @@ def set_comm_env(config: JobConfig) -> dict[str, str]:
     }
     if m.trace_buf_size > 0:
         folder = os.path.join(config.job.dump_folder, m.save_traces_folder)
-        os.makedirs(folder, exist_ok=True)
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # single-process runs have no collectives to trace
+            os.makedirs(folder, exist_ok=True)
         env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
         env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(folder, "rank_")
     for name, value in env.items():

@@ -17,7 +17,8 @@ def clean_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def test_flight_recorder_env(tmp_path, clean_env):
+def test_flight_recorder_env(tmp_path, clean_env, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
     c = load_config(["--job.dump_folder", str(tmp_path), "--comm.trace_buf_size", "500"])
     set_comm_env(c)
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"
