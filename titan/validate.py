@@ -3,7 +3,8 @@
 The held-out loader is finite (one pass) and rewound to its start before every validation, so
 each validation scores the same tokens and the numbers are comparable over training. Each dp
 rank reads its own shard; the loss is the global mean over all non-ignored tokens (sum of token
-losses and token count reduced over dp), so it does not depend on the layout.
+losses and token count reduced over dp). TP / PP / FSDP do not change it; a different dp degree
+packs the documents into different windows, so the number moves slightly.
 
 Forward passes are dp-collective under FSDP, so all ranks must run the same number of batches:
 before each batch the ranks agree (all_reduce MIN) that every one of them still has data.
