@@ -9,6 +9,11 @@ Usage in the loop::
         metrics.log(step, loss=loss, grad_norm=norm, lr=lr)
     metrics.close()
 
+Where scalars go: the console line (the logging rank(s), ``metrics.log_rank``), TensorBoard, a
+JSONL file (one object per logged step, ``{"step": .., "loss_metrics/global_avg_loss": ..}``) and
+Weights & Biases, each when enabled. ``extra`` scalars also go on the console line;
+``extra_scalars`` only to the files.
+
 Throughput (tps) is tokens per second per device: the tokens this rank counted, divided by the
 wall time since the last log and by ``non_data_parallel_size`` (TP/CP/PP ranks work on the same
 tokens, so the devices sharing them split the credit).
@@ -16,6 +21,7 @@ tokens, so the devices sharing them split the credit).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import resource
@@ -26,6 +32,7 @@ from typing import Any
 import torch
 
 from titan.config.job_config import JobConfig
+from titan.errors import TitanError
 from titan.tools.flops import get_peak_flops, mfu
 from titan.tools.logging import logger
 
@@ -92,8 +99,17 @@ class MetricsProcessor:
         self.device = torch.device(device)
         self.num_flops_per_token = num_flops_per_token
         self.non_data_parallel_size = max(1, non_data_parallel_size)
-        self.log_this_rank = (rank == 0) if log_this_rank is None else log_this_rank
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        if not -1 <= self.cfg.log_rank < world:
+            raise TitanError(f"config key 'metrics.log_rank' got {self.cfg.log_rank}; valid: -1 (all ranks) or a rank"
+                             f" below the world size {world}")
+        if log_this_rank is None:
+            log_this_rank = self.cfg.log_rank in (-1, rank)
+        self.log_this_rank = log_this_rank
         self.color = _NoColor() if self.cfg.disable_color_printing else Color()
+        # With every rank logging, each writes its own files.
+        suffix = f"-rank{rank}" if self.cfg.log_rank == -1 else ""
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + suffix
 
         self.device_name = "cpu"
         self.peak_flops: float | None = None
@@ -106,15 +122,27 @@ class MetricsProcessor:
 
         self.writer: Any = None
         self.tb_log_dir: str | None = None
-        if self.cfg.enable_tensorboard and rank == 0:
+        if self.cfg.enable_tensorboard and self.log_this_rank:
             from torch.utils.tensorboard import SummaryWriter
 
-            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
             self.tb_log_dir = os.path.join(
                 job_config.job.dump_folder, self.cfg.save_tb_folder, stamp
             )
             self.writer = SummaryWriter(log_dir=self.tb_log_dir)
             logger.info(f"TensorBoard logs in {self.tb_log_dir}")
+
+        self.jsonl: Any = None
+        self.jsonl_path: str | None = None
+        if self.cfg.enable_jsonl and self.log_this_rank:
+            folder = os.path.join(job_config.job.dump_folder, self.cfg.save_jsonl_folder)
+            os.makedirs(folder, exist_ok=True)
+            self.jsonl_path = os.path.join(folder, f"{stamp}.jsonl")
+            self.jsonl = open(self.jsonl_path, "a", buffering=1)  # line-buffered: readable while running
+            logger.info(f"metrics JSONL in {self.jsonl_path}")
+
+        self.wandb: Any = None
+        if self.cfg.enable_wandb and self.log_this_rank:
+            self.wandb = _init_wandb(job_config, rank, suffix)
 
         self.reset(0)
 
@@ -133,6 +161,10 @@ class MetricsProcessor:
 
     def add_data_time(self, seconds: float) -> None:
         self._data_time += float(seconds)
+
+    def exclude_time(self, seconds: float) -> None:
+        """Leave ``seconds`` (validation, checkpointing) out of the current window's throughput."""
+        self._last_time += float(seconds)
 
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self.cfg.log_freq == 0
@@ -169,6 +201,7 @@ class MetricsProcessor:
         grad_norm: float | torch.Tensor,
         lr: float,
         extra: dict[str, Any] | None = None,
+        extra_scalars: dict[str, Any] | None = None,
     ) -> dict[str, float]:
         """Print the console line (on log ranks), write TensorBoard scalars (rank 0) and start a
         new window. Returns the scalars that were logged."""
@@ -194,7 +227,7 @@ class MetricsProcessor:
         }
         if mfu_pct is not None:
             scalars["mfu(%)"] = mfu_pct
-        for key, value in (extra or {}).items():
+        for key, value in {**(extra or {}), **(extra_scalars or {})}.items():
             scalars[key] = float(value)
 
         if self.log_this_rank:
@@ -213,17 +246,63 @@ class MetricsProcessor:
                 line += f"  {c.white}{key}: {float(value):.4g}"
             logger.info(line + c.reset)
 
-        if self.writer is not None:
-            for key, value in scalars.items():
-                self.writer.add_scalar(key, value, step)
+        self.write(step, scalars)
 
         self.reset(step)
         # The time spent logging belongs to the next window, not to nobody.
         self._last_time = now
         return scalars
 
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        """Send scalars to TensorBoard, the JSONL file and W&B (whichever are enabled here)."""
+        if self.writer is not None:
+            for key, value in scalars.items():
+                self.writer.add_scalar(key, value, step)
+            self.writer.flush()  # a run stopped by an error keeps every logged step
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"step": step, **scalars}, allow_nan=True) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def log_validation(self, step: int, *, loss: float, perplexity: float, tokens: int, seconds: float) -> None:
+        if self.log_this_rank:
+            c = self.color
+            logger.info(f"{c.red}validation step: {step:2}  {c.green}loss: {loss:7.4f}  "
+                        f"{c.yellow}perplexity: {perplexity:.4g}  {c.blue}tokens: {tokens:,}  "
+                        f"{c.cyan}time: {seconds:.2f}s{c.reset}")
+        self.write(step, {"validation/loss": loss, "validation/perplexity": perplexity})
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
             self.writer = None
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def _init_wandb(job_config: JobConfig, rank: int, suffix: str) -> Any:
+    try:
+        import wandb
+    except ImportError:
+        raise TitanError("metrics.enable_wandb needs the wandb package: pip install 'titan[wandb]'"
+                         " (or pip install wandb), or set metrics.enable_wandb = false") from None
+    from titan.config.manager import to_dict
+
+    cfg = job_config.metrics
+    project = cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "titan"
+    name = cfg.wandb_run_name or os.environ.get("WANDB_NAME") or None
+    os.makedirs(job_config.job.dump_folder, exist_ok=True)
+    run = wandb.init(
+        project=project,
+        name=f"{name}{suffix}" if name else None,
+        group=name if suffix else None,
+        dir=job_config.job.dump_folder,  # W&B adds its own wandb/ folder under it
+        config=to_dict(job_config),
+    )
+    logger.info(f"W&B run {run.name!r} in project {project!r} (mode {os.environ.get('WANDB_MODE', 'online')})")
+    return run

@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
 from titan.config.job_config import Optimizer as OptimizerConfig
 from titan.errors import TitanError
 
-__all__ = ["OptimizersContainer", "build_optimizers", "OPTIMIZERS", "IMPLEMENTATIONS"]
+__all__ = ["OptimizersContainer", "build_optimizers", "OPTIMIZERS", "IMPLEMENTATIONS", "param_groups",
+           "WEIGHT_DECAY_EXCLUDE"]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "AdamW": torch.optim.AdamW,
@@ -41,6 +42,30 @@ IMPLEMENTATIONS: dict[str, dict[str, bool]] = {
 
 _STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
+# optimizer.weight_decay_exclude kinds -> does this module's own parameters belong to the kind.
+# Norms by class name so any norm class (RMSNorm, LayerNorm, wrapped by FSDP or not) matches.
+WEIGHT_DECAY_EXCLUDE: dict[str, Callable[[nn.Module], bool]] = {
+    "norms": lambda m: "Norm" in type(m).__name__,
+    "embeddings": lambda m: isinstance(m, nn.Embedding),
+}
+
+
+def param_groups(part: nn.Module, exclude: list[str] | tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """One group of all trainable parameters, or with ``exclude`` a second group with weight
+    decay 0 for the parameters of the excluded module kinds (a shared/tied parameter is excluded
+    if any module holding it is). The checkpoint stays layout independent: the flattened state
+    dict stores each group's hyper-parameters per parameter FQN."""
+    params = [p for p in part.parameters() if p.requires_grad]
+    if not exclude:
+        return [{"params": params}]
+    checks = [WEIGHT_DECAY_EXCLUDE[kind] for kind in exclude]
+    skip = {
+        id(p) for m in part.modules() if any(check(m) for check in checks) for p in m.parameters(recurse=False)
+    }
+    groups = [{"params": [p for p in params if id(p) not in skip]},
+              {"params": [p for p in params if id(p) in skip], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
 
 class OptimizersContainer:
     """Holds ``optimizers[i]`` for ``model_parts[i]`` and steps / checkpoints them together.
@@ -54,12 +79,13 @@ class OptimizersContainer:
         model_parts: list[nn.Module],
         optimizer_cls: type[torch.optim.Optimizer],
         optimizer_kwargs: dict[str, Any],
+        weight_decay_exclude: list[str] | tuple[str, ...] = (),
     ) -> None:
         self.model_parts = list(model_parts)
         self.optimizer_kwargs = dict(optimizer_kwargs)
         self.optimizers: list[torch.optim.Optimizer] = []
         for part in self.model_parts:
-            params = [p for p in part.parameters() if p.requires_grad]
+            params = param_groups(part, weight_decay_exclude)
             self.optimizers.append(optimizer_cls(params, **self.optimizer_kwargs))
         self._post_step_hooks: list[Callable[[], None]] = []
 
@@ -123,6 +149,16 @@ def validate_optimizer_config(cfg: OptimizerConfig) -> None:
         math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0,
         f"optimizer.weight_decay must be >= 0, got {cfg.weight_decay}",
     )
+    for kind in cfg.weight_decay_exclude:
+        _check(
+            kind in WEIGHT_DECAY_EXCLUDE,
+            f"optimizer.weight_decay_exclude entries must be among {', '.join(WEIGHT_DECAY_EXCLUDE)}, got {kind!r}",
+        )
+    if cfg.bf16_stochastic_round:
+        _check(cfg.name.lower() == "adamw",
+               f"optimizer.bf16_stochastic_round needs optimizer.name = AdamW (torchao's kernel), got {cfg.name!r}")
+        _check(cfg.implementation != "fused",
+               "optimizer.bf16_stochastic_round uses torchao's compiled kernel; implementation = fused does not apply")
     _check(
         cfg.implementation in IMPLEMENTATIONS,
         f"optimizer.implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
@@ -135,10 +171,16 @@ def build_optimizers(
 ) -> OptimizersContainer:
     """Build one optimizer per model part from the [optimizer] config section.
 
-    Weight decay applies to every parameter (as in Llama 3 / torchtitan); the container keeps a
-    single param group per part so the FQN-keyed checkpoint stays layout independent.
+    Weight decay applies to every parameter (as in Llama 3 / torchtitan) unless
+    ``weight_decay_exclude`` names module kinds to spare. With ``bf16_stochastic_round`` the
+    parameters must already be bf16 (see ``cast_params_for_optimizer``).
     """
     validate_optimizer_config(cfg)
+    if cfg.bf16_stochastic_round:
+        return OptimizersContainer(model_parts, _bf16_sr_adamw(), {
+            "lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "weight_decay": cfg.weight_decay,
+            "bf16_stochastic_round": True,
+        }, cfg.weight_decay_exclude)
     name = {n.lower(): n for n in OPTIMIZERS}[cfg.name.lower()]
     kwargs: dict[str, Any] = {
         "lr": cfg.lr,
@@ -149,7 +191,35 @@ def build_optimizers(
     }
     if cfg.implementation == "fused":
         _check_fused_supported(model_parts)
-    return OptimizersContainer(model_parts, OPTIMIZERS[name], kwargs)
+    return OptimizersContainer(model_parts, OPTIMIZERS[name], kwargs, cfg.weight_decay_exclude)
+
+
+def _bf16_sr_adamw() -> type[torch.optim.Optimizer]:
+    """torchao's plain AdamW with bf16 stochastic rounding (fp32 math, fp32 moments, the new bf16
+    weight rounded up with probability = the dropped fraction). torchao 0.12-0.18 ship it as
+    torchao.optim._AdamW (older: torchao.prototype.low_bit_optim._AdamW)."""
+    for module in ("torchao.optim", "torchao.prototype.low_bit_optim"):
+        try:
+            return getattr(__import__(module, fromlist=["_AdamW"]), "_AdamW")
+        except (ImportError, AttributeError):
+            continue
+    raise TitanError("optimizer.bf16_stochastic_round needs torchao with an _AdamW(bf16_stochastic_round=...)"
+                     " optimizer (torchao >= 0.5); install or upgrade torchao")
+
+
+def cast_params_for_optimizer(model: nn.Module, cfg: OptimizerConfig) -> None:
+    """bf16_stochastic_round keeps the weights themselves in bf16. Call on the meta-device model,
+    before parallelizing (FSDP then shards bf16 parameters) and before init (so the weights are
+    drawn in bf16). Buffers keep their dtype; tied parameters stay tied."""
+    if not cfg.bf16_stochastic_round:
+        return
+    new: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(old) -> (old kept alive, new)
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_floating_point() and p.dtype != torch.bfloat16:
+                if id(p) not in new:
+                    new[id(p)] = (p, nn.Parameter(p.detach().to(torch.bfloat16), p.requires_grad))
+                module.register_parameter(name, new[id(p)][1])
 
 
 def _fused_devices() -> list[str]:

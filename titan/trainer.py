@@ -22,13 +22,17 @@ from titan.loss import IGNORE_INDEX, cross_entropy_sum
 from titan.lr_scheduler import build_lr_schedulers
 from titan.metrics import MetricsProcessor
 from titan.models import get_flavor, get_model_spec
-from titan.optim import build_optimizers
+from titan.optim import build_optimizers, cast_params_for_optimizer
+from titan.parallel.comm import set_comm_env, set_pg_timeouts
 from titan.parallel.cp import cp_shard_batch
 from titan.parallel.dims import ParallelDims, check_layout
 from titan.parallel.fsdp import DTYPES
 from titan.parallel.init import init_model_weights
 from titan.parallel.utils import clip_grad_norm_, init_distributed, pick_device, set_seed, world_info
+from titan.profiling import Profiler, validate_profiling_config
+from titan.stability import StabilityMonitor, param_norm
 from titan.tools.logging import init_logger, logger
+from titan.validate import Validator, validate_validation_config
 
 DEFAULT_SEED = 0
 
@@ -72,6 +76,9 @@ class Trainer:
             enable_loss_parallel=not par.disable_loss_parallel,
         )
         self.grad_accum_steps = grad_accumulation_steps(config, self.parallel_dims.dp_degree)
+        self.stability = StabilityMonitor(config)
+        validate_profiling_config(config)
+        validate_validation_config(config)
         spec = get_model_spec(config.model.name)
         model_args = copy.deepcopy(get_flavor(spec, config.model.flavor))
         tokenizer = build_tokenizer(config.model.tokenizer_path)
@@ -80,7 +87,8 @@ class Trainer:
         compile_cfg = getattr(config, "compile", None)  # the [compile] section, where present
         compiled = bool(compile_cfg and compile_cfg.enable and "model" in compile_cfg.components)
         check_layout(self.parallel_dims, par, model_args, t.seq_len, self.device.type, config.model.attn_type, compiled)
-        init_distributed(self.device, world_size)
+        set_comm_env(config)  # NCCL reads the flight-recorder env when its groups are created
+        init_distributed(self.device, world_size, timeout_s=config.comm.init_timeout_seconds)
         self.parallel_dims.build_mesh(self.device.type)
         seed = DEFAULT_SEED if t.seed is None else t.seed
         set_seed(seed, t.deterministic)
@@ -91,9 +99,11 @@ class Trainer:
         model_args.vocab_size = tokenizer.vocab_size
         model_args.max_seq_len = t.seq_len
         model_args.attn_type = config.model.attn_type
+        model_args.depth_init = config.model.depth_init
         model_args.validate()
         with torch.device("meta"):
             model = spec.model_cls(model_args)
+        cast_params_for_optimizer(model, config.optimizer)
         self.num_params, self.flops_per_token = spec.get_nparams_and_flops(model, t.seq_len)
         logger.info(
             f"model {spec.name} {config.model.flavor}: {self.num_params:,} parameters,"
@@ -137,6 +147,11 @@ class Trainer:
             config, rank=self.rank, device=self.device, num_flops_per_token=self.flops_per_token,
             non_data_parallel_size=self.parallel_dims.non_data_parallel_size,
         )
+        self.validator = None
+        if config.validation.enable:
+            self.validator = Validator(config, model_parts=self.model_parts, parallel_dims=self.parallel_dims,
+                                       tokenizer=tokenizer, device=self.device, metrics=self.metrics,
+                                       forward_loss_sum=self._eval_loss_sum)
         self.step = 0
         self.tokens_seen = 0
         self._batches: Iterator | None = None
@@ -196,7 +211,8 @@ class Trainer:
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over the micro-batches, clip, optimizer + LR step.
 
-        Returns (global mean token loss, total grad norm) as tensors; no host sync here.
+        Returns (global mean token loss, total grad norm) as tensors. One host sync: the
+        non-finite check (titan/stability.py) reads both before deciding on the optimizer step.
         """
         self.optimizers.zero_grad()
         global_tokens = self._global_token_count(microbatches)
@@ -214,12 +230,16 @@ class Trainer:
         params = [p for m in self.model_parts for p in m.parameters()]
         pp = self.parallel_dims.submesh("pp")
         grad_norm = clip_grad_norm_(params, self.config.training.max_norm, pp.get_group() if pp is not None else None)
-        self.optimizers.step()
-        self.lr_schedulers.step()
         # CP ranks hold the loss of their sequence shard: the total sums over dp x cp.
         dp_cp = self.parallel_dims.submesh("dp_cp")
         if dp_cp is not None:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dp_cp.get_group())
+        # Non-finite policy (training.nonfinite): a skipped step still advances step and LR.
+        if self.stability.check(self.step, loss_sum, grad_norm):
+            self.optimizers.step()
+        else:
+            self.optimizers.zero_grad()
+        self.lr_schedulers.step()
         return loss_sum, grad_norm
 
     def _forward_backward(
@@ -251,6 +271,24 @@ class Trainer:
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.parallel_dims.submesh("pp").get_group())
         return loss
 
+    def _eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Validation forward (titan/validate.py): the batch's summed token loss, on every pp stage."""
+        if self.pp_schedule is None:
+            with self._loss_context(), self.amp:
+                return _replicated(cross_entropy_sum(self.model_parts[0](inputs), labels))
+        self._loss_scale = torch.ones((), device=self.device)  # the PP loss function then sums
+        targets, losses = (labels, []) if self.pp_has_last else (None, None)
+        with self._loss_context(), self.amp:
+            if self.pp_has_first:
+                self.pp_schedule.eval(inputs, target=targets, losses=losses)
+            else:
+                self.pp_schedule.eval(target=targets, losses=losses)
+        loss = torch.zeros((), device=self.device)
+        if self.pp_has_last:
+            loss = sum(_replicated(x.detach()).float() for x in losses)
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.parallel_dims.submesh("pp").get_group())
+        return loss
+
     # ------------------------------------------------------------ loop
     def train(self) -> dict[int, float]:
         """Train to training.steps (or until finite data ends); returns {step: loss} of logged steps."""
@@ -266,6 +304,8 @@ class Trainer:
         self.metrics.reset(self.step)
         self.checkpointer.install_signal_handlers()
         preempted = False
+        profiler = Profiler(self.config, rank=self.rank, device=self.device, start_step=self.step)
+        first_step, pp = True, self.parallel_dims.submesh("pp")
         while self.step < t.steps:
             microbatches = self.next_microbatches()
             if microbatches is None:
@@ -281,11 +321,21 @@ class Trainer:
                 loss_value = loss.item()
                 losses[self.step] = loss_value
                 self.metrics.log(
-                    self.step, loss=loss_value, grad_norm=grad_norm.item(), lr=self.lr_schedulers.get_last_lr()
+                    self.step, loss=loss_value, grad_norm=grad_norm.item(), lr=self.lr_schedulers.get_last_lr(),
+                    extra={"param_norm": param_norm(self.model_parts, pp.get_group() if pp else None).item(),
+                           **self.stability.console()},
+                    extra_scalars=self.stability.scalars(),
                 )
+            if self.validator is not None and self.validator.should_validate(self.step):
+                self.validator.validate(self.step)
+            profiler.step(self.step)
+            if first_step:  # start-up is over: from now on a hang should fail fast
+                set_pg_timeouts(self.config.comm.train_timeout_seconds, self.parallel_dims, self.device)
+                first_step = False
             if self.checkpointer.after_step(self.step):
                 preempted = True
                 break
+        profiler.close()
         self.checkpointer.finish(self.step, preempted)
         self.metrics.close()
         logger.info("training done")

@@ -33,6 +33,10 @@ class Model:
     Empty: the small tokenizer shipped in titan/data/assets."""
     attn_type: str = "sdpa"
     """Attention backend: sdpa (torch scaled_dot_product_attention) or flex (flex_attention)."""
+    depth_init: bool = True
+    """Init std of the residual-stream output projections (wo, w2, w3). true: depth-scaled per
+    block, 0.02 / sqrt(2 * (layer_id + 1)) (early blocks larger, as in torchtitan); false: one
+    factor for all blocks, 0.02 / sqrt(2 * n_layers) (GPT-2 / Megatron style)."""
 
 
 @dataclass
@@ -50,7 +54,15 @@ class Optimizer:
     weight_decay: float = 0.1
     """Decoupled weight decay."""
     implementation: str = "foreach"
-    """Kernel choice: for-loop, foreach or fused (fused needs a device that supports it)."""
+    """Kernel choice: for-loop, foreach or fused (fused needs a device that supports it). Not
+    used with bf16_stochastic_round, whose torchao kernel is compiled per parameter."""
+    weight_decay_exclude: list[str] = field(default_factory=list)
+    """Parameter kinds that get no weight decay (a second param group): any of "norms" (weights
+    of *Norm modules), "embeddings" (nn.Embedding weights, and a tied output). Empty: decay all."""
+    bf16_stochastic_round: bool = False
+    """Keep parameters in bfloat16 and update them with torchao's AdamW, which computes in fp32
+    and rounds the new weights to bf16 stochastically (unbiased, so small updates are not lost).
+    Needs name = AdamW; compute then runs in bf16."""
 
 
 @dataclass
@@ -105,6 +117,12 @@ class Training:
     """Worker processes that prefetch batches (0: load in the training process)."""
     gc_freq: int = 50
     """Run Python's garbage collector every N steps (automatic gc is disabled to avoid stalls)."""
+    nonfinite: str = "stop"
+    """What a NaN/inf loss or grad norm does (checked every step, before the optimizer step):
+    stop (raise and exit non-zero naming the step and metric, saving nothing) or skip_step (no
+    optimizer update for that step; the step counter, data and LR schedule still advance)."""
+    nonfinite_max_consecutive_skips: int = 10
+    """With nonfinite = skip_step: stop once this many steps in a row were skipped."""
 
 
 @dataclass
@@ -156,6 +174,82 @@ class Metrics:
     """TensorBoard folder, relative to job.dump_folder."""
     disable_color_printing: bool = False
     """Plain console output without ANSI colors."""
+    log_rank: int = 0
+    """Rank that prints the metrics line and writes TensorBoard / JSONL / W&B. -1: every rank
+    (files get a rank suffix)."""
+    enable_jsonl: bool = True
+    """Append every logged step's scalars as one JSON line to <dump_folder>/<save_jsonl_folder>/
+    <run stamp>.jsonl (plot with scripts/plot_metrics.py)."""
+    save_jsonl_folder: str = "metrics"
+    """JSONL metrics folder, relative to job.dump_folder."""
+    enable_wandb: bool = False
+    """Log to Weights & Biases (pip install 'titan[wandb]'); WANDB_MODE=offline works without
+    network. Files go under <dump_folder>/wandb."""
+    wandb_project: str = ""
+    """W&B project. Empty: $WANDB_PROJECT, else "titan"."""
+    wandb_run_name: str = ""
+    """W&B run name. Empty: $WANDB_NAME, else W&B's generated name."""
+
+
+@dataclass
+class Stability:
+    grad_norm_spike_window: int = 20
+    """Steps in the running average the grad norm is compared with."""
+    grad_norm_spike_threshold: float = 0.1
+    """Absolute margin: a grad-norm spike is grad_norm > running average + this."""
+    loss_spike_window: int = 20
+    """Steps in the running average the loss is compared with."""
+    loss_spike_threshold: float = 0.1
+    """Relative margin: a loss spike is loss > running average * (1 + this)."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Compute loss and perplexity on held-out data every `freq` steps (and at the last step)."""
+    dataset: str = "pydoc_validation"
+    """Held-out dataset name from the registry (pydoc_validation: topics that pydoc_train leaves
+    out; c4_validation) or a local path."""
+    dataset_path: str = ""
+    """Local file or folder to read instead of the registry source."""
+    freq: int = 100
+    """Validate every N training steps."""
+    steps: int = -1
+    """Batches per validation (local_batch_size x seq_len each, per dp rank). -1: the whole set."""
+    local_batch_size: int = -1
+    """Sequences per validation batch per dp rank. -1: training.local_batch_size."""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch.profiler traces (CPU + CUDA activity), one trace per rank."""
+    profile_freq: int = 10
+    """Capture a trace every N steps (the last `active_steps` steps of each window)."""
+    warmup_steps: int = 3
+    """Profiler warm-up steps before the active steps of each window (not recorded)."""
+    active_steps: int = 1
+    """Steps recorded per trace."""
+    save_traces_folder: str = "profile_traces"
+    """Trace folder, relative to job.dump_folder: iteration_<step>/rank<r>_trace.json."""
+    enable_memory_snapshot: bool = False
+    """CUDA only: record allocator history and dump a snapshot every profile_freq steps and on
+    out-of-memory (view at pytorch.org/memory_viz)."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Snapshot folder, relative to job.dump_folder."""
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    """Collective timeout while setting up (first step included: compile, loading)."""
+    train_timeout_seconds: int = 100
+    """Collective timeout from the second step on (a hang then fails fast)."""
+    trace_buf_size: int = 20000
+    """NCCL flight-recorder entries per rank (TORCH_NCCL_TRACE_BUFFER_SIZE); 0 disables it.
+    With > 0 a timeout dumps the recorder to save_traces_folder."""
+    save_traces_folder: str = "comm_traces"
+    """Flight-recorder dump folder, relative to job.dump_folder (files rank_<r>)."""
 
 
 @dataclass
@@ -204,3 +298,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    stability: Stability = field(default_factory=Stability)
+    validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)

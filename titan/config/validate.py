@@ -44,6 +44,16 @@ def validate_config(c: JobConfig) -> None:
     validate_optimizer_config(c.optimizer)
     validate_lr_scheduler_config(c.lr_scheduler)
 
+    from titan.parallel.comm import validate_comm_config
+    from titan.profiling import validate_profiling_config
+    from titan.stability import validate_stability_config
+    from titan.validate import validate_validation_config
+
+    validate_stability_config(c)
+    validate_profiling_config(c)
+    validate_validation_config(c)
+    validate_comm_config(c)
+
     p = c.parallelism
     _check(p.data_parallel_replicate_degree >= 1, "parallelism.data_parallel_replicate_degree",
            p.data_parallel_replicate_degree, "an integer >= 1")

@@ -187,6 +187,23 @@ def _hub_source(name: str, repo: str, config: str, split: str) -> Callable[[str]
 
 
 register_dataset("pydoc", _pydoc_source, description="embedded offline corpus: pydoc_data.topics")
+
+# A held-out split of the same corpus: every 10th topic (sorted) is validation, the rest train.
+PYDOC_VALIDATION_EVERY = 10
+
+
+def _pydoc_split(validation: bool) -> Callable[[str], DocumentSource]:
+    def load(text_field: str) -> DocumentSource:
+        from pydoc_data.topics import topics
+
+        keys = [k for i, k in enumerate(sorted(topics)) if (i % PYDOC_VALIDATION_EVERY == 0) == validation]
+        return ListSource("pydoc_validation" if validation else "pydoc_train", [topics[k] for k in keys])
+
+    return load
+
+
+register_dataset("pydoc_train", _pydoc_split(False), description="pydoc without the pydoc_validation topics")
+register_dataset("pydoc_validation", _pydoc_split(True), description="every 10th pydoc topic, held out")
 register_dataset("c4", _hub_source("c4", "allenai/c4", "en", "train"), description="allenai/c4 en train")
 register_dataset(
     "c4_validation",

@@ -1,0 +1,40 @@
+"""[comm]: flight-recorder environment and the switch to the training timeout."""
+
+import datetime
+import os
+
+import pytest
+
+from titan.config import load_config
+from titan.errors import TitanError
+from titan.parallel.comm import set_comm_env
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+                 "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_flight_recorder_env(tmp_path, clean_env, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    c = load_config(["--job.dump_folder", str(tmp_path), "--comm.trace_buf_size", "500"])
+    set_comm_env(c)
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "comm_traces" / "rank_")
+    assert (tmp_path / "comm_traces").is_dir()
+
+
+def test_flight_recorder_off(tmp_path, clean_env):
+    c = load_config(["--job.dump_folder", str(tmp_path), "--comm.trace_buf_size", "0"])
+    set_comm_env(c)
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0"
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ
+    assert not (tmp_path / "comm_traces").exists()
+
+
+def test_bad_timeout_fails_at_load():
+    with pytest.raises(TitanError, match="comm.train_timeout_seconds"):
+        load_config(["--comm.train_timeout_seconds", "0"])

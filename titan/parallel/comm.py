@@ -1,0 +1,97 @@
+"""Collective timeouts and the NCCL flight recorder ([comm] config section).
+
+Two timeouts: start-up (process-group init, first step with compile / checkpoint loading) may
+legitimately take long, while a steady-state hang should fail fast. So the process groups start
+with ``init_timeout_seconds`` and switch to ``train_timeout_seconds`` once the first step is done.
+
+The flight recorder (NCCL only) keeps the last ``trace_buf_size`` collectives per rank and dumps
+them on a timeout, which tells which rank stopped calling which collective. Its settings are
+environment variables that NCCL process groups read when they are created, so
+``set_comm_env`` must run before ``init_process_group``. On gloo they are set but unused.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from titan.config.job_config import JobConfig
+from titan.errors import TitanError
+from titan.parallel.dims import ParallelDims
+from titan.tools.logging import logger
+
+__all__ = ["set_comm_env", "set_pg_timeouts", "validate_comm_config"]
+
+
+def validate_comm_config(c: JobConfig) -> None:
+    m = c.comm
+    for key in ("init_timeout_seconds", "train_timeout_seconds"):
+        if getattr(m, key) < 1:
+            raise TitanError(f"config key 'comm.{key}' must be >= 1 second, got {getattr(m, key)}")
+    if m.trace_buf_size < 0:
+        raise TitanError(f"config key 'comm.trace_buf_size' must be >= 0 (0 disables), got {m.trace_buf_size}")
+
+
+def _set_env(name: str, value: str) -> None:
+    old = os.environ.get(name)
+    if old is not None and old != value:
+        logger.warning(f"[comm] config overrides {name}={old} with {value}")
+    os.environ[name] = value
+
+
+def set_comm_env(config: JobConfig) -> dict[str, str]:
+    """Set the TORCH_NCCL_* variables for the flight recorder; returns what was set."""
+    validate_comm_config(config)
+    m = config.comm
+    env = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(m.trace_buf_size),
+        # The recorder only dumps when the watchdog does not tear the process down first:
+        # mode 3 = skip cleanup (pytorch/pytorch#121055), used whether or not the recorder is on
+        # so that behaviour does not change with the buffer size.
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    }
+    if m.trace_buf_size > 0:
+        folder = os.path.join(config.job.dump_folder, m.save_traces_folder)
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # single-process runs have no collectives to trace
+            os.makedirs(folder, exist_ok=True)
+        env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+        env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(folder, "rank_")
+    for name, value in env.items():
+        _set_env(name, value)
+    return env
+
+
+def _groups(parallel_dims: ParallelDims) -> list[dist.ProcessGroup]:
+    groups = [dist.group.WORLD]
+    mesh = parallel_dims.mesh
+    if mesh is not None:
+        groups += mesh.get_all_groups()
+        for flat in ("dp", "dp_shard_cp", "dp_cp"):
+            sub = parallel_dims.submesh(flat)
+            if sub is not None and sub.ndim == 1:
+                groups.append(sub.get_group())
+    unique: dict[int, dist.ProcessGroup] = {}
+    for g in groups:
+        unique.setdefault(id(g), g)
+    return list(unique.values())
+
+
+def set_pg_timeouts(seconds: int, parallel_dims: ParallelDims, device: torch.device) -> int:
+    """Switch every process group this rank uses to ``seconds``; returns how many were changed.
+
+    Synchronises first so no collective issued under the old timeout is still in flight.
+    """
+    if not dist.is_initialized():
+        return 0
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    groups = _groups(parallel_dims)
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+    logger.info(f"collective timeout set to {seconds}s on {len(groups)} process group(s)")
+    return len(groups)
