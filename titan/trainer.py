@@ -64,18 +64,25 @@ class Trainer:
         self.grad_accum_steps = grad_accumulation_steps(config, self.parallel_dims.dp_degree)
         spec = get_model_spec(config.model.name)
         model_args = copy.deepcopy(get_flavor(spec, config.model.flavor))
-        tokenizer = build_tokenizer(config.model.tokenizer_path)
+        try:
+            tokenizer = build_tokenizer(config.model.tokenizer_path)
+        except TitanError as e:
+            if not config.job.dry_run:
+                raise
+            logger.warning(f"dry run without the tokenizer, using the flavor's vocab_size: {e}")
+            tokenizer = None
 
-        self.device = pick_device(local_rank)
+        # A dry run simulates the world on one CPU process (titan/dry_run.py set up a fake group).
+        self.device = torch.device("cpu") if config.job.dry_run else pick_device(local_rank)
         init_distributed(self.device, world_size)
         self.parallel_dims.build_mesh(self.device.type)
         seed = DEFAULT_SEED if t.seed is None else t.seed
         set_seed(seed, t.deterministic)
 
         # Model: built on meta, parallelized, then materialized and initialized.
-        if model_args.vocab_size != tokenizer.vocab_size:
+        if tokenizer is not None and model_args.vocab_size != tokenizer.vocab_size:
             logger.info(f"model vocab_size {model_args.vocab_size} -> {tokenizer.vocab_size} (from the tokenizer)")
-        model_args.vocab_size = tokenizer.vocab_size
+            model_args.vocab_size = tokenizer.vocab_size
         model_args.max_seq_len = t.seq_len
         model_args.attn_type = config.model.attn_type
         model_args.validate()
@@ -87,6 +94,9 @@ class Trainer:
             f" {self.flops_per_token:,} training FLOPs/token at seq_len {t.seq_len}"
         )
         model = spec.parallelize_fn(model, self.parallel_dims, config)
+        if config.job.dry_run:  # the same build up to here; titan/dry_run.py reports on the meta model
+            self.model_parts = [model]
+            return
         model.to_empty(device=self.device)
         init_model_weights(model, seed, buffer_device=self.device)
         model.train()

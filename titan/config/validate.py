@@ -51,5 +51,6 @@ def validate_config(c: JobConfig) -> None:
            "parallelism.data_parallel_shard_degree", p.data_parallel_shard_degree, "-1 (the rest) or an integer >= 1")
     _choice("parallelism.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward, ("default", "always", "never"))
 
+    _check(c.job.dry_run_world_size >= 1, "job.dry_run_world_size", c.job.dry_run_world_size, "an integer >= 1")
     _check(c.metrics.log_freq >= 1, "metrics.log_freq", c.metrics.log_freq, "an integer >= 1")
     _choice("model.attn_type", c.model.attn_type, ("sdpa", "flex"))

@@ -15,6 +15,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
     if parallel_dims.fsdp_enabled:
         # HSDP: replicate across the outer dim, shard inside; plain FSDP: one shard dim.
         names = ("dp_replicate", "dp_shard_cp") if parallel_dims.dp_replicate_enabled else ("dp_shard_cp",)
+        if len(names) > 1 and not parallel_dims.cp_enabled:
+            names = ("dp_replicate", "dp_shard")  # dp_shard_cp is only flattened when cp > 1
         mesh = parallel_dims.mesh[names] if len(names) > 1 else parallel_dims.submesh(names[0])
         apply_fsdp(
             model,

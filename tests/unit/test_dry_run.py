@@ -1,0 +1,64 @@
+"""Dry run: the real build path for N ranks on one CPU process, checked against the model size."""
+
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from titan.config import load_config
+from titan.dry_run import DryRunReport, format_report, run_dry_run
+from titan.errors import TitanError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _config(toml: str, world: int, *extra: str):
+    return load_config(["--job.config_file", str(REPO / "train_configs" / toml), "--job.dry_run",
+                        "--job.dry_run_world_size", str(world), *extra])
+
+
+@pytest.mark.slow
+def test_405b_on_512_ranks_plan_adds_up_to_the_model():
+    config = _config("llama3_405b.toml", 512)
+    t0 = time.perf_counter()
+    report = run_dry_run(config)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 60, elapsed
+    assert not dist.is_initialized()  # the fake group is gone again
+    assert report.model_params == 405_853_388_800
+    assert len(report.per_rank_params) == 512 and min(report.per_rank_params) > 0
+    # Pure FSDP: no replicas, so the plain per-rank sum is the model.
+    assert sum(report.per_rank_params) == report.distinct_shard_params == report.model_params
+    # Uneven dim-0 chunks: the last ranks hold less than the first.
+    assert report.per_rank_params[0] > report.per_rank_params[-1]
+    text = format_report(report, config)
+    assert "degrees: pp 1, dp_replicate 1, dp_shard 512, cp 1, tp 1" in text
+    assert "DeviceMesh((dp_shard=512)" in text
+    assert "stage 0: layers 0-125 (126) + tok_embeddings, norm, output" in text
+    assert "        0-509      792,698,784" in text
+    assert "matches the model's 405,853,388,800" in text
+    # fp32 params + grads + two AdamW states: 16 bytes per local parameter.
+    assert abs(sum(report.memory[0].values()) - 792_698_784 * 16 / 1024**3) < 1e-6
+
+
+def test_hsdp_and_ddp_layouts_count_replicas_once():
+    hsdp = run_dry_run(_config("debug_model.toml", 8, "--parallelism.data_parallel_replicate_degree", "2"))
+    assert hsdp.degrees["dp_replicate"] == 2 and hsdp.degrees["dp_shard"] == 4
+    assert hsdp.ok and sum(hsdp.per_rank_params) == 2 * hsdp.model_params
+    ddp = run_dry_run(_config("debug_model.toml", 4, "--parallelism.data_parallel_replicate_degree", "4",
+                              "--parallelism.data_parallel_shard_degree", "1"))
+    assert ddp.ok and ddp.per_rank_params == [ddp.model_params] * 4
+
+
+def test_bad_layout_fails_like_the_real_launch():
+    with pytest.raises(TitanError, match="world size is 8"):
+        run_dry_run(_config("debug_model.toml", 8, "--parallelism.data_parallel_shard_degree", "3"))
+    assert not dist.is_initialized()
+
+
+def test_mismatch_is_reported_not_hidden():
+    report = DryRunReport(2, "m", {"pp": 1}, ["stage"], model_params=10, per_rank_params=[4, 5],
+                          distinct_shard_params=9, memory=[{"params": 0.0}] * 2)
+    assert not report.ok
+    assert "DOES NOT MATCH the model's 10" in format_report(report, load_config([]))
