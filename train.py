@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
         _report(e, after_init=False)
         return 2
 
-    if config.job.dry_run or os.environ.get("COMM_MODE") == "fake_backend":
+    if config.job.dry_run:
         from titan.dry_run import main as dry_run_main
 
         try:
