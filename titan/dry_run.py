@@ -50,7 +50,7 @@ class DryRunReport:
     world_size: int
     mesh: str
     degrees: dict[str, int]
-    stages: list[str]  # one line per pipeline stage: which layers and modules it holds
+    stages: list[str]  # one line per pipeline rank: which layers and modules its stage(s) hold
     model_params: int  # the trainer's count of the whole (unsplit) model
     per_rank_params: list[int]  # index = global rank
     distinct_shard_params: int  # sum over ranks, each replicated shard counted once
@@ -192,7 +192,8 @@ def format_report(report: DryRunReport, config: JobConfig) -> str:
         f"degrees: {deg}",
         f"mesh: {report.mesh}",
     ]
-    lines += [f"stage {i}: {text}" for i, text in enumerate(report.stages)]
+    label = "pp rank" if len(report.stages) > 1 else "stage"
+    lines += [f"{label} {i}: {text}" for i, text in enumerate(report.stages)]
     # Columns come from the estimator's keys, so a richer estimator adds columns by itself.
     keys = list(report.memory[0]) if report.memory else []
     head = f"{'ranks':>13} {'params':>16}" + "".join(f" {k + ' GiB':>12}" for k in keys) + f" {'total GiB':>10}"
@@ -208,7 +209,7 @@ def format_report(report: DryRunReport, config: JobConfig) -> str:
             start = r
     verdict = "matches" if report.ok else "DOES NOT MATCH"
     total = sum(report.per_rank_params)
-    copies = f" ({total:,} over all ranks, data-parallel replicas included)" if total != report.distinct_shard_params else ""
+    copies = f" ({total:,} over all ranks, replicated copies included)" if total != report.distinct_shard_params else ""
     lines.append(
         f"check: per-rank shards sum to {report.distinct_shard_params:,} parameters{copies};"
         f" {verdict} the model's {report.model_params:,}"

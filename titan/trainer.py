@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from titan.config.job_config import JobConfig
 from titan.config.manager import to_dict
@@ -20,7 +22,7 @@ from titan.lr_scheduler import build_lr_schedulers
 from titan.metrics import MetricsProcessor
 from titan.models import get_flavor, get_model_spec
 from titan.optim import build_optimizers
-from titan.parallel.dims import ParallelDims
+from titan.parallel.dims import ParallelDims, check_layout
 from titan.parallel.fsdp import DTYPES
 from titan.parallel.init import init_model_weights
 from titan.parallel.utils import clip_grad_norm_, init_distributed, pick_device, set_seed, world_info
@@ -42,6 +44,11 @@ def grad_accumulation_steps(config: JobConfig, dp_degree: int) -> int:
     return t.global_batch_size // per_pass
 
 
+def _replicated(t: torch.Tensor) -> torch.Tensor:
+    """A loss computed under loss parallel is a replicated DTensor: take the plain value."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 class Trainer:
     def __init__(self, config: JobConfig):
         self.config = config
@@ -56,10 +63,11 @@ class Trainer:
         self.parallel_dims = ParallelDims(
             dp_replicate=par.data_parallel_replicate_degree,
             dp_shard=par.data_parallel_shard_degree,
-            cp=1,
-            tp=1,
-            pp=1,
+            cp=par.context_parallel_degree,
+            tp=par.tensor_parallel_degree,
+            pp=par.pipeline_parallel_degree,
             world_size=world_size,
+            enable_loss_parallel=not par.disable_loss_parallel,
         )
         self.grad_accum_steps = grad_accumulation_steps(config, self.parallel_dims.dp_degree)
         spec = get_model_spec(config.model.name)
@@ -72,8 +80,10 @@ class Trainer:
             logger.warning(f"dry run without the tokenizer, using the flavor's vocab_size: {e}")
             tokenizer = None
 
-        # A dry run simulates the world on one CPU process (titan/dry_run.py set up a fake group).
+        # A dry run simulates the world on one CPU process (titan/dry_run.py set up a fake group)
+        # and checks the layout as for the GPUs it stands in for.
         self.device = torch.device("cpu") if config.job.dry_run else pick_device(local_rank)
+        check_layout(self.parallel_dims, par, model_args, t.seq_len, "cuda" if config.job.dry_run else self.device.type)
         init_distributed(self.device, world_size)
         self.parallel_dims.build_mesh(self.device.type)
         seed = DEFAULT_SEED if t.seed is None else t.seed
@@ -93,14 +103,22 @@ class Trainer:
             f"model {spec.name} {config.model.flavor}: {self.num_params:,} parameters,"
             f" {self.flops_per_token:,} training FLOPs/token at seq_len {t.seq_len}"
         )
-        model = spec.parallelize_fn(model, self.parallel_dims, config)
-        if config.job.dry_run:  # the same build up to here; titan/dry_run.py reports on the meta model
-            self.model_parts = [model]
+        self.pp_schedule = None
+        if self.parallel_dims.pp_enabled:
+            self.pp_schedule, self.model_parts, self.pp_has_first, self.pp_has_last = spec.pipelining_fn(
+                model, self.parallel_dims, config, self.device, spec.parallelize_fn, self._pp_loss_fn
+            )
+        else:
+            self.model_parts = [spec.parallelize_fn(model, self.parallel_dims, config)]
+        del model
+        if config.job.dry_run:  # the same build up to here; titan/dry_run.py reports on the meta parts
             return
-        model.to_empty(device=self.device)
-        init_model_weights(model, seed, buffer_device=self.device)
-        model.train()
-        self.model_parts = [model]
+        for part in self.model_parts:
+            part.to_empty(device=self.device)
+            init_model_weights(part, seed, buffer_device=self.device)
+            part.train()
+        # Set per step: the PP loss function divides by the step's global token count.
+        self._loss_scale = torch.ones((), device=self.device)
         # Without FSDP there is no MixedPrecisionPolicy: autocast gives the same compute dtype.
         self.amp = self._autocast_context(model_args)
 
@@ -122,12 +140,20 @@ class Trainer:
             infinite=t.dataset_infinite,
         )
         self.metrics = MetricsProcessor(
-            config, rank=self.rank, device=self.device, num_flops_per_token=self.flops_per_token
+            config, rank=self.rank, device=self.device, num_flops_per_token=self.flops_per_token,
+            non_data_parallel_size=self.parallel_dims.non_data_parallel_size,
         )
         self.step = 0
         self.tokens_seen = 0
         self._batches: Iterator | None = None
         gc.disable()  # collected every gc_freq steps instead, so pauses don't differ across ranks
+
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        """Loss parallel: cross entropy (forward and backward) on vocab-sharded DTensor logits."""
+        return loss_parallel() if self.parallel_dims.loss_parallel_enabled else contextlib.nullcontext()
+
+    def _pp_loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_sum(logits, labels) * self._loss_scale
 
     def _autocast_context(self, model_args) -> contextlib.AbstractContextManager:  # noqa: ANN001
         dtype = self.config.training.mixed_precision_param
@@ -164,28 +190,50 @@ class Trainer:
         Returns (global mean token loss, total grad norm) as tensors; no host sync here.
         """
         self.optimizers.zero_grad()
-        model = self.model_parts[0]
         global_tokens = self._global_token_count(microbatches)
         # Data-parallel wrappers average gradients over dp ranks; scaling by dp turns that into the
         # sum over ranks, so the gradient is that of (sum of token losses / global tokens).
         dp_scale = self.parallel_dims.dp_degree
         loss_sum = torch.zeros((), device=self.device)
         for inputs, labels in microbatches:
-            with self.amp:
-                logits = model(inputs)
-            local = cross_entropy_sum(logits, labels) / global_tokens
-            del logits
-            (local * dp_scale).backward()
-            loss_sum += local.detach()
+            if self.pp_schedule is not None:
+                loss_sum += self._pp_forward_backward(inputs, labels, global_tokens, dp_scale)
+            else:
+                with self._loss_context():
+                    with self.amp:
+                        logits = self.model_parts[0](inputs)
+                    local = cross_entropy_sum(logits, labels) / global_tokens
+                    del logits
+                    (local * dp_scale).backward()
+                loss_sum += _replicated(local.detach())
             self.metrics.count_tokens(labels.numel())
         params = [p for m in self.model_parts for p in m.parameters()]
-        grad_norm = clip_grad_norm_(params, self.config.training.max_norm)
+        pp = self.parallel_dims.submesh("pp")
+        grad_norm = clip_grad_norm_(params, self.config.training.max_norm, pp.get_group() if pp is not None else None)
         self.optimizers.step()
         self.lr_schedulers.step()
         dp = self.parallel_dims.submesh("dp")
         if dp is not None:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dp.get_group())
         return loss_sum, grad_norm
+
+    def _pp_forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor, dp_scale: int
+    ) -> torch.Tensor:
+        """One pipeline step over local_batch_size / microbatch_size micro-batches. The last stage
+        holds the loss; a sum over the pp group hands it to every stage (rank 0 logs it)."""
+        self._loss_scale = dp_scale / global_tokens
+        targets, losses = (labels, []) if self.pp_has_last else (None, None)
+        with self._loss_context(), self.amp:
+            if self.pp_has_first:
+                self.pp_schedule.step(inputs, target=targets, losses=losses)
+            else:
+                self.pp_schedule.step(target=targets, losses=losses)
+        loss = torch.zeros((), device=self.device)
+        if self.pp_has_last:
+            loss = sum(_replicated(x.detach()) for x in losses) / dp_scale
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.parallel_dims.submesh("pp").get_group())
+        return loss
 
     # ------------------------------------------------------------ loop
     def train(self) -> dict[int, float]:

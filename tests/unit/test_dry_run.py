@@ -51,6 +51,19 @@ def test_hsdp_and_ddp_layouts_count_replicas_once():
     assert ddp.ok and ddp.per_rank_params == [ddp.model_params] * 4
 
 
+def test_tp_pp_hsdp_layout_splits_stages_and_counts_tp_replicas_once():
+    config = _config("debug_model.toml", 16, "--parallelism.tensor_parallel_degree", "2",
+                     "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2")
+    report = run_dry_run(config)
+    assert report.degrees == {"pp": 2, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert report.stages == ["layers 0-2 (3) + tok_embeddings", "layers 3-5 (3) + norm, output"]
+    assert report.ok
+    # Norm weights are replicated over TP and everything over dp_replicate: more than 2x the model.
+    assert sum(report.per_rank_params) > 2 * report.model_params
+    text = format_report(report, config)
+    assert "pp rank 1: layers 3-5 (3) + norm, output" in text and "replicated copies included" in text
+
+
 def test_bad_layout_fails_like_the_real_launch():
     with pytest.raises(TitanError, match="world size is 8"):
         run_dry_run(_config("debug_model.toml", 8, "--parallelism.data_parallel_shard_degree", "3"))

@@ -50,6 +50,16 @@ def validate_config(c: JobConfig) -> None:
     _check(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
            "parallelism.data_parallel_shard_degree", p.data_parallel_shard_degree, "-1 (the rest) or an integer >= 1")
     _choice("parallelism.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward, ("default", "always", "never"))
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
+                "pipeline_parallel_microbatch_size"):
+        _check(getattr(p, key) >= 1, f"parallelism.{key}", getattr(p, key), "an integer >= 1")
+    _check(p.pipeline_parallel_layers_per_stage == -1 or p.pipeline_parallel_layers_per_stage >= 1,
+           "parallelism.pipeline_parallel_layers_per_stage", p.pipeline_parallel_layers_per_stage,
+           "-1 (automatic) or an integer >= 1")
+    _choice("parallelism.context_parallel_rotate_method", p.context_parallel_rotate_method, ("allgather", "alltoall"))
+    from titan.parallel.pp import check_schedule_config
+
+    check_schedule_config(p, t.local_batch_size)
 
     _check(c.job.dry_run_world_size >= 1, "job.dry_run_world_size", c.job.dry_run_world_size, "an integer >= 1")
     _check(c.metrics.log_freq >= 1, "metrics.log_freq", c.metrics.log_freq, "an integer >= 1")

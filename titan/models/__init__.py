@@ -16,13 +16,17 @@ class ModelSpec:
     flavors: dict[str, Any]
     parallelize_fn: Callable
     get_nparams_and_flops: Callable
+    pipelining_fn: Callable | None = None
+    """Splits the meta model into pipeline stages: (model, dims, config, device, parallelize_fn,
+    loss_fn) -> (schedule, model_parts, has_first_stage, has_last_stage)."""
 
 
 def _llama3() -> ModelSpec:
     from titan.models.llama import Transformer, get_nparams_and_flops, llama3_configs
     from titan.models.llama.parallelize import parallelize_llama
+    from titan.models.llama.pipeline import pipeline_llama
 
-    return ModelSpec("llama3", Transformer, llama3_configs, parallelize_llama, get_nparams_and_flops)
+    return ModelSpec("llama3", Transformer, llama3_configs, parallelize_llama, get_nparams_and_flops, pipeline_llama)
 
 
 _REGISTRY: dict[str, Callable[[], ModelSpec]] = {"llama3": _llama3}

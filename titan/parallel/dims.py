@@ -20,6 +20,7 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    enable_loss_parallel: bool = True
     _mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +79,15 @@ class ParallelDims:
         return self.pp > 1
 
     @property
+    def loss_parallel_enabled(self) -> bool:
+        return self.tp_enabled and self.enable_loss_parallel
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        """Ranks that work on the same tokens (TP/CP/PP); throughput per device divides by it."""
+        return self.cp * self.tp * self.pp
+
+    @property
     def dp_degree(self) -> int:
         """Ranks that see different data (replicas x shards)."""
         return self.dp_replicate * self.dp_shard
@@ -121,6 +131,52 @@ class ParallelDims:
             return self._mesh[name]
         return None
 
+    def fsdp_mesh(self) -> DeviceMesh:
+        """FSDP's mesh: 1-D over dp_shard x cp, or 2-D (dp_replicate, shard) for HSDP. A
+        flattened name exists only when both of its parts are > 1, so pick what is present."""
+        if self.dp_shard_enabled and self.cp_enabled:
+            shard = "dp_shard_cp"
+        else:
+            shard = "dp_shard" if self.dp_shard_enabled else "cp"
+        if not self.dp_replicate_enabled:
+            return self.submesh(shard)
+        return self._mesh[("dp_replicate", shard)]
+
     def dp_rank(self) -> int:
         dp = self.submesh("dp")
         return 0 if dp is None else dp.get_local_rank()
+
+
+def check_layout(dims: ParallelDims, par, model_args, seq_len: int, device_type: str) -> None:  # noqa: ANN001
+    """Checks that need the degrees, the model shape and the device, but no process group: run
+    on every rank before init_distributed so a bad layout fails at once instead of hanging."""
+    from titan.parallel.pp import num_stages
+    from titan.parallel.tp import check_tp_shapes
+
+    if dims.tp_enabled:
+        check_tp_shapes(model_args.n_heads, model_args.kv_heads, dims.tp)
+        if dims.dp_replicate_enabled and not dims.fsdp_enabled:
+            raise TitanError(
+                "DDP (data_parallel_replicate_degree > 1 with shard degree 1) does not compose with"
+                " tensor parallel; use HSDP (data_parallel_shard_degree > 1) or FSDP instead"
+            )
+        if par.enable_async_tensor_parallel and device_type != "cuda":
+            raise TitanError(
+                "parallelism.enable_async_tensor_parallel needs CUDA (symmetric memory between GPUs);"
+                f" this run's device is {device_type}: set it to false"
+            )
+    if dims.pp_enabled:
+        num_stages(model_args.n_layers, dims.pp, par)
+        if model_args.tie_embeddings:
+            raise TitanError("model tie_embeddings cannot be split across pipeline stages; untie it or set pipeline_parallel_degree 1")
+    if dims.cp_enabled:
+        if seq_len % (2 * dims.cp):
+            raise TitanError(
+                f"training.seq_len ({seq_len}) must be divisible by 2 x context_parallel_degree"
+                f" ({2 * dims.cp}): each CP rank takes one head and one tail chunk"
+            )
+        if device_type != "cuda":
+            raise TitanError(
+                "parallelism.context_parallel_degree > 1 trains only on CUDA: on CPU, SDPA has no"
+                " context-parallel sharding rule and flex_attention has no backward"
+            )

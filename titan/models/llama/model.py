@@ -142,7 +142,9 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        # Sliced here, not by the caller: under TP/SP the caller only sees its sequence shard,
+        # while attention runs on the gathered sequence (under CP both are the local shard).
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
         n_rep = self.n_heads // self.n_kv_heads
         xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
         q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # [B, H, S, Dh]
@@ -281,12 +283,10 @@ class Transformer(nn.Module):
                 f"sequence length {seqlen} exceeds model max_seq_len {self.freqs_cis.shape[0]}; "
                 "raise model max_seq_len or lower training.seq_len"
             )
-        freqs_cis = self.freqs_cis[:seqlen]
-        block_mask = None
-        if self.model_args.attn_type == "flex":
-            block_mask = causal_block_mask(seqlen, h.device)
+        # The full table (attention slices it) and no block mask (attention builds the cached
+        # causal one for the length it sees): h may be a sequence shard under TP/SP.
         for layer in self.layers.values():
-            h = layer(h, freqs_cis, block_mask=block_mask)
+            h = layer(h, self.freqs_cis)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

@@ -5,25 +5,37 @@ TP/SP -> CP -> activation checkpointing -> compile -> FSDP2 / HSDP / DDP.
 from __future__ import annotations
 
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from titan.config.job_config import JobConfig
 from titan.parallel.dims import ParallelDims
 from titan.parallel.fsdp import apply_ddp, apply_fsdp
+from titan.parallel.tp import apply_tp as _apply_tp
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False) -> None:
+    """Tensor + sequence parallel over `tp_mesh` (see titan/parallel/tp.py). With loss_parallel
+    the logits are vocab-sharded DTensors: run the loss under tensor.parallel.loss_parallel()."""
+    _apply_tp(model, tp_mesh, loss_parallel=loss_parallel, enable_async_tp=enable_async_tp)
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
+    par = job_config.parallelism
+    if parallel_dims.tp_enabled:
+        apply_tp(
+            model,
+            parallel_dims.submesh("tp"),
+            loss_parallel=parallel_dims.loss_parallel_enabled,
+            enable_async_tp=par.enable_async_tensor_parallel,
+        )
     if parallel_dims.fsdp_enabled:
         # HSDP: replicate across the outer dim, shard inside; plain FSDP: one shard dim.
-        names = ("dp_replicate", "dp_shard_cp") if parallel_dims.dp_replicate_enabled else ("dp_shard_cp",)
-        if len(names) > 1 and not parallel_dims.cp_enabled:
-            names = ("dp_replicate", "dp_shard")  # dp_shard_cp is only flattened when cp > 1
-        mesh = parallel_dims.mesh[names] if len(names) > 1 else parallel_dims.submesh(names[0])
         apply_fsdp(
             model,
-            mesh,
+            parallel_dims.fsdp_mesh(),
             param_dtype=job_config.training.mixed_precision_param,
             reduce_dtype=job_config.training.mixed_precision_reduce,
-            reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
+            reshard_after_forward=par.fsdp_reshard_after_forward,
             pp_enabled=parallel_dims.pp_enabled,
         )
     elif parallel_dims.dp_replicate_enabled:

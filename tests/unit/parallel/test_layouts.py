@@ -1,0 +1,119 @@
+"""Every parallel layout reproduces the 1-process losses and grad norms (fp32, same global batch).
+
+3 steps: step 1 checks the forward and the gradient (via the grad norm), steps 2-3 check that the
+optimizer updates computed from those sharded gradients match too; more steps only repeat that.
+Layouts that need different meshes share one spawned process group: each builds its Trainer in turn.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from titan.config import load_config
+from titan.models.llama.args import TransformerModelArgs, llama3_configs
+from titan.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[3]
+SEQ, VOCAB, STEPS, GLOBAL_BATCH = 32, 2048, 3, 4
+TOL = 1e-4
+# Tiny, 4 layers (2 or 4 pipeline stages), GQA with heads divisible by TP 2.
+llama3_configs.setdefault(
+    "partest", TransformerModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32)
+)
+
+
+def _config(dump: str, *extra: str):
+    return load_config([
+        "--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", dump,
+        "--model.flavor", "partest", "--training.seq_len", str(SEQ), "--metrics.enable_tensorboard", "false",
+        "--lr_scheduler.warmup_steps", "1", *extra,
+    ])
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, VOCAB, (STEPS, GLOBAL_BATCH, SEQ + 1), generator=g)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def _run(trainer: Trainer) -> list[tuple[float, float]]:
+    dp = trainer.parallel_dims.dp_degree
+    per, r = GLOBAL_BATCH // dp, trainer.dp_rank
+    out = []
+    for inputs, labels in _batches():
+        loss, norm = trainer.train_step([(inputs[r * per:(r + 1) * per], labels[r * per:(r + 1) * per])])
+        out.append((loss.item(), norm.item()))
+    return out
+
+
+def _layouts_on_ranks(rank: int, world: int, dump: str, layouts: dict[str, tuple[str, ...]]):
+    results = {}
+    for name, flags in layouts.items():
+        dp = 1
+        for key in ("--parallelism.data_parallel_shard_degree", "--parallelism.data_parallel_replicate_degree"):
+            if key in flags:
+                dp *= int(flags[flags.index(key) + 1])
+        trainer = Trainer(_config(dump, "--training.local_batch_size", str(GLOBAL_BATCH // dp), *flags))
+        results[name] = _run(trainer)
+        del trainer
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _run(Trainer(_config(str(tmp_path_factory.mktemp("ref")), "--training.local_batch_size", str(GLOBAL_BATCH))))
+
+
+def _shard(n: int) -> tuple[str, ...]:
+    return ("--parallelism.data_parallel_shard_degree", str(n))
+
+
+def _pp(schedule: str, *more: str) -> tuple[str, ...]:
+    return ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", schedule, *more)
+
+
+TP2 = ("--parallelism.tensor_parallel_degree", "2")
+TWO_RANK_LAYOUTS = {
+    "fsdp2": _shard(2),
+    "ddp2": ("--parallelism.data_parallel_replicate_degree", "2", *_shard(1)),
+    "tp2": (*TP2, *_shard(1)),
+    "tp2_no_loss_parallel": (*TP2, *_shard(1), "--parallelism.disable_loss_parallel", "true"),
+    "pp2_gpipe": (*_pp("GPipe"), *_shard(1)),
+    "pp2_1f1b": (*_pp("1F1B"), *_shard(1)),
+    "pp2_interleaved1f1b": (*_pp("Interleaved1F1B"), *_shard(1)),
+    "pp2_zbv": (*_pp("ZBVZeroBubble"), *_shard(1)),
+}
+FOUR_RANK_LAYOUTS = {
+    "hsdp2x2": ("--parallelism.data_parallel_replicate_degree", "2", *_shard(2)),
+    "fsdp2_tp2": (*TP2, *_shard(2)),
+    "pp2_fsdp2": (*_pp("1F1B"), *_shard(2)),
+    "pp2_tp2": (*_pp("Interleaved1F1B"), *TP2, *_shard(1)),
+}
+
+
+def _check(results: list[dict], reference: list[tuple[float, float]]) -> dict[str, float]:
+    diffs = {}
+    for name in results[0]:
+        worst = 0.0
+        for per_rank in results:
+            for (loss, norm), (ref_loss, ref_norm) in zip(per_rank[name], reference):
+                worst = max(worst, abs(loss - ref_loss))
+                assert abs(norm - ref_norm) < 10 * TOL, (name, per_rank[name], reference)
+        assert worst < TOL, (name, results[0][name], reference)
+        diffs[name] = worst
+    print("max |loss - 1-process loss|:", diffs)
+    return diffs
+
+
+@pytest.mark.slow
+def test_two_rank_layouts_match_one_process(tmp_path, reference):
+    """world size 2: FSDP, DDP, TP (+/- loss parallel), PP with GPipe / 1F1B / Interleaved1F1B / ZBV."""
+    _check(run_distributed(_layouts_on_ranks, 2, str(tmp_path), TWO_RANK_LAYOUTS), reference)
+
+
+@pytest.mark.slow
+def test_four_rank_layouts_match_one_process(tmp_path, reference):
+    """world size 4: HSDP 2x2, FSDP+TP 2x2, PP+FSDP 2x2, PP+TP 2x2."""
+    _check(run_distributed(_layouts_on_ranks, 4, str(tmp_path), FOUR_RANK_LAYOUTS), reference)

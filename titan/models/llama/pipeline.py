@@ -1,0 +1,66 @@
+"""Split a meta-device Llama into pipeline stages, parallelize each, and build the schedule."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from titan.config.job_config import JobConfig
+from titan.parallel.dims import ParallelDims
+from titan.parallel.pp import (
+    build_schedule,
+    is_v_schedule,
+    layers_of_stage,
+    make_stages,
+    num_stages,
+    stage_ids_this_rank,
+)
+from titan.tools.logging import logger
+
+
+def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
+    """A copy of the (meta) model keeping only this stage's layers; the embedding lives on the
+    first stage, the final norm and output on the last. Layer keys keep their global index so
+    FQNs (checkpoints, seeded init) are the same as in the unsplit model."""
+    part = copy.deepcopy(model)
+    keep = {str(i) for i in layers_of_stage(stage, stages, model.n_layers)}
+    for name in list(part.layers.keys()):
+        if name not in keep:
+            del part.layers[name]
+    if stage != 0:
+        part.tok_embeddings = None
+    if stage != stages - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+def pipeline_llama(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    device: torch.device,
+    parallelize_fn: Callable,
+    loss_fn: Callable,
+):  # noqa: ANN201 - (schedule, model_parts, has_first_stage, has_last_stage)
+    par = job_config.parallelism
+    pp_mesh = parallel_dims.submesh("pp")
+    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    stages = num_stages(model.n_layers, pp, par)
+    v_style = not par.pipeline_parallel_schedule_csv and is_v_schedule(par.pipeline_parallel_schedule)
+    ids = stage_ids_this_rank(pp_rank, pp, stages, v_style)
+    parts = [parallelize_fn(split_stage(model, sid, stages), parallel_dims, job_config) for sid in ids]
+    pp_stages = make_stages(parts, ids, stages, device, pp_mesh.get_group())
+    n_micro = job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size
+    schedule = build_schedule(pp_stages, n_micro, loss_fn, par)
+    logger.info(
+        f"pipeline rank {pp_rank}/{pp}: stages {ids} of {stages}"
+        f" (layers {[layers_of_stage(s, stages, model.n_layers) for s in ids]}), {n_micro} micro-batches,"
+        f" schedule {par.pipeline_parallel_schedule_csv or par.pipeline_parallel_schedule}"
+    )
+    has_first = any(s.is_first for s in pp_stages)
+    has_last = any(s.is_last for s in pp_stages)
+    return schedule, parts, has_first, has_last

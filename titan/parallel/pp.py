@@ -1,0 +1,128 @@
+"""Pipeline parallelism: stage layout (which layers each stage holds), schedules by name or CSV.
+
+The model-specific split (deleting modules from a meta model) lives in models/llama/pipeline.py;
+this file knows only layer counts, ranks and torch.distributed.pipelining.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    ScheduleDualPipeV,
+    ScheduleZBVZeroBubble,
+    _PipelineSchedule,
+    _PipelineScheduleRuntime,
+    get_schedule_class,
+)
+
+from titan.errors import TitanError
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def schedule_class(name: str) -> type[_PipelineSchedule]:
+    if name.lower() not in {s.lower() for s in SCHEDULES}:
+        raise TitanError(f"config key 'parallelism.pipeline_parallel_schedule' got {name!r}; valid: {', '.join(SCHEDULES)}")
+    return get_schedule_class(name)
+
+
+def check_schedule_config(par, local_batch_size: int) -> None:  # noqa: ANN001 - config.Parallelism
+    """Checks needing only the config (run by validate_config)."""
+    schedule_class(par.pipeline_parallel_schedule)
+    csv = par.pipeline_parallel_schedule_csv
+    if csv and not os.path.isfile(csv):
+        raise TitanError(f"config key 'parallelism.pipeline_parallel_schedule_csv' got {csv!r}: no such file")
+    mbs = par.pipeline_parallel_microbatch_size
+    if par.pipeline_parallel_degree > 1 and local_batch_size % mbs:
+        raise TitanError(
+            f"config key 'training.local_batch_size' ({local_batch_size}) must be a multiple of"
+            f" parallelism.pipeline_parallel_microbatch_size ({mbs})"
+        )
+
+
+def is_multi_stage(par) -> bool:  # noqa: ANN001
+    """Multi-stage (looped) schedules run several stages per rank; CSV schedules always are."""
+    if par.pipeline_parallel_schedule_csv:
+        return True
+    return issubclass(schedule_class(par.pipeline_parallel_schedule), PipelineScheduleMulti)
+
+
+def is_v_schedule(name: str) -> bool:
+    return schedule_class(name) in (ScheduleZBVZeroBubble, ScheduleDualPipeV)
+
+
+def num_stages(n_layers: int, pp: int, par) -> int:  # noqa: ANN001
+    """Total stages over all ranks, from layers_per_stage (or the default); checked to fit."""
+    multi = is_multi_stage(par)
+    lps = par.pipeline_parallel_layers_per_stage
+    if lps == -1:
+        stages = pp * (2 if multi else 1)
+        if n_layers % stages:
+            raise TitanError(
+                f"model n_layers ({n_layers}) cannot be split into {stages} pipeline stages"
+                f" (pipeline_parallel_degree {pp}{' x 2 stages per rank' if multi else ''});"
+                " set parallelism.pipeline_parallel_layers_per_stage to a divisor of n_layers"
+            )
+        return stages
+    if n_layers % lps:
+        raise TitanError(
+            f"parallelism.pipeline_parallel_layers_per_stage ({lps}) must divide model n_layers ({n_layers})"
+        )
+    stages = n_layers // lps
+    if stages % pp:
+        raise TitanError(
+            f"{n_layers} layers at {lps} per stage make {stages} stages, not a multiple of"
+            f" pipeline_parallel_degree {pp}; change pipeline_parallel_layers_per_stage"
+        )
+    if not multi and stages != pp:
+        raise TitanError(
+            f"schedule {par.pipeline_parallel_schedule} runs one stage per rank but"
+            f" {n_layers} layers at {lps} per stage make {stages} stages for {pp} ranks;"
+            " use a looped schedule (Interleaved1F1B, ...) or fewer layers per stage"
+        )
+    return stages
+
+
+def stage_ids_this_rank(pp_rank: int, pp: int, stages: int, v_style: bool) -> list[int]:
+    """Loop placement: rank r owns r, r+pp, ...; V placement (ZBV/DualPipeV): r and 2pp-1-r,
+    so the last stage sits beside the first on rank 0."""
+    per_rank = stages // pp
+    if v_style:
+        if per_rank != 2:
+            raise TitanError(f"V-shaped schedules need exactly 2 stages per rank, got {per_rank}")
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(per_rank)]
+
+
+def layers_of_stage(stage: int, stages: int, n_layers: int) -> list[int]:
+    per = n_layers // stages
+    return list(range(stage * per, (stage + 1) * per))
+
+
+def build_schedule(
+    stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, par  # noqa: ANN001
+) -> _PipelineSchedule:
+    """The schedule by name, or the CSV runtime; gradients are *not* scaled by the schedule:
+    the loss function already normalises by the global token count."""
+    if par.pipeline_parallel_schedule_csv:
+        schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        schedule._load_csv(par.pipeline_parallel_schedule_csv)
+        return schedule
+    cls = schedule_class(par.pipeline_parallel_schedule)
+    if issubclass(cls, PipelineScheduleSingle):
+        if len(stages) != 1:
+            raise TitanError(f"schedule {par.pipeline_parallel_schedule} takes one stage per rank, got {len(stages)}")
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def make_stages(
+    parts: list[nn.Module], stage_ids: list[int], stages: int, device, group  # noqa: ANN001
+) -> list[PipelineStage]:
+    return [PipelineStage(m, sid, stages, device, group=group) for m, sid in zip(parts, stage_ids)]
