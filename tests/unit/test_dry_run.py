@@ -70,6 +70,12 @@ def test_bad_layout_fails_like_the_real_launch():
     assert not dist.is_initialized()
 
 
+def test_dry_run_refuses_to_run_under_a_launcher(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(TitanError, match="plain process, not under torchrun"):
+        run_dry_run(_config("debug_model.toml", 8))
+
+
 def test_mismatch_is_reported_not_hidden():
     report = DryRunReport(2, "m", {"pp": 1}, ["stage"], model_params=10, per_rank_params=[4, 5],
                           distinct_shard_params=9, memory=[{"params": 0.0}] * 2)
