@@ -187,7 +187,7 @@ def format_report(report: DryRunReport, config: JobConfig) -> str:
     """The plan as text: mesh, stages, then per-rank rows (ranks with equal values grouped)."""
     deg = ", ".join(f"{k} {v}" for k, v in report.degrees.items())
     lines = [
-        f"dry run: {config.model.name} {config.model.flavor} on {report.world_size} ranks"
+        f"dry run: {config.model.name} {config.model.flavor} on {report.world_size} rank{'s' if report.world_size != 1 else ''}"
         " (fake process group, meta device: nothing allocated, nothing communicated)",
         f"degrees: {deg}",
         f"mesh: {report.mesh}",
