@@ -22,6 +22,7 @@ from titan.lr_scheduler import build_lr_schedulers
 from titan.metrics import MetricsProcessor
 from titan.models import get_flavor, get_model_spec
 from titan.optim import build_optimizers
+from titan.parallel.cp import cp_shard_batch
 from titan.parallel.dims import ParallelDims, check_layout
 from titan.parallel.fsdp import DTYPES
 from titan.parallel.init import init_model_weights
@@ -83,7 +84,10 @@ class Trainer:
         # A dry run simulates the world on one CPU process (titan/dry_run.py set up a fake group)
         # and checks the layout as for the GPUs it stands in for.
         self.device = torch.device("cpu") if config.job.dry_run else pick_device(local_rank)
-        check_layout(self.parallel_dims, par, model_args, t.seq_len, "cuda" if config.job.dry_run else self.device.type)
+        compile_cfg = getattr(config, "compile", None)  # the [compile] section, where present
+        compiled = bool(compile_cfg and compile_cfg.enable and "model" in compile_cfg.components)
+        layout_device = "cuda" if config.job.dry_run else self.device.type
+        check_layout(self.parallel_dims, par, model_args, t.seq_len, layout_device, config.model.attn_type, compiled)
         init_distributed(self.device, world_size)
         self.parallel_dims.build_mesh(self.device.type)
         seed = DEFAULT_SEED if t.seed is None else t.seed
@@ -152,6 +156,15 @@ class Trainer:
         """Loss parallel: cross entropy (forward and backward) on vocab-sharded DTensor logits."""
         return loss_parallel() if self.parallel_dims.loss_parallel_enabled else contextlib.nullcontext()
 
+    def _cp_context(self, inputs: torch.Tensor, labels: torch.Tensor) -> contextlib.AbstractContextManager:
+        """CP: forward and backward see this rank's sequence shard (and RoPE rows)."""
+        if not self.parallel_dims.cp_enabled:
+            return contextlib.nullcontext((inputs, labels))
+        return cp_shard_batch(
+            self.parallel_dims.submesh("cp"), self.model_parts, inputs, labels,
+            self.config.parallelism.context_parallel_rotate_method,
+        )
+
     def _pp_loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return cross_entropy_sum(logits, labels) * self._loss_scale
 
@@ -191,31 +204,38 @@ class Trainer:
         """
         self.optimizers.zero_grad()
         global_tokens = self._global_token_count(microbatches)
-        # Data-parallel wrappers average gradients over dp ranks; scaling by dp turns that into the
-        # sum over ranks, so the gradient is that of (sum of token losses / global tokens).
-        dp_scale = self.parallel_dims.dp_degree
+        # Data-parallel wrappers average gradients over dp (x cp) ranks; scaling by that turns it
+        # into the sum over ranks, so the gradient is that of (sum of token losses / global tokens).
+        dp_scale = self.parallel_dims.dp_degree * self.parallel_dims.cp
         loss_sum = torch.zeros((), device=self.device)
-        for inputs, labels in microbatches:
-            if self.pp_schedule is not None:
-                loss_sum += self._pp_forward_backward(inputs, labels, global_tokens, dp_scale)
-            else:
-                with self._loss_context():
-                    with self.amp:
-                        logits = self.model_parts[0](inputs)
-                    local = cross_entropy_sum(logits, labels) / global_tokens
-                    del logits
-                    (local * dp_scale).backward()
-                loss_sum += _replicated(local.detach())
-            self.metrics.count_tokens(labels.numel())
+        for full_inputs, full_labels in microbatches:
+            with self._cp_context(full_inputs, full_labels) as (inputs, labels):
+                if self.pp_schedule is not None:
+                    loss_sum += self._pp_forward_backward(inputs, labels, global_tokens, dp_scale)
+                else:
+                    loss_sum += self._forward_backward(inputs, labels, global_tokens, dp_scale)
+            self.metrics.count_tokens(full_labels.numel())
         params = [p for m in self.model_parts for p in m.parameters()]
         pp = self.parallel_dims.submesh("pp")
         grad_norm = clip_grad_norm_(params, self.config.training.max_norm, pp.get_group() if pp is not None else None)
         self.optimizers.step()
         self.lr_schedulers.step()
-        dp = self.parallel_dims.submesh("dp")
-        if dp is not None:
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dp.get_group())
+        # CP ranks hold the loss of their sequence shard: the total sums over dp x cp.
+        dp_cp = self.parallel_dims.submesh("dp_cp")
+        if dp_cp is not None:
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dp_cp.get_group())
         return loss_sum, grad_norm
+
+    def _forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor, dp_scale: int
+    ) -> torch.Tensor:
+        with self._loss_context():
+            with self.amp:
+                logits = self.model_parts[0](inputs)
+            local = cross_entropy_sum(logits, labels) / global_tokens
+            del logits
+            (local * dp_scale).backward()
+        return _replicated(local.detach())
 
     def _pp_forward_backward(
         self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor, dp_scale: int

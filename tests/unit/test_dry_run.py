@@ -20,26 +20,32 @@ def _config(toml: str, world: int, *extra: str):
 
 @pytest.mark.slow
 def test_405b_on_512_ranks_plan_adds_up_to_the_model():
-    config = _config("llama3_405b.toml", 512)
+    config = _config("llama3_405b.toml", 512)  # as shipped: TP 8 inside nodes, FSDP 64 across
     t0 = time.perf_counter()
     report = run_dry_run(config)
     elapsed = time.perf_counter() - t0
     assert elapsed < 60, elapsed
     assert not dist.is_initialized()  # the fake group is gone again
     assert report.model_params == 405_853_388_800
+    assert report.degrees == {"pp": 1, "dp_replicate": 1, "dp_shard": 64, "cp": 1, "tp": 8}
     assert len(report.per_rank_params) == 512 and min(report.per_rank_params) > 0
-    # Pure FSDP: no replicas, so the plain per-rank sum is the model.
-    assert sum(report.per_rank_params) == report.distinct_shard_params == report.model_params
-    # Uneven dim-0 chunks: the last ranks hold less than the first.
-    assert report.per_rank_params[0] > report.per_rank_params[-1]
+    # Each shard once: the model. TP replicates the norm weights over its 8 ranks, so the plain
+    # sum over ranks exceeds the model by 7 copies of them (per FSDP shard).
+    assert report.distinct_shard_params == report.model_params
+    norms = 126 * 2 * 16384 + 16384
+    assert sum(report.per_rank_params) == report.model_params + 7 * norms
     text = format_report(report, config)
-    assert "degrees: pp 1, dp_replicate 1, dp_shard 512, cp 1, tp 1" in text
-    assert "DeviceMesh((dp_shard=512)" in text
+    assert "mesh: DeviceMesh((dp_shard=64, tp=8)" in text
     assert "stage 0: layers 0-125 (126) + tok_embeddings, norm, output" in text
-    assert "        0-509      792,698,784" in text
+    assert "        0-503      792,755,456" in text
     assert "matches the model's 405,853,388,800" in text
     # fp32 params + grads + two AdamW states: 16 bytes per local parameter.
-    assert abs(sum(report.memory[0].values()) - 792_698_784 * 16 / 1024**3) < 1e-6
+    assert abs(sum(report.memory[0].values()) - 792_755_456 * 16 / 1024**3) < 1e-6
+
+    # Pure FSDP over all 512 ranks: no copies at all, the per-rank counts sum to the model.
+    fsdp = run_dry_run(_config("llama3_405b.toml", 512, "--parallelism.tensor_parallel_degree", "1"))
+    assert sum(fsdp.per_rank_params) == fsdp.distinct_shard_params == fsdp.model_params
+    assert fsdp.per_rank_params[0] > fsdp.per_rank_params[-1]  # uneven dim-0 chunks at the end
 
 
 def test_hsdp_and_ddp_layouts_count_replicas_once():

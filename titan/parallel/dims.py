@@ -147,9 +147,13 @@ class ParallelDims:
         return 0 if dp is None else dp.get_local_rank()
 
 
-def check_layout(dims: ParallelDims, par, model_args, seq_len: int, device_type: str) -> None:  # noqa: ANN001
+def check_layout(  # noqa: ANN001
+    dims: ParallelDims, par, model_args, seq_len: int, device_type: str, attn_type: str = "sdpa",
+    compiled: bool = False,
+) -> None:
     """Checks that need the degrees, the model shape and the device, but no process group: run
     on every rank before init_distributed so a bad layout fails at once instead of hanging."""
+    from titan.parallel.cp import check_cp_seq_len
     from titan.parallel.pp import num_stages
     from titan.parallel.tp import check_tp_shapes
 
@@ -165,16 +169,17 @@ def check_layout(dims: ParallelDims, par, model_args, seq_len: int, device_type:
                 "parallelism.enable_async_tensor_parallel needs CUDA (symmetric memory between GPUs);"
                 f" this run's device is {device_type}: set it to false"
             )
+        if par.enable_async_tensor_parallel and not compiled:
+            raise TitanError(
+                "parallelism.enable_async_tensor_parallel works through compile's micro-pipeline pass:"
+                " also set compile.enable (with 'model' in compile.components)"
+            )
     if dims.pp_enabled:
         num_stages(model_args.n_layers, dims.pp, par)
         if model_args.tie_embeddings:
             raise TitanError("model tie_embeddings cannot be split across pipeline stages; untie it or set pipeline_parallel_degree 1")
     if dims.cp_enabled:
-        if seq_len % (2 * dims.cp):
-            raise TitanError(
-                f"training.seq_len ({seq_len}) must be divisible by 2 x context_parallel_degree"
-                f" ({2 * dims.cp}): each CP rank takes one head and one tail chunk"
-            )
+        check_cp_seq_len(seq_len, dims.cp, attn_type)
         if device_type != "cuda":
             raise TitanError(
                 "parallelism.context_parallel_degree > 1 trains only on CUDA: on CPU, SDPA has no"

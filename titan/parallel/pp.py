@@ -110,16 +110,22 @@ def build_schedule(
 ) -> _PipelineSchedule:
     """The schedule by name, or the CSV runtime; gradients are *not* scaled by the schedule:
     the loss function already normalises by the global token count."""
-    if par.pipeline_parallel_schedule_csv:
-        schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-        schedule._load_csv(par.pipeline_parallel_schedule_csv)
-        return schedule
-    cls = schedule_class(par.pipeline_parallel_schedule)
-    if issubclass(cls, PipelineScheduleSingle):
-        if len(stages) != 1:
-            raise TitanError(f"schedule {par.pipeline_parallel_schedule} takes one stage per rank, got {len(stages)}")
-        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    name = par.pipeline_parallel_schedule_csv or par.pipeline_parallel_schedule
+    try:
+        if par.pipeline_parallel_schedule_csv:
+            schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+            schedule._load_csv(par.pipeline_parallel_schedule_csv)
+            return schedule
+        cls = schedule_class(par.pipeline_parallel_schedule)
+        if issubclass(cls, PipelineScheduleSingle):
+            return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    except ValueError as e:
+        # Raised identically on every rank before any pipeline communication: no hang.
+        raise TitanError(
+            f"pipeline schedule {name} rejects {n_microbatches} micro-batches (training.local_batch_size /"
+            f" parallelism.pipeline_parallel_microbatch_size) for {len(stages)} local stage(s): {e}"
+        ) from e
 
 
 def make_stages(

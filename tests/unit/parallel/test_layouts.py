@@ -43,7 +43,9 @@ def _run(trainer: Trainer) -> list[tuple[float, float]]:
     per, r = GLOBAL_BATCH // dp, trainer.dp_rank
     out = []
     for inputs, labels in _batches():
-        loss, norm = trainer.train_step([(inputs[r * per:(r + 1) * per], labels[r * per:(r + 1) * per])])
+        x, y = inputs[r * per:(r + 1) * per], labels[r * per:(r + 1) * per]
+        n = trainer.grad_accum_steps  # this rank's rows, cut into the accumulation micro-batches
+        loss, norm = trainer.train_step(list(zip(x.chunk(n), y.chunk(n))))
         out.append((loss.item(), norm.item()))
     return out
 
@@ -55,7 +57,9 @@ def _layouts_on_ranks(rank: int, world: int, dump: str, layouts: dict[str, tuple
         for key in ("--parallelism.data_parallel_shard_degree", "--parallelism.data_parallel_replicate_degree"):
             if key in flags:
                 dp *= int(flags[flags.index(key) + 1])
-        trainer = Trainer(_config(dump, "--training.local_batch_size", str(GLOBAL_BATCH // dp), *flags))
+        accum = 2 if name.endswith("_accum2") else 1
+        batch = ("--training.local_batch_size", str(GLOBAL_BATCH // dp // accum), "--training.global_batch_size", str(GLOBAL_BATCH))
+        trainer = Trainer(_config(dump, *batch, *flags))
         results[name] = _run(trainer)
         del trainer
     return results
@@ -82,8 +86,12 @@ TWO_RANK_LAYOUTS = {
     "tp2_no_loss_parallel": (*TP2, *_shard(1), "--parallelism.disable_loss_parallel", "true"),
     "pp2_gpipe": (*_pp("GPipe"), *_shard(1)),
     "pp2_1f1b": (*_pp("1F1B"), *_shard(1)),
+    "pp2_1f1b_accum2": (*_pp("1F1B"), *_shard(1)),
     "pp2_interleaved1f1b": (*_pp("Interleaved1F1B"), *_shard(1)),
+    "pp2_loopedbfs": (*_pp("LoopedBFS"), *_shard(1)),
+    "pp2_interleavedzb": (*_pp("InterleavedZeroBubble"), *_shard(1)),
     "pp2_zbv": (*_pp("ZBVZeroBubble"), *_shard(1)),
+    "pp2_dualpipev": (*_pp("DualPipeV"), *_shard(1)),
 }
 FOUR_RANK_LAYOUTS = {
     "hsdp2x2": ("--parallelism.data_parallel_replicate_degree", "2", *_shard(2)),
@@ -107,10 +115,24 @@ def _check(results: list[dict], reference: list[tuple[float, float]]) -> dict[st
     return diffs
 
 
+def _looped_bfs_csv(path: Path) -> str:
+    """A hand-written compute-only schedule: 4 stages looped over 2 ranks, all forwards first."""
+    rows = []
+    for rank in range(2):
+        stages = (rank, rank + 2)
+        fwd = [f"{s}F{m}" for s in stages for m in range(4)]
+        bwd = [f"{s}B{m}" for s in reversed(stages) for m in range(4)]
+        rows.append(",".join(fwd + bwd))
+    path.write_text("\n".join(rows) + "\n")
+    return str(path)
+
+
 @pytest.mark.slow
 def test_two_rank_layouts_match_one_process(tmp_path, reference):
-    """world size 2: FSDP, DDP, TP (+/- loss parallel), PP with GPipe / 1F1B / Interleaved1F1B / ZBV."""
-    _check(run_distributed(_layouts_on_ranks, 2, str(tmp_path), TWO_RANK_LAYOUTS), reference)
+    """world size 2: FSDP, DDP, TP (+/- loss parallel), PP with every torch schedule and a CSV one."""
+    csv = _looped_bfs_csv(tmp_path / "schedule.csv")
+    layouts = {**TWO_RANK_LAYOUTS, "pp2_csv": (*_pp("1F1B", "--parallelism.pipeline_parallel_schedule_csv", csv), *_shard(1))}
+    _check(run_distributed(_layouts_on_ranks, 2, str(tmp_path), layouts), reference)
 
 
 @pytest.mark.slow

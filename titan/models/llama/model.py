@@ -122,6 +122,20 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) ->
     return _compiled_flex(q, k, v, block_mask=mask)
 
 
+class SDPAttention(nn.Module):
+    """Causal SDPA as a parameter-free module: context parallelism hooks its inputs/outputs."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class FlexAttention(nn.Module):
+    """flex_attention as a parameter-free module (context parallelism gathers k/v in a hook)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+        return _flex(q, k, v, block_mask)
+
+
 class Attention(nn.Module):
     def __init__(self, args: TransformerModelArgs) -> None:
         super().__init__()
@@ -133,6 +147,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.inner_attention = FlexAttention() if args.attn_type == "flex" else SDPAttention()
 
     def forward(
         self, x: torch.Tensor, freqs_cis: torch.Tensor, block_mask: BlockMask | None = None
@@ -151,9 +166,9 @@ class Attention(nn.Module):
         if self.attn_type == "flex":
             if block_mask is None:
                 block_mask = causal_block_mask(seqlen, x.device)
-            out = _flex(q, k, v, block_mask)
+            out = self.inner_attention(q, k, v, block_mask=block_mask)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = self.inner_attention(q, k, v)
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
         return self.wo(out)
 

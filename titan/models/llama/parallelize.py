@@ -8,6 +8,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan.config.job_config import JobConfig
+from titan.parallel.cp import apply_cp
 from titan.parallel.dims import ParallelDims
 from titan.parallel.fsdp import apply_ddp, apply_fsdp
 from titan.parallel.tp import apply_tp as _apply_tp
@@ -28,6 +29,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             loss_parallel=parallel_dims.loss_parallel_enabled,
             enable_async_tp=par.enable_async_tensor_parallel,
         )
+    if parallel_dims.cp_enabled:
+        apply_cp(model, parallel_dims.submesh("cp"), job_config.model.attn_type)
     if parallel_dims.fsdp_enabled:
         # HSDP: replicate across the outer dim, shard inside; plain FSDP: one shard dim.
         apply_fsdp(

@@ -1,0 +1,123 @@
+"""Context parallelism: each sequence is split over the CP ranks (ring attention).
+
+Sequences are cut into 2 x cp chunks and rank r keeps chunks r and 2cp-1-r (head-tail load
+balancing: with a causal mask the early chunks are cheap and the late ones expensive, so each
+rank gets one of each). inputs, labels and the RoPE table (freqs_cis) are sharded the same way;
+attention then needs every rank's keys/values:
+- SDPA: q/k/v become sequence-sharded DTensors and torch's CP dispatcher runs ring attention;
+- flex: k/v are all-gathered before the kernel and the causal BlockMask is rewritten for the
+  local, rearranged query rows.
+Training with CP needs CUDA (see check_layout): on CPU SDPA has no CP sharding rule and flex
+attention has no backward. The forward (e.g. evaluation) with flex runs anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.experimental._attention import (
+    _ContextParallel,
+    _context_parallel_shard,
+    _disable_context_parallel_dispatcher,
+    _enable_context_parallel_dispatcher,
+    _HeadTailLoadBalancer,
+    context_parallel_unshard,
+    set_rotate_method,
+)
+from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, BlockMask, create_block_mask
+
+from titan.errors import TitanError
+from titan.tools.logging import logger
+
+# q/k/v reach the attention kernel as [B, H, S, Dh].
+_QKV_SEQ_DIM = 2
+
+
+def check_cp_seq_len(seq_len: int, cp: int, attn_type: str) -> None:
+    """Head-tail balancing cuts each sequence into 2 x cp chunks; the flex CP block mask also
+    needs every rank's chunks to be whole mask blocks."""
+    multiple = 2 * cp * (_DEFAULT_SPARSE_BLOCK_SIZE if attn_type == "flex" else 1)
+    if seq_len % multiple:
+        raise TitanError(
+            f"training.seq_len ({seq_len}) must be divisible by {multiple} with context_parallel_degree {cp}"
+            f" and attn_type {attn_type} (2 x cp chunks{' of whole 128-token mask blocks' if attn_type == 'flex' else ''})"
+        )
+
+
+def _causal(b, h, q_idx, kv_idx):  # noqa: ANN001 - signature fixed by flex_attention
+    return q_idx >= kv_idx
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, attn_type: str) -> None:
+    """Hook every block's attention kernel module (Attention.inner_attention) for CP."""
+    kind = _ContextParallel.AttentionType.FLEX if attn_type == "flex" else _ContextParallel.AttentionType.SDPA
+    masks: dict[tuple[int, str], BlockMask] = {}
+
+    def cp_block_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        # The model built a causal mask for the *local* length; CP needs the global causal mask
+        # restricted to this rank's (rearranged) query rows, against all keys.
+        q = args[0]
+        full = q.shape[_QKV_SEQ_DIM] * cp_mesh.size()
+        key = (full, str(q.device))
+        if key not in masks:
+            import torch.distributed.tensor.experimental._context_parallel._attention as cp_impl
+
+            if q.device.type == "cpu" and getattr(cp_impl, "_compiled_create_block_mask", 0) is None:
+                # torch compiles create_block_mask here (GPU memory); on CPU that costs ~20 s per
+                # process for a mask built once, so use the eager function (same result).
+                cp_impl._compiled_create_block_mask = create_block_mask
+            masks[key] = cp_impl._create_cp_block_mask(
+                _causal, 1, 1, full, full, cp_mesh, _HeadTailLoadBalancer(full, cp_mesh.size(), q.device)
+            )
+        kwargs["block_mask"] = masks[key]
+        return args, kwargs
+
+    for block in model.layers.values():
+        inner = block.attention.inner_attention
+        if attn_type == "flex":
+            inner.register_forward_pre_hook(cp_block_mask, with_kwargs=True)
+        _ContextParallel(seq_dim=_QKV_SEQ_DIM, attention_type=kind)._apply(inner, cp_mesh)
+    logger.info(f"applied context parallel (degree {cp_mesh.size()}, {attn_type}, head-tail load balancing)")
+
+
+@contextlib.contextmanager
+def cp_shard_batch(
+    cp_mesh: DeviceMesh,
+    model_parts: list[nn.Module],
+    inputs: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    rotate_method: str = "allgather",
+) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Within the block: (local inputs, local labels), and each part's freqs_cis swapped for its
+    shard. Run forward *and* backward inside (SDPA's ring attention dispatches in both)."""
+    seq_len = next(t for t in (inputs, labels) if t is not None).shape[1]
+    device = next(t for t in (inputs, labels) if t is not None).device
+    balancer = _HeadTailLoadBalancer(seq_len, cp_mesh.size(), device)
+    buffers = [t for t in (inputs, labels) if t is not None] + [m.freqs_cis for m in model_parts]
+    dims = [1] * (len(buffers) - len(model_parts)) + [0] * len(model_parts)
+    shards = _context_parallel_shard(cp_mesh, buffers, dims, balancer)
+    originals = [m.freqs_cis for m in model_parts]
+    for m, f in zip(model_parts, shards[len(buffers) - len(model_parts):]):
+        m.freqs_cis = f
+    it = iter(shards)
+    local_inputs = next(it) if inputs is not None else None
+    local_labels = next(it) if labels is not None else None
+    set_rotate_method(rotate_method)
+    _enable_context_parallel_dispatcher()
+    try:
+        yield local_inputs, local_labels
+    finally:
+        _disable_context_parallel_dispatcher()
+        for m, f in zip(model_parts, originals):
+            m.freqs_cis = f
+
+
+def cp_unshard(cp_mesh: DeviceMesh, tensor: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
+    """Gather a CP-sharded tensor (e.g. logits) back into the original token order."""
+    seq_len = tensor.shape[seq_dim] * cp_mesh.size()
+    balancer = _HeadTailLoadBalancer(seq_len, cp_mesh.size(), tensor.device)
+    return context_parallel_unshard(cp_mesh, [tensor], [seq_dim], balancer)[0]
