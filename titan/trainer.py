@@ -20,7 +20,9 @@ from titan.lr_scheduler import build_lr_schedulers
 from titan.metrics import MetricsProcessor
 from titan.models import get_flavor, get_model_spec
 from titan.optim import build_optimizers
+from titan.parallel.compile import build_loss_fn
 from titan.parallel.dims import ParallelDims
+from titan.parallel.float8 import build_precompute_hook, check_float8_hardware, convert_to_float8
 from titan.parallel.fsdp import DTYPES
 from titan.parallel.init import init_model_weights
 from titan.parallel.utils import clip_grad_norm_, init_distributed, pick_device, set_seed, world_info
@@ -86,6 +88,8 @@ class Trainer:
             f"model {spec.name} {config.model.flavor}: {self.num_params:,} parameters,"
             f" {self.flops_per_token:,} training FLOPs/token at seq_len {t.seq_len}"
         )
+        check_float8_hardware(config.float8, self.device)
+        self.float8_fqns = convert_to_float8(model, config.float8, fsdp_enabled=self.parallel_dims.fsdp_enabled)
         model = spec.parallelize_fn(model, self.parallel_dims, config)
         model.to_empty(device=self.device)
         init_model_weights(model, seed, buffer_device=self.device)
@@ -95,6 +99,10 @@ class Trainer:
         self.amp = self._autocast_context(model_args)
 
         self.optimizers = build_optimizers(self.model_parts, config.optimizer)
+        precompute = build_precompute_hook(self.model_parts, config.float8, self.parallel_dims.fsdp_enabled)
+        if precompute is not None:
+            self.optimizers.register_step_post_hook(precompute)
+        self.loss_fn = build_loss_fn(cross_entropy_sum, config.compile.enable and "loss" in config.compile.components)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, config.lr_scheduler, t.steps)
 
         self.dp_rank = self.parallel_dims.dp_rank()
@@ -112,7 +120,8 @@ class Trainer:
             infinite=t.dataset_infinite,
         )
         self.metrics = MetricsProcessor(
-            config, rank=self.rank, device=self.device, num_flops_per_token=self.flops_per_token
+            config, rank=self.rank, device=self.device, num_flops_per_token=self.flops_per_token,
+            float8=bool(self.float8_fqns),
         )
         self.step = 0
         self.tokens_seen = 0
@@ -163,7 +172,7 @@ class Trainer:
         for inputs, labels in microbatches:
             with self.amp:
                 logits = model(inputs)
-            local = cross_entropy_sum(logits, labels) / global_tokens
+            local = self.loss_fn(logits, labels) / global_tokens
             del logits
             (local * dp_scale).backward()
             loss_sum += local.detach()

@@ -7,11 +7,18 @@ from __future__ import annotations
 import torch.nn as nn
 
 from titan.config.job_config import JobConfig
+from titan.parallel.ac import apply_ac
+from titan.parallel.compile import apply_compile
 from titan.parallel.dims import ParallelDims
 from titan.parallel.fsdp import apply_ddp, apply_fsdp
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
+    ac = job_config.activation_checkpoint
+    apply_ac(model, ac.mode, ac.selective_ac_option)
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        apply_compile(model)
+
     if parallel_dims.fsdp_enabled:
         # HSDP: replicate across the outer dim, shard inside; plain FSDP: one shard dim.
         names = ("dp_replicate", "dp_shard_cp") if parallel_dims.dp_replicate_enabled else ("dp_shard_cp",)
