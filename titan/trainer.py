@@ -22,8 +22,10 @@ from titan.lr_scheduler import build_lr_schedulers
 from titan.metrics import MetricsProcessor
 from titan.models import get_flavor, get_model_spec
 from titan.optim import build_optimizers
+from titan.parallel.compile import build_loss_fn
 from titan.parallel.cp import cp_shard_batch
 from titan.parallel.dims import ParallelDims, check_layout
+from titan.parallel.float8 import build_precompute_hook, check_float8_hardware, convert_to_float8
 from titan.parallel.fsdp import DTYPES
 from titan.parallel.init import init_model_weights
 from titan.parallel.utils import clip_grad_norm_, init_distributed, pick_device, set_seed, world_info
@@ -107,6 +109,9 @@ class Trainer:
             f"model {spec.name} {config.model.flavor}: {self.num_params:,} parameters,"
             f" {self.flops_per_token:,} training FLOPs/token at seq_len {t.seq_len}"
         )
+        check_float8_hardware(config.float8, self.device)
+        # float8 swaps Linear modules before any split or wrapping (DESIGN.md step 4).
+        self.float8_fqns = convert_to_float8(model, config.float8, fsdp_enabled=self.parallel_dims.fsdp_enabled)
         self.pp_schedule = None
         if self.parallel_dims.pp_enabled:
             self.pp_schedule, self.model_parts, self.pp_has_first, self.pp_has_last = spec.pipelining_fn(
@@ -127,6 +132,10 @@ class Trainer:
         self.amp = self._autocast_context(model_args)
 
         self.optimizers = build_optimizers(self.model_parts, config.optimizer)
+        precompute = build_precompute_hook(self.model_parts, config.float8, self.parallel_dims.fsdp_enabled)
+        if precompute is not None:
+            self.optimizers.register_step_post_hook(precompute)
+        self.loss_fn = build_loss_fn(cross_entropy_sum, config.compile.enable and "loss" in config.compile.components)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, config.lr_scheduler, t.steps)
 
         self.dp_rank = self.parallel_dims.dp_rank()
@@ -146,6 +155,7 @@ class Trainer:
         self.metrics = MetricsProcessor(
             config, rank=self.rank, device=self.device, num_flops_per_token=self.flops_per_token,
             non_data_parallel_size=self.parallel_dims.non_data_parallel_size,
+            float8=bool(self.float8_fqns),
         )
         self.step = 0
         self.tokens_seen = 0
@@ -232,7 +242,7 @@ class Trainer:
         with self._loss_context():
             with self.amp:
                 logits = self.model_parts[0](inputs)
-            local = cross_entropy_sum(logits, labels) / global_tokens
+            local = self.loss_fn(logits, labels) / global_tokens
             del logits
             (local * dp_scale).backward()
         return _replicated(local.detach())
