@@ -51,6 +51,12 @@ class LiveBytes(TorchDispatchMode):
         self._seen.discard(key)
         self.current -= nbytes
 
+    def ignore(self, tensors) -> None:  # noqa: ANN001
+        """Storages that exist before tracking (parameters, inputs): ops that return views of them
+        (F.linear's weight.t(), slices) allocate nothing, so they must not be counted."""
+        for t in tensors:
+            self._seen.add(id(t.untyped_storage()))
+
     def track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         key = id(storage)
@@ -130,6 +136,7 @@ def _fake_peak_bytes(model_cls: type, model_args, config: JobConfig, dtype: torc
         tokens = torch.randint(0, model_args.vocab_size, (t.local_batch_size, t.seq_len + 1))
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         tracker = LiveBytes()
+        tracker.ignore([*model.parameters(), *model.buffers(), tokens])
         with tracker:
             loss = cross_entropy_sum(model(inputs), labels)
             loss.backward()

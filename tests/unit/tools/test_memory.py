@@ -80,10 +80,23 @@ def test_fake_peak_equals_real_peak(tiny_flavor, mode):
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     tokens = torch.randint(0, tiny_flavor.vocab_size, (4, 33))
-    with LiveBytes() as tracker:
+    tracker = LiveBytes()
+    tracker.ignore([*model.parameters(), *model.buffers(), tokens])
+    with tracker:
         cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
     # Within 0.1%: the checkpoint's recompute allocates a few small bookkeeping tensors differently.
     assert est == pytest.approx(tracker.peak, rel=1e-3)
+
+
+def test_views_of_parameters_are_not_allocations():
+    """F.linear views the weight (weight.t()); counting that view once counted every weight."""
+    lin = torch.nn.Linear(256, 256, bias=False)
+    x = torch.randn(2, 256)
+    tracker = LiveBytes()
+    tracker.ignore([*lin.parameters(), x])
+    with tracker:
+        lin(x)
+    assert tracker.peak == 2 * 256 * 4  # the output only, not the 256 KiB weight
 
 
 def test_script_prints_a_table(tiny_flavor):
