@@ -28,21 +28,33 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _OPTIM_STATES = {"adamw": 2, "adam": 2}
 
 
-MEMORY_NOTE = "model states: fp32 sharded params, grads, optimizer states (activations excluded)"
-
-
 def estimate_rank_memory(local_params: int, config: JobConfig) -> dict[str, float]:
-    """Model-state bytes on one rank, from its sharded parameter count (activations excluded).
-
-    FSDP keeps the sharded parameters, gradients and optimizer states in float32; the estimator
-    of scripts/estimate_memory.py can replace this function with one that adds activations.
-    """
+    """Model-state GiB on one rank from its own sharded parameter count: FSDP keeps the sharded
+    parameters, gradients and optimizer states in float32."""
     states = _OPTIM_STATES.get(config.optimizer.name.lower(), 2)
     return {
         "params": local_params * 4 / GIB,
         "grads": local_params * 4 / GIB,
         "optim": local_params * 4 * states / GIB,
     }
+
+
+def estimate_shared_memory(config: JobConfig, degrees: dict[str, int], world: int) -> tuple[dict[str, float], str]:
+    """GiB every rank adds on top of its model states (FSDP's gathered parameters, activations),
+    from titan/tools/memory.py's estimator, and a note saying what the columns hold."""
+    states = "params/grads/optim: fp32 sharded parameters, gradients, AdamW states of each rank"
+    if degrees["tp"] > 1 or degrees["pp"] > 1 or degrees["cp"] > 1:
+        return {}, states + "; activations not estimated for TP/PP/CP layouts (add them on top)"
+    from titan.tools.memory import estimate_memory
+
+    est = estimate_memory(config, world)
+    extra = {"gathered": est.gathered_param_bytes / GIB, "activations": est.activation_bytes / GIB}
+    ac = config.activation_checkpoint.mode
+    return extra, (
+        states + "; gathered: FSDP's unsharded root + 2 blocks; activations: peak of a fake-tensor"
+        f" forward/backward at local batch {config.training.local_batch_size} x {config.training.seq_len}"
+        f" (activation checkpointing {ac}); not counted: allocator caching, NCCL buffers"
+    )
 
 
 @dataclass
@@ -55,6 +67,8 @@ class DryRunReport:
     per_rank_params: list[int]  # index = global rank
     distinct_shard_params: int  # sum over ranks, each replicated shard counted once
     memory: list[dict[str, float]] = field(default_factory=list)  # per rank, GiB
+    memory_note: str = ""
+    transforms: str = ""
 
     @property
     def ok(self) -> bool:
@@ -179,8 +193,22 @@ def run_dry_run(config: JobConfig) -> DryRunReport:
         stages.append(_describe_stage(trainer.model_parts))
         per_rank = [a + b for a, b in zip(per_rank, counts)]
         distinct += d
-    memory = [estimate_rank_memory(n, config) for n in per_rank]
-    return DryRunReport(world, mesh_text, degrees, stages, first.num_params, per_rank, distinct, memory)
+    shared, note = estimate_shared_memory(config, degrees, world)
+    memory = [estimate_rank_memory(n, config) | shared for n in per_rank]
+    return DryRunReport(world, mesh_text, degrees, stages, first.num_params, per_rank, distinct, memory,
+                        note, _transforms(first, config))
+
+
+def _transforms(trainer, config: JobConfig) -> str:  # noqa: ANN001
+    """What the build applied besides the layout: read back from the trainer where it records it."""
+    parts = []
+    if trainer.float8_fqns:
+        parts.append(f"float8 on {len(trainer.float8_fqns)} Linear layers")
+    if config.activation_checkpoint.mode != "none":
+        parts.append(f"activation checkpointing {config.activation_checkpoint.mode}")
+    if config.compile.enable:
+        parts.append(f"torch.compile ({', '.join(config.compile.components)})")
+    return ", ".join(parts) or "none"
 
 
 def format_report(report: DryRunReport, config: JobConfig) -> str:
@@ -197,7 +225,7 @@ def format_report(report: DryRunReport, config: JobConfig) -> str:
     # Columns come from the estimator's keys, so a richer estimator adds columns by itself.
     keys = list(report.memory[0]) if report.memory else []
     head = f"{'ranks':>13} {'params':>16}" + "".join(f" {k + ' GiB':>12}" for k in keys) + f" {'total GiB':>10}"
-    lines += ["per rank: memory (GiB) from the estimate of " + MEMORY_NOTE, head]
+    lines += [f"model transforms: {report.transforms}", "per rank, GiB (" + report.memory_note + "):", head]
     start = 0
     rows = list(zip(report.per_rank_params, report.memory))
     for r in range(1, len(rows) + 1):
