@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,6 +45,14 @@ def test_disabled_is_a_no_op_and_default_filter_keeps_output():
     assert all(kind is nn.Linear for kind in _linears(model).values())
     converted = convert_to_float8(model, Float8Config(enable_float8_linear=True), fsdp_enabled=False)
     assert "output" not in converted and len(converted) == 7 * TINY.n_layers
+
+
+def test_precompute_hook_only_with_fsdp_float8_all_gather():
+    full = Float8Config(enable_float8_linear=True, enable_fsdp_float8_all_gather=True,
+                        precompute_float8_dynamic_scale_for_fsdp=True)
+    assert callable(build_precompute_hook([build()], full, fsdp_enabled=True))
+    assert build_precompute_hook([build()], full, fsdp_enabled=False) is None
+    assert build_precompute_hook([build()], replace(full, precompute_float8_dynamic_scale_for_fsdp=False), True) is None
 
 
 @pytest.mark.parametrize(
