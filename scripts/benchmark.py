@@ -148,7 +148,9 @@ def main(argv: list[str]) -> None:
             f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base_tps:.2f}x",
             f"{r['peak_bytes'] / 2**20:,.0f}", f"{r['loss']:.4f}",
         ])
-    print(f"device: {device}; {nproc} process(es); {warmup} warm-up + {steps} timed steps; overrides: {' '.join(argv)}")
+    memory = "CUDA max allocated" if device != "cpu" else "the process's peak RSS, imports and data included"
+    print(f"device: {device}; {nproc} process(es); {warmup} warm-up + {steps} timed steps; peak mem: {memory};"
+          f" overrides: {' '.join(argv)}")
     headers = ["variant", "median step (ms)", "min-max (ms)", "tokens/s/device", "vs first", "peak mem (MiB)", "last loss"]
     print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
 

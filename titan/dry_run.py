@@ -28,32 +28,34 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _OPTIM_STATES = {"adamw": 2, "adam": 2}
 
 
-def estimate_rank_memory(local_params: int, config: JobConfig) -> dict[str, float]:
+def estimate_rank_memory(local_params: int, config: JobConfig, *, with_grads: bool = True) -> dict[str, float]:
     """Model-state GiB on one rank from its own sharded parameter count: FSDP keeps the sharded
     parameters, gradients and optimizer states in float32."""
     states = _OPTIM_STATES.get(config.optimizer.name.lower(), 2)
-    return {
-        "params": local_params * 4 / GIB,
-        "grads": local_params * 4 / GIB,
-        "optim": local_params * 4 * states / GIB,
-    }
+    out = {"params": local_params * 4 / GIB}
+    if with_grads:
+        out["grads"] = local_params * 4 / GIB
+    out["optim"] = local_params * 4 * states / GIB
+    return out
 
 
 def estimate_shared_memory(config: JobConfig, degrees: dict[str, int], world: int) -> tuple[dict[str, float], str]:
-    """GiB every rank adds on top of its model states (FSDP's gathered parameters, activations),
-    from titan/tools/memory.py's estimator, and a note saying what the columns hold."""
-    states = "params/grads/optim: fp32 sharded parameters, gradients, AdamW states of each rank"
+    """GiB every rank adds on top of its parameters and optimizer states, from titan/tools/memory.py's
+    estimator (FSDP's gathered parameters; activations with the gradients accumulated by then),
+    and a note saying what the columns hold. Empty where the estimator does not model the layout."""
+    states = "params, optim: fp32 sharded parameters and AdamW states of each rank"
     if degrees["tp"] > 1 or degrees["pp"] > 1 or degrees["cp"] > 1:
-        return {}, states + "; activations not estimated for TP/PP/CP layouts (add them on top)"
+        return {}, states + "; grads: fp32 sharded; activations not estimated for TP/PP/CP layouts (add them on top)"
     from titan.tools.memory import estimate_memory
 
     est = estimate_memory(config, world)
-    extra = {"gathered": est.gathered_param_bytes / GIB, "activations": est.activation_bytes / GIB}
-    ac = config.activation_checkpoint.mode
+    extra = {"gathered": est.gathered_param_bytes / GIB, "act+grads": est.activation_bytes / GIB}
+    t = config.training
     return extra, (
-        states + "; gathered: FSDP's unsharded root + 2 blocks; activations: peak of a fake-tensor"
-        f" forward/backward at local batch {config.training.local_batch_size} x {config.training.seq_len}"
-        f" (activation checkpointing {ac}); not counted: allocator caching, NCCL buffers"
+        states + "; gathered: FSDP's unsharded root + 2 blocks; act+grads: peak of a fake-tensor"
+        f" forward/backward at local batch {t.local_batch_size} x {t.seq_len} (activation checkpointing"
+        f" {config.activation_checkpoint.mode}) with the sharded gradients accumulated by then;"
+        " not counted: allocator caching, NCCL buffers"
     )
 
 
@@ -194,7 +196,8 @@ def run_dry_run(config: JobConfig) -> DryRunReport:
         per_rank = [a + b for a, b in zip(per_rank, counts)]
         distinct += d
     shared, note = estimate_shared_memory(config, degrees, world)
-    memory = [estimate_rank_memory(n, config) | shared for n in per_rank]
+    # The estimator's peak already holds the gradients: the grads column would count them twice.
+    memory = [estimate_rank_memory(n, config, with_grads=not shared) | shared for n in per_rank]
     return DryRunReport(world, mesh_text, degrees, stages, first.num_params, per_rank, distinct, memory,
                         note, _transforms(first, config))
 

@@ -38,6 +38,7 @@ def test_405b_on_512_ranks_plan_adds_up_to_the_model():
     assert "mesh: DeviceMesh((dp_shard=64, tp=8)" in text
     assert "stage 0: layers 0-125 (126) + tok_embeddings, norm, output" in text
     assert "        0-503      792,755,456" in text
+    assert "model transforms: activation checkpointing full, torch.compile (model, loss)" in text  # as configured
     assert "matches the model's 405,853,388,800" in text
     # fp32 params + grads + two AdamW states: 16 bytes per local parameter.
     assert abs(sum(report.memory[0].values()) - 792_755_456 * 16 / 1024**3) < 1e-6
@@ -52,6 +53,9 @@ def test_hsdp_and_ddp_layouts_count_replicas_once():
     hsdp = run_dry_run(_config("debug_model.toml", 8, "--parallelism.data_parallel_replicate_degree", "2"))
     assert hsdp.degrees["dp_replicate"] == 2 and hsdp.degrees["dp_shard"] == 4
     assert hsdp.ok and sum(hsdp.per_rank_params) == 2 * hsdp.model_params
+    # FSDP layouts get the estimator's columns; its peak holds the gradients, so no grads column.
+    assert set(hsdp.memory[0]) == {"params", "optim", "gathered", "act+grads"}
+    assert hsdp.memory[0]["act+grads"] > 0 and "activation checkpointing none" in hsdp.memory_note
     ddp = run_dry_run(_config("debug_model.toml", 4, "--parallelism.data_parallel_replicate_degree", "4",
                               "--parallelism.data_parallel_shard_degree", "1"))
     assert ddp.ok and ddp.per_rank_params == [ddp.model_params] * 4

@@ -4,8 +4,10 @@ Static state is counted from the meta model's shapes: fp32 parameters, gradients
 moments, each split over the FSDP shard group (dim-0 sharding, padded like FSDP2). The dynamic
 part is measured: one forward + backward of the real model code (activation checkpointing
 applied as configured) runs on fake tensors at the per-rank micro-batch, and a dispatch mode
-tracks the bytes of every live tensor storage; parameter gradients are dropped as soon as they
-are accumulated, as FSDP2 frees unsharded gradients after the reduce-scatter. With FSDP the
+tracks the bytes of every live tensor storage. Each parameter gradient is swapped for one of its
+sharded size as soon as it is accumulated, as FSDP2 keeps only the reduce-scattered shard, so the
+peak covers activations plus the gradients that exist at that moment (zero_grad frees them before
+each forward, so they are not all alive at the activation peak). With FSDP the
 gathered (unsharded) parameters in use are added: the root module (kept gathered through forward
 and backward by default) plus two blocks (the current one and the prefetched next one).
 
@@ -87,20 +89,20 @@ class MemoryEstimate:
     optimizer_bytes: float
     gathered_param_bytes: float
     activation_bytes: float
-    """Peak of activations + transient tensors in forward/backward (fake-tensor measurement)."""
+    """Peak of activations + transients + the gradients accumulated so far, in forward/backward
+    (fake-tensor measurement); grad_bytes is the part of it reached by the end of backward."""
 
     @property
     def total_bytes(self) -> float:
-        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.gathered_param_bytes
-                + self.activation_bytes)
+        return self.param_bytes + self.optimizer_bytes + self.gathered_param_bytes + self.activation_bytes
 
-    def rows(self) -> list[tuple[str, float]]:
+    def rows(self) -> list[tuple[str, float | None]]:
         return [
             ("parameters (fp32, sharded)", self.param_bytes),
-            ("gradients (fp32, sharded)", self.grad_bytes),
             ("optimizer states (AdamW, 2 x fp32)", self.optimizer_bytes),
             ("gathered parameters (FSDP)", self.gathered_param_bytes),
-            ("activations + transients (peak)", self.activation_bytes),
+            ("activations + gradients so far (peak)", self.activation_bytes),
+            ("  of which gradients after backward (fp32, sharded)", self.grad_bytes),
             ("total", self.total_bytes),
         ]
 
@@ -116,8 +118,8 @@ def _module_numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters(recurse=False))
 
 
-def _fake_peak_bytes(model_cls: type, model_args, config: JobConfig, dtype: torch.dtype) -> int:
-    """Peak live bytes of forward + loss + backward on fake tensors, grads dropped on accumulation."""
+def _fake_peak_bytes(model_cls: type, model_args, config: JobConfig, dtype: torch.dtype, shards: int) -> int:
+    """Peak live bytes of forward + loss + backward on fake tensors, grads kept at sharded size."""
     from titan.loss import cross_entropy_sum
 
     t = config.training
@@ -131,8 +133,14 @@ def _fake_peak_bytes(model_cls: type, model_args, config: JobConfig, dtype: torc
         finally:
             torch.set_default_dtype(previous)
         apply_ac(model, ac.mode, ac.selective_ac_option)
+        sharded_grads = []
+
+        def shard_grad(p: torch.Tensor) -> None:
+            p.grad = None
+            sharded_grads.append(torch.empty(_shard_numel(p, shards), dtype=torch.float32))
+
         for p in model.parameters():
-            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+            p.register_post_accumulate_grad_hook(shard_grad)
         tokens = torch.randint(0, model_args.vocab_size, (t.local_batch_size, t.seq_len + 1))
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         tracker = LiveBytes()
@@ -175,7 +183,7 @@ def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
         gathered = float((root + min(2, len(model.layers)) * block) * elt)
     # Activations in the compute dtype (FSDP's param_dtype; autocast without FSDP is approximated
     # by running the whole model in that dtype).
-    activations = _fake_peak_bytes(spec.model_cls, args, config, param_dtype)
+    activations = _fake_peak_bytes(spec.model_cls, args, config, param_dtype, shards)
     return MemoryEstimate(
         world_size=world_size,
         dp_shard=shards,

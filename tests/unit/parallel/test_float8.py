@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,6 +45,14 @@ def test_disabled_is_a_no_op_and_default_filter_keeps_output():
     assert all(kind is nn.Linear for kind in _linears(model).values())
     converted = convert_to_float8(model, Float8Config(enable_float8_linear=True), fsdp_enabled=False)
     assert "output" not in converted and len(converted) == 7 * TINY.n_layers
+
+
+def test_precompute_hook_only_with_fsdp_float8_all_gather():
+    full = Float8Config(enable_float8_linear=True, enable_fsdp_float8_all_gather=True,
+                        precompute_float8_dynamic_scale_for_fsdp=True)
+    assert callable(build_precompute_hook([build()], full, fsdp_enabled=True))
+    assert build_precompute_hook([build()], full, fsdp_enabled=False) is None
+    assert build_precompute_hook([build()], replace(full, precompute_float8_dynamic_scale_for_fsdp=False), True) is None
 
 
 @pytest.mark.parametrize(
@@ -153,3 +160,22 @@ def test_fsdp2_float8_all_gather_with_precomputed_scales_matches_one_process(tmp
         assert r["checks"] == {"float8_linear": True, "sharded": True, "float8_all_gather_weight": True,
                                "hooks": 1, "scale_before": False, "scale_after": True}
         assert max(abs(a - b) for a, b in zip(r["losses"], ref)) < 1e-4, (r["losses"], ref)
+
+
+def test_float8_with_activation_checkpointing_gives_identical_grads():
+    from tests.unit.parallel._tiny import batch
+    from titan.loss import cross_entropy_sum
+    from titan.parallel.ac import apply_ac
+    from titan.parallel.init import canonical_fqn
+
+    results = []
+    for mode in ("none", "selective", "full"):
+        model = build()
+        convert_to_float8(model, Float8Config(enable_float8_linear=True, emulate=True), fsdp_enabled=False)
+        apply_ac(model, mode, "op")
+        inputs, labels = batch()
+        cross_entropy_sum(model(inputs), labels).backward()
+        results.append({canonical_fqn(n): p.grad for n, p in model.named_parameters()})
+    for grads in results[1:]:
+        for name, g in results[0].items():
+            torch.testing.assert_close(grads[name], g, rtol=0, atol=0, msg=name)

@@ -77,13 +77,12 @@ def test_fake_peak_equals_real_peak(tiny_flavor, mode):
     est = estimate_memory(_cfg("--activation_checkpoint.mode", mode), 1).activation_bytes
     model = build(tiny_flavor)
     apply_ac(model, mode)
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     tokens = torch.randint(0, tiny_flavor.vocab_size, (4, 33))
     tracker = LiveBytes()
     tracker.ignore([*model.parameters(), *model.buffers(), tokens])
     with tracker:
         cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    assert all(p.grad is not None for p in model.parameters())  # kept, as the trainer keeps them
     # Within 0.1%: the checkpoint's recompute allocates a few small bookkeeping tensors differently.
     assert est == pytest.approx(tracker.peak, rel=1e-3)
 
