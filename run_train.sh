@@ -4,6 +4,9 @@
 # NGPU: processes to start (default: the number of GPUs, or 1 on a CPU-only machine).
 # CONFIG_FILE: TOML config (default: the debug model). LOG_RANK: ranks whose output is shown
 # (comma-separated, default 0). Extra arguments are passed to train.py as config overrides.
+# COMM_MODE=fake_backend: no training; one CPU process dry-runs the layout for NGPU ranks
+# (mesh, per-stage layers, per-rank parameters and memory), e.g.
+#   NGPU=512 COMM_MODE=fake_backend CONFIG_FILE=train_configs/llama3_405b.toml ./run_train.sh
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -16,6 +19,10 @@ LOG_RANK=${LOG_RANK:-0}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 export TORCHAO_FORCE_SKIP_LOADING_SO_FILES=${TORCHAO_FORCE_SKIP_LOADING_SO_FILES:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
+
+if [ "${COMM_MODE:-}" = "fake_backend" ]; then
+  exec python train.py --job.config_file "${CONFIG_FILE}" --job.dry_run --job.dry_run_world_size "${NGPU}" "$@"
+fi
 
 exec torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \

@@ -35,6 +35,17 @@ def main(argv: list[str]) -> int:
         _report(e, after_init=False)
         return 2
 
+    if config.job.dry_run:
+        from titan.dry_run import main as dry_run_main
+
+        try:
+            return dry_run_main(config)
+        except TitanError as e:
+            if debug:
+                raise
+            _report(e, after_init=False)
+            return 2
+
     import torch.distributed as dist
 
     from titan.parallel.utils import destroy_distributed

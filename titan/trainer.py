@@ -24,8 +24,10 @@ from titan.metrics import MetricsProcessor
 from titan.models import get_flavor, get_model_spec
 from titan.optim import build_optimizers, cast_params_for_optimizer
 from titan.parallel.comm import set_comm_env, set_pg_timeouts
+from titan.parallel.compile import build_loss_fn
 from titan.parallel.cp import cp_shard_batch
 from titan.parallel.dims import ParallelDims, check_layout
+from titan.parallel.float8 import build_precompute_hook, check_float8_hardware, convert_to_float8
 from titan.parallel.fsdp import DTYPES
 from titan.parallel.init import init_model_weights
 from titan.parallel.utils import clip_grad_norm_, init_distributed, pick_device, set_seed, world_info
@@ -81,12 +83,21 @@ class Trainer:
         validate_validation_config(config)
         spec = get_model_spec(config.model.name)
         model_args = copy.deepcopy(get_flavor(spec, config.model.flavor))
-        tokenizer = build_tokenizer(config.model.tokenizer_path)
+        try:
+            tokenizer = build_tokenizer(config.model.tokenizer_path)
+        except TitanError as e:
+            if not config.job.dry_run:
+                raise
+            logger.warning(f"dry run without the tokenizer, using the flavor's vocab_size: {e}")
+            tokenizer = None
 
-        self.device = pick_device(local_rank)
+        # A dry run simulates the world on one CPU process (titan/dry_run.py set up a fake group)
+        # and checks the layout as for the GPUs it stands in for.
+        self.device = torch.device("cpu") if config.job.dry_run else pick_device(local_rank)
         compile_cfg = getattr(config, "compile", None)  # the [compile] section, where present
         compiled = bool(compile_cfg and compile_cfg.enable and "model" in compile_cfg.components)
-        check_layout(self.parallel_dims, par, model_args, t.seq_len, self.device.type, config.model.attn_type, compiled)
+        layout_device = "cuda" if config.job.dry_run else self.device.type
+        check_layout(self.parallel_dims, par, model_args, t.seq_len, layout_device, config.model.attn_type, compiled)
         set_comm_env(config)  # NCCL reads the flight-recorder env when its groups are created
         init_distributed(self.device, world_size, timeout_s=config.comm.init_timeout_seconds)
         self.parallel_dims.build_mesh(self.device.type)
@@ -94,9 +105,9 @@ class Trainer:
         set_seed(seed, t.deterministic)
 
         # Model: built on meta, parallelized, then materialized and initialized.
-        if model_args.vocab_size != tokenizer.vocab_size:
+        if tokenizer is not None and model_args.vocab_size != tokenizer.vocab_size:
             logger.info(f"model vocab_size {model_args.vocab_size} -> {tokenizer.vocab_size} (from the tokenizer)")
-        model_args.vocab_size = tokenizer.vocab_size
+            model_args.vocab_size = tokenizer.vocab_size
         model_args.max_seq_len = t.seq_len
         model_args.attn_type = config.model.attn_type
         model_args.depth_init = config.model.depth_init
@@ -109,6 +120,9 @@ class Trainer:
             f"model {spec.name} {config.model.flavor}: {self.num_params:,} parameters,"
             f" {self.flops_per_token:,} training FLOPs/token at seq_len {t.seq_len}"
         )
+        check_float8_hardware(config.float8, self.device)
+        # float8 swaps Linear modules before any split or wrapping (DESIGN.md step 4).
+        self.float8_fqns = convert_to_float8(model, config.float8, fsdp_enabled=self.parallel_dims.fsdp_enabled)
         self.pp_schedule = None
         if self.parallel_dims.pp_enabled:
             self.pp_schedule, self.model_parts, self.pp_has_first, self.pp_has_last = spec.pipelining_fn(
@@ -117,6 +131,8 @@ class Trainer:
         else:
             self.model_parts = [spec.parallelize_fn(model, self.parallel_dims, config)]
         del model
+        if config.job.dry_run:  # the same build up to here; titan/dry_run.py reports on the meta parts
+            return
         for part in self.model_parts:
             part.to_empty(device=self.device)
             init_model_weights(part, seed, buffer_device=self.device)
@@ -127,6 +143,10 @@ class Trainer:
         self.amp = self._autocast_context(model_args)
 
         self.optimizers = build_optimizers(self.model_parts, config.optimizer)
+        precompute = build_precompute_hook(self.model_parts, config.float8, self.parallel_dims.fsdp_enabled)
+        if precompute is not None:
+            self.optimizers.register_step_post_hook(precompute)
+        self.loss_fn = build_loss_fn(cross_entropy_sum, config.compile.enable and "loss" in config.compile.components)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, config.lr_scheduler, t.steps)
 
         self.dp_rank = self.parallel_dims.dp_rank()
@@ -146,6 +166,7 @@ class Trainer:
         self.metrics = MetricsProcessor(
             config, rank=self.rank, device=self.device, num_flops_per_token=self.flops_per_token,
             non_data_parallel_size=self.parallel_dims.non_data_parallel_size,
+            float8=bool(self.float8_fqns),
         )
         self.validator = None
         if config.validation.enable:
@@ -248,7 +269,7 @@ class Trainer:
         with self._loss_context():
             with self.amp:
                 logits = self.model_parts[0](inputs)
-            local = cross_entropy_sum(logits, labels) / global_tokens
+            local = self.loss_fn(logits, labels) / global_tokens
             del logits
             (local * dp_scale).backward()
         return _replicated(local.detach())

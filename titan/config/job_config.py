@@ -20,6 +20,12 @@ class Job:
     """Free-text description of the job, printed at start-up."""
     print_config: bool = False
     """Print the merged configuration (defaults <- TOML <- CLI) at start-up."""
+    dry_run: bool = False
+    """Check the layout without hardware: one CPU process on a fake process group builds the real
+    mesh and the parallelized model on the meta device for `dry_run_world_size` ranks, then prints
+    the plan and per-rank parameters and memory (run_train.sh: COMM_MODE=fake_backend, NGPU ranks)."""
+    dry_run_world_size: int = 8
+    """Number of ranks the dry run simulates (e.g. 512 for 64 nodes of 8 GPUs)."""
 
 
 @dataclass
@@ -289,6 +295,44 @@ class Checkpoint:
 
 
 @dataclass
+class ActivationCheckpoint:
+    mode: str = "none"
+    """Recompute activations in backward instead of keeping them: none, full (every
+    TransformerBlock keeps only its input) or selective (see selective_ac_option)."""
+    selective_ac_option: int | str = "op"
+    """With mode = selective: "op" keeps the outputs of every other matmul (and attention) per block
+    and recomputes the rest; an integer N fully checkpoints every N-th block (layers 0, N, 2N...)."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile the parts named in `components` (inductor)."""
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    """What to compile: model (each TransformerBlock, fullgraph) and/or loss (the cross entropy)."""
+
+
+@dataclass
+class Float8:
+    enable_float8_linear: bool = False
+    """Swap nn.Linear layers for torchao Float8Linear (float8 matmuls; needs CUDA SM89+ unless
+    emulate)."""
+    recipe: str = "tensorwise"
+    """torchao scaling recipe: tensorwise (one scale per tensor) or rowwise (one per row)."""
+    enable_fsdp_float8_all_gather: bool = False
+    """FSDP2 all-gathers weights already cast to float8 (half the bytes of bf16); tensorwise only."""
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """After each optimizer step, compute all float8 weight scales with one all-reduce instead of
+    one per layer in forward. Needs enable_fsdp_float8_all_gather."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Linear layers whose name contains any of these strings stay in high precision. Layers with
+    a dimension that is not a multiple of 16 are always skipped (float8 kernel requirement)."""
+    emulate: bool = False
+    """Run the float8 matmuls in high precision after the casts (for testing on CPU or GPUs older
+    than SM89); numerics match float8, speed does not."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -302,3 +346,6 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)

@@ -234,6 +234,10 @@ def load_config(argv: list[str] | None = None, *, env: dict[str, str] | None = N
     argv = list(sys.argv[1:] if argv is None else argv)
     cli = parse_cli(argv)
     config = JobConfig()
+    from titan.config.environment import environment_defaults
+
+    for key, value in environment_defaults(os.environ if env is None else env):
+        _set(config, key, value, from_cli=False)
     config_file = next((v for k, v in reversed(cli) if k == "job.config_file"), "")
     if config_file:
         for key, value in _flatten_toml(load_toml(config_file), config_file):

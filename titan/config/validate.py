@@ -71,9 +71,20 @@ def validate_config(c: JobConfig) -> None:
 
     check_schedule_config(p, t.local_batch_size)
 
+    _check(c.job.dry_run_world_size >= 1, "job.dry_run_world_size", c.job.dry_run_world_size, "an integer >= 1")
     _check(c.metrics.log_freq >= 1, "metrics.log_freq", c.metrics.log_freq, "an integer >= 1")
     _choice("model.attn_type", c.model.attn_type, ("sdpa", "flex"))
     _validate_checkpoint(c)
+
+    from titan.parallel.ac import AC_MODES, parse_selective_option
+    from titan.parallel.compile import validate_components
+    from titan.parallel.float8 import validate_float8
+
+    _choice("activation_checkpoint.mode", c.activation_checkpoint.mode, AC_MODES)
+    if c.activation_checkpoint.mode == "selective":
+        parse_selective_option(c.activation_checkpoint.selective_ac_option)
+    validate_components(c.compile.components)
+    validate_float8(c.float8)
 
 
 CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")

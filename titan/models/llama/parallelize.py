@@ -8,6 +8,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan.config.job_config import JobConfig
+from titan.parallel.ac import apply_ac
+from titan.parallel.compile import apply_compile
 from titan.parallel.cp import apply_cp
 from titan.parallel.dims import ParallelDims
 from titan.parallel.fsdp import apply_ddp, apply_fsdp
@@ -31,6 +33,10 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
         )
     if parallel_dims.cp_enabled:
         apply_cp(model, parallel_dims.submesh("cp"), job_config.model.attn_type)
+    ac = job_config.activation_checkpoint
+    apply_ac(model, ac.mode, ac.selective_ac_option)
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        apply_compile(model)
     if parallel_dims.fsdp_enabled:
         # HSDP: replicate across the outer dim, shard inside; plain FSDP: one shard dim.
         apply_fsdp(

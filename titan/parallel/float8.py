@@ -1,0 +1,127 @@
+"""Float8 training through torchao: swap nn.Linear for Float8Linear before parallelizing.
+
+The swap happens on the meta model (no weights exist yet); Float8Linear keeps its weight in high
+precision and casts weight, input and grad_output to float8 per matmul, with dynamic scales.
+With FSDP2, ``enable_fsdp_float8_all_gather`` casts the local shard to float8 before the
+all-gather, and ``precompute_float8_dynamic_scale_for_fsdp`` computes every weight's scale
+after the optimizer step in one all-reduce, instead of one small all-reduce per layer in forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from titan.config.job_config import Float8 as Float8Config
+from titan.errors import TitanError
+from titan.tools.logging import logger
+
+__all__ = ["RECIPES", "validate_float8", "check_float8_hardware", "convert_to_float8", "build_precompute_hook"]
+
+RECIPES = ("tensorwise", "rowwise")
+
+
+def validate_float8(cfg: Float8Config) -> None:
+    """Config-only checks, runnable before any model or process group exists."""
+    if not cfg.enable_float8_linear:
+        return
+    if cfg.recipe not in RECIPES:
+        raise TitanError(f"config key 'float8.recipe' got {cfg.recipe!r}; valid: {', '.join(RECIPES)}")
+    if cfg.recipe == "rowwise" and cfg.enable_fsdp_float8_all_gather:
+        raise TitanError(
+            "float8.enable_fsdp_float8_all_gather works only with float8.recipe = tensorwise"
+            " (torchao has no float8 all-gather for rowwise scales)"
+        )
+    if cfg.precompute_float8_dynamic_scale_for_fsdp and not cfg.enable_fsdp_float8_all_gather:
+        raise TitanError(
+            "float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather = true"
+            " (the precomputed scales are those of the float8 all-gather)"
+        )
+
+
+def check_float8_hardware(cfg: Float8Config, device: torch.device) -> None:
+    """float8 matmuls need SM89+ (Ada, Hopper, Blackwell) on CUDA; CPUs have a reference kernel."""
+    if not cfg.enable_float8_linear or cfg.emulate or device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise TitanError(
+            f"float8.enable_float8_linear needs a GPU with compute capability >= 8.9 (this one: {major}.{minor});"
+            " set float8.emulate = true to test the numerics without float8 hardware"
+        )
+
+
+def _keep_in_high_precision(module: nn.Linear, fqn: str, filter_fqns: list[str]) -> str | None:
+    """Why a Linear stays in high precision, or None to convert it."""
+    if any(f and f in fqn for f in filter_fqns):
+        return "in filter_fqns"
+    out_features, in_features = module.weight.shape
+    if in_features % 16 or out_features % 16:
+        return f"dims {in_features}x{out_features} not multiples of 16"
+    return None
+
+
+def convert_to_float8(model: nn.Module, cfg: Float8Config, *, fsdp_enabled: bool) -> list[str]:
+    """Swap eligible nn.Linear modules in place; returns the names of the converted ones."""
+    if not cfg.enable_float8_linear:
+        return []
+    validate_float8(cfg)
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise TitanError(f"float8.enable_float8_linear needs torchao (pip install torchao): {e}") from None
+
+    all_gather = cfg.enable_fsdp_float8_all_gather
+    if all_gather and not fsdp_enabled:
+        logger.warning(
+            "float8.enable_fsdp_float8_all_gather (and precompute_float8_dynamic_scale_for_fsdp) have no effect:"
+            " FSDP is not enabled in this run"
+        )
+        all_gather = False
+    base = Float8LinearConfig.from_recipe_name(cfg.recipe)
+    # Float8LinearConfig is frozen; replace() re-runs its checks on the new combination.
+    from dataclasses import replace
+
+    config = replace(base, enable_fsdp_float8_all_gather=all_gather, emulate=cfg.emulate)
+
+    converted: list[str] = []
+    skipped: dict[str, str] = {}
+
+    def module_filter(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear):
+            return False
+        reason = _keep_in_high_precision(module, fqn, cfg.filter_fqns)
+        if reason:
+            skipped[fqn] = reason
+            return False
+        converted.append(fqn)
+        return True
+
+    convert_to_float8_training(model, config=config, module_filter_fn=module_filter)
+    for fqn, reason in skipped.items():
+        logger.info(f"float8: kept {fqn} in high precision ({reason})")
+    logger.info(
+        f"float8 ({cfg.recipe}{', emulated' if cfg.emulate else ''}{', fsdp float8 all-gather' if all_gather else ''}):"
+        f" converted {len(converted)} Linear layers"
+    )
+    return converted
+
+
+def build_precompute_hook(model_parts: list[nn.Module], cfg: Float8Config, fsdp_enabled: bool) -> Callable[[], None] | None:
+    """The optimizer post-step hook that precomputes float8 scales, when the config asks for it."""
+    if not (
+        cfg.enable_float8_linear
+        and cfg.enable_fsdp_float8_all_gather
+        and cfg.precompute_float8_dynamic_scale_for_fsdp
+        and fsdp_enabled
+    ):
+        return None
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    def hook() -> None:
+        for part in model_parts:
+            precompute_float8_dynamic_scale_for_fsdp(part)
+
+    return hook
