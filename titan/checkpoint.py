@@ -197,12 +197,21 @@ class CheckpointManager:
             if self.cfg.enable and not preempted and step > 0 and step != self.last_saved_step:
                 self.save(step, model_only=self.cfg.last_save_model_only)
             self.wait()
+            if self.cfg.enable and self.cfg.last_save_in_hf and not preempted and step > 0:
+                self._export_hf(step)
         finally:
             if self.watcher is not None:
                 self.watcher.uninstall()
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
+
+    def _export_hf(self, step: int) -> None:
+        from titan.interop.hf import save_model_hf
+
+        out = step_dir(self.root, step) + "-hf"
+        save_model_hf(self.trainer.model_parts, out, dtype=DTYPES[self.cfg.export_dtype])
+        logger.info(f"Hugging Face export of step {step} written to {out}")
 
     def create_seed_checkpoint(self) -> None:
         self.save(0, model_only=True, blocking=True)
@@ -242,6 +251,12 @@ class CheckpointManager:
         path = self.cfg.initial_load_path
         if not path:
             logger.info(f"no checkpoint in {self.root}: starting from scratch")
+            return
+        if self.cfg.initial_load_in_hf:
+            from titan.interop.hf import load_hf_into_model
+
+            load_hf_into_model(self.trainer.model_parts, path)
+            logger.info(f"loaded Hugging Face weights from checkpoint.initial_load_path {path}")
             return
         self._agree(lambda: os.path.isfile(os.path.join(path, ".metadata")) or _raise_missing(path))
         if self.cfg.initial_load_model_only:

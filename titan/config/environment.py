@@ -23,9 +23,7 @@ def on_sagemaker(env: Mapping[str, str]) -> bool:
 
 
 def environment_defaults(env: Mapping[str, str]) -> list[tuple[str, Any]]:
-    """(config key, value) pairs for keys that exist in the config tree."""
-    from titan.config.manager import section_fields, sections
-
+    """(config key, value) pairs, applied below the TOML file and the CLI."""
     pairs: list[tuple[str, Any]] = []
     if env.get("SM_CHANNEL_TRAIN"):
         pairs.append(("training.dataset_path", env["SM_CHANNEL_TRAIN"]))
@@ -33,12 +31,6 @@ def environment_defaults(env: Mapping[str, str]) -> list[tuple[str, Any]]:
         pairs += [
             ("metrics.enable_tensorboard", True),
             ("metrics.save_tb_folder", SAGEMAKER_TENSORBOARD),  # absolute: not under job.dump_folder
-            # Only once the [checkpoint] section exists (the checkpointing feature adds it).
-            ("checkpoint.folder", SAGEMAKER_CHECKPOINTS),
+            ("checkpoint.folder", SAGEMAKER_CHECKPOINTS),  # synced to checkpoint_s3_uri
         ]
-    secs = sections()
-    return [
-        (key, value)
-        for key, value in pairs
-        if key.split(".")[0] in secs and key.split(".")[1] in section_fields(secs[key.split(".")[0]])
-    ]
+    return pairs

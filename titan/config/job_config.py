@@ -289,6 +289,12 @@ class Checkpoint:
     initial_load_model_only: bool = True
     """Load only the model weights from initial_load_path (True), or everything it holds minus
     exclude_from_loading (False)."""
+    initial_load_in_hf: bool = False
+    """initial_load_path is a Hugging Face folder (config.json + *.safetensors), not DCP; model
+    weights only. Convert other formats with scripts/convert_hf.py or convert_llama_to_dcp.py."""
+    last_save_in_hf: bool = False
+    """At the end of training also write the model as a Hugging Face folder (config.json +
+    sharded safetensors, in export_dtype) to <folder>/step-N-hf. Not with pipeline parallelism."""
     create_seed_checkpoint: bool = False
     """Write the initialized weights as folder/step-0 (model only) and exit. Needs 1 process and no
     parallelism; every layout that starts from it begins with identical weights."""

@@ -100,7 +100,13 @@ def _validate_checkpoint(c: JobConfig) -> None:
     _check(bool(k.folder.strip()), "checkpoint.folder", k.folder, "a non-empty folder name under job.dump_folder")
     for part in k.exclude_from_loading:
         _choice("checkpoint.exclude_from_loading", part, CHECKPOINT_PARTS)
+    if k.initial_load_in_hf and not k.initial_load_path:
+        raise TitanError("config key 'checkpoint.initial_load_in_hf' needs checkpoint.initial_load_path (the HF folder)")
+    if k.last_save_in_hf and c.parallelism.pipeline_parallel_degree > 1:
+        raise TitanError("config key 'checkpoint.last_save_in_hf' is not supported with pipeline parallelism"
+                         " (no rank holds the whole model); export a DCP checkpoint with scripts/convert_hf.py")
     # Loading options would silently do nothing with checkpointing off.
-    for key, is_set in (("initial_load_path", bool(k.initial_load_path)), ("load_step", k.load_step != -1)):
+    for key, is_set in (("initial_load_path", bool(k.initial_load_path)), ("load_step", k.load_step != -1),
+                        ("last_save_in_hf", k.last_save_in_hf)):
         if is_set and not k.enable:
             raise TitanError(f"config key 'checkpoint.{key}' needs checkpoint.enable (add --checkpoint.enable)")

@@ -4,7 +4,6 @@ from pathlib import Path
 
 from titan.config import load_config
 from titan.config.environment import SAGEMAKER_TENSORBOARD, environment_defaults
-from titan.config.manager import sections
 
 REPO = Path(__file__).resolve().parents[3]
 SM_ENV = {"SM_TRAINING_ENV": "{}", "SM_CURRENT_HOST": "algo-1", "SM_CHANNEL_TRAIN": "/opt/ml/input/data/train"}
@@ -14,8 +13,7 @@ def test_sagemaker_env_sets_defaults():
     c = load_config([], env=SM_ENV)
     assert c.training.dataset_path == "/opt/ml/input/data/train"
     assert c.metrics.enable_tensorboard and c.metrics.save_tb_folder == SAGEMAKER_TENSORBOARD
-    if "checkpoint" in sections():  # the [checkpoint] section comes with the checkpointing feature
-        assert c.checkpoint.folder == "/opt/ml/checkpoints"
+    assert c.checkpoint.folder == "/opt/ml/checkpoints"
 
 
 def test_toml_and_cli_override_the_environment(tmp_path: Path):
