@@ -94,8 +94,7 @@ class Trainer:
         # A dry run simulates the world on one CPU process (titan/dry_run.py set up a fake group)
         # and checks the layout as for the GPUs it stands in for.
         self.device = torch.device("cpu") if config.job.dry_run else pick_device(local_rank)
-        compile_cfg = getattr(config, "compile", None)  # the [compile] section, where present
-        compiled = bool(compile_cfg and compile_cfg.enable and "model" in compile_cfg.components)
+        compiled = config.compile.enable and "model" in config.compile.components
         layout_device = "cuda" if config.job.dry_run else self.device.type
         check_layout(self.parallel_dims, par, model_args, t.seq_len, layout_device, config.model.attn_type, compiled)
         set_comm_env(config)  # NCCL reads the flight-recorder env when its groups are created
@@ -195,7 +194,7 @@ class Trainer:
         )
 
     def _pp_loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_sum(logits, labels) * self._loss_scale
+        return self.loss_fn(logits, labels) * self._loss_scale
 
     def _autocast_context(self, model_args) -> contextlib.AbstractContextManager:  # noqa: ANN001
         dtype = self.config.training.mixed_precision_param
@@ -277,33 +276,27 @@ class Trainer:
     def _pp_forward_backward(
         self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor, dp_scale: int
     ) -> torch.Tensor:
-        """One pipeline step over local_batch_size / microbatch_size micro-batches. The last stage
-        holds the loss; a sum over the pp group hands it to every stage (rank 0 logs it)."""
+        """One pipeline step over local_batch_size / microbatch_size micro-batches."""
         self._loss_scale = dp_scale / global_tokens
-        targets, losses = (labels, []) if self.pp_has_last else (None, None)
-        with self._loss_context(), self.amp:
-            if self.pp_has_first:
-                self.pp_schedule.step(inputs, target=targets, losses=losses)
-            else:
-                self.pp_schedule.step(target=targets, losses=losses)
-        loss = torch.zeros((), device=self.device)
-        if self.pp_has_last:
-            loss = sum(_replicated(x.detach()) for x in losses) / dp_scale
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.parallel_dims.submesh("pp").get_group())
-        return loss
+        return self._pp_run(self.pp_schedule.step, inputs, labels) / dp_scale
 
     def _eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Validation forward (titan/validate.py): the batch's summed token loss, on every pp stage."""
         if self.pp_schedule is None:
             with self._loss_context(), self.amp:
-                return _replicated(cross_entropy_sum(self.model_parts[0](inputs), labels))
+                return _replicated(self.loss_fn(self.model_parts[0](inputs), labels))
         self._loss_scale = torch.ones((), device=self.device)  # the PP loss function then sums
+        return self._pp_run(self.pp_schedule.eval, inputs, labels)
+
+    def _pp_run(self, run, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        """Drive one schedule call (step or eval). The last stage holds the losses; a sum over the
+        pp group hands their total to every stage (rank 0 logs it)."""
         targets, losses = (labels, []) if self.pp_has_last else (None, None)
         with self._loss_context(), self.amp:
             if self.pp_has_first:
-                self.pp_schedule.eval(inputs, target=targets, losses=losses)
+                run(inputs, target=targets, losses=losses)
             else:
-                self.pp_schedule.eval(target=targets, losses=losses)
+                run(target=targets, losses=losses)
         loss = torch.zeros((), device=self.device)
         if self.pp_has_last:
             loss = sum(_replicated(x.detach()).float() for x in losses)
