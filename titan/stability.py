@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
+from titan.parallel.utils import global_l2_norm
 from titan.tools.logging import logger
 
 __all__ = ["NONFINITE_POLICIES", "SpikeDetector", "StabilityMonitor", "param_norm", "validate_stability_config"]
@@ -141,16 +142,7 @@ class StabilityMonitor:
 def param_norm(model_parts: list[torch.nn.Module], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Total L2 norm of all parameters: DTensor shards are combined (full_tensor of the norm), and
     with pipeline parallelism the per-stage norms are summed in square over ``pp_group``."""
-    params = [p.detach() for m in model_parts for p in m.parameters()]
-    norm = torch.nn.utils.get_total_norm(params, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    norm = norm.float()
-    if pp_group is not None:
-        sq = norm.pow(2)
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pp_group)
-        norm = sq.sqrt()
-    return norm
+    return global_l2_norm([p.detach() for m in model_parts for p in m.parameters()], pp_group)
 
 
 def validate_stability_config(c: JobConfig) -> None:

@@ -56,17 +56,22 @@ def set_seed(seed: int, deterministic: bool) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
-def total_grad_norm(parameters: Iterable[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """L2 norm of all gradients, summed over DTensor shards and (with PP) over pipeline stages."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+def global_l2_norm(tensors: list[torch.Tensor], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """L2 norm over tensors that may be DTensor shards, and (with PP) over every pipeline stage."""
+    norm = torch.nn.utils.get_total_norm(tensors, norm_type=2.0, foreach=True)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
+    norm = norm.float()
     if pp_group is not None:
         sq = norm.pow(2)
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pp_group)
         norm = sq.sqrt()
     return norm
+
+
+def total_grad_norm(parameters: Iterable[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """L2 norm of all gradients, summed over DTensor shards and (with PP) over pipeline stages."""
+    return global_l2_norm([p.grad for p in parameters if p.grad is not None], pp_group)
 
 
 def clip_grad_norm_(
