@@ -91,12 +91,12 @@ def test_rowwise_recipe_converts_with_axiswise_scales():
 
 @pytest.fixture(scope="module")
 def high_precision_curve():
-    return train_losses(build(), 12)
+    return train_losses(build(), 30)
 
 
-# 12 AdamW steps memorising one batch (the loss falls ~40%) is what the test budget affords; the
-# real-kernel variant (torch._scaled_mm has a CPU reference kernel) gets 3 steps.
-@pytest.mark.parametrize("emulate, steps", [(True, 12), (False, 3)], ids=["emulate", "cpu_scaled_mm"])
+# 30 AdamW steps memorising one batch, as the speed issue asks; the real-kernel variant
+# (torch._scaled_mm has a CPU reference kernel) gets 3 steps.
+@pytest.mark.parametrize("emulate, steps", [(True, 30), (False, 3)], ids=["emulate", "cpu_scaled_mm"])
 def test_float8_training_tracks_high_precision(high_precision_curve, emulate, steps):
     ref = high_precision_curve[:steps]
     model = build()
