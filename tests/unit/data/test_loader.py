@@ -120,8 +120,9 @@ def test_resume_exact(world):
     _check_resume(world, workers=0)
 
 
-def test_resume_exact_with_workers():
-    _check_resume(world=2, workers=2)
+@pytest.mark.parametrize("world", [1, 2])
+def test_resume_exact_with_workers(world):
+    _check_resume(world=world, workers=2)
 
 
 def _check_reshard(old_world, new_world, k, old_workers=0, new_workers=0):
