@@ -155,6 +155,7 @@ class Trainer:
             dataset_path=t.dataset_path,
             text_field=t.dataset_text_field,
             txt_split=t.dataset_txt_split,
+            bad_lines=t.dataset_bad_lines,
             tokenizer=tokenizer,
             seq_len=t.seq_len,
             local_batch_size=t.local_batch_size,
