@@ -83,6 +83,10 @@ class Trainer:
         validate_validation_config(config)
         spec = get_model_spec(config.model.name)
         model_args = copy.deepcopy(get_flavor(spec, config.model.flavor))
+        from titan.data.datasets import check_dataset
+
+        if not config.job.dry_run:  # a typo'd dataset fails before the model is built
+            check_dataset(t.dataset, t.dataset_path)
         try:
             tokenizer = build_tokenizer(config.model.tokenizer_path)
         except TitanError as e:

@@ -28,6 +28,7 @@ __all__ = [
     "ListSource",
     "TXT_SPLITS",
     "build_source",
+    "check_dataset",
     "local_source",
     "register_dataset",
 ]
@@ -282,6 +283,21 @@ def local_source(path: str, text_field: str = "text", txt_split: str = "paragrap
 
 def _looks_like_path(name: str) -> bool:
     return os.sep in name or name.startswith(".") or Path(name).suffix != "" or Path(name).exists()
+
+
+def check_dataset(dataset: str, dataset_path: str = "") -> None:
+    """The cheap part of build_source (a known name, an existing path), run before the model is
+    built so a typo fails in seconds; reading the data is left to build_source."""
+    if dataset_path or (dataset not in DATASETS and _looks_like_path(dataset)):
+        path = dataset_path or dataset
+        if not Path(path).expanduser().exists():
+            key = "training.dataset_path" if dataset_path else "training.dataset"
+            raise TitanError(f"dataset path {path!r} does not exist ({key})")
+    elif dataset not in DATASETS:
+        raise TitanError(
+            f"unknown dataset {dataset!r} (training.dataset); valid: {sorted(DATASETS)} "
+            "or a local path (training.dataset_path)"
+        )
 
 
 def build_source(
