@@ -33,6 +33,12 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from titan.checkpointing.folders import DebugKill, Found, pick_resume, prune, step_dir, write_marker
 from titan.checkpointing.preemption import PreemptionWatcher
+from titan.checkpointing.preflight import (
+    check_checkpoint_folder,
+    check_no_later_checkpoints,
+    checkpoint_bytes,
+    clear_for_fresh_start,
+)
 from titan.checkpointing.states import (
     RNG_KEY,
     load_dataloader,
@@ -58,6 +64,25 @@ def _checkpoint_keys(path: str) -> set[str]:
         return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     except (OSError, ValueError, pickle.UnpicklingError) as e:
         raise TitanError(f"{path} is not a readable DCP checkpoint ({type(e).__name__}: {e})") from None
+
+
+def _check_shapes(path: str, state: dict[str, Any], prefix: str = "") -> None:
+    """Name the first tensor whose saved shape differs (DCP would raise a multi-rank stack trace)."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+
+    def walk(d: dict[str, Any], pre: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{pre}{k}.")
+            elif isinstance(v, torch.Tensor) and f"{pre}{k}" in saved:
+                size = getattr(saved[f"{pre}{k}"], "size", None)
+                if size is not None and tuple(size) != tuple(v.shape):
+                    raise TitanError(
+                        f"{path} is a checkpoint of a different model: '{pre}{k}' is {list(size)} there but"
+                        f" {list(v.shape)} in this run; use the same model config, another job.dump_folder,"
+                        " or --job.overwrite to delete these checkpoints and start fresh")
+
+    walk(state, prefix)
 
 
 class CheckpointManager:
@@ -92,6 +117,10 @@ class CheckpointManager:
             # Non-blocking copies need an accelerator stream (measured: CPU-only torch refuses them).
             self._stager = DefaultStager(StagingOptions(accel, False, True, accel))
         self.last_saved_step = -1
+        self.overwrite = config.job.overwrite
+        if self.enabled:
+            need = checkpoint_bytes(getattr(trainer, "num_params", 0))
+            self._agree(lambda: check_checkpoint_folder(self.root, need))
 
     # ------------------------------------------------------------------ state dicts
     def _full_state(self) -> dict[str, Any]:
@@ -130,7 +159,10 @@ class CheckpointManager:
             state = self._full_state()
         self.last_saved_step = step
         if self.cfg.async_mode == "disabled" or blocking:
-            dcp.save(state, checkpoint_id=path, **self._dist_kwargs())
+            try:
+                dcp.save(state, checkpoint_id=path, **self._dist_kwargs())
+            except Exception as e:
+                self._save_failed(step, path, e)
             self._commit(step, path, model_only, t0)
             return
         result = dcp.async_save(state, checkpoint_id=path, async_stager=self._stager, **self._dist_kwargs())
@@ -167,10 +199,23 @@ class CheckpointManager:
             return
         step, path, model_only, upload, staging, t0 = self._pending
         self._pending = None
-        if staging is not None:
-            staging.result()
-        upload.result()
+        try:
+            if staging is not None:
+                staging.result()
+            upload.result()
+        except Exception as e:
+            self._save_failed(step, path, e)
         self._commit(step, path, model_only, t0)
+
+    def _save_failed(self, step: int, path: str, error: BaseException) -> None:
+        """A failed write (disk full, permissions, ...): drop the torn folder, keep every earlier
+        checkpoint (pruning runs only after a commit), stop with one line."""
+        inner = next(iter(getattr(error, "failures", {}).values()), error)  # DCP's CheckpointException
+        reason = inner.strerror if isinstance(inner, OSError) and inner.strerror else str(inner).splitlines()[0]
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        raise TitanError(f"checkpoint step {step}: writing {path} failed ({reason}); earlier checkpoints in"
+                         f" {self.root} are intact: free disk space / fix the folder, then restart to resume") from error
 
     # ------------------------------------------------------------------ training-loop hooks
     def install_signal_handlers(self) -> None:
@@ -231,7 +276,9 @@ class CheckpointManager:
             dist.broadcast_object_list(result, src=0, group=self.ctrl_pg)
         status, value = result[0]
         if status == "error":
-            raise TitanError(value)
+            error = TitanError(value)
+            error.same_on_all_ranks = True  # type: ignore[attr-defined]  # train.py prints it once
+            raise error
         return value
 
     def load(self) -> None:
@@ -239,6 +286,12 @@ class CheckpointManager:
         if not self.cfg.enable or self.cfg.create_seed_checkpoint:
             return
         found: Found | None = self._agree(lambda: pick_resume(self.root, self.cfg.load_step))
+        if found is not None and self.cfg.load_step >= 0:
+            self._agree(lambda: check_no_later_checkpoints(found, self.root, self.overwrite))
+        elif found is not None and self.overwrite:
+            gone = self._agree(lambda: clear_for_fresh_start(self.root))
+            logger.warning(f"job.overwrite: deleted the earlier checkpoints {gone}; starting from scratch")
+            found = None
         if found is not None:
             if found.model_only:
                 logger.info(f"starting from the seed checkpoint {found.path} (model weights only)")
@@ -270,6 +323,7 @@ class CheckpointManager:
         keys = _checkpoint_keys(path)
         state = model_state(self.trainer.model_parts)
         nested = any(k.startswith("model.") for k in keys)  # a full checkpoint nests the model
+        self._agree(lambda: _check_shapes(path, state, "model." if nested else ""))
         dcp.load({"model": state} if nested else state, checkpoint_id=path, **self._dist_kwargs())
         load_model_state(self.trainer.model_parts, state)
 
@@ -299,6 +353,7 @@ class CheckpointManager:
         if dp_ranks:
             wanted = [t.dp_rank] if len(dp_ranks) == dp_degree else dp_ranks
             state["dataloader"] = {f"dp_rank_{r}": b"" for r in wanted}
+        self._agree(lambda: _check_shapes(path, {"model": state["model"]} if "model" in state else {}))
         dcp.load(state, checkpoint_id=path, **self._dist_kwargs())
         if "model" in state:
             load_model_state(t.model_parts, state["model"])

@@ -83,6 +83,10 @@ class Trainer:
         validate_validation_config(config)
         spec = get_model_spec(config.model.name)
         model_args = copy.deepcopy(get_flavor(spec, config.model.flavor))
+        from titan.data.datasets import check_dataset
+
+        if not config.job.dry_run:  # a typo'd dataset fails before the model is built
+            check_dataset(t.dataset, t.dataset_path)
         try:
             tokenizer = build_tokenizer(config.model.tokenizer_path)
         except TitanError as e:
@@ -154,6 +158,7 @@ class Trainer:
             dataset_path=t.dataset_path,
             text_field=t.dataset_text_field,
             txt_split=t.dataset_txt_split,
+            bad_lines=t.dataset_bad_lines,
             tokenizer=tokenizer,
             seq_len=t.seq_len,
             local_batch_size=t.local_batch_size,

@@ -80,6 +80,7 @@ class Validator:
             dataset_path=v.dataset_path,
             text_field=t.dataset_text_field,
             txt_split=t.dataset_txt_split,
+            bad_lines=t.dataset_bad_lines,
             tokenizer=tokenizer,
             seq_len=t.seq_len,
             local_batch_size=v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size,

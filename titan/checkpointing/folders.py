@@ -125,19 +125,25 @@ class DebugKill:
     Set ``TITAN_DEBUG_KILL_AT`` to ``step=K`` (right after training step K, before its save) or
     ``save:step=K`` (during the save of step K: every rank's files and DCP's ``.metadata`` are
     written, the ``COMPLETE`` marker is not). Every rank that reaches the point kills itself,
-    exactly like ``kill -9``. Never set it in production; unset, it costs one dict lookup.
+    exactly like ``kill -9``; ``@rankR`` limits it to global rank R. ``error:step=K`` raises a
+    TitanError after step K instead (a rank failing while the others wait in a collective). Never set it in production; unset, it costs one dict lookup.
     """
 
     def __init__(self, spec: str | None = None) -> None:
         spec = os.environ.get("TITAN_DEBUG_KILL_AT", "") if spec is None else spec
-        self.point, self.step = None, -1
+        self.point, self.step, self.error = None, -1, False
         if spec:
-            m = re.fullmatch(r"(?:(save):)?step=(\d+)", spec.strip())
+            m = re.fullmatch(r"(?:(save|error):)?step=(\d+)(?:@rank(\d+))?", spec.strip())
             if not m:
-                raise TitanError(f"TITAN_DEBUG_KILL_AT={spec!r}; valid: step=K or save:step=K")
-            self.point, self.step = (m[1] or "step"), int(m[2])
+                raise TitanError(f"TITAN_DEBUG_KILL_AT={spec!r}; valid: [save:|error:]step=K[@rankR]")
+            if m[3] is not None and int(os.environ.get("RANK", "0")) != int(m[3]):
+                return  # another rank is the one that fails
+            self.error = m[1] == "error"
+            self.point, self.step = ("step" if m[1] in (None, "error") else m[1]), int(m[2])
 
     def __call__(self, point: str, step: int) -> None:
+        if self.point == point and self.step == step and self.error:
+            raise TitanError(f"TITAN_DEBUG_KILL_AT: injected failure after step {step}")
         if self.point == point and self.step == step:
             logger.warning(f"TITAN_DEBUG_KILL_AT: SIGKILL at {point} of step {step}")
             for h in logger.handlers:

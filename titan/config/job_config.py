@@ -26,6 +26,13 @@ class Job:
     the plan and per-rank parameters and memory (run_train.sh: COMM_MODE=fake_backend, NGPU ranks)."""
     dry_run_world_size: int = 8
     """Number of ranks the dry run simulates (e.g. 512 for 64 nodes of 8 GPUs)."""
+    debug: bool = False
+    """Show the Python traceback of a titan error instead of its one-line message (so does the
+    TITAN_DEBUG environment variable)."""
+    overwrite: bool = False
+    """Allow replacing checkpoints: start from scratch when the checkpoint folder holds an earlier
+    run's checkpoints (they are deleted), or resume from an older checkpoint.load_step (the later
+    ones are replaced). Without it titan resumes or stops with an error, never deletes."""
 
 
 @dataclass
@@ -119,6 +126,9 @@ class Training:
     dataset_infinite: bool = True
     """Re-loop over the dataset when it ends (logged, with an epoch counter). False: training
     stops cleanly when the data runs out."""
+    dataset_bad_lines: str = "fail"
+    """A .jsonl line that is not a JSON object or not UTF-8: "fail" (stop naming file:line) or
+    "skip" (drop it, log a count and the first few file:line)."""
     dataloader_num_workers: int = 0
     """Worker processes that prefetch batches (0: load in the training process)."""
     gc_freq: int = 50

@@ -33,6 +33,7 @@ def validate_config(c: JobConfig) -> None:
     _check(t.seq_len >= 2, "training.seq_len", t.seq_len, "an integer >= 2")
     _check(t.dataloader_num_workers >= 0, "training.dataloader_num_workers", t.dataloader_num_workers, "an integer >= 0")
     _check(t.gc_freq >= 1, "training.gc_freq", t.gc_freq, "an integer >= 1")
+    _choice("training.dataset_bad_lines", t.dataset_bad_lines, ("fail", "skip"))
     _choice("training.dataset_txt_split", t.dataset_txt_split, ("paragraph", "line", "document"))
     _choice("training.mixed_precision_param", t.mixed_precision_param, DTYPES[:2])
     _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, DTYPES[:2])

@@ -28,6 +28,7 @@ __all__ = [
     "ListSource",
     "TXT_SPLITS",
     "build_source",
+    "check_dataset",
     "local_source",
     "register_dataset",
 ]
@@ -109,17 +110,28 @@ class HFStreamSource(DocumentSource):
 
     def iter_docs(self, start: int = 0) -> Iterator[str]:
         ds = self.dataset.skip(start) if start > 0 else self.dataset
-        field = self.text_field
         # .iter(batch_size) rather than iter(ds): inside a DataLoader worker the latter hands each
         # worker only some of the files, which would break the document numbering
-        for batch in ds.iter(batch_size=_READ_BATCH):
-            for text in batch[field]:
-                if not isinstance(text, str):
-                    raise TitanError(
-                        f"dataset {self.name!r}: column {field!r} holds {type(text).__name__}, "
-                        "expected str; set training.dataset_text_field to a text column"
-                    )
-                yield text
+        try:
+            for batch in ds.iter(batch_size=_READ_BATCH):
+                yield from self._texts(batch[self.text_field])
+        except UnicodeDecodeError as e:
+            raise TitanError(f"dataset {self.name!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                             "convert it, e.g. iconv -f latin1 -t utf-8") from None
+        except (TitanError, GeneratorExit):
+            raise
+        except Exception as e:  # pyarrow parse errors and the like: one line naming the dataset
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise TitanError(f"cannot read dataset {self.name!r}: {type(e).__name__}: {first}") from None
+
+    def _texts(self, column: list) -> Iterator[str]:
+        for text in column:
+            if not isinstance(text, str):
+                raise TitanError(
+                    f"dataset {self.name!r}: column {self.text_field!r} holds {type(text).__name__}, "
+                    "expected str; set training.dataset_text_field to a text column"
+                )
+            yield text
 
     def validate(self) -> None:
         """Fail early, with one clear line, on an empty dataset or a missing text column."""
@@ -127,6 +139,9 @@ class HFStreamSource(DocumentSource):
             first = next(iter(self.dataset))
         except StopIteration:
             raise TitanError(f"dataset {self.name!r} is empty (no rows)") from None
+        except UnicodeDecodeError as e:
+            raise TitanError(f"dataset {self.name!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                             "convert it, e.g. iconv -f latin1 -t utf-8") from None
         if self.text_field not in first:
             raise TitanError(
                 f"dataset {self.name!r} has no column {self.text_field!r} "
@@ -220,7 +235,8 @@ def _builder_for(path: Path) -> str | None:
     return None
 
 
-def local_source(path: str, text_field: str = "text", txt_split: str = "paragraph") -> DocumentSource:
+def local_source(path: str, text_field: str = "text", txt_split: str = "paragraph",
+                 bad_lines: str = "fail") -> DocumentSource:
     """Stream a local file or folder (searched recursively, files in sorted path order).
 
     .txt files have one column, "text" (``text_field`` is ignored for them); ``txt_split`` says
@@ -245,6 +261,12 @@ def local_source(path: str, text_field: str = "text", txt_split: str = "paragrap
     if len(builders) > 1:
         raise TitanError(f"dataset folder {path!r} mixes formats {builders}; keep one format per folder")
     builder = builders[0]
+    if all(f.name.lower().endswith(".jsonl") for f in files):  # line by line: broken lines get named
+        from .jsonl import JsonlSource
+
+        jsonl = JsonlSource(str(path), files, text_field, bad_lines)
+        jsonl.validate()
+        return jsonl
     kwargs: dict = {"sample_by": txt_split} if builder == "text" else {}
     field = "text" if builder == "text" else text_field
     try:
@@ -263,8 +285,24 @@ def _looks_like_path(name: str) -> bool:
     return os.sep in name or name.startswith(".") or Path(name).suffix != "" or Path(name).exists()
 
 
+def check_dataset(dataset: str, dataset_path: str = "") -> None:
+    """The cheap part of build_source (a known name, an existing path), run before the model is
+    built so a typo fails in seconds; reading the data is left to build_source."""
+    if dataset_path or (dataset not in DATASETS and _looks_like_path(dataset)):
+        path = dataset_path or dataset
+        if not Path(path).expanduser().exists():
+            key = "training.dataset_path" if dataset_path else "training.dataset"
+            raise TitanError(f"dataset path {path!r} does not exist ({key})")
+    elif dataset not in DATASETS:
+        raise TitanError(
+            f"unknown dataset {dataset!r} (training.dataset); valid: {sorted(DATASETS)} "
+            "or a local path (training.dataset_path)"
+        )
+
+
 def build_source(
-    dataset: str, dataset_path: str = "", text_field: str = "text", txt_split: str = "paragraph"
+    dataset: str, dataset_path: str = "", text_field: str = "text", txt_split: str = "paragraph",
+    bad_lines: str = "fail",
 ) -> DocumentSource:
     """Resolve the config's (dataset, dataset_path, text_field) to a source.
 
@@ -272,12 +310,12 @@ def build_source(
     itself a local path.
     """
     if dataset_path:
-        return local_source(dataset_path, text_field, txt_split)
+        return local_source(dataset_path, text_field, txt_split, bad_lines)
     spec = DATASETS.get(dataset)
     if spec is not None:
         return spec.loader(text_field if text_field != "text" else spec.text_field)
     if _looks_like_path(dataset):
-        return local_source(dataset, text_field, txt_split)
+        return local_source(dataset, text_field, txt_split, bad_lines)
     raise TitanError(
         f"unknown dataset {dataset!r} (training.dataset); valid: {sorted(DATASETS)} "
         "or a local path (training.dataset_path)"

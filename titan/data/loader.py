@@ -192,7 +192,8 @@ class TitanDataLoader:
 
 def build_dataloader(*, dataset: str, dataset_path: str, text_field: str, tokenizer, seq_len: int,
                      local_batch_size: int, dp_rank: int, dp_world_size: int, num_workers: int = 0,
-                     infinite: bool = True, txt_split: str = "paragraph") -> TitanDataLoader:
+                     infinite: bool = True, txt_split: str = "paragraph",
+                     bad_lines: str = "fail") -> TitanDataLoader:
     """Build the loader for one DP rank (see TitanDataLoader). ``txt_split``: how .txt files are cut
     into documents (paragraph, line, document)."""
     if seq_len < 1 or local_batch_size < 1:
@@ -201,7 +202,7 @@ def build_dataloader(*, dataset: str, dataset_path: str, text_field: str, tokeni
         raise TitanError(f"dp_rank {dp_rank} is outside the dp world size {dp_world_size}")
     if num_workers < 0:
         raise TitanError(f"training.dataloader_num_workers ({num_workers}) must be >= 0")
-    source = build_source(dataset, dataset_path, text_field, txt_split)
+    source = build_source(dataset, dataset_path, text_field, txt_split, bad_lines)
     return TitanDataLoader(source, tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
                            dp_rank=dp_rank, dp_world_size=dp_world_size, num_workers=num_workers,
                            infinite=infinite)
