@@ -1,4 +1,11 @@
-"""Run a function on N real gloo ranks (spawned processes) from an ordinary pytest test."""
+"""Run a function on N real ranks (spawned processes) from an ordinary pytest test, and the
+environment for CPU training subprocesses.
+
+Every multi-rank test names its backend: ``gloo`` (the default) runs the ranks on CPU with the GPUs
+hidden from them (titan's pick_device would otherwise hand rank r the GPU cuda:r, which a one-GPU
+machine does not have); ``nccl`` puts rank r on cuda:r and skips the test when there are fewer GPUs
+than ranks.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +27,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+BACKENDS = ("gloo", "nccl")
+
+
+def cpu_env(**extra: str) -> dict[str, str]:
+    """os.environ for a CPU training subprocess (train.py, torchrun, scripts): no GPU visible, one
+    OpenMP thread per process (the machine is shared), offline Hugging Face, no torchao .so."""
+    env = dict(os.environ)
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+               TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
+    env.update(extra)
+    return env
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, queue: Any) -> None:
+    import torch
     import torch.distributed as dist
 
     os.environ.update(
@@ -28,7 +49,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
     )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # Plain bytes: torch tensors sent through a queue would go via shared-memory handles
         # that die with this process.
@@ -40,17 +65,39 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 300, backend: str = "gloo"
+) -> list[Any]:
     """fn(rank, world_size, *args) on each rank; returns the per-rank results in rank order.
 
     fn must be a module-level function (it is pickled into spawned processes).
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "nccl":
+        import pytest
+        import torch
+
+        if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            pytest.skip(f"nccl with {world_size} ranks needs {world_size} GPUs, this machine has {count}")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue))
+             for r in range(world_size)]
+    # Spawned children copy os.environ when they start; CUDA reads it once, at its first use there.
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        if backend == "gloo":
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
     results: dict[int, Any] = {}
     errors = []
     deadline = time.monotonic() + timeout

@@ -16,7 +16,9 @@ Weights & Biases, each when enabled. ``extra`` scalars also go on the console li
 
 Throughput (tps) is tokens per second per device: the tokens this rank counted, divided by the
 wall time since the last log and by ``non_data_parallel_size`` (TP/CP/PP ranks work on the same
-tokens, so the devices sharing them split the credit).
+tokens, so the devices sharing them split the credit). Time spent in checkpointing and validation
+is left out of that wall time (so out of tps and MFU); checkpoint time is logged on its own as
+``time_metrics/checkpoint(s)`` (and on the console line of a window with a save).
 """
 
 from __future__ import annotations
@@ -155,6 +157,7 @@ class MetricsProcessor:
         self._last_time = time.perf_counter()
         self._tokens = 0
         self._data_time = 0.0
+        self._checkpoint_time = 0.0
 
     def count_tokens(self, n: int) -> None:
         self._tokens += int(n)
@@ -165,6 +168,11 @@ class MetricsProcessor:
     def exclude_time(self, seconds: float) -> None:
         """Leave ``seconds`` (validation, checkpointing) out of the current window's throughput."""
         self._last_time += float(seconds)
+
+    def add_checkpoint_time(self, seconds: float) -> None:
+        """Checkpoint hooks' wall time: out of tokens/s and MFU, logged as its own column."""
+        self._checkpoint_time += float(seconds)
+        self.exclude_time(seconds)
 
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self.cfg.log_freq == 0
@@ -224,6 +232,7 @@ class MetricsProcessor:
             "time_metrics/end_to_end(s)": elapsed / steps,
             "time_metrics/data_loading(s)": self._data_time / steps,
             "time_metrics/data_loading(%)": 100.0 * self._data_time / elapsed,
+            "time_metrics/checkpoint(s)": self._checkpoint_time,
         }
         if mfu_pct is not None:
             scalars["mfu(%)"] = mfu_pct
@@ -242,6 +251,8 @@ class MetricsProcessor:
                 f"{c.magenta}tflops: {tflops:,.2f}  "
                 f"{c.magenta}mfu: {mfu_text}"
             )
+            if self._checkpoint_time >= 0.005:  # a save happened in this window (not the per-step polls)
+                line += f"  {c.white}checkpoint: {self._checkpoint_time:.2f}s (not in tps)"
             for key, value in (extra or {}).items():
                 line += f"  {c.white}{key}: {float(value):.4g}"
             logger.info(line + c.reset)

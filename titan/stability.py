@@ -81,7 +81,8 @@ class SpikeDetector:
 
 class StabilityMonitor:
     """Per-step check for the trainer: ``check(step, loss, grad_norm)`` between clipping and the
-    optimizer step; ``scalars()`` / ``console()`` for the metrics."""
+    optimizer step; ``scalars()`` / ``console()`` for the metrics. ``values`` keeps the host copies
+    read by the last check, so logging them costs no second sync."""
 
     def __init__(self, config: JobConfig) -> None:
         validate_stability_config(config)
@@ -92,15 +93,23 @@ class StabilityMonitor:
         self.loss = SpikeDetector("loss", s.loss_spike_window, s.loss_spike_threshold, relative=True)
         self.skipped_steps = 0
         self.consecutive_skips = 0
+        self.values: dict[str, float] = {}
 
-    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+    def check(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, extra: dict[str, torch.Tensor] | None = None
+    ) -> bool:
         """True: apply this step's update. False: skip it (skip_step). Raises TitanError to stop.
         Finite values feed the spike detectors (``grad_norm`` is the norm before clipping).
 
         ``loss`` and ``grad_norm`` must be the same on every rank (globally reduced), so all ranks
-        take the same decision without another collective.
+        take the same decision without another collective. ``extra`` scalars (e.g. param_norm on a
+        log step) come to the host in the same single read and land in ``values`` too.
         """
-        values = torch.stack([loss.detach().float().reshape(()), grad_norm.detach().float().reshape(())]).tolist()
+        extra = extra or {}
+        tensors = [loss, grad_norm, *extra.values()]
+        read = torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist()  # the one host sync
+        self.values = dict(zip(("loss", "grad_norm", *extra), read))
+        values = read[:2]
         bad = [(name, v) for name, v in zip(("loss", "grad_norm"), values) if not math.isfinite(v)]
         if not bad:
             self.consecutive_skips = 0

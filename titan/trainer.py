@@ -146,6 +146,10 @@ class Trainer:
         self.amp = self._autocast_context(model_args)
 
         self.optimizers = build_optimizers(self.model_parts, config.optimizer)
+        # Fixed from here on (checkpoint loads copy into them): not rebuilt every step.
+        self._params = [p for m in self.model_parts for p in m.parameters()]
+        pp = self.parallel_dims.submesh("pp")
+        self._pp_group = pp.get_group() if pp is not None else None
         precompute = build_precompute_hook(self.model_parts, config.float8, self.parallel_dims.fsdp_enabled)
         if precompute is not None:
             self.optimizers.register_step_post_hook(precompute)
@@ -233,12 +237,20 @@ class Trainer:
             dist.all_reduce(count, op=dist.ReduceOp.SUM, group=dp.get_group())
         return count.clamp(min=1)
 
+    def _param_norm_due(self, step: int) -> bool:
+        freq = self.config.metrics.param_norm_freq
+        return freq > 0 and self.metrics.should_log(step) and (step == 1 or step % freq == 0)
+
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward over the micro-batches, clip, optimizer + LR step.
+        """Forward/backward over the micro-batches (moved to the device if they are not there yet),
+        clip, optimizer + LR step.
 
         Returns (global mean token loss, total grad norm) as tensors. One host sync: the
-        non-finite check (titan/stability.py) reads both before deciding on the optimizer step.
+        non-finite check (titan/stability.py) reads both before deciding on the optimizer step;
+        ``self.stability.values`` keeps them (and param_norm on the steps that log it) for logging.
         """
+        microbatches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                        for x, y in microbatches]
         self.optimizers.zero_grad()
         global_tokens = self._global_token_count(microbatches)
         # Data-parallel wrappers average gradients over dp (x cp) ranks; scaling by that turns it
@@ -252,15 +264,15 @@ class Trainer:
                 else:
                     loss_sum += self._forward_backward(inputs, labels, global_tokens, dp_scale)
             self.metrics.count_tokens(full_labels.numel())
-        params = [p for m in self.model_parts for p in m.parameters()]
-        pp = self.parallel_dims.submesh("pp")
-        grad_norm = clip_grad_norm_(params, self.config.training.max_norm, pp.get_group() if pp is not None else None)
+        grad_norm = clip_grad_norm_(self._params, self.config.training.max_norm, self._pp_group)
         # CP ranks hold the loss of their sequence shard: the total sums over dp x cp.
         dp_cp = self.parallel_dims.submesh("dp_cp")
         if dp_cp is not None:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dp_cp.get_group())
+        # A whole-model pass: only on the log steps that show it, read in the check's one sync.
+        extra = {"param_norm": param_norm(self.model_parts, self._pp_group)} if self._param_norm_due(self.step) else None
         # Non-finite policy (training.nonfinite): a skipped step still advances step and LR.
-        if self.stability.check(self.step, loss_sum, grad_norm):
+        if self.stability.check(self.step, loss_sum, grad_norm, extra):
             self.optimizers.step()
         else:
             self.optimizers.zero_grad()
@@ -309,6 +321,19 @@ class Trainer:
         return loss
 
     # ------------------------------------------------------------ loop
+    def _checkpoint_timed(self, fn, *args):  # noqa: ANN001, ANN002, ANN202
+        """Run a checkpoint hook with its wall time kept out of tokens/s and MFU and logged on its
+        own (time_metrics/checkpoint(s)). Before an interval save the device finishes the step's
+        queued work first, so the step's own compute is not counted as checkpoint time."""
+        cfg = self.config.checkpoint
+        if self.device.type == "cuda" and cfg.enable and self.step % cfg.interval == 0:
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.metrics.add_checkpoint_time(time.perf_counter() - t0)
+
     def train(self) -> dict[int, float]:
         """Train to training.steps (or until finite data ends); returns {step: loss} of logged steps."""
         t = self.config.training
@@ -324,7 +349,7 @@ class Trainer:
         self.checkpointer.install_signal_handlers()
         preempted = False
         profiler = Profiler(self.config, rank=self.rank, device=self.device, start_step=self.step)
-        first_step, pp = True, self.parallel_dims.submesh("pp")
+        first_step = True
         while self.step < t.steps:
             microbatches = self.next_microbatches()
             if microbatches is None:
@@ -333,17 +358,18 @@ class Trainer:
             self.step += 1
             if self.step % t.gc_freq == 0:
                 gc.collect(1)
-            self.checkpointer.wait_for_staging()  # an async save may still be copying the weights
-            loss, grad_norm = self.train_step(microbatches)
+            # An async save may still be copying the weights.
+            self._checkpoint_timed(self.checkpointer.wait_for_staging)
+            self.train_step(microbatches)
             self.tokens_seen += sum(lab.numel() for _, lab in microbatches) * self.parallel_dims.dp_degree
             if self.metrics.should_log(self.step):
-                loss_value = loss.item()
+                # Host copies from the step's one sync (the non-finite check): no second read.
+                values = dict(self.stability.values)
+                loss_value, grad_norm_value = values.pop("loss"), values.pop("grad_norm")
                 losses[self.step] = loss_value
                 self.metrics.log(
-                    self.step, loss=loss_value, grad_norm=grad_norm.item(), lr=self.lr_schedulers.get_last_lr(),
-                    extra={"param_norm": param_norm(self.model_parts, pp.get_group() if pp else None).item(),
-                           **self.stability.console()},
-                    extra_scalars=self.stability.scalars(),
+                    self.step, loss=loss_value, grad_norm=grad_norm_value, lr=self.lr_schedulers.get_last_lr(),
+                    extra={**values, **self.stability.console()}, extra_scalars=self.stability.scalars(),
                 )
             if self.validator is not None and self.validator.should_validate(self.step):
                 self.validator.validate(self.step)
@@ -351,7 +377,7 @@ class Trainer:
             if first_step:  # start-up is over: from now on a hang should fail fast
                 set_pg_timeouts(self.config.comm.train_timeout_seconds, self.parallel_dims, self.device)
                 first_step = False
-            if self.checkpointer.after_step(self.step):
+            if self._checkpoint_timed(self.checkpointer.after_step, self.step):
                 preempted = True
                 break
         profiler.close()

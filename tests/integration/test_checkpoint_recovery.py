@@ -3,7 +3,6 @@ stopped with SIGTERM. 1 process, tiny model, 6 steps with a save every 2 (a kill
 complete save before it and another after it; more steps only add run time)."""
 
 import importlib.util
-import os
 import pickle
 import re
 import signal
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.dist_utils import cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
 STEP_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
@@ -24,10 +25,9 @@ pytestmark = pytest.mark.slow
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
-               TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
-    env.pop("TITAN_DEBUG_KILL_AT", None)
-    env.update(extra)
+    env = cpu_env(**extra)
+    if "TITAN_DEBUG_KILL_AT" not in extra:
+        env.pop("TITAN_DEBUG_KILL_AT", None)
     return env
 
 

@@ -1,12 +1,13 @@
 """train.py / run_train.sh run as a user runs them, in subprocesses (1 and 2 ranks, gloo on CPU)."""
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.dist_utils import cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
 STEP_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+grad_norm:\s*([0-9.]+)")
@@ -16,15 +17,8 @@ FAST = ["--training.seq_len", "128", "--training.local_batch_size", "4", "--metr
 pytestmark = pytest.mark.slow
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
-    return env
-
-
 def run(cmd: list[str], **env_extra: str) -> dict[int, tuple[float, float]]:
-    env = _env()
-    env.update(env_extra)
+    env = cpu_env(**env_extra)
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
@@ -72,7 +66,7 @@ def test_fsdp_and_ddp_same_losses(tmp_path):
 
 
 def test_bad_degrees_fail_fast_with_one_line(tmp_path):
-    env = _env()
+    env = cpu_env()
     cmd = torchrun(tmp_path, 2, "--parallelism.data_parallel_shard_degree", "3")
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0

@@ -184,6 +184,10 @@ class Parallelism:
 class Metrics:
     log_freq: int = 10
     """Log one console line (and TensorBoard scalars) every N steps."""
+    param_norm_freq: int = 10
+    """Add param_norm (total L2 norm of the weights entering the step) to the log of step 1 and of
+    every log step that is a multiple of N. It reads every weight once, so log_freq = 1 runs pay for
+    it only every N steps. 0: never."""
     enable_tensorboard: bool = False
     """Write TensorBoard event files."""
     save_tb_folder: str = "tb"

@@ -74,6 +74,8 @@ def validate_config(c: JobConfig) -> None:
 
     _check(c.job.dry_run_world_size >= 1, "job.dry_run_world_size", c.job.dry_run_world_size, "an integer >= 1")
     _check(c.metrics.log_freq >= 1, "metrics.log_freq", c.metrics.log_freq, "an integer >= 1")
+    _check(c.metrics.param_norm_freq >= 0, "metrics.param_norm_freq", c.metrics.param_norm_freq,
+           "an integer >= 0 (0: never)")
     _choice("model.attn_type", c.model.attn_type, ("sdpa", "flex"))
     _validate_checkpoint(c)
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from titan.errors import TitanError
 from titan.tools.logging import logger
 
 
@@ -25,7 +26,15 @@ def world_info() -> tuple[int, int, int]:
 
 
 def pick_device(local_rank: int) -> torch.device:
+    """cuda:<local rank> when torch sees a GPU, else the CPU (CUDA_VISIBLE_DEVICES= forces the CPU)."""
     if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise TitanError(
+                f"local rank {local_rank} needs GPU cuda:{local_rank} but {count} GPU(s) are visible: launch at most"
+                f" {count} process(es) per node (torchrun --nproc_per_node / NGPU), or hide the GPUs"
+                " (CUDA_VISIBLE_DEVICES=) to run every rank on the CPU with gloo"
+            )
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

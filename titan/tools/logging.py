@@ -8,6 +8,7 @@ twice unless the application also configures the root logger with a handler.
 from __future__ import annotations
 
 import logging
+import sys
 
 logger = logging.getLogger("titan")
 
@@ -21,6 +22,23 @@ def _format(rank: int) -> str:
     return f"[titan]{rank_part} %(asctime)s - %(levelname)s - %(message)s"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at emit time. A plain StreamHandler keeps the stream it
+    was built with: once that object is closed (pytest's capture of an earlier test, a redirected
+    stderr), every later record fails with "I/O operation on closed file"."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):  # noqa: ANN201 - a text stream
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # noqa: ANN001 - StreamHandler.setStream assigns; stderr wins
+        pass
+
+
 def init_logger(rank: int = 0) -> logging.Logger:
     """Configure the "titan" logger (level INFO, one stream handler). Safe to call repeatedly."""
     logger.setLevel(logging.INFO)
@@ -29,7 +47,7 @@ def init_logger(rank: int = 0) -> logging.Logger:
         if getattr(handler, _HANDLER_ATTR, False):
             handler.setFormatter(formatter)
             return logger
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler.setLevel(logging.INFO)
     handler.setFormatter(formatter)
     setattr(handler, _HANDLER_ATTR, True)

@@ -1,7 +1,6 @@
 """Generation: KV cache == recompute == transformers' greedy decode; TP=2 (torchrun, gloo) == TP=1."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.dist_utils import cpu_env
 from tests.unit.interop.test_hf import random_model, small_args
 from titan.errors import TitanError
 from titan.interop.generate import generate, load_model, sample
@@ -77,7 +77,7 @@ def test_tensor_parallel_2_ranks_gives_the_tp1_tokens(hf_folder, tmp_path):
     expected = _greedy(hf_folder)
     import_hf_to_dcp(hf_folder, tmp_path / "dcp")
     out = tmp_path / "tp2.json"
-    env = os.environ | {"OMP_NUM_THREADS": "1", "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"}
+    env = cpu_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO / "scripts/generate.py"), "--checkpoint", str(tmp_path / "dcp"), "--prompt_ids",
            ",".join(map(str, PROMPT)), "--max_new_tokens", str(N_NEW), "--ignore_eos", "--out_json", str(out)]
