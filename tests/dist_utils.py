@@ -40,7 +40,9 @@ def cpu_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, queue: Any) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, backend: str, init_group: bool, fn: Callable, args: tuple, queue: Any
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -49,10 +51,11 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
         WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
     )
     try:
-        if backend == "nccl":
+        # Without init_group, fn sets up (and tears down) the group itself, e.g. through titan's code.
+        if init_group and backend == "nccl":
             torch.cuda.set_device(rank)
             dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
-        else:
+        elif init_group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # Plain bytes: torch tensors sent through a queue would go via shared-memory handles
@@ -66,11 +69,13 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
 
 
 def run_distributed(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 300, backend: str = "gloo"
+    fn: Callable, world_size: int, *args: Any, timeout: float = 300, backend: str = "gloo", init_group: bool = True
 ) -> list[Any]:
     """fn(rank, world_size, *args) on each rank; returns the per-rank results in rank order.
 
-    fn must be a module-level function (it is pickled into spawned processes).
+    fn must be a module-level function (it is pickled into spawned processes). The ranks get the
+    rendezvous environment (MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE) and, unless
+    ``init_group`` is False, a process group of ``backend``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -84,7 +89,7 @@ def run_distributed(
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, init_group, fn, args, queue))
              for r in range(world_size)]
     # Spawned children copy os.environ when they start; CUDA reads it once, at its first use there.
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
