@@ -1,17 +1,22 @@
-"""Benchmark training throughput of a config across switches (compile, AC, float8, ...).
+"""Benchmark training throughput of a config across named configs (eager, compile, float8, AC, flex).
 
-    python scripts/benchmark.py --job.config_file train_configs/debug_model.toml
+    python scripts/benchmark.py                                   # debug model; CPU or the GPUs present
+    python scripts/benchmark.py --preset llama3_8b_8layers        # issue 14's model on one GPU
+    python scripts/benchmark.py --preset llama3_8b_8layers --only eager,compile,float8-tensorwise
     python scripts/benchmark.py --steps 20 --warmup 5 --nproc 8 --job.config_file train_configs/llama3_8b.toml \\
-        --variant "eager=" --variant "compile=--compile.enable" \\
-        --variant "compile+fp8=--compile.enable --float8.enable_float8_linear"
+        --variant "eager=" --variant "compile+fp8=--compile.enable --float8.enable_float8_linear"
 
-Each variant runs in a fresh process (torchrun when --nproc > 1) with the shared overrides plus
-its own: `warmup` steps untimed (compilation, allocator warm-up), then `steps` timed steps, each
-ended by a host sync on the loss. Reported: median step time, tokens/s per device (local
-micro-batch tokens x accumulation / median step time), peak memory (CUDA max allocated, or peak
-RSS on CPU) and the last loss, so runs of the same config stay comparable. Without --variant the
-standard set runs: eager, compile, AC full, AC selective op, AC every 2nd block, float8 (emulated
-where float8 hardware is missing).
+Each config runs in a fresh process (torchrun when --nproc > 1) with the shared overrides plus its
+own, through the trainer's own loop (Trainer.train) with a metrics line every step: ``warmup``
+steps are left out (compilation, allocator warm-up), the next ``steps`` are reported. Columns are
+medians over those steps of what the trainer logs: step time, tokens/s per device, TFLOP/s per
+device, MFU against the device's dense bf16 peak (float8 rows too, so rows compare; see
+titan/tools/flops.py), and the peak memory (CUDA max reserved, the trainer's memory column; peak
+resident memory on CPU) and the last loss.
+
+Default config set: with CUDA, GPU_CONFIGS (eager, compile, float8 tensorwise / rowwise, AC
+none / selective / full, flex) on all GPUs present; on CPU the debug-model set STANDARD. Float8
+on a device without float8 tensor cores (CPU, pre-SM89 GPU) runs emulated and says so.
 """
 
 from __future__ import annotations
@@ -23,21 +28,51 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
+FLOAT8 = "--float8.enable_float8_linear"
 STANDARD = [
     ("eager", ""),
     ("compile", "--compile.enable"),
     ("AC full", "--activation_checkpoint.mode full"),
     ("AC selective op", "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op"),
     ("AC every 2nd block", "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option 2"),
-    ("float8", "--float8.enable_float8_linear"),
+    ("float8", FLOAT8),
 ]
+_EAGER = "--compile.enable false"
+_COMPILE = "--compile.enable true --compile.components model,loss"
+# The rows of issue 14's table (and AC full, flex). AC comes from the base config unless named.
+GPU_CONFIGS = [
+    ("eager", _EAGER),
+    ("compile", _COMPILE),
+    ("float8-tensorwise", f"{_COMPILE} {FLOAT8} --float8.recipe tensorwise"),
+    ("float8-rowwise", f"{_COMPILE} {FLOAT8} --float8.recipe rowwise"),
+    ("ac-none", f"{_EAGER} --activation_checkpoint.mode none"),
+    ("ac-selective", f"{_EAGER} --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op"),
+    ("ac-full", f"{_EAGER} --activation_checkpoint.mode full"),
+    ("flex", f"{_COMPILE} --model.attn_type flex"),
+]
+# Issue 14's measurement: the Llama 3 8B shape cut to 8 layers, seq 8192, local batch 1, bf16,
+# fused AdamW lr 3e-4 warmup 5, max_norm 1, AC selective op; 30 steps, medians over steps 11-30.
+# Data and tokenizer are the offline ones shipped with titan (the issue used tinyshakespeare and a
+# 2,020-token tokenizer; the shipped one has 2,048, so FLOPs/token are within 0.1%).
+PRESETS = {
+    "llama3_8b_8layers": {
+        "warmup": 10, "steps": 20,
+        "args": [
+            "--job.config_file", str(REPO / "train_configs/llama3_8b.toml"), "--model.n_layers", "8",
+            "--model.tokenizer_path", "", "--training.dataset", "pydoc", "--training.seq_len", "8192",
+            "--training.local_batch_size", "1", "--training.mixed_precision_param", "bfloat16",
+            "--optimizer.implementation", "fused", "--optimizer.lr", "3e-4", "--lr_scheduler.warmup_steps", "5",
+            "--training.max_norm", "1", "--activation_checkpoint.mode", "selective",
+            "--activation_checkpoint.selective_ac_option", "op",
+        ],
+    },
+}
 
 
 def _float8_needs_emulation() -> bool:
@@ -47,45 +82,41 @@ def _float8_needs_emulation() -> bool:
 
 
 def run_single(argv: list[str], warmup: int, steps: int, out_path: str) -> None:
-    """Inside one variant's process: build the trainer, time the steps, write JSON (rank 0)."""
-    import resource
-
+    """Inside one config's process: train warmup + steps steps, summarize the logged rows (rank 0)."""
     import torch
 
     from titan.config import load_config
+    from titan.tools.flops import get_peak_flops
     from titan.trainer import Trainer
 
     config = load_config(argv)
+    config.job.dump_folder = os.path.dirname(out_path)
     config.training.steps = warmup + steps
-    config.metrics.enable_tensorboard = False
+    config.metrics.log_freq = 1
+    config.metrics.enable_jsonl = True
+    config.metrics.enable_tensorboard = config.metrics.enable_wandb = False
+    config.checkpoint.enable = False
     trainer = Trainer(config)
+    trainer.train()
+    if trainer.rank != 0:
+        return
+    rows = [json.loads(line) for f in Path(config.job.dump_folder, config.metrics.save_jsonl_folder).glob("*.jsonl")
+            for line in f.read_text().splitlines()]
+    timed = [r for r in rows if "grad_norm" in r and r["step"] > warmup]
+    if len(timed) < steps:
+        raise SystemExit(f"benchmark: {len(timed)} of {steps} timed steps ran (the dataset ran out?)")
     cuda = trainer.device.type == "cuda"
-    times, loss = [], float("nan")
-    for i in range(warmup + steps):
-        batches = trainer.next_microbatches()
-        if batches is None:
-            raise SystemExit("benchmark: the dataset ran out; use a larger dataset or fewer steps")
-        if i == warmup and cuda:
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        trainer.step += 1
-        loss_t, _ = trainer.train_step(batches)
-        loss = loss_t.item()  # host sync: the step is done
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    t = config.training
-    step_s = statistics.median(times)
-    tokens = t.local_batch_size * t.seq_len * trainer.grad_accum_steps
-    if cuda:
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    if trainer.rank == 0:
-        Path(out_path).write_text(json.dumps({
-            "step_s": step_s, "tokens_per_s": tokens / step_s, "peak_bytes": peak, "loss": loss,
-            "step_s_min": min(times), "step_s_max": max(times),
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
-        }))
+    name = torch.cuda.get_device_name(trainer.device) if cuda else "cpu"
+    peak = get_peak_flops(name) if cuda else None  # dense bf16 peak for every row
+    tflops = statistics.median(r["tflops"] for r in timed)
+    step_times = [r["time_metrics/end_to_end(s)"] for r in timed]
+    Path(out_path).write_text(json.dumps({
+        "step_s": statistics.median(step_times), "step_s_min": min(step_times), "step_s_max": max(step_times),
+        "tokens_per_s": statistics.median(r["throughput(tps)"] for r in timed), "tflops": tflops,
+        "mfu": 100 * tflops * 1e12 / peak if peak else None,
+        "peak_gib": max(r["memory/max_reserved(GiB)" if cuda else "memory/rss(GiB)"] for r in timed),
+        "loss": timed[-1]["loss_metrics/global_avg_loss"], "device": name, "torch": torch.__version__,
+    }))
 
 
 def run_variant(base: list[str], extra: str, warmup: int, steps: int, nproc: int) -> dict:
@@ -114,44 +145,69 @@ def _pop(argv: list[str], flag: str, default: str | None, repeat: bool = False):
     return values[-1] if values else default
 
 
+def default_configs(cuda: bool) -> list[list[str]]:
+    configs = [list(c) for c in (GPU_CONFIGS if cuda else STANDARD)]
+    if _float8_needs_emulation():
+        configs = [[f"{n} (emulated)", f"{e} --float8.emulate"] if FLOAT8 in e else [n, e] for n, e in configs]
+    return configs
+
+
+def _usage_error(message: str) -> None:
+    print(f"benchmark: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: list[str]) -> None:
     argv = list(argv)
     single = _pop(argv, "--_single", None)
-    warmup = int(_pop(argv, "--warmup", "3"))
-    steps = int(_pop(argv, "--steps", "10"))
-    nproc = int(_pop(argv, "--nproc", "1"))
-    variants = [v.split("=", 1) for v in _pop(argv, "--variant", None, repeat=True)]
+    preset_name = _pop(argv, "--preset", None)
+    preset = PRESETS.get(preset_name or "", {})
+    if preset_name is not None and not preset:
+        _usage_error(f"--preset got {preset_name!r}; valid: {', '.join(PRESETS)}")
+    warmup = int(_pop(argv, "--warmup", str(preset.get("warmup", 3))))
+    steps = int(_pop(argv, "--steps", str(preset.get("steps", 10))))
     if single is not None:
         run_single(argv, warmup, steps, single)
         return
-    if not variants:
-        variants = [list(v) for v in STANDARD]
-        if _float8_needs_emulation():
-            variants[-1] = ["float8 (emulated)", STANDARD[-1][1] + " --float8.emulate"]
+    import torch
+
+    cuda = torch.cuda.is_available()
+    nproc = int(_pop(argv, "--nproc", str(torch.cuda.device_count() if cuda else 1)))
+    only = _pop(argv, "--only", None)
+    variants = [v.split("=", 1) for v in _pop(argv, "--variant", None, repeat=True)] or default_configs(cuda)
+    if only is not None:
+        wanted = only.split(",")
+        names = [n.split(" (")[0] for n, _ in variants]
+        unknown = [w for w in wanted if w not in names]
+        if unknown:
+            _usage_error(f"--only got {unknown[0]!r}; valid: {', '.join(names)}")
+        variants = [v for v, n in zip(variants, names) if n in wanted]
+    argv = list(preset.get("args", [])) + argv
     if not any(a in ("--job.config_file", "--config_file") or a.startswith("--job.config_file=") for a in argv):
         argv = ["--job.config_file", str(REPO / "train_configs/debug_model.toml")] + argv
 
     from tabulate import tabulate
 
-    rows, base_tps, device = [], None, "?"
+    rows, base_tps, device, torch_version = [], None, "?", torch.__version__
     for name, extra in variants:
         print(f"running {name} ({extra or 'no overrides'}) ...", file=sys.stderr, flush=True)
         r = run_variant(argv, extra, warmup, steps, nproc)
         if "error" in r:
-            rows.append([name, "failed", "", "", "", "", ""])
+            rows.append([name, "failed"] + [""] * 7)
             print(f"{name} failed: {r['error']}", file=sys.stderr)
             continue
-        device = r["device"]
+        device, torch_version = r["device"], r["torch"]
         base_tps = base_tps or r["tokens_per_s"]
         rows.append([
             name, f"{1000 * r['step_s']:.1f}", f"{1000 * r['step_s_min']:.0f}-{1000 * r['step_s_max']:.0f}",
-            f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base_tps:.2f}x",
-            f"{r['peak_bytes'] / 2**20:,.0f}", f"{r['loss']:.4f}",
+            f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base_tps:.2f}x", f"{r['tflops']:,.2f}",
+            f"{r['mfu']:.1f}%" if r["mfu"] is not None else "n/a", f"{r['peak_gib']:,.2f}", f"{r['loss']:.4f}",
         ])
-    memory = "CUDA max allocated" if device != "cpu" else "the process's peak RSS, imports and data included"
-    print(f"device: {device}; {nproc} process(es); {warmup} warm-up + {steps} timed steps; peak mem: {memory};"
-          f" overrides: {' '.join(argv)}")
-    headers = ["variant", "median step (ms)", "min-max (ms)", "tokens/s/device", "vs first", "peak mem (MiB)", "last loss"]
+    memory = "CUDA max reserved" if device != "cpu" else "the process's resident memory, imports and data included"
+    print(f"device: {device} x {nproc}; torch {torch_version}; {warmup} warm-up + {steps} timed steps (medians);"
+          f" MFU vs the dense bf16 peak; peak mem: {memory}; overrides: {shlex.join(argv)}")
+    headers = ["config", "median step (ms)", "min-max (ms)", "tokens/s/device", "vs first", "TFLOP/s/device",
+               "MFU", "peak mem (GiB)", "last loss"]
     print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
 
 
