@@ -321,12 +321,12 @@ class Trainer:
         return loss
 
     # ------------------------------------------------------------ loop
-    def _checkpoint_timed(self, fn, *args):  # noqa: ANN001, ANN002, ANN202
+    def _checkpoint_timed(self, fn, *args, may_save: bool = False):  # noqa: ANN001, ANN002, ANN202
         """Run a checkpoint hook with its wall time kept out of tokens/s and MFU and logged on its
         own (time_metrics/checkpoint(s)). Before an interval save the device finishes the step's
         queued work first, so the step's own compute is not counted as checkpoint time."""
         cfg = self.config.checkpoint
-        if self.device.type == "cuda" and cfg.enable and self.step % cfg.interval == 0:
+        if may_save and self.device.type == "cuda" and cfg.enable and self.step % cfg.interval == 0:
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         try:
@@ -377,7 +377,7 @@ class Trainer:
             if first_step:  # start-up is over: from now on a hang should fail fast
                 set_pg_timeouts(self.config.comm.train_timeout_seconds, self.parallel_dims, self.device)
                 first_step = False
-            if self._checkpoint_timed(self.checkpointer.after_step, self.step):
+            if self._checkpoint_timed(self.checkpointer.after_step, self.step, may_save=True):
                 preempted = True
                 break
         profiler.close()
