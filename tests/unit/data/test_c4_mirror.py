@@ -204,3 +204,21 @@ def test_hub_code_path_on_a_real_stream(mirror, monkeypatch):
     # rank 1 of 2 reads the odd shards only: its first document is shard 1's first row
     first_doc = _rows(c4_shard_path(mirror, "train", 1))[0].encode()
     assert bytes(reference[0][0][0, 1 : 1 + 20].tolist()) == first_doc[:20]
+
+
+def test_benchmark_loader_json_line(mirror, capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[3] / "scripts" / "benchmark_loader.py"
+    spec = importlib.util.spec_from_file_location("benchmark_loader", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rc = bench.main(["--dataset", "c4", "--dataset_path", str(mirror), "--dp", "2", "--workers", "0",
+                     "--resume_at", "10,300", "--seq_len", "64", "--batch_size", "2"])
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    assert rc == 0 and set(result["resume_s"]) == {"10", "300"} and result["docs_per_s"] > 0
+    total = sum(c4_shard_path(mirror, "train", i).stat().st_size for i in range(SHARDS))
+    assert result["bytes_total"] == total and sum(result["bytes_read_per_rank"]) == total
+    assert all(b <= 0.6 * total for b in result["bytes_read_per_rank"])
+    assert bench.main(["--resume_at", "x"]) == 2
