@@ -28,7 +28,7 @@ from titan.errors import TitanError
 from titan.tools.logging import logger
 
 from .datasets import build_source
-from .packing import new_stream_state, pack_stream, reshard_states
+from .packing import new_stream_state, next_position, pack_stream, reshard_states
 from .sources import DocumentSource
 
 __all__ = ["PackedDataset", "TitanDataLoader", "build_dataloader", "choose_layout"]
@@ -220,16 +220,15 @@ class TitanDataLoader:
     def _log_resume(self) -> None:
         parts = []
         for st in self._states:
-            if self.layout == "shards" and st["cur"] is not None:
-                pos, row = st["cur"]
-                parts.append(f"stream {st['slot']} reopens {self.source.shard_name(pos % self.num_shards)} "
-                             f"at row {row}")
+            first = st["cur"] if st["cur"] is not None else (st["pending"][0] if st["pending"] else None)
+            if self.layout == "shards" and first is not None and first[1] > 0:
+                parts.append(f"stream {st['slot']} reopens {self.source.shard_name(first[0] % self.num_shards)} "
+                             f"at row {first[1]}")
             elif self.layout == "documents" and not self.source.seekable:
-                parts.append(f"stream {st['slot']} re-reads up to position {st['next']}")
+                parts.append(f"stream {st['slot']} re-reads the stream up to position {next_position(st)}")
         rows = {tuple(seg[:2]) for st in self._states for seg in st["segments"]}
-        if parts or rows:
-            logger.info(f"data loader resume (dp rank {self.dp_rank}): " + "; ".join(parts)
-                        + f"; {len(rows)} buffered document(s) re-read and re-tokenized")
+        parts.append(f"{len(rows)} buffered document(s) re-read and re-tokenized")
+        logger.info(f"data loader resume (dp rank {self.dp_rank}): " + "; ".join(parts))
 
     def load_state_dict(self, state: dict) -> None:
         state = self._check(state)

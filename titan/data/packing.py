@@ -39,10 +39,7 @@ from titan.tools.logging import logger
 from .readers import DocumentReader, ShardReader
 from .sources import DocumentSource
 
-__all__ = ["LAYOUTS", "pack_stream", "new_stream_state", "reshard_states", "unread_entries"]
-
-LAYOUTS = ("shards", "documents")
-
+__all__ = ["next_position", "pack_stream", "new_stream_state", "reshard_states", "unread_entries"]
 
 def new_stream_state(slot: int, stride: int, num_units: int | None) -> dict:
     return {
@@ -71,7 +68,8 @@ def _take_unit(state: dict) -> list[int]:
     return [pos, 0]
 
 
-def _peek_position(state: dict) -> int:
+def next_position(state: dict) -> int:
+    """The position this stream starts its next unit at."""
     return state["pending"][0][0] if state["pending"] else state["next"]
 
 
@@ -122,7 +120,7 @@ def pack_stream(
     while True:
         while buffered < need:
             if state["cur"] is None:
-                if not infinite and reader.locate(_peek_position(state))[0] > 0:
+                if not infinite and reader.locate(next_position(state))[0] > 0:
                     yield finish()
                     return
                 state["cur"] = _take_unit(state)
