@@ -1,15 +1,25 @@
-"""Tokens/s of the data loader alone (read + tokenize + pack + collate), no model.
+"""The data loader alone (read + tokenize + pack), no model: throughput, resume time, bytes read.
 
-    python scripts/benchmark_loader.py [--path ../shared/data/tinyshakespeare.txt]
-        [--seq_len 2048] [--batch_size 8] [--num_workers 0] [--batches 200] [--tokenizer ""]
+    python scripts/benchmark_loader.py [--dataset pydoc | c4 | NAME] [--dataset_path DIR]
+        [--dp 1] [--workers 0] [--resume_at N1,N2,...] [--seq_len 2048] [--batch_size 8]
+        [--max_docs 0] [--tokenizer ""]
 
-Runs on tinyshakespeare (skipped when the file is absent) and on the embedded pydoc corpus.
-Compare with the trainer's tokens/s: the loader should be >= 20x faster than the model consumes.
+Every dp rank (simulated one after the other in this process) reads one epoch of its share
+(or --max_docs documents); the ranks' throughput is averaged. --resume_at: positions in documents
+seen per rank; the state of dp rank 0 is saved when it first reaches each, and ``resume_s`` is
+the time from building a fresh loader with that state to its first batch. The last line is JSON:
+
+    {"docs_per_s": ..., "tokens_per_s": ..., "resume_s": {"N1": s1, ...},
+     "bytes_read_per_rank": [...], "bytes_total": ...}
+
+bytes_read_per_rank: on-disk bytes of the shard files each rank opened (a pass over the whole
+stream counts every file). A test C4 mirror: scripts/make_c4_mirror.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -21,41 +31,95 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from titan.data import build_dataloader, build_tokenizer  # noqa: E402
+from titan.errors import TitanError  # noqa: E402
+from titan.tools.logging import init_logger  # noqa: E402
 
 
-def bench(name: str, dataset: str, path: str, tokenizer, args) -> float:
-    loader = build_dataloader(dataset=dataset, dataset_path=path, text_field="text", tokenizer=tokenizer,
-                              seq_len=args.seq_len, local_batch_size=args.batch_size, dp_rank=0,
-                              dp_world_size=1, num_workers=args.num_workers)
-    it = iter(loader)
-    next(it)  # start-up (workers, first pass) is not throughput
-    start, tokens = time.perf_counter(), 0
-    for _ in range(args.batches):
-        inputs, _ = next(it)
+def _docs(loader) -> int:
+    return sum(st["docs"] for st in loader.state_dict()["streams"])
+
+
+def _bar(total: int | None, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="shard", disable=not sys.stderr.isatty(), leave=False)
+
+
+def run_rank(make, rank: int, resume_at: list[int], max_docs: int) -> dict:
+    """One rank's pass; states saved at the resume positions (rank 0)."""
+    loader = make(rank, infinite=False)
+    own = [j for j in range(loader.num_shards) if j % loader.dp_world_size == rank]
+    bar = _bar(len(own) if loader.layout == "shards" else None, f"dp rank {rank}")
+    states, tokens, todo = {}, 0, sorted(resume_at) if rank == 0 else []
+    start = time.perf_counter()
+    for inputs, _ in loader:
         tokens += inputs.numel()
+        docs = _docs(loader)
+        while todo and docs >= todo[0]:
+            states[todo.pop(0)] = loader.state_dict()
+        bar.update(len(set(loader.read_stats()["opened"])) - bar.n)
+        if max_docs and docs >= max_docs:
+            break
     elapsed = time.perf_counter() - start
-    tps = tokens / elapsed
-    print(f"{name:>16}: {tps:>12,.0f} tokens/s  ({args.batches} batches of {args.batch_size}x{args.seq_len}, "
-          f"{elapsed:.2f} s, workers={args.num_workers}, epoch {loader.state_dict()['streams'][0]['epoch']})")
-    return tps
+    bar.close()
+    if todo:
+        raise TitanError(f"--resume_at {todo[0]} is past the {_docs(loader)} documents dp rank 0 reads; "
+                         "use smaller positions or --max_docs 0")
+    stats = loader.read_stats()
+    return {"docs": _docs(loader), "tokens": tokens, "s": elapsed, "states": states,
+            "bytes_read": stats["bytes_read"], "bytes_total": stats["bytes_total"]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--path", default=str(REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
+    p.add_argument("--dataset", default="pydoc")
+    p.add_argument("--dataset_path", default="")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks to simulate")
+    p.add_argument("--workers", type=int, default=0, help="loader workers per rank")
+    p.add_argument("--resume_at", default="", help="comma-separated documents seen per rank")
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--num_workers", type=int, default=0)
-    p.add_argument("--batches", type=int, default=200)
+    p.add_argument("--max_docs", type=int, default=0, help="stop each rank after this many documents (0: epoch)")
     p.add_argument("--tokenizer", default="", help="tokenizer path; empty: the shipped tokenizer")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    try:
+        resume_at = [int(x) for x in args.resume_at.split(",") if x.strip()]
+    except ValueError:
+        print(f"benchmark_loader: error: --resume_at {args.resume_at!r} is not a list of integers", file=sys.stderr)
+        return 2
+    init_logger()  # the layout choice and resume lines go to stderr
     tokenizer = build_tokenizer(args.tokenizer)
-    if Path(args.path).exists():
-        bench("tinyshakespeare", "local", args.path, tokenizer, args)
-    else:
-        print(f"{args.path} not found: skipping tinyshakespeare")
-    bench("pydoc", "pydoc", "", tokenizer, args)
+
+    def make(rank: int, infinite: bool = True):
+        return build_dataloader(dataset=args.dataset, dataset_path=args.dataset_path, text_field="text",
+                                tokenizer=tokenizer, seq_len=args.seq_len, local_batch_size=args.batch_size,
+                                dp_rank=rank, dp_world_size=args.dp, num_workers=args.workers, infinite=infinite)
+
+    try:
+        ranks = [run_rank(make, r, resume_at, args.max_docs) for r in range(args.dp)]
+        resume_s = {}
+        for n in resume_at:
+            start = time.perf_counter()
+            loader = make(0)
+            loader.load_state_dict(ranks[0]["states"][n])
+            next(iter(loader))
+            resume_s[str(n)] = round(time.perf_counter() - start, 3)
+    except TitanError as e:
+        print(f"titan: error: {e}", file=sys.stderr)
+        return 2
+    seconds = sum(r["s"] for r in ranks)
+    for r, res in enumerate(ranks):
+        print(f"dp rank {r}: {res['docs']:,} documents, {res['tokens']:,} tokens in {res['s']:.1f} s, "
+              f"read {res['bytes_read']} of {res['bytes_total']} bytes", file=sys.stderr)
+    print(json.dumps({
+        "docs_per_s": round(sum(r["docs"] for r in ranks) / seconds, 1),
+        "tokens_per_s": round(sum(r["tokens"] for r in ranks) / seconds, 1),
+        "resume_s": resume_s,
+        "bytes_read_per_rank": [r["bytes_read"] for r in ranks],
+        "bytes_total": ranks[0]["bytes_total"],
+    }))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

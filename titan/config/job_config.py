@@ -97,7 +97,8 @@ class Training:
     """Dataset name from the registry (pydoc: the embedded offline corpus, c4, c4_validation) or
     a local path when `dataset_path` is set."""
     dataset_path: str = ""
-    """Local file or folder (jsonl/json/parquet/arrow/txt) to read instead of the hub source."""
+    """Local file or folder (jsonl/json/parquet/arrow/txt) to read instead of the hub source; for
+    c4, a mirror in allenai/c4's layout (en/c4-train.*.json.gz, docs/datasets.md)."""
     dataset_text_field: str = "text"
     """Column that holds the document text in local / hub datasets."""
     dataset_txt_split: str = "paragraph"
@@ -231,7 +232,8 @@ class Validation:
     """Held-out dataset name from the registry (pydoc_validation: topics that pydoc_train leaves
     out; c4_validation) or a local path."""
     dataset_path: str = ""
-    """Local file or folder to read instead of the registry source."""
+    """Local file or folder to read instead of the registry source; for c4_validation, a mirror in
+    allenai/c4's layout (en/c4-validation.*.json.gz)."""
     freq: int = 100
     """Validate every N training steps."""
     steps: int = -1

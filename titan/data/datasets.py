@@ -1,24 +1,24 @@
-"""Dataset registry and document sources.
-
-A *source* is an ordered sequence of text documents addressed by index 0..N-1. The loader never
-needs more than that: sharding, resume and resharding are all expressed as document indices (see
-titan/data/packing.py), so every source supports them the same way.
+"""Dataset registry: names and local paths resolved to document sources (titan/data/sources.py).
 
 Built in: ``pydoc`` (the stdlib's own documentation, always available offline), ``c4`` and
-``c4_validation`` (streamed from the Hugging Face hub), and any local file or folder of
-.jsonl/.json(.gz), .parquet, .arrow or .txt files (streamed through ``datasets``).
-Add your own with :func:`register_dataset`.
+``c4_validation`` (streamed from the Hugging Face hub, or read from a local mirror in allenai/c4's
+layout when a dataset path is set), and any local file or folder of .jsonl(.gz)/.json(.gz),
+.parquet, .arrow or .txt files. Every file of a folder is a shard (see titan/data/packing.py for
+how shards are dealt to ranks). Add your own with :func:`register_dataset`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from titan.errors import TitanError
 from titan.tools.logging import logger
+
+from .jsonl import JsonlSource, is_json_lines
+from .sources import DocumentSource, HFStreamSource, ListSource
 
 __all__ = [
     "DATASETS",
@@ -38,8 +38,6 @@ __all__ = [
 # documents to deal to the ranks), line = every line, document = the whole file.
 TXT_SPLITS = ("paragraph", "line", "document")
 
-_READ_BATCH = 64  # rows per read from a `datasets` stream
-
 # suffix -> `datasets` packaged builder
 _BUILDERS = {
     ".jsonl": "json",
@@ -53,121 +51,29 @@ _BUILDERS = {
 }
 
 
-class DocumentSource:
-    """An ordered, re-iterable sequence of text documents.
-
-    ``num_docs`` is the count when known up front (None for streams: the loader learns it when a
-    pass ends). ``iter_docs(start)`` yields the texts of documents start, start+1, ...
-    ``seekable`` sources also answer ``get(i)`` in O(1).
-    """
-
-    name: str = ""
-    seekable: bool = False
-
-    @property
-    def num_docs(self) -> int | None:
-        return None
-
-    def iter_docs(self, start: int = 0) -> Iterator[str]:
-        raise NotImplementedError
-
-    def get(self, index: int) -> str:
-        raise NotImplementedError
-
-
-class ListSource(DocumentSource):
-    """Documents held in memory (the embedded corpus, tests)."""
-
-    seekable = True
-
-    def __init__(self, name: str, docs: list[str]) -> None:
-        self.name = name
-        self.docs = list(docs)
-
-    @property
-    def num_docs(self) -> int:
-        return len(self.docs)
-
-    def iter_docs(self, start: int = 0) -> Iterator[str]:
-        for i in range(start, len(self.docs)):
-            yield self.docs[i]
-
-    def get(self, index: int) -> str:
-        return self.docs[index]
-
-
-class HFStreamSource(DocumentSource):
-    """A streaming ``datasets.IterableDataset``; document i is its i-th row's ``text_field``.
-
-    Streaming keeps memory flat for data larger than RAM; the price is that reaching document i
-    re-reads (parses, but does not tokenize) rows 0..i-1, which only happens on resume.
-    """
-
-    def __init__(self, name: str, dataset, text_field: str) -> None:
-        self.name = name
-        self.dataset = dataset
-        self.text_field = text_field
-
-    def iter_docs(self, start: int = 0) -> Iterator[str]:
-        ds = self.dataset.skip(start) if start > 0 else self.dataset
-        # .iter(batch_size) rather than iter(ds): inside a DataLoader worker the latter hands each
-        # worker only some of the files, which would break the document numbering
-        try:
-            for batch in ds.iter(batch_size=_READ_BATCH):
-                yield from self._texts(batch[self.text_field])
-        except UnicodeDecodeError as e:
-            raise TitanError(f"dataset {self.name!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
-                             "convert it, e.g. iconv -f latin1 -t utf-8") from None
-        except (TitanError, GeneratorExit):
-            raise
-        except Exception as e:  # pyarrow parse errors and the like: one line naming the dataset
-            first = str(e).splitlines()[0] if str(e) else ""
-            raise TitanError(f"cannot read dataset {self.name!r}: {type(e).__name__}: {first}") from None
-
-    def _texts(self, column: list) -> Iterator[str]:
-        for text in column:
-            if not isinstance(text, str):
-                raise TitanError(
-                    f"dataset {self.name!r}: column {self.text_field!r} holds {type(text).__name__}, "
-                    "expected str; set training.dataset_text_field to a text column"
-                )
-            yield text
-
-    def validate(self) -> None:
-        """Fail early, with one clear line, on an empty dataset or a missing text column."""
-        try:
-            first = next(iter(self.dataset))
-        except StopIteration:
-            raise TitanError(f"dataset {self.name!r} is empty (no rows)") from None
-        except UnicodeDecodeError as e:
-            raise TitanError(f"dataset {self.name!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
-                             "convert it, e.g. iconv -f latin1 -t utf-8") from None
-        if self.text_field not in first:
-            raise TitanError(
-                f"dataset {self.name!r} has no column {self.text_field!r} "
-                f"(training.dataset_text_field); available columns: {sorted(first)}"
-            )
-
-
 @dataclass(frozen=True)
 class DatasetSpec:
     """A registry entry: ``loader(text_field)`` builds the source; ``text_field`` is its default
-    column (used when the config keeps the default "text")."""
+    column (used when the config keeps the default "text"). ``local(path, text_field, bad_lines)``,
+    when set, reads a local copy of the dataset (the config's dataset path) in its own layout."""
 
     name: str
     loader: Callable[[str], DocumentSource]
     text_field: str = "text"
     description: str = ""
+    local: Callable[[str, str, str], DocumentSource] | None = None
 
 
 DATASETS: dict[str, DatasetSpec] = {}
 
 
 def register_dataset(
-    name: str, loader: Callable[[str], DocumentSource], text_field: str = "text", description: str = ""
+    name: str, loader: Callable[[str], DocumentSource], text_field: str = "text", description: str = "",
+    local: Callable[[str, str, str], DocumentSource] | None = None,
 ) -> None:
-    """Make ``training.dataset = name`` build ``loader(text_field)``."""
-    DATASETS[name] = DatasetSpec(name, loader, text_field, description)
+    """Make ``training.dataset = name`` build ``loader(text_field)`` (``local(path, text_field,
+    bad_lines)`` when a dataset path is set)."""
+    DATASETS[name] = DatasetSpec(name, loader, text_field, description, local)
 
 
 def _pydoc_source(text_field: str) -> DocumentSource:
@@ -219,11 +125,45 @@ def _pydoc_split(validation: bool) -> Callable[[str], DocumentSource]:
 
 register_dataset("pydoc_train", _pydoc_split(False), description="pydoc without the pydoc_validation topics")
 register_dataset("pydoc_validation", _pydoc_split(True), description="every 10th pydoc topic, held out")
-register_dataset("c4", _hub_source("c4", "allenai/c4", "en", "train"), description="allenai/c4 en train")
+# allenai/c4's file layout: <mirror>/en/c4-<split>.NNNNN-of-MMMMM.json.gz (JSON lines: text,
+# timestamp, url). 1024 train shards, 8 validation shards.
+C4_SHARDS = {"train": 1024, "validation": 8}
+C4_MIRROR_HINT = ('mirror it with `hf download allenai/c4 --repo-type dataset --include '
+                  '"en/c4-train.0000*-of-01024.json.gz" --local-dir DIR` (docs/datasets.md)')
+
+
+def c4_files(path: str, split: str) -> list[Path]:
+    """The shards of ``split`` in a local allenai/c4 mirror (the folder holding ``en/``, or ``en/``
+    itself), in shard order."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise TitanError(f"c4 mirror {path!r} is not a folder (dataset path); {C4_MIRROR_HINT}")
+    folder = root / "en" if (root / "en").is_dir() else root
+    pattern = f"c4-{split}.[0-9][0-9][0-9][0-9][0-9]-of-{C4_SHARDS[split]:05d}.json.gz"
+    files = sorted(folder.glob(pattern))
+    if not files:
+        raise TitanError(f"c4 mirror {path!r} has no en/{pattern.replace('[0-9]', 'N')} files; {C4_MIRROR_HINT}")
+    return files
+
+
+def _c4_local(split: str) -> Callable[[str, str, str], DocumentSource]:
+    def load(path: str, text_field: str, bad_lines: str) -> DocumentSource:
+        files = c4_files(path, split)
+        logger.info(f"dataset c4 {split}: local mirror {path} ({len(files)} of {C4_SHARDS[split]} shards)")
+        source = JsonlSource(f"c4_{split}:{path}", files, text_field, bad_lines)
+        source.validate()
+        return source
+
+    return load
+
+
+register_dataset("c4", _hub_source("c4", "allenai/c4", "en", "train"), description="allenai/c4 en train",
+                 local=_c4_local("train"))
 register_dataset(
     "c4_validation",
     _hub_source("c4_validation", "allenai/c4", "en", "validation"),
     description="allenai/c4 en validation",
+    local=_c4_local("validation"),
 )
 
 
@@ -261,9 +201,7 @@ def local_source(path: str, text_field: str = "text", txt_split: str = "paragrap
     if len(builders) > 1:
         raise TitanError(f"dataset folder {path!r} mixes formats {builders}; keep one format per folder")
     builder = builders[0]
-    if all(f.name.lower().endswith(".jsonl") for f in files):  # line by line: broken lines get named
-        from .jsonl import JsonlSource
-
+    if _line_delimited(files):  # read line by line: broken lines and files get named
         jsonl = JsonlSource(str(path), files, text_field, bad_lines)
         jsonl.validate()
         return jsonl
@@ -276,9 +214,17 @@ def local_source(path: str, text_field: str = "text", txt_split: str = "paragrap
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else ""
         raise TitanError(f"cannot read dataset {path!r} as {builder}: {type(e).__name__}: {first}") from e
-    source = HFStreamSource(str(path), ds, field)
+    source = HFStreamSource(str(path), ds, field, shard_files=files)
     source.validate()
     return source
+
+
+def _line_delimited(files: list[Path]) -> bool:
+    names = [f.name.lower() for f in files]
+    if all(n.endswith((".jsonl", ".jsonl.gz")) for n in names):
+        return True
+    # .json.gz (allenai/c4's shards) is JSON lines unless it holds one array
+    return all(n.endswith((".jsonl", ".jsonl.gz", ".json.gz")) for n in names) and is_json_lines(files[0])
 
 
 def _looks_like_path(name: str) -> bool:
@@ -293,6 +239,8 @@ def check_dataset(dataset: str, dataset_path: str = "") -> None:
         if not Path(path).expanduser().exists():
             key = "training.dataset_path" if dataset_path else "training.dataset"
             raise TitanError(f"dataset path {path!r} does not exist ({key})")
+        if dataset in ("c4", "c4_validation"):
+            c4_files(path, "train" if dataset == "c4" else "validation")
     elif dataset not in DATASETS:
         raise TitanError(
             f"unknown dataset {dataset!r} (training.dataset); valid: {sorted(DATASETS)} "
@@ -306,12 +254,15 @@ def build_source(
 ) -> DocumentSource:
     """Resolve the config's (dataset, dataset_path, text_field) to a source.
 
-    ``dataset_path`` set: read that local file/folder. Otherwise ``dataset`` is a registry name, or
-    itself a local path.
+    ``dataset_path`` set: read that local copy (in the registered dataset's own layout when it has
+    one, e.g. a c4 mirror; else any supported file/folder). Otherwise ``dataset`` is a registry
+    name, or itself a local path.
     """
+    spec = DATASETS.get(dataset)
+    if dataset_path and spec is not None and spec.local is not None:
+        return spec.local(dataset_path, text_field if text_field != "text" else spec.text_field, bad_lines)
     if dataset_path:
         return local_source(dataset_path, text_field, txt_split, bad_lines)
-    spec = DATASETS.get(dataset)
     if spec is not None:
         return spec.loader(text_field if text_field != "text" else spec.text_field)
     if _looks_like_path(dataset):

@@ -1,21 +1,29 @@
 """Document streams, sequence packing and resharding.
 
-Positions. Document reads are numbered by a global *position* p over the endless repetition of
-the dataset: p = epoch * N + index (N documents). A *stream* (one per DP rank and loader worker)
-owns the positions p ≡ slot (mod stride), stride = number of streams; so within one epoch the
-documents are dealt i -> i % stride, and over all epochs every position has exactly one owner.
-A stream's whole future is described by a small picklable dict (see :func:`new_stream_state`):
+Units and positions. A stream (one per DP rank and loader worker) reads *units*: whole shards of
+the source when it has at least as many shards as there are streams (layout "shards"), else single
+documents of the concatenated stream (layout "documents"; see titan/data/readers.py). Units are
+numbered by a global *position* p over the endless repetition of the dataset: p = epoch * U + u
+(U units). A stream owns the positions p ≡ slot (mod stride), stride = number of streams; so
+within one epoch unit u goes to stream u % stride, and over all epochs every position has exactly
+one owner. A stream's whole future is described by a small picklable dict (see
+:func:`new_stream_state`):
 
-- ``next``: its next own position; ``pending``: sorted extra positions to read first (left over
-  by a reshard, all < ``next``);
-- ``segments``: ``[position, token_offset]`` of the documents in its packing buffer, i.e. tokens
-  read but not yet emitted (documents are re-tokenized on restore, so the state stays tiny);
-- ``epoch``, ``num_docs`` (None until a streaming source's end has been seen).
+- ``next``: its next own position; ``pending``: ``[position, row]`` entries to read first, in
+  order (left over by a reshard, all < ``next``);
+- ``cur``: ``[position, row]`` of the unit being read and the next row in it (None between units):
+  a resume reopens that shard and moves to that row;
+- ``segments``: ``[position, row, token_offset]`` of the documents in its packing buffer, i.e.
+  tokens read but not yet emitted (documents are re-read and re-tokenized on restore, so the
+  state stays tiny);
+- ``epoch``, ``num_units`` (None until a streaming source's end has been seen), ``docs`` (documents
+  read, for logs and benchmarks).
 
-Resharding (:func:`reshard_states`) merges any set of stream states into a new layout without
-repeating or skipping a single token: cursor M = max(next); every position an old stream still
-owned below M becomes pending (dealt round-robin to the new streams); from M on, new stream s owns
-p ≡ s (mod new stride); old buffers move whole, old stream j's to new stream j % new count.
+Resharding (:func:`reshard_states`) merges any set of stream states of one layout into a new set
+of streams without repeating or skipping a single token: cursor M = max(next); every unit an old
+stream still owned below M (its partly read ``cur`` from its row on, its ``pending``, its class
+below M) becomes a pending entry, dealt round-robin to the new streams; from M on, new stream s
+owns p ≡ s (mod new stride); old buffers move whole, old stream j's to new stream j % new count.
 """
 
 from __future__ import annotations
@@ -28,85 +36,41 @@ import torch
 from titan.errors import TitanError
 from titan.tools.logging import logger
 
-from .datasets import DocumentSource
+from .readers import DocumentReader, ShardReader
+from .sources import DocumentSource
 
-__all__ = ["DocumentReader", "pack_stream", "new_stream_state", "reshard_states", "unread_positions"]
+__all__ = ["next_position", "pack_stream", "new_stream_state", "reshard_states", "unread_entries"]
 
-
-def new_stream_state(slot: int, stride: int, num_docs: int | None) -> dict:
+def new_stream_state(slot: int, stride: int, num_units: int | None) -> dict:
     return {
         "slot": slot,
         "stride": stride,
         "next": slot,
         "pending": [],
+        "cur": None,
         "segments": [],
         "epoch": 0,
-        "num_docs": num_docs,
+        "num_units": num_units,
+        "docs": 0,
     }
 
 
-class DocumentReader:
-    """Fetches documents by position, keeping a forward pass open over streaming sources."""
-
-    def __init__(self, source: DocumentSource, num_docs: int | None) -> None:
-        self.source = source
-        self.num_docs = num_docs if num_docs is not None else source.num_docs
-        # open pass over a streaming source: (epoch, first index, next index, iterator)
-        self._pass: tuple[int, int, int, Iterator[str]] | None = None
-
-    def _count(self) -> int:
-        n = sum(1 for _ in self.source.iter_docs(0))
-        if n == 0:
-            raise TitanError(f"dataset {self.source.name!r} is empty (no documents)")
-        return n
-
-    def _get(self, epoch: int, index: int) -> str | None:
-        """The document at (epoch, index), or None when index is past the end (N is then known)."""
-        if self.source.seekable:
-            return self.source.get(index) if index < self.num_docs else None
-        if self._pass is None or self._pass[0] != epoch or self._pass[2] > index:
-            self._pass = (epoch, index, index, self.source.iter_docs(index))
-        _, start, at, it = self._pass
-        try:
-            while at < index:  # documents of other streams: parsed, not tokenized
-                next(it)
-                at += 1
-            text = next(it)
-        except StopIteration:
-            self._pass = None
-            # a pass that yielded anything ends exactly at N; one that started past the end
-            # only tells N <= start, so count
-            self.num_docs = at if at > start else self._count()
-            return None
-        self._pass = (epoch, start, index + 1, it)
-        return text
-
-    def locate(self, pos: int) -> tuple[int, int]:
-        n = self.num_docs
-        if n == 0:
-            raise TitanError(f"dataset {self.source.name!r} is empty (no documents)")
-        return divmod(pos, n) if n is not None else (0, pos)
-
-    def read(self, pos: int) -> tuple[int, str]:
-        """(epoch, text) of the document at position ``pos``."""
-        while True:
-            epoch, index = self.locate(pos)
-            text = self._get(epoch, index)
-            if text is not None:
-                return epoch, text
-            if self.num_docs is None:  # pragma: no cover - _get always learns N
-                raise AssertionError("document count unknown after end of pass")
+def make_reader(source: DocumentSource, layout: str, num_units: int | None):
+    return ShardReader(source) if layout == "shards" else DocumentReader(source, num_units)
 
 
-def _next_position(state: dict) -> int:
-    return state["pending"][0] if state["pending"] else state["next"]
-
-
-def _advance(state: dict) -> None:
+def _take_unit(state: dict) -> list[int]:
+    """The next ``[position, row]`` to read from (a pending entry, else the next own position)."""
     if state["pending"]:
-        state["pending"].pop(0)
-    else:
-        state["next"] += state["stride"]
+        return list(state["pending"].pop(0))
+    pos = state["next"]
+    state["next"] += state["stride"]
+    return [pos, 0]
+
+
+def next_position(state: dict) -> int:
+    """The position this stream starts its next unit at."""
+    return state["pending"][0][0] if state["pending"] else state["next"]
 
 
 def pack_stream(
@@ -114,73 +78,97 @@ def pack_stream(
     tokenizer,
     state: dict,
     *,
+    layout: str,
     seq_len: int,
     batch_size: int,
     infinite: bool,
     label: str = "",
-) -> Iterator[tuple[torch.Tensor | None, dict]]:
-    """Yield ``(windows [batch_size, seq_len + 1], state after this batch)`` from one stream.
+) -> Iterator[tuple[torch.Tensor | None, dict, list[int]]]:
+    """Yield ``(windows [batch_size, seq_len + 1], state after this batch, units opened)`` from one
+    stream; ``units opened`` lists what the reader started reading since the previous item.
 
     In finite mode the stream ends at the first position of epoch 1; it then yields one last
-    ``(None, final state)`` so the caller's state shows every document read (leftover tokens stay
-    in ``segments``, they are not emitted as a partial batch).
+    ``(None, final state, ...)`` so the caller's state shows every document read (leftover tokens
+    stay in ``segments``, they are not emitted as a partial batch).
     """
     state = copy.deepcopy(state)
-    reader = DocumentReader(source, state["num_docs"])
+    reader = make_reader(source, layout, state["num_units"])
     need = batch_size * (seq_len + 1)
 
     def tokens_of(text: str) -> torch.Tensor:
         return torch.tensor(tokenizer.encode(text, bos=True, eos=True), dtype=torch.long)
 
-    # restore the packing buffer: [position, offset, tokens]
+    def opened() -> list[int]:
+        out, reader.opened = reader.opened, []
+        return out
+
+    def finish():
+        state["num_units"] = reader.num_units
+        return None, state, opened()
+
+    # restore the packing buffer: [position, row, offset, tokens]
     buf: list[list] = []
-    for pos, offset in state["segments"]:
-        _, text = reader.read(pos)
-        buf.append([pos, offset, tokens_of(text)])
-    buffered = sum(len(t) - off for _, off, t in buf)
+    for pos, row, offset in state["segments"]:
+        _, text = reader.read(pos, row)
+        if text is None:
+            raise TitanError(f"dataset {source.name!r}{label}: document {row} of unit {pos} named by the data "
+                             "loader state is gone: the dataset changed since the checkpoint")
+        buf.append([pos, row, offset, tokens_of(text)])
+    buffered = sum(len(t) - off for _, _, off, t in buf)
+    empty_run = 0  # units in a row that held no document
 
     while True:
         while buffered < need:
-            pos = _next_position(state)
-            epoch, index = reader.locate(pos)
-            if not infinite and epoch > 0:
-                state["num_docs"] = reader.num_docs
-                yield None, state
-                return
-            epoch, text = reader.read(pos)
+            if state["cur"] is None:
+                if not infinite and reader.locate(next_position(state))[0] > 0:
+                    yield finish()
+                    return
+                state["cur"] = _take_unit(state)
+            pos, row = state["cur"]
+            epoch, text = reader.read(pos, row)
             if not infinite and epoch > 0:  # N was learned by this very read
-                state["num_docs"] = reader.num_docs
-                yield None, state
+                yield finish()
                 return
+            if text is None:  # past the unit's last row
+                state["cur"] = None
+                empty_run = empty_run + 1 if row == 0 else 0
+                if empty_run > (reader.num_units or 0) + state["stride"]:
+                    raise TitanError(f"dataset {source.name!r}{label}: the shards this stream reads hold no "
+                                     "documents; remove the empty files or use fewer dp ranks x workers")
+                continue
+            empty_run = 0
             if epoch > state["epoch"]:
                 state["epoch"] = epoch
                 logger.warning(
                     f"dataset {source.name!r}{label}: shard exhausted, re-looping over it (epoch {epoch})"
                 )
             toks = tokens_of(text)
-            _advance(state)
-            buf.append([pos, 0, toks])
-            state["segments"].append([pos, 0])
+            state["cur"] = None if reader.single_row else [pos, row + 1]
+            state["docs"] += 1
+            buf.append([pos, row, 0, toks])
+            state["segments"].append([pos, row, 0])
             buffered += len(toks)
         # take `need` tokens from the front of the buffer
         parts, take = [], need
         while take > 0:
             seg = buf[0]
-            n = min(take, len(seg[2]) - seg[1])
-            parts.append(seg[2][seg[1] : seg[1] + n])
-            seg[1] += n
+            n = min(take, len(seg[3]) - seg[2])
+            parts.append(seg[3][seg[2] : seg[2] + n])
+            seg[2] += n
             take -= n
-            if seg[1] == len(seg[2]):
+            if seg[2] == len(seg[3]):
                 buf.pop(0)
         buffered -= need
-        state["segments"] = [[p, off] for p, off, _ in buf]
-        state["num_docs"] = reader.num_docs
-        yield torch.cat(parts).view(batch_size, seq_len + 1), copy.deepcopy(state)
+        state["segments"] = [[p, r, off] for p, r, off, _ in buf]
+        state["num_units"] = reader.num_units
+        yield torch.cat(parts).view(batch_size, seq_len + 1), copy.deepcopy(state), opened()
 
 
-def unread_positions(state: dict, upto: int) -> list[int]:
-    """Positions this stream still owns below ``upto`` (pending, then its class from ``next``)."""
-    return list(state["pending"]) + list(range(state["next"], upto, state["stride"]))
+def unread_entries(state: dict, upto: int) -> list[list[int]]:
+    """``[position, row]`` of what this stream still owns below ``upto``: its partly read unit, its
+    pending entries, then its own positions from ``next``."""
+    cur = [list(state["cur"])] if state["cur"] is not None else []
+    return cur + [list(e) for e in state["pending"]] + [[p, 0] for p in range(state["next"], upto, state["stride"])]
 
 
 def reshard_states(old: list[dict], new_slots: list[int], new_stride: int) -> list[dict]:
@@ -195,17 +183,24 @@ def reshard_states(old: list[dict], new_slots: list[int], new_stride: int) -> li
         raise TitanError("reshard: no old data-loader states given")
     old = sorted(old, key=lambda s: s["slot"])
     cursor = max(s["next"] for s in old)
-    pending = sorted(p for s in old for p in unread_positions(s, cursor))
-    known = [s["num_docs"] for s in old if s["num_docs"] is not None]
+    pending = sorted(e for s in old for e in unread_entries(s, cursor))
+    known = [s["num_units"] for s in old if s["num_units"] is not None]
     epoch = max(s["epoch"] for s in old)
+    docs = sum(s.get("docs", 0) for s in old)
     new = []
-    for s in new_slots:
+    for i, s in enumerate(new_slots):
         st = new_stream_state(s, new_stride, known[0] if known else None)
         st["next"] = cursor + (s - cursor) % new_stride  # smallest p >= cursor with p ≡ s
         st["epoch"] = epoch
+        st["docs"] = docs // len(new_slots) + (i < docs % len(new_slots))
         new.append(st)
-    for j, p in enumerate(pending):
-        new[j % len(new)]["pending"].append(p)
+    for j, e in enumerate(pending):
+        new[j % len(new)]["pending"].append(e)
     for j, s in enumerate(old):
         new[j % len(new)]["segments"].extend(copy.deepcopy(s["segments"]))
+    partial = sum(1 for e in pending if e[1] > 0)
+    if pending or partial:
+        logger.info(f"data loader re-deal: {len(pending)} unread unit(s) below position {cursor} "
+                    f"({partial} partly read, continued from their row) go to {len(new)} new stream(s); "
+                    "nothing is re-read or skipped")
     return new

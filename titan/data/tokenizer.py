@@ -7,7 +7,6 @@ shipped in titan/data/assets, built by scripts/build_tokenizer.py.
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 from abc import ABC, abstractmethod
@@ -129,19 +128,40 @@ def _split_long(text: str) -> Iterator[str]:
             yield chunk[piece_start:]
 
 
-def _load_tiktoken_ranks(path: Path) -> dict[bytes, int]:
-    ranks: dict[bytes, int] = {}
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                token, rank = line.split()
-                ranks[base64.b64decode(token, validate=True)] = int(rank)
-            except ValueError as e:
-                raise TitanError(
-                    f"{path}:{lineno}: not a tiktoken ranks line (expected 'base64token rank'): {e}"
-                ) from None
+_REMOTE_PREFIXES = ("gs://", "az://", "http://", "https://")
+
+
+def _is_remote(path: str | Path) -> bool:
+    return str(path).startswith(_REMOTE_PREFIXES)
+
+
+def _load_tiktoken_ranks(path: str) -> dict[bytes, int]:
+    """BPE ranks through tiktoken's own loader: local files, gs:// and az:// (through blobfile),
+    http(s). tiktoken caches what it reads under TIKTOKEN_CACHE_DIR keyed by the path *string*,
+    which for a local file would serve a stale copy after the file is rewritten in place; so
+    local files are read uncached (no cache write either: the shipped tokenizer stays offline
+    and side-effect free) and only remote paths use tiktoken's cache."""
+    import os
+
+    from tiktoken.load import load_tiktoken_bpe
+
+    saved = os.environ.get("TIKTOKEN_CACHE_DIR")
+    if not _is_remote(path):
+        os.environ["TIKTOKEN_CACHE_DIR"] = ""  # tiktoken: "" disables its cache
+    try:
+        ranks = load_tiktoken_bpe(path)
+    except ValueError as e:  # tiktoken: "Error parsing line ... in PATH"
+        raise TitanError(f"{path}: not a tiktoken ranks file (expected 'base64token rank' lines): "
+                         f"{str(e).splitlines()[0]}") from None
+    except Exception as e:  # network, credentials, missing remote object
+        raise TitanError(f"cannot read tokenizer {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                         ) from None
+    finally:
+        if not _is_remote(path):
+            if saved is None:
+                os.environ.pop("TIKTOKEN_CACHE_DIR", None)
+            else:
+                os.environ["TIKTOKEN_CACHE_DIR"] = saved
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise TitanError(f"{path}: tiktoken ranks must be the distinct numbers 0..{len(ranks) - 1}")
     return ranks
@@ -154,15 +174,15 @@ class TikTokenizer(Tokenizer):
     def __init__(self, path: str | Path):
         import tiktoken
 
-        path = Path(path)
+        path = str(path)
         ranks = _load_tiktoken_ranks(path)
         n = len(ranks)
         self.special_tokens = {tok: n + i for i, tok in enumerate(llama3_special_tokens())}
         self.model = tiktoken.Encoding(
-            name=path.name, pat_str=LLAMA3_PAT_STR, mergeable_ranks=ranks,
+            name=path.rsplit("/", 1)[-1], pat_str=LLAMA3_PAT_STR, mergeable_ranks=ranks,
             special_tokens=self.special_tokens,
         )  # fmt: skip
-        self.path = str(path)
+        self.path = path
         self.num_base_tokens = n
         self.vocab_size = n + len(self.special_tokens)
         self.bos_id = self.special_tokens["<|begin_of_text|>"]
@@ -287,9 +307,13 @@ def _sniff(path: Path) -> type[Tokenizer] | None:
 
 
 def build_tokenizer(path: str | Path = "") -> Tokenizer:
-    """Load the tokenizer at `path` (file or folder); "" gives the shipped default."""
+    """Load the tokenizer at `path` (file or folder); "" gives the shipped default. A remote path
+    (gs://, az:// through blobfile, or http(s)://) must be a tiktoken ranks file (Llama 3's
+    tokenizer.model); download other formats first."""
     if not str(path):
         return TikTokenizer(DEFAULT_TOKENIZER_PATH)
+    if _is_remote(path):
+        return TikTokenizer(str(path))
     p = Path(path).expanduser()
     if p.is_dir():
         # A Hugging Face snapshot or Meta's `original/` folder.

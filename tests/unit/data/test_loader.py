@@ -11,7 +11,7 @@ import torch
 
 from titan.data.datasets import ListSource
 from titan.data.loader import TitanDataLoader, build_dataloader
-from titan.data.packing import reshard_states, unread_positions
+from titan.data.packing import reshard_states, unread_entries
 
 
 class ByteTokenizer:
@@ -51,13 +51,15 @@ def take(loader, n):
     return [next(it) for _ in range(n)]
 
 
-def leftover(state) -> Counter:
-    """Tokens a (finished) rank still holds: its packing buffer; asserts nothing is left unread."""
+def leftover(state, doc_of=lambda unit, row: DOC_SOURCE.get(unit)) -> Counter:
+    """Tokens a (finished) rank still holds: its packing buffer; asserts nothing is left unread.
+    ``doc_of(unit, row)``: the text of row ``row`` of unit ``unit`` (one document per unit by default)."""
     c = Counter()
     for st in state["streams"]:
-        assert not st["pending"] and st["next"] >= N_DOCS
-        for pos, off in st["segments"]:
-            c.update(DocTokenizer().encode(DOC_SOURCE.get(pos % N_DOCS), bos=True, eos=True)[off:])
+        n = st["num_units"]
+        assert not st["pending"] and st["next"] >= n and (st["cur"] is None or st["cur"][0] >= n)
+        for pos, row, off in st["segments"]:
+            c.update(DocTokenizer().encode(doc_of(pos % n, row), bos=True, eos=True)[off:])
     return c
 
 
@@ -165,14 +167,18 @@ def test_worker_count_change_is_exact():
 
 def test_reshard_states_across_epochs_covers_every_position_once():
     # old streams caught mid-way at different epochs (positions p = epoch * N + index)
-    old = [{"slot": 0, "stride": 2, "next": 40, "pending": [], "segments": [[38, 1]], "epoch": 1, "num_docs": 37},
-           {"slot": 1, "stride": 2, "next": 33, "pending": [], "segments": [], "epoch": 0, "num_docs": None}]
+    # (a partly read unit is continued from its row)
+    old = [{"slot": 0, "stride": 2, "next": 40, "pending": [], "cur": [38, 3], "segments": [[38, 2, 1]],
+            "epoch": 1, "num_units": 37, "docs": 5},
+           {"slot": 1, "stride": 2, "next": 33, "pending": [[29, 0]], "cur": None, "segments": [], "epoch": 0,
+            "num_units": None, "docs": 4}]
     new = reshard_states(old, [0, 1, 2], 3)
     bound = 200
-    before = sorted(p for s in old for p in unread_positions(s, bound))
-    after = sorted(p for s in new for p in unread_positions(s, bound))
-    assert before == after and len(set(after)) == len(after)
-    assert [s["num_docs"] for s in new] == [37] * 3 and new[0]["segments"] == [[38, 1]]
+    before = sorted(e for s in old for e in unread_entries(s, bound))
+    after = sorted(e for s in new for e in unread_entries(s, bound))
+    assert before == after and len({tuple(e) for e in after}) == len(after) and [38, 3] in after
+    assert [s["num_units"] for s in new] == [37] * 3 and new[0]["segments"] == [[38, 2, 1]]
+    assert sum(s["docs"] for s in new) == 9
 
 
 def test_finite_mode_stops():
@@ -221,7 +227,10 @@ def test_streamed_files_with_workers_exact(tmp_path):
     resumed.load_state_dict(first.state_dict())
     assert all(torch.equal(a[0], b[0]) for a, b in zip(reference[5:], take(resumed, 7)))
     finite = build_dataloader(num_workers=2, infinite=False, **kw)
-    assert tokens(list(finite)) + leftover(finite.state_dict()) == ALL_TOKENS
+    state = finite.state_dict()
+    assert state["layout"] == "shards"  # two files, two workers: one file each
+    assert tokens(list(finite)) + leftover(finite.state_dict(), lambda f, row: DOC_SOURCE.docs[f * 20 + row]) \
+        == ALL_TOKENS
 
 
 def test_pydoc_with_shipped_vocab():
