@@ -49,13 +49,15 @@ def estimate_shared_memory(config: JobConfig, degrees: dict[str, int], world: in
     from titan.tools.memory import estimate_memory
 
     est = estimate_memory(config, world)
-    extra = {"gathered": est.gathered_param_bytes / GIB, "act+grads": est.activation_bytes / GIB}
+    extra = {"gathered": est.gathered_param_bytes / GIB, "act+grads": est.activation_bytes / GIB,
+             "step": est.step_extra_bytes / GIB}
     t = config.training
     return extra, (
         states + "; gathered: FSDP's unsharded root + 2 blocks; act+grads: peak of a fake-tensor"
         f" forward/backward at local batch {t.local_batch_size} x {t.seq_len} (activation checkpointing"
         f" {config.activation_checkpoint.mode}) with the sharded gradients accumulated by then;"
-        " not counted: allocator caching, NCCL buffers"
+        f" step: what the optimizer step ({config.optimizer.implementation}) adds when its peak (all"
+        " gradients + temporaries) is above forward/backward's; not counted: allocator caching, NCCL buffers"
     )
 
 
