@@ -105,7 +105,9 @@ def _describe_stage(parts: list[nn.Module]) -> str:
     for part in parts:
         layers = list(getattr(part, "layers", {}).keys())
         ends = [n for n in ("tok_embeddings", "norm", "output") if getattr(part, n, None) is not None]
-        span = f"layers {layers[0]}-{layers[-1]} ({len(layers)})" if layers else "no layers"
+        span = f"layers {layers[0]}-{layers[-1]} ({len(layers)})" if len(layers) > 1 else "no layers"
+        if len(layers) == 1:
+            span = f"layer {layers[0]} (1)"
         pieces.append(span + (" + " + ", ".join(ends) if ends else ""))
     return "; ".join(pieces)
 
