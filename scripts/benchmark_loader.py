@@ -1,9 +1,9 @@
 """Tokens/s of the data loader alone (read + tokenize + pack + collate), no model.
 
-    python scripts/benchmark_loader.py [--path ../shared/data/tinyshakespeare.txt]
+    python scripts/benchmark_loader.py [--path my_corpus.txt]
         [--seq_len 2048] [--batch_size 8] [--num_workers 0] [--batches 200] [--tokenizer ""]
 
-Runs on tinyshakespeare (skipped when the file is absent) and on the embedded pydoc corpus.
+Runs on the embedded pydoc corpus, and first on --path (a local text / JSONL file or folder) if given.
 Compare with the trainer's tokens/s: the loader should be >= 20x faster than the model consumes.
 """
 
@@ -42,7 +42,7 @@ def bench(name: str, dataset: str, path: str, tokenizer, args) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--path", default=str(REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
+    p.add_argument("--path", default="", help="also benchmark this local file or folder (.txt, .jsonl, ...)")
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--num_workers", type=int, default=0)
@@ -50,10 +50,8 @@ def main() -> None:
     p.add_argument("--tokenizer", default="", help="tokenizer path; empty: the shipped tokenizer")
     args = p.parse_args()
     tokenizer = build_tokenizer(args.tokenizer)
-    if Path(args.path).exists():
-        bench("tinyshakespeare", "local", args.path, tokenizer, args)
-    else:
-        print(f"{args.path} not found: skipping tinyshakespeare")
+    if args.path:
+        bench(Path(args.path).name, "local", args.path, tokenizer, args)
     bench("pydoc", "pydoc", "", tokenizer, args)
 
 
