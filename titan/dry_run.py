@@ -48,7 +48,10 @@ def estimate_shared_memory(config: JobConfig, degrees: dict[str, int], world: in
         return {}, states + "; grads: fp32 sharded; activations not estimated for TP/PP/CP layouts (add them on top)"
     from titan.tools.memory import estimate_memory
 
-    est = estimate_memory(config, world)
+    try:
+        est = estimate_memory(config, world)
+    except TitanError as e:  # a setting the estimator does not model: the plan itself is still valid
+        return {}, states + f"; grads: fp32 sharded; activations not estimated ({e})"
     extra = {"gathered": est.gathered_param_bytes / GIB, "act+grads": est.activation_bytes / GIB,
              "step": est.step_extra_bytes / GIB}
     t = config.training

@@ -93,3 +93,10 @@ def test_mismatch_is_reported_not_hidden():
                           distinct_shard_params=9, memory=[{"params": 0.0}] * 2)
     assert not report.ok
     assert "DOES NOT MATCH the model's 10" in format_report(report, load_config([]))
+
+
+def test_settings_the_estimator_does_not_model_leave_the_plan_valid():
+    report = run_dry_run(_config("debug_model.toml", 2, "--optimizer.bf16_stochastic_round", "true",
+                                 "--training.mixed_precision_param", "bfloat16"))
+    assert report.ok and set(report.memory[0]) == {"params", "grads", "optim"}
+    assert "not optimizer.bf16_stochastic_round" in report.memory_note
