@@ -17,7 +17,13 @@ import argparse
 import os
 import sys
 
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from titan.interop.dcp import read_all_state  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isfile(os.path.join(args.src, ".metadata")):
             print(f"error: {args.src} is not a DCP checkpoint folder (no .metadata)", file=sys.stderr)
             return 2
-        dcp_to_torch_save(args.src, args.dst)
+        torch.save(read_all_state(args.src), args.dst)
     else:
         if not os.path.isfile(args.src):
             print(f"error: {args.src} is not a file", file=sys.stderr)

@@ -35,6 +35,10 @@ def download(
     as at least one arrives. Raises huggingface_hub's errors for everything else."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+    from huggingface_hub.utils import disable_progress_bars
+
+    if not sys.stderr.isatty():  # huggingface_hub draws its download bars everywhere otherwise
+        disable_progress_bars()
 
     got: list[Path] = []
     missing: list[str] = []

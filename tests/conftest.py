@@ -10,7 +10,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 # Asked once, before any test hides the GPUs (below): this also makes the CUDA runtime read the real
 # CUDA_VISIBLE_DEVICES, so hiding it later for CPU tests cannot take the GPUs away from cuda tests.
@@ -55,11 +54,3 @@ def _cuda_tests_see_the_gpus(request, monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", _REAL_CUDA_IS_AVAILABLE)
         monkeypatch.setattr(torch.accelerator, "is_available", _REAL_ACCELERATOR_IS_AVAILABLE)
     yield
-
-
-@pytest.fixture
-def shared_data() -> Path:
-    """../shared/data beside the repo (developers and CI have it; users don't)."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"{SHARED_DATA} not present (test data lives beside the repo, not in it)")
-    return SHARED_DATA

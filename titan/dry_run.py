@@ -48,14 +48,19 @@ def estimate_shared_memory(config: JobConfig, degrees: dict[str, int], world: in
         return {}, states + "; grads: fp32 sharded; activations not estimated for TP/PP/CP layouts (add them on top)"
     from titan.tools.memory import estimate_memory
 
-    est = estimate_memory(config, world)
-    extra = {"gathered": est.gathered_param_bytes / GIB, "act+grads": est.activation_bytes / GIB}
+    try:
+        est = estimate_memory(config, world)
+    except TitanError as e:  # a setting the estimator does not model: the plan itself is still valid
+        return {}, states + f"; grads: fp32 sharded; activations not estimated ({e})"
+    extra = {"gathered": est.gathered_param_bytes / GIB, "act+grads": est.activation_bytes / GIB,
+             "step": est.step_extra_bytes / GIB}
     t = config.training
     return extra, (
         states + "; gathered: FSDP's unsharded root + 2 blocks; act+grads: peak of a fake-tensor"
         f" forward/backward at local batch {t.local_batch_size} x {t.seq_len} (activation checkpointing"
         f" {config.activation_checkpoint.mode}) with the sharded gradients accumulated by then;"
-        " not counted: allocator caching, NCCL buffers"
+        f" step: what the optimizer step ({config.optimizer.implementation}) adds when its peak (all"
+        " gradients + temporaries) is above forward/backward's; not counted: allocator caching, NCCL buffers"
     )
 
 
@@ -103,7 +108,9 @@ def _describe_stage(parts: list[nn.Module]) -> str:
     for part in parts:
         layers = list(getattr(part, "layers", {}).keys())
         ends = [n for n in ("tok_embeddings", "norm", "output") if getattr(part, n, None) is not None]
-        span = f"layers {layers[0]}-{layers[-1]} ({len(layers)})" if layers else "no layers"
+        span = f"layers {layers[0]}-{layers[-1]} ({len(layers)})" if len(layers) > 1 else "no layers"
+        if len(layers) == 1:
+            span = f"layer {layers[0]} (1)"
         pieces.append(span + (" + " + ", ".join(ends) if ends else ""))
     return "; ".join(pieces)
 

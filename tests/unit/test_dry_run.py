@@ -1,6 +1,5 @@
 """Dry run: the real build path for N ranks on one CPU process, checked against the model size."""
 
-import time
 from pathlib import Path
 
 import pytest
@@ -21,10 +20,7 @@ def _config(toml: str, world: int, *extra: str):
 @pytest.mark.slow
 def test_405b_on_512_ranks_plan_adds_up_to_the_model():
     config = _config("llama3_405b.toml", 512)  # as shipped: TP 8 inside nodes, FSDP 64 across
-    t0 = time.perf_counter()
     report = run_dry_run(config)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 60, elapsed
     assert not dist.is_initialized()  # the fake group is gone again
     assert report.model_params == 405_853_388_800
     assert report.degrees == {"pp": 1, "dp_replicate": 1, "dp_shard": 64, "cp": 1, "tp": 8}
@@ -54,8 +50,14 @@ def test_hsdp_and_ddp_layouts_count_replicas_once():
     assert hsdp.degrees["dp_replicate"] == 2 and hsdp.degrees["dp_shard"] == 4
     assert hsdp.ok and sum(hsdp.per_rank_params) == 2 * hsdp.model_params
     # FSDP layouts get the estimator's columns; its peak holds the gradients, so no grads column.
-    assert set(hsdp.memory[0]) == {"params", "optim", "gathered", "act+grads"}
+    assert set(hsdp.memory[0]) == {"params", "optim", "gathered", "act+grads", "step"}
     assert hsdp.memory[0]["act+grads"] > 0 and "activation checkpointing none" in hsdp.memory_note
+    # The row total is the estimator's peak for that rank (its sharding arithmetic = the real shards).
+    from titan.tools.memory import estimate_memory
+
+    est = estimate_memory(_config("debug_model.toml", 8, "--parallelism.data_parallel_replicate_degree", "2"), 8)
+    assert est.params == hsdp.per_rank_params[0]
+    assert sum(hsdp.memory[0].values()) == pytest.approx(est.total_bytes / 1024**3, rel=1e-9)
     ddp = run_dry_run(_config("debug_model.toml", 4, "--parallelism.data_parallel_replicate_degree", "4",
                               "--parallelism.data_parallel_shard_degree", "1"))
     assert ddp.ok and ddp.per_rank_params == [ddp.model_params] * 4
@@ -91,3 +93,10 @@ def test_mismatch_is_reported_not_hidden():
                           distinct_shard_params=9, memory=[{"params": 0.0}] * 2)
     assert not report.ok
     assert "DOES NOT MATCH the model's 10" in format_report(report, load_config([]))
+
+
+def test_settings_the_estimator_does_not_model_leave_the_plan_valid():
+    report = run_dry_run(_config("debug_model.toml", 2, "--optimizer.bf16_stochastic_round", "true",
+                                 "--training.mixed_precision_param", "bfloat16"))
+    assert report.ok and set(report.memory[0]) == {"params", "grads", "optim"}
+    assert "not optimizer.bf16_stochastic_round" in report.memory_note

@@ -173,7 +173,8 @@ class Parallelism:
     """Sequences per pipeline micro-batch; local_batch_size must be a multiple of it."""
     pipeline_parallel_layers_per_stage: int = -1
     """Transformer layers per pipeline stage. -1: one stage per rank for single-stage schedules,
-    two per rank for multi-stage ones, layers split evenly."""
+    two per rank for multi-stage ones, layers spread as evenly as possible (a remainder goes to
+    the middle stages first, never to the last one, which holds the output and loss)."""
     context_parallel_degree: int = 1
     """Context parallel degree: each sequence is split over this many ranks (ring attention).
     training.seq_len must be divisible by 2 x this degree (head-tail load balancing)."""

@@ -20,11 +20,13 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from titan.errors import TitanError
 from titan.models.llama.args import TransformerModelArgs
+from titan.tools.progress import progress
 
 MODEL_ARGS_FILE = "model_args.json"
 _MODEL_KEY = re.compile(r"^(tok_embeddings|norm|output)\.weight$|^layers\.\d+\.")
@@ -125,7 +127,34 @@ def load_model_from_dcp(model: nn.Module, path: str | Path) -> None:
     set_model_state_dict(model, state)
 
 
-def read_model_tensors(path: str | Path, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+class _ProgressLoads:
+    """Load-planner mixin: a terminal-only bar ticking once per tensor or blob read."""
+
+    desc = "reading checkpoint"
+
+    def create_local_plan(self):  # noqa: ANN201
+        plan = super().create_local_plan()
+        self.bar = progress(desc=self.desc, total=len(plan.items), unit="item")
+        return plan
+
+    def load_bytes(self, read_item, value) -> None:  # noqa: ANN001
+        super().load_bytes(read_item, value)
+        self.bar.update()
+
+    def commit_tensor(self, read_item, tensor) -> None:  # noqa: ANN001
+        super().commit_tensor(read_item, tensor)
+        self.bar.update()
+
+
+class _ProgressLoadPlanner(_ProgressLoads, DefaultLoadPlanner):
+    pass
+
+
+class _ProgressEmptyLoadPlanner(_ProgressLoads, _EmptyStateDictLoadPlanner):
+    """Loads everything the checkpoint holds (the state dict is built from its metadata)."""
+
+
+def read_model_tensors(path: str | Path, keys: list[str] | None = None, show_progress: bool = False) -> dict[str, torch.Tensor]:
     """Full (unsharded) CPU tensors of the model keys (all of them if keys is None), in the saved dtype."""
     prefix, meta = model_tensor_metadata(path)
     keys = sorted(meta) if keys is None else keys
@@ -133,7 +162,19 @@ def read_model_tensors(path: str | Path, keys: list[str] | None = None) -> dict[
     if absent:
         raise TitanError(f"{path}: no tensor named {absent[0]!r}")
     state = {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype) for k in keys}
-    dcp.load(_nest(prefix, state), checkpoint_id=str(path))
+    dcp.load(_nest(prefix, state), checkpoint_id=str(path), planner=_ProgressLoadPlanner() if show_progress else None)
+    return state
+
+
+def read_all_state(path: str | Path) -> dict:
+    """Everything a DCP folder holds (model, optimizer, dataloader, ...) as one nested dict of
+    full CPU tensors and objects, in one process (torch's dcp_to_torch_save, with a progress bar)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    _metadata(path)
+    state: dict = {}
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(path)), planner=_ProgressEmptyLoadPlanner(),
+                     no_dist=True)
     return state
 
 
@@ -148,13 +189,7 @@ def dcp_to_torch_file(dcp_dir: str | Path, out_file: str | Path, model_only: boo
     out = Path(out_file)
     if out.exists():
         raise TitanError(f"{out} already exists; choose a new file name")
-    if model_only:
-        torch.save(read_model_tensors(dcp_dir), out)
-        return
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    _metadata(dcp_dir)
-    dcp_to_torch_save(str(dcp_dir), str(out))
+    torch.save(read_model_tensors(dcp_dir, show_progress=True) if model_only else read_all_state(dcp_dir), out)
 
 
 def torch_file_to_dcp(in_file: str | Path, dcp_dir: str | Path) -> None:

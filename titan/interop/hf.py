@@ -22,6 +22,7 @@ from titan.errors import TitanError
 from titan.interop import dcp as dcp_io
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.state_dict_adapter import args_to_hf_config, from_hf, hf_config_to_args, to_hf
+from titan.tools.progress import progress
 
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 1024**3  # what transformers' save_pretrained uses
@@ -56,7 +57,7 @@ def _write(out: Path, args: TransformerModelArgs, groups: list, dtype: torch.dty
     weight_map: dict[str, str] = {}
     total = 0
     saved_dtype = None
-    for i, keys in enumerate(groups):
+    for i, keys in enumerate(progress(groups, desc="writing safetensors", unit="file")):
         name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         hf = to_hf(load(keys), args, dtype)
         if not hf:
@@ -132,7 +133,8 @@ def load_hf(hf_dir: str | Path, dtype: torch.dtype | None = None) -> tuple[dict[
     hf_dir = Path(hf_dir)
     args = read_hf_config(hf_dir)
     hf: dict[str, torch.Tensor] = {}
-    for f in _weight_files(hf_dir):
+    files = _weight_files(hf_dir)
+    for f in progress(files, desc="reading safetensors", unit="file"):
         with safe_open(str(f), framework="pt") as fh:
             for k in fh.keys():
                 hf[k] = fh.get_tensor(k)

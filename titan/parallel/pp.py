@@ -63,11 +63,12 @@ def num_stages(n_layers: int, pp: int, par) -> int:  # noqa: ANN001
     lps = par.pipeline_parallel_layers_per_stage
     if lps == -1:
         stages = pp * (2 if multi else 1)
-        if n_layers % stages:
+        if stages > n_layers:
             raise TitanError(
                 f"model n_layers ({n_layers}) cannot be split into {stages} pipeline stages"
-                f" (pipeline_parallel_degree {pp}{' x 2 stages per rank' if multi else ''});"
-                " set parallelism.pipeline_parallel_layers_per_stage to a divisor of n_layers"
+                f" (pipeline_parallel_degree {pp}{' x 2 stages per rank' if multi else ''}): every stage"
+                " needs at least one layer; lower parallelism.pipeline_parallel_degree, or set"
+                " parallelism.pipeline_parallel_layers_per_stage"
             )
         return stages
     if n_layers % lps:
@@ -100,9 +101,36 @@ def stage_ids_this_rank(pp_rank: int, pp: int, stages: int, v_style: bool) -> li
     return [pp_rank + i * pp for i in range(per_rank)]
 
 
+def stage_layer_counts(n_layers: int, stages: int) -> list[int]:
+    """Layers per stage, as even as possible: n_layers // stages each, and the remainder one
+    layer at a time to the middle stages first, as they hold neither the embedding nor the output
+    projection + loss. Among them the later ones come first: under 1F1B-style schedules stage s
+    keeps about (stages - s) micro-batches of activations in flight, so a layer more costs less
+    memory late in the pipeline. Only when every middle stage has one does the first stage get
+    one: its embedding is a lookup, while the last stage's output projection over the vocabulary
+    and the loss cost more than a layer. So the last stage never holds more layers than any other."""
+    base, extra = divmod(n_layers, stages)
+    counts = [base] * stages
+    for s in [*range(stages - 2, 0, -1), 0][:extra]:
+        counts[s] += 1
+    return counts
+
+
 def layers_of_stage(stage: int, stages: int, n_layers: int) -> list[int]:
-    per = n_layers // stages
-    return list(range(stage * per, (stage + 1) * per))
+    counts = stage_layer_counts(n_layers, stages)
+    start = sum(counts[:stage])
+    return list(range(start, start + counts[stage]))
+
+
+def describe_split(n_layers: int, stages: int) -> str:
+    """One line naming the layers of every stage (logged at start-up)."""
+    parts = []
+    for s in range(stages):
+        layers = layers_of_stage(s, stages, n_layers)
+        span = str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+        ends = [e for e, on in (("embedding", s == 0), ("output+loss", s == stages - 1)) if on]
+        parts.append(f"stage {s}: layers {span}" + "".join(f" + {e}" for e in ends))
+    return f"pipeline split of {n_layers} layers into {stages} stages: " + "; ".join(parts)
 
 
 def build_schedule(

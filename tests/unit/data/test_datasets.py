@@ -147,8 +147,11 @@ def test_register_custom_dataset():
         DATASETS.pop("unit_test_docs")
 
 
-def test_tinyshakespeare(shared_data):
-    src = build_source("x", str(shared_data / "tinyshakespeare.txt"))
+def test_play_txt_paragraphs_are_documents(tmp_path):
+    from tests.fixtures import play_speeches, write_play
+
+    src = build_source("x", str(write_play(tmp_path / "play.txt")))
     docs = list(src.iter_docs(0))
-    assert len(docs) > 1000  # paragraphs (speeches), so many ranks can share it
+    # One document per paragraph (speech), so many ranks can share one big .txt file.
+    assert [d.strip() for d in docs] == play_speeches()
     assert docs[0].startswith("First Citizen:")

@@ -203,8 +203,10 @@ def test_infinite_single_doc_two_ranks():
     assert a[0][0].tolist() == [[0, 1000, 1001]] and b[0][0].tolist() == a[0][0].tolist()
 
 
-def test_tinyshakespeare_two_ranks(shared_data):
-    kw = dict(dataset="x", dataset_path=str(shared_data / "tinyshakespeare.txt"), text_field="text",
+def test_play_txt_two_ranks(tmp_path):
+    from tests.fixtures import write_play
+
+    kw = dict(dataset="x", dataset_path=str(write_play(tmp_path / "play.txt")), text_field="text",
               tokenizer=ByteTokenizer(), seq_len=64, local_batch_size=2, dp_world_size=2)
     x0, _ = take(build_dataloader(dp_rank=0, **kw), 1)[0]
     x1, _ = take(build_dataloader(dp_rank=1, **kw), 1)[0]

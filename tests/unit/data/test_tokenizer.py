@@ -72,15 +72,17 @@ def test_build_script_reproduces_shipped_asset(tmp_path: Path) -> None:
 # --- tiktoken (Llama 3) -----------------------------------------------------------------------
 
 
-def test_tiktoken_shared_file(shared_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiktoken_matches_tiktoken_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shipped ranks file (Meta's Llama 3 tokenizer.model format) through titan and through
+    tiktoken directly with Llama 3's pattern and special tokens: the same ids."""
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
-    path = shared_data / "tokenizers" / "test_tiktoken.model"
+    path = DEFAULT_TOKENIZER_PATH
     tok = build_tokenizer(str(path))
     assert isinstance(tok, TikTokenizer)
-    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (2000, 2001, 2000 + 256)
-    assert tok.special_tokens["<|eot_id|>"] == 2009
+    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (1792, 1793, 1792 + 256)
+    assert tok.special_tokens["<|eot_id|>"] == 1792 + 9
     _roundtrip(tok, TRICKY)
 
     # Reference ids straight from tiktoken (no titan code): same ranks, Llama 3's pattern.
@@ -90,12 +92,12 @@ def test_tiktoken_shared_file(shared_data: Path, monkeypatch: pytest.MonkeyPatch
         pat_str=r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
         mergeable_ranks=load_tiktoken_bpe(str(path)),
-        special_tokens={t: 2000 + i for i, t in enumerate(llama3_special_tokens())},
+        special_tokens={t: 1792 + i for i, t in enumerate(llama3_special_tokens())},
     )
     for text in ("Hello world,\nthe king", "To be, or not to be: that is the question.", TRICKY):
         expected = ref.encode(text, disallowed_special=())
         assert tok.encode(text, bos=False, eos=False) == expected
-        assert tok.encode(text, bos=True, eos=True) == [2000, *expected, 2001]
+        assert tok.encode(text, bos=True, eos=True) == [1792, *expected, 1793]
 
 
 def test_tiktoken_long_input_is_chunked() -> None:
@@ -168,22 +170,20 @@ def test_split_long_keeps_text_and_limits() -> None:
 # --- Hugging Face tokenizer.json ----------------------------------------------------------------
 
 
-def test_hf_shared_file(shared_data: Path) -> None:
+def test_hf_file_or_folder_with_config(tmp_path: Path) -> None:
     from tokenizers import Tokenizer as HFTok
 
-    path = shared_data / "tokenizers" / "tokenizer.json"
+    path = _train_hf(tmp_path, with_config=True)
+    ref = HFTok.from_file(str(path))
     for arg in (path, path.parent):  # the folder works too
         tok = build_tokenizer(str(arg))
         assert isinstance(tok, HFTokenizer)
         # bos/eos/pad from tokenizer_config.json next to it
-        assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (2020, 2002, 2003, 2001)
-    ref = HFTok.from_file(str(path))
+        assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (ref.get_vocab_size(), 1, 0, 2)
     text = "Hello world,\nthe king"
     expected = ref.encode(text, add_special_tokens=False).ids
-    assert expected[:5] == [72, 101, 108, 108, 111]  # "Hello" (this file has no merges)
-    assert tok.encode(text, bos=True, eos=True) == [2002, *expected, 2003]
-    # Known quirk of this file: its pre-tokenizer drops whitespace.
-    assert tok.decode(expected) == "Helloworld,theking"
+    assert tok.encode(text, bos=True, eos=True) == [1, *expected, 0]
+    assert tok.decode(expected) == text
 
 
 def _train_hf(tmp_path: Path, with_config: bool) -> Path:

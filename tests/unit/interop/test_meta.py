@@ -44,15 +44,8 @@ def _args(dump: str) -> list[str]:
 
 
 def _trainer_from(dump: str, dcp_dir: Path) -> Trainer:
-    """Through [checkpoint] initial_load_path when this build has the checkpoint manager, else by
-    loading into the Trainer's model with the interop helper (the same DCP reader contract)."""
-    try:
-        config = load_config([*_args(dump), "--checkpoint.enable", "true", "--checkpoint.initial_load_path", str(dcp_dir)])
-    except TitanError:  # no [checkpoint] section yet
-        trainer = Trainer(load_config(_args(dump)))
-        load_model_from_dcp(trainer.model_parts[0], dcp_dir)
-        return trainer
-    return Trainer(config)
+    """Through [checkpoint] initial_load_path, as a user starts from a converted checkpoint."""
+    return Trainer(load_config([*_args(dump), "--checkpoint.enable", "true", "--checkpoint.initial_load_path", str(dcp_dir)]))
 
 
 @pytest.mark.slow

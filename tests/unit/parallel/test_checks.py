@@ -8,7 +8,7 @@ from titan.errors import TitanError
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.pipeline import split_stage
 from titan.parallel.dims import ParallelDims, check_layout
-from titan.parallel.pp import layers_of_stage, num_stages, stage_ids_this_rank
+from titan.parallel.pp import describe_split, layers_of_stage, num_stages, stage_ids_this_rank, stage_layer_counts
 from titan.trainer import Trainer
 
 ARGS = TransformerModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
@@ -37,7 +37,10 @@ def test_degrees_must_multiply_to_world_size():
         ({"tp": 4}, (), "cpu", "tensor_parallel_degree 4 must divide model n_kv_heads"),
         ({"tp": 2, "dp_replicate": 2}, (), "cpu", "DDP .* does not compose with tensor parallel"),
         ({"tp": 2}, ("--parallelism.enable_async_tensor_parallel", "true"), "cpu", "needs CUDA"),
-        ({"pp": 3}, (), "cpu", "cannot be split into 3 pipeline stages"),
+        ({"pp": 5}, (), "cpu", "cannot be split into 5 pipeline stages .*at least one layer"),
+        ({"pp": 3}, ("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"), "cpu",
+         r"cannot be split into 6 pipeline stages \(pipeline_parallel_degree 3 x 2 stages per rank\)"),
+        ({"pp": 3}, (), "cpu", None),  # 4 layers over 3 stages: 1, 2, 1
         ({"pp": 2}, ("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
                      "--parallelism.pipeline_parallel_layers_per_stage", "3"), "cpu", "must divide model n_layers"),
         ({"pp": 2}, ("--parallelism.pipeline_parallel_layers_per_stage", "1"), "cpu", "runs one stage per rank"),
@@ -91,6 +94,13 @@ def test_stage_layout():
     assert stage_ids_this_rank(0, 2, 4, v_style=True) == [0, 3]
     assert stage_ids_this_rank(1, 2, 4, v_style=False) == [1, 3]
     assert layers_of_stage(2, 4, 8) == [4, 5]
+    # Uneven: the remainder goes to the middle stages (later ones first), then the first; never the last.
+    assert [stage_layer_counts(n, s) for n, s in ((6, 4), (5, 4), (7, 4), (5, 2), (126, 8))] == [
+        [1, 2, 2, 1], [1, 1, 2, 1], [2, 2, 2, 1], [3, 2], [15, 16, 16, 16, 16, 16, 16, 15]]
+    assert [layers_of_stage(s, 4, 6) for s in range(4)] == [[0], [1, 2], [3, 4], [5]]
+    assert num_stages(6, 2, _par("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")) == 4
+    assert describe_split(6, 4) == ("pipeline split of 6 layers into 4 stages: stage 0: layers 0 + embedding;"
+                                    " stage 1: layers 1-2; stage 2: layers 3-4; stage 3: layers 5 + output+loss")
     import torch
 
     with torch.device("meta"):

@@ -22,6 +22,10 @@ TOL = 1e-4
 llama3_configs.setdefault(
     "partest", TransformerModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32)
 )
+# 5 layers: no pipeline degree splits them evenly.
+llama3_configs.setdefault(
+    "partest5", TransformerModelArgs(dim=64, n_layers=5, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32)
+)
 
 
 def _config(dump: str, *extra: str):
@@ -139,3 +143,18 @@ def test_two_rank_layouts_match_one_process(tmp_path, reference):
 def test_four_rank_layouts_match_one_process(tmp_path, reference):
     """world size 4: HSDP 2x2, FSDP+TP 2x2, PP+FSDP 2x2, PP+TP 2x2."""
     _check(run_distributed(_layouts_on_ranks, 4, str(tmp_path), FOUR_RANK_LAYOUTS), reference)
+
+
+UNEVEN_LAYOUTS = {
+    "pp2_1f1b_uneven": (*_pp("1F1B"), *_shard(1)),  # stages of 3 and 2 layers
+    "pp2_interleaved1f1b_uneven": (*_pp("Interleaved1F1B"), *_shard(1)),  # 4 stages: 1, 1, 2, 1 layers
+}
+
+
+@pytest.mark.slow
+def test_uneven_pipeline_split_matches_one_process(tmp_path):
+    """5 layers over 2 and 4 pipeline stages: the uneven split trains as the unsplit model does."""
+    five = ("--model.flavor", "partest5")
+    reference = _run(Trainer(_config(str(tmp_path / "ref"), "--training.local_batch_size", str(GLOBAL_BATCH), *five)))
+    layouts = {name: (*flags, *five) for name, flags in UNEVEN_LAYOUTS.items()}
+    _check(run_distributed(_layouts_on_ranks, 2, str(tmp_path), layouts), reference)

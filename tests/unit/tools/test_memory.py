@@ -14,6 +14,7 @@ from titan.config import load_config
 from titan.loss import cross_entropy_sum
 from titan.models.llama import llama3_configs
 from titan.parallel.ac import apply_ac
+from titan.errors import TitanError
 from titan.tools.memory import LiveBytes, estimate_memory
 
 REPO = Path(__file__).resolve().parents[3]
@@ -113,3 +114,81 @@ def test_script_prints_a_table(tiny_flavor):
                      "--activation_checkpoint.mode", "full"])
     text = out.getvalue()
     assert "world size 2, FSDP shard 2" in text and "| total" in text and "activation checkpointing full" in text
+
+
+def _debug(mode: str, *extra: str):
+    return load_config(["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--training.seq_len", "128",
+                        "--training.local_batch_size", "4", "--metrics.enable_tensorboard", "false",
+                        "--activation_checkpoint.mode", mode, *extra])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_estimate_matches_a_real_cpu_training_run(tmp_path, mode):
+    """The debug model trained for 2 steps on CPU as one rank, bf16 autocast over fp32 parameters
+    (as on one GPU): the estimate is the measured peak (parameters, AdamW states created at the
+    first step, autocast copies, activations, gradients, foreach temporaries) within 5%."""
+    from titan.tools.memory import measure_peak
+    from titan.trainer import Trainer
+
+    config = _debug(mode, "--training.mixed_precision_param", "bfloat16", "--job.dump_folder", str(tmp_path))
+    est = estimate_memory(config, 1)
+    measured, _ = measure_peak(Trainer(config), 2)
+    assert est.total_bytes == pytest.approx(measured, rel=0.05), (est.rows(), measured)
+    # Without AC the activations set the peak; with AC the foreach optimizer step does.
+    assert est.peak_phase == ("forward/backward" if mode == "none" else "optimizer step")
+
+
+def test_optimizer_implementation_sets_the_step_temporaries():
+    foreach, fused, loop = (estimate_memory(_debug("full", "--optimizer.implementation", impl), 1)
+                            for impl in ("foreach", "fused", "for-loop"))
+    assert foreach.optimizer_step_bytes == foreach.param_bytes  # sqrt of the one param group
+    assert fused.optimizer_step_bytes == 0 and 0 < loop.optimizer_step_bytes < foreach.optimizer_step_bytes
+    assert fused.total_bytes < foreach.total_bytes
+
+
+@pytest.mark.parametrize("flag", ["tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"])
+def test_tp_pp_cp_layouts_are_refused_by_name(flag):
+    config = load_config(["--parallelism." + flag, "2", "--training.seq_len", "32"])
+    with pytest.raises(TitanError, match=f"not parallelism.{flag} 2;.*dry run"):
+        estimate_memory(config, 2)
+
+
+@pytest.mark.slow
+def test_script_refuses_tp_in_one_line():
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(REPO / "scripts/estimate_memory.py"), "--world_size", "64",
+                          "--job.config_file", str(REPO / "train_configs/llama3_70b.toml"),
+                          "--parallelism.tensor_parallel_degree", "8"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stdout == "", out
+    assert out.stderr.startswith("titan: error: ") and out.stderr.count("\n") == 1, out.stderr
+    assert "parallelism.tensor_parallel_degree 8" in out.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_estimate_matches_cuda_peak(tmp_path, monkeypatch, mode):
+    """The Llama 3 8B shape cut to 4 layers, seq 8192, one GPU, bf16 autocast, AdamW: the estimate
+    is within 10% of torch.cuda.max_memory_allocated, and not above what the allocator reserved."""
+    from dataclasses import replace
+
+    from titan.tools.memory import measure_peak
+    from titan.trainer import Trainer
+
+    monkeypatch.setitem(llama3_configs, "8B_4layers", replace(llama3_configs["8B"], n_layers=4))
+    config = load_config(["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder",
+                          str(tmp_path), "--model.flavor", "8B_4layers", "--training.seq_len", "8192",
+                          "--training.local_batch_size", "1", "--training.mixed_precision_param", "bfloat16",
+                          "--metrics.enable_tensorboard", "false", "--activation_checkpoint.mode", mode])
+    est = estimate_memory(config, 1)
+    if est.total_bytes > 0.8 * torch.cuda.get_device_properties(0).total_memory:
+        pytest.skip(f"needs a GPU with more than {est.total_bytes / 0.8 / 2**30:.0f} GiB")
+    torch.cuda.empty_cache()
+    measured, _ = measure_peak(Trainer(config), 2)
+    reserved = torch.cuda.max_memory_reserved()
+    print(f"AC {mode}: estimate {est.total_bytes / 2**30:.2f} GiB, allocated {measured / 2**30:.2f} GiB,"
+          f" reserved {reserved / 2**30:.2f} GiB")
+    assert est.total_bytes == pytest.approx(measured, rel=0.10), (est.rows(), measured)
+    assert est.total_bytes <= reserved * 1.10

@@ -20,6 +20,7 @@ import torch
 from titan.errors import TitanError
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.model import ffn_hidden_dim
+from titan.tools.progress import progress
 
 # Meta's 3.1 reference code hard-codes these; params.json only says use_scaled_rope.
 _META_ROPE_DEFAULTS = dict(rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192)
@@ -142,7 +143,8 @@ def load_meta_checkpoint(
             f"{ckpt_dir}: checkpoint does not match params.json (n_layers {args.n_layers}); "
             f"missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
-    state = {key: _merge(key, [s[key] for s in shards], shape) for key, shape in shapes.items()}
+    merging = progress(shapes.items(), desc=f"merging {len(shards)} shard(s)", total=len(shapes), unit="tensor")
+    state = {key: _merge(key, [s[key] for s in shards], shape) for key, shape in merging}
     if args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     return state, args

@@ -12,6 +12,7 @@ from titan.config.job_config import JobConfig
 from titan.parallel.dims import ParallelDims
 from titan.parallel.pp import (
     build_schedule,
+    describe_split,
     is_v_schedule,
     layers_of_stage,
     make_stages,
@@ -56,6 +57,7 @@ def pipeline_llama(
     pp_stages = make_stages(parts, ids, stages, device, pp_mesh.get_group())
     n_micro = job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size
     schedule = build_schedule(pp_stages, n_micro, loss_fn, par)
+    logger.info(describe_split(model.n_layers, stages))
     logger.info(
         f"pipeline rank {pp_rank}/{pp}: stages {ids} of {stages}"
         f" (layers {[layers_of_stage(s, stages, model.n_layers) for s in ids]}), {n_micro} micro-batches,"
