@@ -35,7 +35,7 @@ import torch
 
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
-from titan.tools.flops import get_peak_flops, mfu
+from titan.tools.flops import get_float8_peak_flops, get_peak_flops, mfu
 from titan.tools.logging import logger
 
 __all__ = ["MetricsProcessor", "Color", "strip_color"]
@@ -114,12 +114,20 @@ class MetricsProcessor:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + suffix
 
         self.device_name = "cpu"
+        # mfu is always against the bf16 peak (torchtitan's convention: float8 and bf16 runs compare
+        # directly); float8 runs also get mfu_float8 against the float8 tensor-core peak.
         self.peak_flops: float | None = None
+        self.peak_flops_float8: float | None = None
         if self.device.type == "cuda":
             self.device_name = torch.cuda.get_device_name(self.device)
-            self.peak_flops = get_peak_flops(self.device_name, float8=float8)
+            self.peak_flops = get_peak_flops(self.device_name)
+            self.peak_flops_float8 = get_float8_peak_flops(self.device_name) if float8 else None
             if self.peak_flops is None:
                 logger.warning(f"peak FLOPs of {self.device_name!r} unknown; MFU shows n/a")
+            else:
+                logger.info(f"mfu is against the bf16 peak of {self.device_name}, {self.peak_flops / 1e12:,.0f} TFLOP/s"
+                            + (f"; mfu_float8 against its float8 peak, {self.peak_flops_float8 / 1e12:,.0f} TFLOP/s"
+                               if self.peak_flops_float8 else ""))
             torch.cuda.reset_peak_memory_stats(self.device)
 
         self.writer: Any = None
@@ -236,6 +244,8 @@ class MetricsProcessor:
         }
         if mfu_pct is not None:
             scalars["mfu(%)"] = mfu_pct
+        if self.peak_flops_float8:
+            scalars["mfu_float8(%)"] = mfu(tps, self.num_flops_per_token, self.peak_flops_float8)
         for key, value in {**(extra or {}), **(extra_scalars or {})}.items():
             scalars[key] = float(value)
 
@@ -251,6 +261,8 @@ class MetricsProcessor:
                 f"{c.magenta}tflops: {tflops:,.2f}  "
                 f"{c.magenta}mfu: {mfu_text}"
             )
+            if "mfu_float8(%)" in scalars:
+                line += f"  {c.magenta}mfu_float8: {scalars['mfu_float8(%)']:.2f}%"
             if self._checkpoint_time >= 0.005:  # a save happened in this window (not the per-step polls)
                 line += f"  {c.white}checkpoint: {self._checkpoint_time:.2f}s (not in tps)"
             for key, value in (extra or {}).items():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import time
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from titan.errors import TitanError
 from titan.loss import IGNORE_INDEX, cross_entropy_sum
 from titan.lr_scheduler import build_lr_schedulers
 from titan.metrics import MetricsProcessor
-from titan.models import get_flavor, get_model_spec
+from titan.models import get_model_spec, model_args_from_config
 from titan.optim import build_optimizers, cast_params_for_optimizer
 from titan.parallel.comm import set_comm_env, set_pg_timeouts
 from titan.parallel.compile import build_loss_fn
@@ -30,6 +29,7 @@ from titan.parallel.dims import ParallelDims, check_layout
 from titan.parallel.float8 import build_precompute_hook, check_float8_hardware, convert_to_float8
 from titan.parallel.fsdp import DTYPES
 from titan.parallel.init import init_model_weights
+from titan.determinism import DeterministicMode
 from titan.parallel.utils import clip_grad_norm_, init_distributed, pick_device, set_seed, world_info
 from titan.profiling import Profiler, validate_profiling_config
 from titan.stability import StabilityMonitor, param_norm
@@ -82,7 +82,7 @@ class Trainer:
         validate_profiling_config(config)
         validate_validation_config(config)
         spec = get_model_spec(config.model.name)
-        model_args = copy.deepcopy(get_flavor(spec, config.model.flavor))
+        model_args = model_args_from_config(spec, config.model)
         from titan.data.datasets import check_dataset
 
         if not config.job.dry_run:  # a typo'd dataset fails before the model is built
@@ -97,6 +97,8 @@ class Trainer:
 
         # A dry run simulates the world on one CPU process (titan/dry_run.py set up a fake group)
         # and checks the layout as for the GPUs it stands in for.
+        # Before the device is touched: cuBLAS reads its workspace setting when first created.
+        self.determinism = DeterministicMode(t.deterministic).apply()
         self.device = torch.device("cpu") if config.job.dry_run else pick_device(local_rank)
         compiled = config.compile.enable and "model" in config.compile.components
         layout_device = "cuda" if config.job.dry_run else self.device.type
@@ -105,7 +107,7 @@ class Trainer:
         init_distributed(self.device, world_size, timeout_s=config.comm.init_timeout_seconds)
         self.parallel_dims.build_mesh(self.device.type)
         seed = DEFAULT_SEED if t.seed is None else t.seed
-        set_seed(seed, t.deterministic)
+        set_seed(seed)
 
         # Model: built on meta, parallelized, then materialized and initialized.
         if tokenizer is not None and model_args.vocab_size != tokenizer.vocab_size:
@@ -344,6 +346,7 @@ class Trainer:
         )
         if self.config.checkpoint.create_seed_checkpoint:
             self.checkpointer.create_seed_checkpoint()
+            self.determinism.restore()
             return losses
         self.metrics.reset(self.step)
         self.checkpointer.install_signal_handlers()
@@ -383,5 +386,6 @@ class Trainer:
         profiler.close()
         self.checkpointer.finish(self.step, preempted)
         self.metrics.close()
+        self.determinism.restore()  # process-wide settings: in-process runs (tests) must not inherit them
         logger.info("training done")
         return losses

@@ -45,7 +45,17 @@ class Model:
     """Tokenizer file (tiktoken `tokenizer.model`, sentencepiece `.model` or HF `tokenizer.json`).
     Empty: the small tokenizer shipped in titan/data/assets."""
     attn_type: str = "sdpa"
-    """Attention backend: sdpa (torch scaled_dot_product_attention) or flex (flex_attention)."""
+    """Attention backend: sdpa (torch scaled_dot_product_attention) or flex (flex_attention with a
+    causal block mask; CUDA only for training, as torch's flex_attention has no CPU backward)."""
+    n_layers: int | None = None
+    """Override the flavor's number of transformer blocks (unset: the flavor's value), e.g. the 8B
+    shape cut to 8 layers to fit one GPU for benchmarking and debugging."""
+    dim: int | None = None
+    """Override the flavor's model width (unset: the flavor's value); must be divisible by n_heads."""
+    n_heads: int | None = None
+    """Override the flavor's number of query heads (unset: the flavor's value)."""
+    n_kv_heads: int | None = None
+    """Override the flavor's number of key/value heads (unset: the flavor's value); must divide n_heads."""
     depth_init: bool = True
     """Init std of the residual-stream output projections (wo, w2, w3). true: depth-scaled per
     block, 0.02 / sqrt(2 * (layer_id + 1)) (early blocks larger, as in torchtitan); false: one
@@ -118,7 +128,8 @@ class Training:
     seed: int | None = None
     """Seed for weight init and RNG. None: a fixed default of 0 is used so runs are repeatable."""
     deterministic: bool = False
-    """Use deterministic algorithms (slower); for debugging numerics."""
+    """Bitwise-repeatable runs (slower): deterministic algorithms, fixed cuBLAS workspace, no cuDNN
+    attention, Inductor without numerics-changing autotuning; see docs/stability.md."""
     mixed_precision_param: str = "bfloat16"
     """FSDP parameter dtype in forward/backward: bfloat16 or float32 (on CPU bfloat16 matmuls are
     very slow; use float32 there)."""

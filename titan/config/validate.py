@@ -77,6 +77,7 @@ def validate_config(c: JobConfig) -> None:
     _check(c.metrics.param_norm_freq >= 0, "metrics.param_norm_freq", c.metrics.param_norm_freq,
            "an integer >= 0 (0: never)")
     _choice("model.attn_type", c.model.attn_type, ("sdpa", "flex"))
+    _validate_model_shape(c)
     _validate_checkpoint(c)
 
     from titan.parallel.ac import AC_MODES, parse_selective_option
@@ -88,6 +89,17 @@ def validate_config(c: JobConfig) -> None:
         parse_selective_option(c.activation_checkpoint.selective_ac_option)
     validate_components(c.compile.components)
     validate_float8(c.float8)
+
+
+def _validate_model_shape(c: JobConfig) -> None:
+    """Shape overrides: positive integers that fit together with the flavor's other values."""
+    from titan.models import SHAPE_OVERRIDES, get_model_spec, model_args_from_config
+
+    for key in SHAPE_OVERRIDES:
+        value = getattr(c.model, key)
+        _check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+               f"model.{key}", value, "an integer >= 1, or unset for the flavor's value")
+    model_args_from_config(get_model_spec(c.model.name), c.model)
 
 
 CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")

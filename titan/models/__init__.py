@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,3 +49,23 @@ def get_flavor(spec: ModelSpec, flavor: str) -> Any:
     if flavor not in spec.flavors:
         raise TitanError(f"config key 'model.flavor' got {flavor!r}; valid for {spec.name}: {', '.join(spec.flavors)}")
     return spec.flavors[flavor]
+
+
+# [model] keys that override the flavor's shape when set.
+SHAPE_OVERRIDES = ("n_layers", "dim", "n_heads", "n_kv_heads")
+
+
+def model_args_from_config(spec: ModelSpec, model_config: Any) -> Any:
+    """A copy of the flavor's args with the [model] shape overrides applied, validated."""
+    args = copy.deepcopy(get_flavor(spec, model_config.flavor))
+    overrides = {k: getattr(model_config, k) for k in SHAPE_OVERRIDES if getattr(model_config, k) is not None}
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    try:
+        args.validate()
+    except TitanError as e:
+        if not overrides:
+            raise
+        given = ", ".join(f"model.{k} = {v}" for k, v in overrides.items())
+        raise TitanError(f"{e} (flavor {model_config.flavor!r} with {given})") from None
+    return args

@@ -5,8 +5,8 @@ balancing: with a causal mask the early chunks are cheap and the late ones expen
 rank gets one of each). inputs, labels and the RoPE table (freqs_cis) are sharded the same way;
 attention then needs every rank's keys/values:
 - SDPA: q/k/v become sequence-sharded DTensors and torch's CP dispatcher runs ring attention;
-- flex: k/v are all-gathered before the kernel and the causal BlockMask is rewritten for the
-  local, rearranged query rows.
+- flex: k/v are all-gathered before the kernel, and the model builds its BlockMask (once per
+  batch, outside the blocks) for the local, rearranged query rows against all keys.
 Training with CP needs CUDA (see check_layout): on CPU SDPA has no CP sharding rule and flex
 attention has no backward. The forward (e.g. evaluation) with flex runs anywhere.
 """
@@ -14,6 +14,7 @@ attention has no backward. The forward (e.g. evaluation) with flex runs anywhere
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -31,6 +32,7 @@ from torch.distributed.tensor.experimental._attention import (
 from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, BlockMask, create_block_mask
 
 from titan.errors import TitanError
+from titan.models.llama.flex import causal_mask_mod
 from titan.tools.logging import logger
 
 # q/k/v reach the attention kernel as [B, H, S, Dh].
@@ -48,39 +50,29 @@ def check_cp_seq_len(seq_len: int, cp: int, attn_type: str) -> None:
         )
 
 
-def _causal(b, h, q_idx, kv_idx):  # noqa: ANN001 - signature fixed by flex_attention
-    return q_idx >= kv_idx
+def cp_causal_block_mask(cp_mesh: DeviceMesh, local_len: int, device: torch.device) -> BlockMask:
+    """The global causal mask restricted to this rank's (head-tail rearranged) query rows, against
+    all keys: what flex needs once the CP hook has all-gathered k/v."""
+    import torch.distributed.tensor.experimental._context_parallel._attention as cp_impl
+
+    full = local_len * cp_mesh.size()
+    if device.type == "cpu" and getattr(cp_impl, "_compiled_create_block_mask", 0) is None:
+        # torch compiles create_block_mask here (GPU memory); on CPU that costs ~20 s per process
+        # for a mask built once, so use the eager function (same result).
+        cp_impl._compiled_create_block_mask = create_block_mask
+    return cp_impl._create_cp_block_mask(
+        causal_mask_mod, 1, 1, full, full, cp_mesh, _HeadTailLoadBalancer(full, cp_mesh.size(), device)
+    )
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, attn_type: str) -> None:
-    """Hook every block's attention kernel module (Attention.inner_attention) for CP."""
+    """Hook every block's attention kernel module (Attention.inner_attention) for CP; with flex,
+    the model's mask cache builds the CP mask instead of the plain causal one."""
     kind = _ContextParallel.AttentionType.FLEX if attn_type == "flex" else _ContextParallel.AttentionType.SDPA
-    masks: dict[tuple[int, str], BlockMask] = {}
-
-    def cp_block_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        # The model built a causal mask for the *local* length; CP needs the global causal mask
-        # restricted to this rank's (rearranged) query rows, against all keys.
-        q = args[0]
-        full = q.shape[_QKV_SEQ_DIM] * cp_mesh.size()
-        key = (full, str(q.device))
-        if key not in masks:
-            import torch.distributed.tensor.experimental._context_parallel._attention as cp_impl
-
-            if q.device.type == "cpu" and getattr(cp_impl, "_compiled_create_block_mask", 0) is None:
-                # torch compiles create_block_mask here (GPU memory); on CPU that costs ~20 s per
-                # process for a mask built once, so use the eager function (same result).
-                cp_impl._compiled_create_block_mask = create_block_mask
-            masks[key] = cp_impl._create_cp_block_mask(
-                _causal, 1, 1, full, full, cp_mesh, _HeadTailLoadBalancer(full, cp_mesh.size(), q.device)
-            )
-        kwargs["block_mask"] = masks[key]
-        return args, kwargs
-
+    if attn_type == "flex":
+        model.block_masks.set_builder(functools.partial(cp_causal_block_mask, cp_mesh))
     for block in model.layers.values():
-        inner = block.attention.inner_attention
-        if attn_type == "flex":
-            inner.register_forward_pre_hook(cp_block_mask, with_kwargs=True)
-        _ContextParallel(seq_dim=_QKV_SEQ_DIM, attention_type=kind)._apply(inner, cp_mesh)
+        _ContextParallel(seq_dim=_QKV_SEQ_DIM, attention_type=kind)._apply(block.attention.inner_attention, cp_mesh)
     logger.info(f"applied context parallel (degree {cp_mesh.size()}, {attn_type}, head-tail load balancing)")
 
 

@@ -157,6 +157,12 @@ def check_layout(  # noqa: ANN001
     from titan.parallel.pp import num_stages
     from titan.parallel.tp import check_tp_shapes
 
+    if attn_type == "flex" and device_type == "cpu":
+        # torch's flex_attention raises NotImplementedError in a CPU forward that needs grad.
+        raise TitanError(
+            'model.attn_type = "flex" cannot train on CPU (torch\'s flex_attention has no CPU backward);'
+            ' use "sdpa" on CPU, flex on CUDA'
+        )
     if dims.tp_enabled:
         check_tp_shapes(model_args.n_heads, model_args.kv_heads, dims.tp)
         if dims.dp_replicate_enabled and not dims.fsdp_enabled:

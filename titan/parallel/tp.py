@@ -79,6 +79,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, enab
     if enable_async_tp:
         enable_async_tensor_parallel(tp_mesh)
     parallelize_module(model, tp_mesh, _root_plan(model, loss_parallel))
+    # Sequence parallel: blocks see 1/tp of the sequence, attention the gathered whole (the flex
+    # mask is built for that length).
+    model.seq_shards = tp
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _BLOCK_PLAN)
     logger.info(f"applied tensor + sequence parallel (degree {tp}, loss parallel {loss_parallel}, async {enable_async_tp})")

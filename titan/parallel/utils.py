@@ -54,15 +54,11 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def set_seed(seed: int, deterministic: bool) -> None:
-    """Same seed on every rank: data order comes from the loader, not from the RNG."""
+def set_seed(seed: int) -> None:
+    """Same seed on every rank: data order comes from the loader, not from the RNG. Deterministic
+    kernels are titan.determinism's job (training.deterministic)."""
     random.seed(seed)
     torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=False)
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 def global_l2_norm(tensors: list[torch.Tensor], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:

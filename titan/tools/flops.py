@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["PEAK_FLOPS", "get_peak_flops", "mfu", "transformer_flops_per_token"]
+__all__ = ["PEAK_FLOPS", "get_float8_peak_flops", "get_peak_flops", "mfu", "transformer_flops_per_token"]
 
 # (pattern matched against the device name, bf16 peak, float8 peak or None).
 # Order matters: more specific names first (H100 NVL/PCIe before the plain H100 = SXM;
@@ -61,6 +61,18 @@ def get_peak_flops(device_name: str, float8: bool = False) -> float | None:
     for pattern, bf16, fp8 in _COMPILED:
         if pattern.search(device_name):
             return fp8 if (float8 and fp8 is not None) else bf16
+    return None
+
+
+def get_float8_peak_flops(device_name: str) -> float | None:
+    """The float8 tensor-core peak, or None where the device has none (or is unknown).
+
+    Reported MFU uses the bf16 peak even for float8 training (as torchtitan does), so runs with and
+    without float8 compare on one scale; this peak gives the secondary mfu_float8 figure.
+    """
+    for pattern, _, fp8 in _COMPILED:
+        if pattern.search(device_name):
+            return fp8
     return None
 
 

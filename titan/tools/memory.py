@@ -237,7 +237,7 @@ def _check_supported(config: JobConfig) -> None:
 def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
     """Bytes per rank for training `config` on `world_size` ranks (FSDP / HSDP / DDP layouts)."""
     from titan.data import build_tokenizer
-    from titan.models import get_flavor, get_model_spec
+    from titan.models import get_model_spec, model_args_from_config
 
     _check_supported(config)
     par = config.parallelism
@@ -246,7 +246,7 @@ def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
         cp=1, tp=1, pp=1, world_size=world_size,
     )
     spec = get_model_spec(config.model.name)
-    args = copy.deepcopy(get_flavor(spec, config.model.flavor))
+    args = model_args_from_config(spec, config.model)
     try:  # the trainer sizes the vocabulary from the tokenizer
         args.vocab_size = build_tokenizer(config.model.tokenizer_path).vocab_size
     except (TitanError, OSError):  # tokenizer file not on this machine: the flavor's vocabulary

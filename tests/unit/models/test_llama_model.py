@@ -20,6 +20,7 @@ from titan.models.llama import (
     get_nparams_and_flops,
     llama3_configs,
 )
+from titan.models.llama.flex import causal_block_mask
 from titan.models.llama.model import Attention, precompute_freqs_cis
 
 # A model small enough that every test below runs in well under a second on 2 CPU cores.
@@ -146,9 +147,10 @@ def test_gqa_attention_matches_naive(attn_type: str) -> None:
     attn = Attention(args)
     x = torch.randn(2, 16, args.dim)
     freqs = precompute_freqs_cis(args)[:16]
+    mask = causal_block_mask(16, "cpu") if attn_type == "flex" else None
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager flex on CPU warns it is unfused
-        torch.testing.assert_close(attn(x, freqs), naive_attention(attn, x, freqs),
+        torch.testing.assert_close(attn(x, freqs, block_mask=mask), naive_attention(attn, x, freqs),
                                    atol=1e-5, rtol=1e-5)
 
 
@@ -164,9 +166,8 @@ def test_flex_matches_sdpa_forward() -> None:
         b2 = flex(tokens)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert torch.equal(b, b2)
-    # one BlockMask per (seq_len, device), reused across calls and layers
-    mask = llama_model.causal_block_mask(48, torch.device("cpu"))
-    assert mask is llama_model.causal_block_mask(48, torch.device("cpu"))
+    # one BlockMask per (seq_len, device), built by the model and reused across calls and layers
+    assert flex.block_masks.builds == 1
 
 
 def test_rope_scaling_llama31() -> None:
@@ -261,5 +262,5 @@ def test_validation_errors() -> None:
 def test_model_file_has_no_distributed_import() -> None:
     pattern = re.compile(r"^\s*(import|from)\s+torch\.distributed|torch\.distributed\.\w+\(", re.M)
     folder = pathlib.Path(llama_model.__file__).parent
-    for name in ("model.py", "args.py"):
+    for name in ("model.py", "args.py", "flex.py"):
         assert not pattern.search((folder / name).read_text()), name

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from titan.tools.flops import get_peak_flops, mfu, transformer_flops_per_token
@@ -54,3 +56,45 @@ def test_llama3_8b_mfu_on_h100() -> None:
 def test_mfu_rejects_bad_peak() -> None:
     with pytest.raises(ValueError):
         mfu(1.0, 1.0, 0.0)
+
+
+def _fake_h100(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MetricsProcessor on a 'cuda' device without one: the name and memory queries it makes."""
+    from types import SimpleNamespace
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {})
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=80 * 2**30))
+
+
+@pytest.mark.parametrize("float8", [False, True])
+def test_float8_runs_report_mfu_against_the_bf16_peak(tmp_path, monkeypatch, caplog, float8: bool) -> None:
+    """mfu is comparable across float8 and bf16 runs (bf16 peak, torchtitan's convention); float8 runs
+    add mfu_float8 against the float8 peak, and the start-up log says which peak is which."""
+    import logging
+
+    import torch
+
+    from titan.config.job_config import Job, JobConfig, Metrics
+    from titan.metrics import MetricsProcessor, strip_color
+
+    _fake_h100(monkeypatch)
+    cfg = JobConfig(job=Job(dump_folder=str(tmp_path)), metrics=Metrics(disable_color_printing=True))
+    with caplog.at_level(logging.INFO, logger="titan"):
+        mp = MetricsProcessor(cfg, rank=0, device=torch.device("cuda"), num_flops_per_token=10**9, float8=float8)
+        mp.count_tokens(989_000)  # 989 TFLOP/s of work per second of wall time, if it took 1 s
+        mp._last_time -= 1.0 - 1e-9
+        scalars = mp.log(1, loss=1.0, grad_norm=1.0, lr=1e-4)
+    text = "\n".join(strip_color(r.getMessage()) for r in caplog.records)
+    assert "mfu is against the bf16 peak of NVIDIA H100 80GB HBM3, 989 TFLOP/s" in text
+    assert scalars["mfu(%)"] == pytest.approx(100.0, rel=1e-3)
+    if float8:
+        assert "mfu_float8 against its float8 peak, 1,979 TFLOP/s" in text
+        assert scalars["mfu_float8(%)"] == pytest.approx(100.0 * 989 / 1979, rel=1e-3)
+        assert re.search(r"mfu: 100\.0\d%  mfu_float8: 49\.9\d%", text)
+    else:
+        assert "mfu_float8" not in text and "mfu_float8(%)" not in scalars

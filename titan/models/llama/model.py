@@ -14,10 +14,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
 from titan.errors import TitanError
 from titan.models.llama.args import TransformerModelArgs
+from titan.models.llama.flex import BlockMaskCache, FlexKernel
 
 
 def _scale_rope_freqs(freqs: torch.Tensor, args: TransformerModelArgs) -> torch.Tensor:
@@ -81,45 +82,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 so bf16 activations don't lose the small mean-square terms.
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.type_as(x) * self.weight
+        # torch's fused rms_norm: one kernel forward and one backward on CUDA, and the mean square
+        # is accumulated in fp32 for bf16 inputs (as the unfused x.float() version did). The fused
+        # kernel needs one dtype, so a weight of another dtype (fp32 weight, bf16 activation) is
+        # cast to the activation's.
+        weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
-
-
-def _causal(b, h, q_idx, kv_idx):  # noqa: ANN001 - signature fixed by flex_attention
-    return q_idx >= kv_idx
-
-
-_BLOCK_MASKS: dict[tuple[int, str], BlockMask] = {}
-_compiled_flex = None
-
-
-def causal_block_mask(seqlen: int, device: torch.device) -> BlockMask:
-    """The causal BlockMask for one (seq_len, device), built once and shared by all layers."""
-    key = (seqlen, str(device))
-    if key not in _BLOCK_MASKS:
-        _BLOCK_MASKS[key] = create_block_mask(_causal, None, None, seqlen, seqlen, device=device)
-    return _BLOCK_MASKS[key]
-
-
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> torch.Tensor:
-    # Eager flex_attention is a reference path that materialises the full score matrix; on
-    # accelerators compile it once into the fused kernel. On CPU eager is kept: it is only
-    # used for tests there and compiling would cost tens of seconds per shape.
-    global _compiled_flex
-    if q.device.type == "cpu":
-        # Inductor's CPU flex template reads the 4-D size off the underlying buffer and fails
-        # on our transposed views (torch 2.13); a dense copy avoids that and is cheap on CPU.
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if q.device.type == "cpu" or torch.compiler.is_compiling():
-        return flex_attention(q, k, v, block_mask=mask)
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=mask)
 
 
 class SDPAttention(nn.Module):
@@ -130,14 +101,20 @@ class SDPAttention(nn.Module):
 
 
 class FlexAttention(nn.Module):
-    """flex_attention as a parameter-free module (context parallelism gathers k/v in a hook)."""
+    """flex_attention as a parameter-free module (context parallelism gathers k/v in a hook).
+
+    ``kernel`` is the model's shared FlexKernel (one compiled flex_attention per model)."""
+
+    def __init__(self, kernel: FlexKernel | None = None) -> None:
+        super().__init__()
+        self.kernel = kernel if kernel is not None else FlexKernel()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
-        return _flex(q, k, v, block_mask)
+        return self.kernel(q, k, v, block_mask)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: TransformerModelArgs) -> None:
+    def __init__(self, args: TransformerModelArgs, flex_kernel: FlexKernel | None = None) -> None:
         super().__init__()
         self.n_heads = args.n_heads
         self.n_kv_heads = args.kv_heads
@@ -147,7 +124,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.inner_attention = FlexAttention() if args.attn_type == "flex" else SDPAttention()
+        self.inner_attention = FlexAttention(flex_kernel) if args.attn_type == "flex" else SDPAttention()
 
     def forward(
         self, x: torch.Tensor, freqs_cis: torch.Tensor, block_mask: BlockMask | None = None
@@ -160,14 +137,16 @@ class Attention(nn.Module):
         # Sliced here, not by the caller: under TP/SP the caller only sees its sequence shard,
         # while attention runs on the gathered sequence (under CP both are the local shard).
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
-        n_rep = self.n_heads // self.n_kv_heads
-        xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
-        q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # [B, H, S, Dh]
         if self.attn_type == "flex":
             if block_mask is None:
-                block_mask = causal_block_mask(seqlen, x.device)
+                raise TitanError("flex attention needs the BlockMask built by Transformer.forward")
+            # flex reads kv head h // n_rep for query head h itself (enable_gqa): no k/v copies.
+            q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # [B, H, S, Dh]
             out = self.inner_attention(q, k, v, block_mask=block_mask)
         else:
+            n_rep = self.n_heads // self.n_kv_heads
+            xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
+            q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # [B, H, S, Dh]
             out = self.inner_attention(q, k, v)
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
         return self.wo(out)
@@ -193,13 +172,13 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: TransformerModelArgs) -> None:
+    def __init__(self, layer_id: int, args: TransformerModelArgs, flex_kernel: FlexKernel | None = None) -> None:
         super().__init__()
         # Kept so depth-scaled init stays right after pipeline splitting removes earlier layers.
         self.layer_id = layer_id
         self.n_layers = args.n_layers
         self.depth_init = args.depth_init
-        self.attention = Attention(args)
+        self.attention = Attention(args, flex_kernel)
         self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args))
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
@@ -233,9 +212,15 @@ class Transformer(nn.Module):
         self.vocab_size = model_args.vocab_size
         self.n_layers = model_args.n_layers
         self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
+        # flex: one mask cache and one compiled kernel per model object (never module-global).
+        self.block_masks = BlockMaskCache() if model_args.attn_type == "flex" else None
+        flex_kernel = FlexKernel() if model_args.attn_type == "flex" else None
+        # Sequence parallelism (set by tensor parallel) hands each block a 1/N sequence shard;
+        # attention itself runs on the gathered sequence, N times longer.
+        self.seq_shards = 1
         # A ModuleDict keyed "0".."n-1" keeps FQNs stable when pipeline stages delete layers.
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, model_args) for i in range(model_args.n_layers)}
+            {str(i): TransformerBlock(i, model_args, flex_kernel) for i in range(model_args.n_layers)}
         )
         self.norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
@@ -293,15 +278,19 @@ class Transformer(nn.Module):
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seqlen = h.shape[1]
-        if seqlen > self.freqs_cis.shape[0]:
+        if seqlen * self.seq_shards > self.freqs_cis.shape[0]:
             raise TitanError(
-                f"sequence length {seqlen} exceeds model max_seq_len {self.freqs_cis.shape[0]}; "
+                f"sequence length {seqlen * self.seq_shards} exceeds model max_seq_len {self.freqs_cis.shape[0]}; "
                 "raise model max_seq_len or lower training.seq_len"
             )
-        # The full table (attention slices it) and no block mask (attention builds the cached
-        # causal one for the length it sees): h may be a sequence shard under TP/SP.
+        # The full RoPE table: attention slices it for the length it sees (h may be a TP/SP
+        # sequence shard). The flex mask is built here, once per batch (cached per length), not
+        # inside the compiled and checkpointed blocks.
+        block_mask = None
+        if self.block_masks is not None:
+            block_mask = self.block_masks.get(seqlen * self.seq_shards, h.device)
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, self.freqs_cis, block_mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
