@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -61,10 +60,6 @@ def test_gpu_config_set_names_the_issue_rows():
 
 def test_the_issue_preset_is_a_valid_config():
     from titan.config import load_config
-    from titan.config.job_config import Model
-
-    if "n_layers" not in {f.name for f in dataclasses.fields(Model)}:
-        pytest.skip("the [model] n_layers override (another branch) is not merged yet")
     preset = benchmark.PRESETS["llama3_8b_8layers"]
     config = load_config(preset["args"])
     assert (config.training.seq_len, config.training.local_batch_size, config.model.n_layers) == (8192, 1, 8)
