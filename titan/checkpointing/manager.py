@@ -144,7 +144,7 @@ class CheckpointManager(Loading):
             raise OSError(*failed)
 
     def save(self, step: int, *, model_only: bool = False, blocking: bool = False, final: bool = False) -> None:
-        self.wait(final=final)  # one save in flight at a time
+        self.wait()  # one save in flight at a time
         path = step_dir(self.root, step)
         t0 = time.perf_counter()
         try:
@@ -226,8 +226,8 @@ class CheckpointManager(Loading):
         kept = f"earlier checkpoints in {self.root} are intact (newest: {newest})" if newest else \
             f"no earlier checkpoint in {self.root}"
         message = f"checkpoint step {step}: writing {path} failed: {cause}; the partial folder was removed, {kept}"
-        retry_at = (step // self.cfg.interval + 1) * self.cfg.interval
-        if self.cfg.on_save_error == "retry" and not final and retry_at < self.total_steps:
+        retry_at = min((step // self.cfg.interval + 1) * self.cfg.interval, self.total_steps)
+        if self.cfg.on_save_error == "retry" and not final:
             logger.warning(f"{message}; {advice}. checkpoint.on_save_error=retry: training goes on, next save at"
                            f" step {retry_at}")
             return
