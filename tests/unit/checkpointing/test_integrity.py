@@ -3,6 +3,7 @@ empty / missing / garbage .metadata, 1 flipped bit, 3 x 64 flipped bytes. Each i
 manifest check, skipped with one warning naming the file and the problem, and the intact older
 checkpoint is loaded, the run then going on exactly like the uninterrupted one."""
 
+import json
 import logging
 import random
 import shutil
@@ -97,10 +98,10 @@ def test_flipped_bytes_resume_from_older_exactly(saved, tmp_path):
     assert verify(str(root / "step-4")) is None
 
 
+@pytest.mark.slow
 def test_manifest_lists_every_file_and_all_damaged_is_an_error(saved, tmp_path):
     folder, _ = saved
     step = folder / "checkpoint/step-6"
-    import json
 
     listed = set(json.loads((step / MANIFEST).read_text())["files"])
     assert listed == {".metadata", "__0_0.distcp", "config.json"}
