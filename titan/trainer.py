@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from titan.checkpoint import CheckpointManager
+from titan.checkpoint import CheckpointManager, prepare_run
 from titan.config.job_config import JobConfig
 from titan.config.manager import to_dict
 from titan.data import build_dataloader, build_tokenizer
@@ -106,6 +106,10 @@ class Trainer:
         set_comm_env(config)  # NCCL reads the flight-recorder env when its groups are created
         init_distributed(self.device, world_size, timeout_s=config.comm.init_timeout_seconds)
         self.parallel_dims.build_mesh(self.device.type)
+        # Before anything is written to the dump folder: lock it, pick the checkpoint to resume
+        # and settle its config against this one (may change config: checkpoint.config_mismatch).
+        self.run_start = None if config.job.dry_run else prepare_run(
+            config, self.rank, world_size, self.parallel_dims.dp_degree)
         seed = DEFAULT_SEED if t.seed is None else t.seed
         set_seed(seed)
 
@@ -187,7 +191,7 @@ class Trainer:
         self.tokens_seen = 0
         self._batches: Iterator | None = None
         # Last in set-up: registers everything above and restores it (auto-resume) if there is a checkpoint.
-        self.checkpointer = CheckpointManager(config, self)
+        self.checkpointer = CheckpointManager(config, self, self.run_start)
         self.checkpointer.load()
         gc.disable()  # collected every gc_freq steps instead, so pauses don't differ across ranks
 

@@ -1,1 +1,3 @@
-"""Checkpoint helpers used by titan/checkpoint.py: folders and commit, state dicts, preemption."""
+"""Checkpoint package: titan/checkpointing/manager.py (CheckpointManager, re-exported by
+titan/checkpoint.py) with loading, folders and commit, manifest, lock, config diff, failure
+handling, staging, state dicts, preemption."""

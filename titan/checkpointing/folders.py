@@ -71,8 +71,9 @@ def scan(root: str) -> list[Found]:
     return sorted(found, key=lambda f: f.step)
 
 
-def pick_resume(root: str, load_step: int) -> Found | None:
-    """The checkpoint to resume from: ``load_step``, or the newest complete full one.
+def resume_candidates(root: str, load_step: int) -> list[Found]:
+    """The checkpoints to resume from, best first: ``load_step`` alone, or the complete full ones
+    newest first (loading verifies them in this order and takes the first intact one).
 
     A model-only ``step-0`` (a seed checkpoint) counts when nothing newer exists; other model-only
     folders are final exports and are never resumed from. Torn folders are skipped with a warning.
@@ -88,12 +89,17 @@ def pick_resume(root: str, load_step: int) -> Found | None:
             steps = [f.step for f in found if f.complete]
             raise TitanError(f"checkpoint.load_step {load_step}: no complete checkpoint step-{load_step} in {root}"
                              f" (complete steps: {steps or 'none'})")
-        return match[0]
+        return match
     usable = [f for f in found if f.complete and (not f.model_only or f.step == 0)]
     for f in found:
         if f.complete and f.model_only and f.step > 0 and (not usable or f.step > usable[-1].step):
             logger.info(f"{f.path} is a model-only export; resuming from an earlier full checkpoint")
-    return usable[-1] if usable else None
+    return usable[::-1]
+
+
+def pick_resume(root: str, load_step: int) -> Found | None:
+    """The newest candidate of ``resume_candidates`` (without verifying its files)."""
+    return next(iter(resume_candidates(root, load_step)), None)
 
 
 def prune(root: str, keep_latest_k: int) -> None:

@@ -323,6 +323,15 @@ class Checkpoint:
     last_save_in_hf: bool = False
     """At the end of training also write the model as a Hugging Face folder (config.json +
     sharded safetensors, in export_dtype) to <folder>/step-N-hf. Not with pipeline parallelism."""
+    on_save_error: str = "stop"
+    """What a failed save (disk full, read-only, permission, any rank) does after its partial
+    folder is removed: stop (exit with one line naming the cause) or retry (warn, keep training and
+    save again at the next interval; the final save still stops on failure)."""
+    config_mismatch: str = "error"
+    """Resuming from a checkpoint whose saved run config differs in a training-relevant key
+    (model, optimizer, lr_scheduler, data, batch shape, float8; see docs/checkpointing.md): error
+    (stop, naming the keys), use_checkpoint (continue with the checkpoint's values) or use_new
+    (this run's values; the loaded lr and optimizer settings are replaced by today's)."""
     create_seed_checkpoint: bool = False
     """Write the initialized weights as folder/step-0 (model only) and exit. Needs 1 process and no
     parallelism; every layout that starts from it begins with identical weights."""

@@ -111,6 +111,8 @@ def _validate_checkpoint(c: JobConfig) -> None:
     _check(k.keep_latest_k >= 0, "checkpoint.keep_latest_k", k.keep_latest_k, "0 (keep all) or an integer >= 1")
     _choice("checkpoint.async_mode", k.async_mode, ("disabled", "async", "async_with_pinned_mem"))
     _choice("checkpoint.export_dtype", k.export_dtype, DTYPES)
+    _choice("checkpoint.on_save_error", k.on_save_error, ("stop", "retry"))
+    _choice("checkpoint.config_mismatch", k.config_mismatch, ("error", "use_checkpoint", "use_new"))
     _check(k.load_step >= -1, "checkpoint.load_step", k.load_step, "-1 (latest) or a step >= 0")
     _check(bool(k.folder.strip()), "checkpoint.folder", k.folder, "a non-empty folder name under job.dump_folder")
     for part in k.exclude_from_loading:

@@ -1,0 +1,135 @@
+"""kill -9 at 10 random (seeded) points of a 1-rank run with async checkpoints, 5 of them while an
+async save is being written (a step folder without its COMPLETE marker is on disk): every restart
+resumes from the newest intact checkpoint, its losses equal the uninterrupted run's, and no
+damaged checkpoint is ever loaded.
+
+The runs are forked from this already-initialized interpreter (train.main in the child) so a
+restart costs no torch import; the child is SIGKILLed exactly like ``kill -9``.
+"""
+
+import dataclasses
+import logging
+import os
+import random
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_checkpoint_recovery import STEP_RE, TINY
+from titan.checkpointing.folders import scan
+from titan.checkpointing.manifest import verify
+
+pytestmark = pytest.mark.slow
+STEPS = 14
+ARGS = [*TINY, "--training.steps", str(STEPS), "--checkpoint.interval", "2", "--checkpoint.async_mode", "async"]
+RESUMED = re.compile(r"resumed from (\S+): step (\d+)")
+
+
+def _fork_train(folder: Path, log: Path) -> int:
+    log.write_text("")  # exists before the parent polls it
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        out = open(log, "a", buffering=1)
+        sys.stdout = sys.stderr = out
+        for h in logging.getLogger("titan").handlers:
+            if isinstance(h, logging.StreamHandler):
+                h.setStream(out)
+        os.environ.pop("TITAN_DEBUG_KILL_AT", None)
+        import train
+
+        code = train.main([*ARGS, "--job.dump_folder", str(folder)])
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        os._exit(code)
+
+
+def _losses(log: Path) -> dict[int, str]:
+    return {int(m[1]): m[2] for m in STEP_RE.finditer(log.read_text())}
+
+
+def _torn(root: Path) -> set[tuple[int, int, int]]:
+    """Uncommitted step folders, each with its inode and ctime: a folder replaced by a new save
+    of the same step counts as new."""
+    out = set()
+    for f in scan(str(root)):
+        if not f.complete:
+            try:
+                st = os.stat(f.path)
+            except FileNotFoundError:
+                continue
+            out.add((f.step, st.st_ino, st.st_ctime_ns))
+    return out
+
+
+def _run_until(folder: Path, log: Path, stop, timeout: float = 120) -> tuple[int | None, bool]:
+    """Fork a run; SIGKILL it when ``stop()`` says so. Returns (exit status or None if killed,
+    whether a save was in flight at the kill)."""
+    pid = _fork_train(folder, log)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status), False
+        if stop():
+            inside = bool(_torn(folder / "checkpoint"))
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return None, inside
+        time.sleep(0.002)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"run did not finish in {timeout} s: {log.read_text()[-2000:]}")
+
+
+def test_kill_9_at_random_points_resumes_exactly(tmp_path, monkeypatch):
+    from titan.models.llama.args import llama3_configs
+
+    # a 2-layer, dim-64 debug model (inherited by the forked runs): small checkpoints, fast steps
+    small = dataclasses.replace(llama3_configs["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
+    monkeypatch.setitem(llama3_configs, "debugmodel", small)
+    code, _ = _run_until(tmp_path / "ref", tmp_path / "ref.log", lambda: False)
+    ref = _losses(tmp_path / "ref.log")
+    assert code == 0 and sorted(ref) == list(range(1, STEPS + 1)), (tmp_path / "ref.log").read_text()[-3000:]
+
+    rng = random.Random(1234)
+    kinds = ["save"] * 5 + ["step"] * 5
+    rng.shuffle(kinds)
+    run, root = tmp_path / "run", tmp_path / "run/checkpoint"
+    inside, resumed_steps = 0, []
+    for i, kind in enumerate(kinds):
+        log = tmp_path / f"run{i}.log"
+        intact = [f for f in scan(str(root)) if f.complete]
+        expected = intact[-1].step if intact else 0
+        assert all(verify(f.path) is None for f in intact)  # whatever is committed is whole
+        target = min(expected + rng.randint(3, 4), STEPS - 1)  # past the next save, so runs make progress
+        if kind == "save":  # as soon as a new save is on disk but not yet committed
+            old = _torn(root)
+            stop = lambda: bool(_torn(root) - old)  # noqa: E731
+        else:  # right after a random later step was logged
+            stop = lambda: max(_losses(log), default=0) >= target  # noqa: E731
+        code, was_inside = _run_until(run, log, stop)
+        text = log.read_text()
+        assert code is None, f"run {i} ended before its kill point: {text[-3000:]}"
+        inside += was_inside
+        m = RESUMED.search(text)
+        assert (int(m[2]) if m else 0) == expected, text[-3000:]
+        resumed_steps.append(expected)
+        losses = _losses(log)
+        assert losses and all(losses[s] == ref[s] for s in losses), (i, losses, ref)
+        assert "is damaged" not in text
+    assert inside >= 5, f"only {inside} kills landed inside an async save"
+    code, _ = _run_until(run, tmp_path / "final.log", lambda: False)
+    losses = _losses(tmp_path / "final.log")
+    assert code == 0 and losses == {s: ref[s] for s in losses} and max(losses) == STEPS
+    assert resumed_steps == sorted(resumed_steps) and resumed_steps[-1] > 0
