@@ -25,7 +25,7 @@ def _peer_lost_cause(error: BaseException) -> str:
     text = str(error)
     found = next((p for p in _PEER_LOST if p in text), None)
     if found:
-        return found.lower()
+        return found
     return (text.splitlines()[0] if text.strip() else type(error).__name__).strip()
 
 
@@ -80,7 +80,8 @@ def main(argv: list[str]) -> int:
         if debug or not (dist.is_initialized() and _peer_lost(e)):
             raise
         line = (f"titan: error on rank {os.environ.get('RANK', '0')}: another rank failed during a collective"
-                f" ({_peer_lost_cause(e)}); that rank's message says why")
+                f" ({_peer_lost_cause(e)}); that rank's message (the launcher's last line, or torchrun's 'Root Cause')"
+                " says why")
         print(line, file=sys.stderr)
         write_error_file(line)
         return 3

@@ -54,7 +54,7 @@ write_config() {
   hw=$(slurmd -C | head -n 1)
   cpus=$(sed -n 's/.* CPUs=\([0-9]*\).*/\1/p' <<<"$hw")
   mem=$(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$hw")
-  [ -n "$cpus" ] && [ -n "$mem" ] || die "could not read CPUs/RealMemory from 'slurmd -C': $hw"
+  if [ -z "$cpus" ] || [ -z "$mem" ]; then die "could not read CPUs/RealMemory from 'slurmd -C': $hw"; fi
   mkdir -p /etc/slurm "$LOGS" "$STATE/ctld" "$STATE/d"
   cat >"$CONF.new" <<EOF
 $MARK: one node, no accounting, no cgroups
@@ -167,7 +167,7 @@ status() {
     if running "${d%%:*}"; then echo "${d##*:}: running (pid $(cat "${d%%:*}"))"; else echo "${d##*:}: stopped"; up=0; fi
   done
   if [ "$up" = 1 ]; then
-    sinfo -N -o "%N %T %c CPUs %m MB"
+    sinfo -N -o "%N %T %c %m"
     squeue
     return 0
   fi
