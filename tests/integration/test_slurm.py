@@ -143,9 +143,17 @@ def test_external_requeue_sigterm_saves_and_resumes(reference, tmp_path):
     assert "received SIGTERM" in log
 
 
-def test_config_error_fails_the_job_with_one_line(slurm, tmp_path):
-    info = _wait(_submit(tmp_path, "--training.stepz", "3", err="job.err"), tmp_path, timeout=120)
+@pytest.mark.parametrize("where", ["config", "ranks"])
+def test_user_error_fails_the_job_with_titans_line_last(slurm, tmp_path, where):
+    """A bad key is caught by the script's check before srun; a missing dataset only by the ranks
+    (srun adds its own line after the launcher's: the script repeats the cause last)."""
+    if where == "config":
+        args, line = ["--training.stepz", "3"], "titan: error: unknown config key 'training.stepz'; did you mean 'training.steps'?"
+    else:
+        missing = tmp_path / "missing"
+        args, line = ["--training.dataset_path", str(missing)], f"titan: error: dataset path '{missing}' does not exist (training.dataset_path)"
+    info = _wait(_submit(tmp_path, *args, err="job.err"), tmp_path, timeout=180)
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
     err = (tmp_path / "job.err").read_text().strip().splitlines()
-    assert err[-1] == "titan: error: unknown config key 'training.stepz'; did you mean 'training.steps'?", err
+    assert err[-1] == line, err[-10:]
     assert "Traceback" not in "\n".join(err)

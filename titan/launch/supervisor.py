@@ -110,6 +110,15 @@ def failure_line(failures: dict, received: list[int]) -> tuple[str, int]:
     return f"titan: error: rank {rank} exited with status {f.exitcode}; its output above says why", f.exitcode
 
 
+def _write_summary(line: str) -> None:
+    """For a wrapper that adds output after ours (srun's "task 0: Exited with exit code 2"): the
+    cause, in a file it can print last (multinode_trainer.slurm sets TITAN_LAUNCH_SUMMARY)."""
+    path = os.environ.get("TITAN_LAUNCH_SUMMARY")
+    if path:
+        with open(path, "w") as f:
+            f.write(line + "\n")
+
+
 def main(argv: list[str]) -> int:
     train_args = titan_args(argv)
     if train_args is not None:
@@ -132,6 +141,7 @@ def main(argv: list[str]) -> int:
     except ChildFailedError as e:
         line, status = failure_line(e.failures, forwarder.received)
         print(line, file=sys.stderr, flush=True)
+        _write_summary(line)
         return status
     except SignalException as e:
         print(f"titan: stopped by {e.sigval.name} (torchrun sent it to the ranks, if any were running)",
