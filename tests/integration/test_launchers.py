@@ -58,7 +58,8 @@ def test_run_train_sh_detects_the_gpu_count():
 # ---------------------------------------------------------------- user errors through the launcher
 def _launch(*args: str, **env_extra: str) -> subprocess.Popen:
     """run_train.sh as a user starts it from a shell: its own process group, like a terminal job."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+    # CPU ranks over gloo even on a GPU machine (2 ranks on one GPU would be refused by NCCL)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="",
                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", **env_extra)
     env.pop("COMM_MODE", None)
     return subprocess.Popen(["./run_train.sh", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,

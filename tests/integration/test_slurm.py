@@ -61,7 +61,8 @@ def _submit(tmp: Path, *args: str, err: str = "job.out", **env: str) -> str:
     before a requeue and after it are in order."""
     environ = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
                    CONFIG_FILE="train_configs/debug_model.toml", GPUS_PER_NODE="2", RDZV_PORT=str(_free_port()),
-                   TORCH_ELASTIC_SHUTDOWN_TIMEOUT="25", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", **env)
+                   TORCH_ELASTIC_SHUTDOWN_TIMEOUT="25", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+                   CUDA_VISIBLE_DEVICES="", **env)  # CPU ranks, as on a node without GPUs
     cmd = ["sbatch", "--parsable", "--nodes", "1", "--gpus-per-node", "0", "--cpus-per-task", "2",
            "--chdir", str(REPO), "--output", str(tmp / "job.out"), "--error", str(tmp / err),
            "multinode_trainer.slurm", *args, "--job.dump_folder", str(tmp / "run")]
