@@ -4,6 +4,8 @@
 # NGPU: processes to start (default: the number of GPUs, or 1 on a CPU-only machine).
 # CONFIG_FILE: TOML config (default: the debug model). LOG_RANK: ranks whose output is shown
 # (comma-separated, default 0). Extra arguments are passed to train.py as config overrides.
+# Signals: kill -TERM / -USR1 <pid> or Ctrl-C: every rank finishes its step, saves a checkpoint
+# (with checkpoint.enable) and stops; exit 0. A second Ctrl-C kills the ranks.
 # COMM_MODE=fake_backend: no training; one CPU process dry-runs the layout for NGPU ranks
 # (mesh, per-stage layers, per-rank parameters and memory), e.g.
 #   NGPU=512 COMM_MODE=fake_backend CONFIG_FILE=train_configs/llama3_405b.toml ./run_train.sh
@@ -24,6 +26,10 @@ if [ "${COMM_MODE:-}" = "fake_backend" ]; then
   exec python train.py --job.config_file "${CONFIG_FILE}" --job.dry_run --job.dry_run_world_size "${NGPU}" "$@"
 fi
 
-exec torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+# python -m titan.launch is torchrun (same options) that checks the config before any rank starts
+# (a bad key: titan's line, exit 2, no traceback), passes SIGTERM / SIGINT / SIGUSR1 on to the ranks
+# (each saves a checkpoint and stops; exit 0) and ends a failed run with the cause's line.
+# The ranks stop if this process dies, even by kill -9.
+exec python -m titan.launch --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
   train.py --job.config_file "${CONFIG_FILE}" "$@"

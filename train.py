@@ -6,16 +6,8 @@ import os
 import sys
 
 from titan.errors import TitanError
-
-
-def _report(error: TitanError, after_init: bool) -> None:
-    rank = os.environ.get("RANK", "0")
-    # Before the process group exists every rank hits the same error: rank 0 reports it.
-    # Later errors can be rank-specific, so a failing rank reports with its id.
-    if rank == "0":
-        print(f"titan: error: {error}", file=sys.stderr)
-    elif after_init and not getattr(error, "same_on_all_ranks", False):
-        print(f"titan: error on rank {rank}: {error}", file=sys.stderr)
+from titan.launch.check import debug_requested, wants_help
+from titan.launch.report import report, write_error_file
 
 
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "communicator was aborted",
@@ -28,14 +20,26 @@ def _peer_lost(error: BaseException) -> bool:
     return isinstance(error, dist.DistError) or any(p in str(error) for p in _PEER_LOST)
 
 
+def _peer_lost_cause(error: BaseException) -> str:
+    """The transport's words for it, whole: the matched phrase, else the first line of the error."""
+    text = str(error)
+    found = next((p for p in _PEER_LOST if p in text), None)
+    if found:
+        return found
+    return (text.splitlines()[0] if text.strip() else type(error).__name__).strip()
+
+
 def main(argv: list[str]) -> int:
-    if "-h" in argv or "--help" in argv:
+    if wants_help(argv):
         from titan.config import format_help
 
         print(format_help())
         return 0
-    # --job.debug is looked for in argv too: a config that fails to load has no job.debug yet
-    debug = bool(os.environ.get("TITAN_DEBUG")) or "--job.debug" in argv
+    debug = debug_requested(argv)
+    if "LOCAL_RANK" in os.environ:  # started by a launcher (torchrun): stop if it dies
+        from titan.launch.parent import watch_parent
+
+        watch_parent()
     try:
         from titan.config import load_config
 
@@ -43,7 +47,7 @@ def main(argv: list[str]) -> int:
     except TitanError as e:
         if debug:
             raise
-        _report(e, after_init=False)
+        report(e, after_init=False)
         return 2
     debug = debug or config.job.debug
 
@@ -55,7 +59,7 @@ def main(argv: list[str]) -> int:
         except TitanError as e:
             if debug:
                 raise
-            _report(e, after_init=False)
+            report(e, after_init=False)
             return 2
 
     import torch.distributed as dist
@@ -68,16 +72,18 @@ def main(argv: list[str]) -> int:
     except TitanError as e:
         if debug:
             raise
-        _report(e, after_init=dist.is_initialized())
+        report(e, after_init=dist.is_initialized())
         return 2
     except Exception as e:
         # A peer rank failed (or was killed) while this one waited in a collective: that rank (or
         # torchrun's "Root Cause") has the real message; this one only says why it stops too.
         if debug or not (dist.is_initialized() and _peer_lost(e)):
             raise
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"titan: error on rank {os.environ.get('RANK', '0')}: another rank failed during a collective"
-              f" ({first[:160]}); its message, or torchrun's 'Root Cause', says why", file=sys.stderr)
+        line = (f"titan: error on rank {os.environ.get('RANK', '0')}: another rank failed during a collective"
+                f" ({_peer_lost_cause(e)}); that rank's message (the launcher's last line, or torchrun's 'Root Cause')"
+                " says why")
+        print(line, file=sys.stderr)
+        write_error_file(line)
         return 3
     finally:
         destroy_distributed()

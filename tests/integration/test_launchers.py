@@ -1,15 +1,20 @@
-"""Launch scripts: syntax, shellcheck, and the dry run through run_train.sh as a user runs it."""
+"""Launch scripts: syntax, shellcheck, the dry run through run_train.sh as a user runs it, user errors
+(one line, exit 2, no torchrun traceback), signals to the launcher (save, exit 0, resume) and
+kill -9 of the launcher (the ranks stop)."""
 
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = ["run_train.sh", "multinode_trainer.slurm"]
+SCRIPTS = ["run_train.sh", "multinode_trainer.slurm", "scripts/slurm_local.sh"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -48,3 +53,106 @@ def test_run_train_sh_detects_the_gpu_count():
     n = max(torch.cuda.device_count(), 1)  # a CPU-only machine runs 1 process
     out = _run_train_sh()
     assert f"dry run: llama3 debugmodel on {n} rank" in out.stdout, out.stdout
+
+
+# ---------------------------------------------------------------- user errors through the launcher
+def _launch(*args: str, **env_extra: str) -> subprocess.Popen:
+    """run_train.sh as a user starts it from a shell: its own process group, like a terminal job."""
+    # CPU ranks over gloo even on a GPU machine (2 ranks on one GPU would be refused by NCCL)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="",
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", **env_extra)
+    env.pop("COMM_MODE", None)
+    return subprocess.Popen(["./run_train.sh", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--job.config_file", "nope.toml"], "titan: error: config file 'nope.toml' does not exist"),
+    (["--training.stepz", "3"], "titan: error: unknown config key 'training.stepz'; did you mean 'training.steps'?"),
+])
+def test_config_error_through_run_train_sh_is_one_line_exit_2(args, line):
+    proc = _launch(*args, NGPU="2")
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 2, out[-3000:]
+    assert out.strip().splitlines() == [out.strip().splitlines()[-1]] and out.strip().startswith(line), out[-3000:]
+
+
+@pytest.mark.slow
+def test_error_inside_the_ranks_ends_with_titans_line_not_torchruns_traceback(tmp_path):
+    proc = _launch("--training.dataset_path", str(tmp_path / "missing"), "--job.dump_folder", str(tmp_path),
+                   NGPU="2")
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 2, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert last == f"titan: error: dataset path '{tmp_path / 'missing'}' does not exist (training.dataset_path)", out
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+
+
+# ---------------------------------------------------------------- signals to the launcher
+TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
+        "--metrics.disable_color_printing", "--metrics.enable_tensorboard", "false", "--checkpoint.enable",
+        "--checkpoint.interval", "1000"]
+
+
+def _until_step(proc: subprocess.Popen, step: int) -> list[str]:
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if re.search(rf"step:\s*{step}\s+loss", line):
+            return lines
+    pytest.fail("".join(lines)[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["USR1", "TERM"])
+def test_signal_to_run_train_sh_saves_exits_0_and_resumes(sig, tmp_path):
+    proc = _launch(*TINY, "--training.steps", "500", "--job.dump_folder", str(tmp_path), NGPU="2")
+    try:
+        lines = _until_step(proc, 3)
+        proc.send_signal(sig)
+        out = "".join(lines) + proc.communicate(timeout=200)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    saved = re.findall(r"checkpoint step (\d+) saved after a signal", out)
+    assert saved and (tmp_path / "checkpoint" / f"step-{saved[0]}").is_dir(), out[-3000:]
+    assert f"received {sig.name}" in out and "Traceback" not in out, out[-3000:]
+    if sig == signal.SIGUSR1:  # and the next launch resumes from it
+        step = int(saved[0])
+        proc = _launch(*TINY, "--training.steps", str(step + 1), "--job.dump_folder", str(tmp_path), NGPU="2")
+        out = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 0 and f"resumed from {tmp_path / 'checkpoint' / f'step-{step}'}" in out, out[-3000:]
+
+
+def _children(pid: int) -> list[int]:
+    from titan.launch.supervisor import child_pids
+
+    return child_pids(pid)
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_launcher_group_stops_the_ranks(tmp_path):
+    proc = _launch(*TINY, "--training.steps", "500", "--job.dump_folder", str(tmp_path), NGPU="2")
+    try:
+        _until_step(proc, 3)
+        ranks = _children(proc.pid)  # run_train.sh execs the launcher, whose children are the ranks
+        assert len(ranks) == 2, ranks
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        end = time.monotonic() + 30  # generous on a loaded machine; a rank saves, then exits
+        while any(_alive(p) for p in ranks) and time.monotonic() < end:
+            time.sleep(0.2)
+        took = 30 - (end - time.monotonic())
+        assert not any(_alive(p) for p in ranks), "ranks train on without their launcher"
+        assert took < 15, f"the ranks took {took:.1f} s to stop"
+    finally:
+        for p in _children(proc.pid):
+            os.kill(p, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

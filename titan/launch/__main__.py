@@ -1,0 +1,5 @@
+import sys
+
+from titan.launch.supervisor import main
+
+sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,153 @@
+"""``python -m titan.launch [torchrun options] train.py [titan options]``: torchrun, with what a
+scheduler and a user at a terminal need from it.
+
+- The merged config is checked first, in this one process (titan.launch.check): a bad key or file
+  ends with titan's line and exit status 2 before any rank starts.
+- SIGTERM, SIGINT and SIGUSR1 to the launcher go straight to the ranks (torchrun starts each in its
+  own session, so nothing else reaches them), as SIGTERM for SIGINT: every rank finishes its step,
+  saves a checkpoint and exits 0, torchrun sees a successful run and the launcher exits 0. A second
+  SIGINT kills the ranks. (torchrun's own handling would wait for the save too, but then always
+  exits 1 with a traceback, which a scheduler records as a failure.)
+- When ranks fail, torchrun's ChildFailedError traceback is replaced by one line, printed last: the
+  root cause rank's own titan line (from its error file) or what happened to it, and the exit
+  status is that rank's (2 for a user error).
+- The ranks learn this process's pid (TITAN_LAUNCHER_PID) and stop if it dies (titan.launch.parent).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from types import FrameType
+
+from titan.launch.check import main as check_config
+from titan.launch.parent import LAUNCHER_PID_ENV
+
+# signal to the launcher -> signal to the ranks (titan's ranks save and stop on SIGTERM / SIGUSR1)
+FORWARD = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGTERM, signal.SIGUSR1: signal.SIGUSR1}
+PEER_LOST_STATUS = 3  # train.py: "another rank failed during a collective"
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live children of ``pid`` (the ranks: torchrun's agent runs in this process)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+class Forwarder:
+    def __init__(self) -> None:
+        self.received: list[int] = []
+
+    def install(self) -> None:
+        for sig in FORWARD:
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        name = signal.Signals(signum).name
+        ranks = child_pids(os.getpid())
+        self.received.append(signum)
+        if not ranks:  # still in rendezvous, or the ranks have exited: torchrun shuts down
+            raise SignalException(f"launcher got {name}", sigval=signal.Signals(signum))
+        if signum == signal.SIGINT and self.received.count(signal.SIGINT) > 1:
+            print(f"titan launcher: {name} again: killing the {len(ranks)} ranks", file=sys.stderr, flush=True)
+            forward = signal.SIGKILL
+        else:
+            forward = FORWARD[signal.Signals(signum)]
+            print(f"titan launcher: {name}: asking the {len(ranks)} ranks to save a checkpoint and stop"
+                  f" (sent {forward.name})", file=sys.stderr, flush=True)
+        for pid in ranks:
+            try:
+                os.kill(pid, forward)
+            except ProcessLookupError:
+                pass
+
+
+def titan_args(argv: list[str]) -> list[str] | None:
+    """The arguments after titan's entry point (train.py or -m titan.train), found without
+    torchrun's parser so that a bad config fails before torch is imported; None for other scripts.
+    The script is the first argument ending in .py, or the one after -m."""
+    for i, arg in enumerate(argv):
+        if i and argv[i - 1] in ("-m", "--module"):
+            return argv[i + 1:] if arg == "titan.train" else None
+        if arg.endswith(".py"):
+            return argv[i + 1:] if os.path.basename(arg) == "train.py" else None
+    return None
+
+
+def failure_line(failures: dict, received: list[int]) -> tuple[str, int]:
+    """One line for the root cause among failed ranks (torchrun's ProcessFailure by global rank),
+    and the exit status to end with. A rank that reported "another rank failed" is a consequence;
+    a rank's own titan line (from its error file) is preferred, then the earliest failure."""
+
+    def rank_order(item):
+        rank, f = item
+        titan_line = isinstance(f.message, str) and f.message.startswith("titan: ")
+        return (f.exitcode == PEER_LOST_STATUS, not titan_line, f.timestamp, rank)
+
+    rank, f = min(failures.items(), key=rank_order)
+    if f.exitcode < 0:
+        sig = f.signal_name()
+        if received and -f.exitcode == FORWARD.get(signal.Signals(received[0]), received[0]):
+            return (f"titan: stopped by {signal.Signals(received[0]).name} while the ranks were starting"
+                    " (nothing to save yet)", 128 - f.exitcode)
+        return (f"titan: error: rank {rank} (pid {f.pid}) was killed by {sig}; the other ranks stopped with it"
+                " (out of memory? see the system log)", 128 - f.exitcode)
+    if isinstance(f.message, str) and f.message.startswith("titan: "):
+        return f.message, f.exitcode
+    return f"titan: error: rank {rank} exited with status {f.exitcode}; its output above says why", f.exitcode
+
+
+def _write_summary(line: str) -> None:
+    """For a wrapper that adds output after ours (srun's "task 0: Exited with exit code 2"): the
+    cause, in a file it can print last (multinode_trainer.slurm sets TITAN_LAUNCH_SUMMARY)."""
+    path = os.environ.get("TITAN_LAUNCH_SUMMARY")
+    if path:
+        with open(path, "w") as f:
+            f.write(line + "\n")
+
+
+def main(argv: list[str]) -> int:
+    train_args = titan_args(argv)
+    if train_args is not None:
+        status = check_config(train_args)
+        if status or "-h" in train_args or "--help" in train_args:
+            return status
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(argv)
+    # torchrun keeps the signals this launcher does not forward itself (SIGHUP, SIGQUIT)
+    ours = {s.name for s in FORWARD}
+    args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() not in ours) or "SIGHUP"
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    forwarder = Forwarder()
+    forwarder.install()
+    try:
+        run(args)
+    except ChildFailedError as e:
+        line, status = failure_line(e.failures, forwarder.received)
+        print(line, file=sys.stderr, flush=True)
+        _write_summary(line)
+        return status
+    except SignalException as e:
+        print(f"titan: stopped by {e.sigval.name} (torchrun sent it to the ranks, if any were running)",
+              file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
+    if forwarder.received:
+        print(f"titan launcher: the ranks stopped cleanly after {signal.Signals(forwarder.received[0]).name}",
+              file=sys.stderr, flush=True)
+    return 0
