@@ -1,88 +1,11 @@
-"""Entry point: `torchrun --nproc_per_node N train.py --job.config_file train_configs/debug_model.toml`."""
+"""Entry point: `torchrun --nproc_per_node N train.py --job.config_file train_configs/debug_model.toml`.
 
-from __future__ import annotations
+The same as `python -m titan.train ...` (titan/train.py), for launchers that take a script path.
+"""
 
-import os
 import sys
 
-from titan.errors import TitanError
-
-
-def _report(error: TitanError, after_init: bool) -> None:
-    rank = os.environ.get("RANK", "0")
-    # Before the process group exists every rank hits the same error: rank 0 reports it.
-    # Later errors can be rank-specific, so a failing rank reports with its id.
-    if rank == "0":
-        print(f"titan: error: {error}", file=sys.stderr)
-    elif after_init and not getattr(error, "same_on_all_ranks", False):
-        print(f"titan: error on rank {rank}: {error}", file=sys.stderr)
-
-
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "communicator was aborted",
-              "Broken pipe", "NCCL error", "Socket Timeout")
-
-
-def _peer_lost(error: BaseException) -> bool:
-    import torch.distributed as dist
-
-    return isinstance(error, dist.DistError) or any(p in str(error) for p in _PEER_LOST)
-
-
-def main(argv: list[str]) -> int:
-    if "-h" in argv or "--help" in argv:
-        from titan.config import format_help
-
-        print(format_help())
-        return 0
-    # --job.debug is looked for in argv too: a config that fails to load has no job.debug yet
-    debug = bool(os.environ.get("TITAN_DEBUG")) or "--job.debug" in argv
-    try:
-        from titan.config import load_config
-
-        config = load_config(argv)  # bad flags fail here, before torch is even imported
-    except TitanError as e:
-        if debug:
-            raise
-        _report(e, after_init=False)
-        return 2
-    debug = debug or config.job.debug
-
-    if config.job.dry_run:
-        from titan.dry_run import main as dry_run_main
-
-        try:
-            return dry_run_main(config)
-        except TitanError as e:
-            if debug:
-                raise
-            _report(e, after_init=False)
-            return 2
-
-    import torch.distributed as dist
-
-    from titan.parallel.utils import destroy_distributed
-    from titan.trainer import Trainer
-
-    try:
-        Trainer(config).train()
-    except TitanError as e:
-        if debug:
-            raise
-        _report(e, after_init=dist.is_initialized())
-        return 2
-    except Exception as e:
-        # A peer rank failed (or was killed) while this one waited in a collective: that rank (or
-        # torchrun's "Root Cause") has the real message; this one only says why it stops too.
-        if debug or not (dist.is_initialized() and _peer_lost(e)):
-            raise
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"titan: error on rank {os.environ.get('RANK', '0')}: another rank failed during a collective"
-              f" ({first[:160]}); its message, or torchrun's 'Root Cause', says why", file=sys.stderr)
-        return 3
-    finally:
-        destroy_distributed()
-    return 0
-
+from titan.train import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
