@@ -102,6 +102,6 @@ def summary_rows(
 
 def log_summary(rows: list[tuple[str, str]]) -> str:
     """Log the table (one message) and return its text."""
-    table = tabulate(rows, headers=("start-up", ""), tablefmt="simple")
+    table = tabulate(rows, tablefmt="plain")
     logger.info("start-up summary:\n" + table)
     return table

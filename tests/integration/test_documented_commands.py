@@ -105,7 +105,7 @@ def _prepare(command: str, out: Path) -> tuple[list[str], dict[str, str]]:
         name, _, value = words.pop(0).partition("=")
         env[name] = value
     # Optional arguments shown as [--flag value] run without them.
-    words = shlex.split(re.sub(r"\[[^\]]*\]", "", shlex.join(words)).replace("'[", "[").replace("]'", "]"))
+    words = re.sub(r"\[[^\]]*\]", " ", " ".join(words)).split()
     if words[0] == "python":
         words[0] = sys.executable
     script = words[1] if words[0] == sys.executable else words[0]
