@@ -1,94 +1,11 @@
-"""Entry point: `torchrun --nproc_per_node N train.py --job.config_file train_configs/debug_model.toml`."""
+"""Entry point: `torchrun --nproc_per_node N train.py --job.config_file train_configs/debug_model.toml`.
 
-from __future__ import annotations
+The same as `python -m titan.train ...` (titan/train.py), for launchers that take a script path.
+"""
 
-import os
 import sys
 
-from titan.errors import TitanError
-from titan.launch.check import debug_requested, wants_help
-from titan.launch.report import report, write_error_file
-
-
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "communicator was aborted",
-              "Broken pipe", "NCCL error", "Socket Timeout")
-
-
-def _peer_lost(error: BaseException) -> bool:
-    import torch.distributed as dist
-
-    return isinstance(error, dist.DistError) or any(p in str(error) for p in _PEER_LOST)
-
-
-def _peer_lost_cause(error: BaseException) -> str:
-    """The transport's words for it, whole: the matched phrase, else the first line of the error."""
-    text = str(error)
-    found = next((p for p in _PEER_LOST if p in text), None)
-    if found:
-        return found
-    return (text.splitlines()[0] if text.strip() else type(error).__name__).strip()
-
-
-def main(argv: list[str]) -> int:
-    if wants_help(argv):
-        from titan.config import format_help
-
-        print(format_help())
-        return 0
-    debug = debug_requested(argv)
-    if "LOCAL_RANK" in os.environ:  # started by a launcher (torchrun): stop if it dies
-        from titan.launch.parent import watch_parent
-
-        watch_parent()
-    try:
-        from titan.config import load_config
-
-        config = load_config(argv)  # bad flags fail here, before torch is even imported
-    except TitanError as e:
-        if debug:
-            raise
-        report(e, after_init=False)
-        return 2
-    debug = debug or config.job.debug
-
-    if config.job.dry_run:
-        from titan.dry_run import main as dry_run_main
-
-        try:
-            return dry_run_main(config)
-        except TitanError as e:
-            if debug:
-                raise
-            report(e, after_init=False)
-            return 2
-
-    import torch.distributed as dist
-
-    from titan.parallel.utils import destroy_distributed
-    from titan.trainer import Trainer
-
-    try:
-        Trainer(config).train()
-    except TitanError as e:
-        if debug:
-            raise
-        report(e, after_init=dist.is_initialized())
-        return 2
-    except Exception as e:
-        # A peer rank failed (or was killed) while this one waited in a collective: that rank (or
-        # torchrun's "Root Cause") has the real message; this one only says why it stops too.
-        if debug or not (dist.is_initialized() and _peer_lost(e)):
-            raise
-        line = (f"titan: error on rank {os.environ.get('RANK', '0')}: another rank failed during a collective"
-                f" ({_peer_lost_cause(e)}); that rank's message (the launcher's last line, or torchrun's 'Root Cause')"
-                " says why")
-        print(line, file=sys.stderr)
-        write_error_file(line)
-        return 3
-    finally:
-        destroy_distributed()
-    return 0
-
+from titan.train import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

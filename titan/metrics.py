@@ -36,7 +36,7 @@ import torch
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.tools.flops import get_float8_peak_flops, get_peak_flops, mfu
-from titan.tools.logging import logger
+from titan.tools.logging import color_enabled, logger
 
 __all__ = ["MetricsProcessor", "Color", "strip_color"]
 
@@ -108,7 +108,7 @@ class MetricsProcessor:
         if log_this_rank is None:
             log_this_rank = self.cfg.log_rank in (-1, rank)
         self.log_this_rank = log_this_rank
-        self.color = _NoColor() if self.cfg.disable_color_printing else Color()
+        self.color = Color() if color_enabled(self.cfg.disable_color_printing) else _NoColor()
         # With every rank logging, each writes its own files.
         suffix = f"-rank{rank}" if self.cfg.log_rank == -1 else ""
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + suffix

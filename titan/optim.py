@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titan.config.job_config import Optimizer as OptimizerConfig
 from titan.errors import TitanError
+from titan.tools.logging import import_torchao
 
 __all__ = ["OptimizersContainer", "build_optimizers", "OPTIMIZERS", "IMPLEMENTATIONS", "param_groups",
            "WEIGHT_DECAY_EXCLUDE"]
@@ -196,15 +197,12 @@ def build_optimizers(
 
 def _bf16_sr_adamw() -> type[torch.optim.Optimizer]:
     """torchao's plain AdamW with bf16 stochastic rounding (fp32 math, fp32 moments, the new bf16
-    weight rounded up with probability = the dropped fraction). torchao 0.12-0.18 ship it as
-    torchao.optim._AdamW (older: torchao.prototype.low_bit_optim._AdamW)."""
-    for module in ("torchao.optim", "torchao.prototype.low_bit_optim"):
-        try:
-            return getattr(__import__(module, fromlist=["_AdamW"]), "_AdamW")
-        except (ImportError, AttributeError):
-            continue
-    raise TitanError("optimizer.bf16_stochastic_round needs torchao with an _AdamW(bf16_stochastic_round=...)"
-                     " optimizer (torchao >= 0.5); install or upgrade torchao")
+    weight rounded up with probability = the dropped fraction): torchao.optim._AdamW."""
+    try:
+        return import_torchao("torchao.optim")._AdamW
+    except (ImportError, AttributeError):
+        raise TitanError("optimizer.bf16_stochastic_round needs torchao >= 0.18 (its torchao.optim._AdamW);"
+                         " pip install 'torchao>=0.18'") from None
 
 
 def cast_params_for_optimizer(model: nn.Module, cfg: OptimizerConfig) -> None:

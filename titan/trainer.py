@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titan.checkpoint import CheckpointManager, prepare_run
 from titan.config.job_config import JobConfig
-from titan.config.manager import to_dict
+from titan.config.output import save_config
 from titan.data import build_dataloader, build_tokenizer
 from titan.errors import TitanError
 from titan.loss import IGNORE_INDEX, cross_entropy_sum
@@ -33,6 +33,7 @@ from titan.determinism import DeterministicMode
 from titan.parallel.utils import clip_grad_norm_, init_distributed, pick_device, set_seed, world_info
 from titan.profiling import Profiler, validate_profiling_config
 from titan.stability import StabilityMonitor, param_norm
+from titan.startup import log_summary, summary_rows
 from titan.tools.logging import init_logger, logger
 from titan.validate import Validator, validate_validation_config
 
@@ -62,8 +63,6 @@ class Trainer:
         self.config = config
         self.rank, local_rank, world_size = world_info()
         init_logger(self.rank)
-        if config.job.print_config and self.rank == 0:
-            logger.info(f"config: {to_dict(config)}")
         t = config.training
 
         # Everything that can be checked without a process group or a model, first.
@@ -103,7 +102,8 @@ class Trainer:
         compiled = config.compile.enable and "model" in config.compile.components
         layout_device = "cuda" if config.job.dry_run else self.device.type
         check_layout(self.parallel_dims, par, model_args, t.seq_len, layout_device, config.model.attn_type, compiled)
-        set_comm_env(config)  # NCCL reads the flight-recorder env when its groups are created
+        # NCCL reads the flight-recorder env when its groups are created
+        set_comm_env(config, nccl=self.device.type == "cuda" and not config.job.dry_run)
         init_distributed(self.device, world_size, timeout_s=config.comm.init_timeout_seconds)
         self.parallel_dims.build_mesh(self.device.type)
         # Before anything is written to the dump folder: lock it, pick the checkpoint to resume
@@ -193,6 +193,13 @@ class Trainer:
         # Last in set-up: registers everything above and restores it (auto-resume) if there is a checkpoint.
         self.checkpointer = CheckpointManager(config, self, self.run_start)
         self.checkpointer.load()
+        if self.rank == 0:  # the run is committed to start here (its checkpoint folder checked or resumed)
+            log_summary(summary_rows(
+                config, device=self.device, parallel_dims=self.parallel_dims, model_parts=self.model_parts,
+                num_params=self.num_params, flops_per_token=self.flops_per_token,
+                peak_flops=self.metrics.peak_flops, float8=bool(self.float8_fqns),
+            ))
+            logger.info(f"merged config saved to {save_config(config)} (repeat the run with --job.config_file)")
         gc.disable()  # collected every gc_freq steps instead, so pauses don't differ across ranks
 
     def _loss_context(self) -> contextlib.AbstractContextManager:

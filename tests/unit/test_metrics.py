@@ -93,7 +93,8 @@ def test_non_data_parallel_devices_share_throughput(tmp_path: Path, clock: Clock
     assert mp.log(1, loss=1.0, grad_norm=1.0, lr=1.0)["throughput(tps)"] == 500
 
 
-def test_colors(tmp_path: Path, clock: Clock, caplog) -> None:
+def test_colors(tmp_path: Path, clock: Clock, caplog, monkeypatch) -> None:
+    monkeypatch.setattr("titan.metrics.color_enabled", lambda disabled: not disabled)  # as on a terminal
     mp = _processor(tmp_path, color=True)
     mp.count_tokens(100)
     clock.now += 1.0

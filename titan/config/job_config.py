@@ -206,7 +206,8 @@ class Metrics:
     save_tb_folder: str = "tb"
     """TensorBoard folder, relative to job.dump_folder."""
     disable_color_printing: bool = False
-    """Plain console output without ANSI colors."""
+    """Plain console output without ANSI colors. Colors are used only when the output is a
+    terminal and NO_COLOR is not set, so logs written to a file or pipe are plain anyway."""
     log_rank: int = 0
     """Rank that prints the metrics line and writes TensorBoard / JSONL / W&B. -1: every rank
     (files get a rank suffix)."""
@@ -294,9 +295,10 @@ class Checkpoint:
     """Checkpoint folder, relative to job.dump_folder; holds one `step-N` DCP folder per save."""
     interval: int = 500
     """Save every N steps; the last step is always saved too."""
-    keep_latest_k: int = 0
-    """Keep only the newest K complete checkpoints (0: keep all). The newest complete full
-    checkpoint is never deleted, whatever K."""
+    keep_latest_k: int = 3
+    """Keep only the newest K complete checkpoints; older ones are deleted after each save, so a
+    long run's disk use stays bounded (an 8B checkpoint with AdamW states is ~100 GB). 0 keeps
+    every checkpoint. The newest complete full checkpoint is never deleted, whatever K."""
     async_mode: str = "disabled"
     """disabled (blocking save), async (write in a background thread while training goes on), or
     async_with_pinned_mem (also copy to host memory in the background; pinned when a GPU exists)."""

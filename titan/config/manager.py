@@ -81,6 +81,24 @@ def _closest(name: str, options: list[str]) -> str:
     return f"; did you mean '{match[0]}'?" if match else f"; valid: {', '.join(options)}"
 
 
+def _suggest_key(section: str, name: str) -> str:
+    """Did-you-mean for an unknown 'section.name', looking at every section: an option of that
+    name elsewhere ('training.lr' -> 'optimizer.lr') first, else the closest option name, where a
+    tie goes to the section typed ('training.stepz' -> 'training.steps', not 'validation.steps')."""
+    scored: list[tuple[float, str]] = []
+    for other, cls in sections().items():
+        for option in section_fields(cls):
+            ratio = difflib.SequenceMatcher(None, name, option).ratio()
+            scored.append((ratio + (0.01 if other == section else 0.0), f"{other}.{option}"))
+    best = max(score for score, _ in scored)
+    if best < 0.6:
+        return f"; valid in [{section}]: {', '.join(section_fields(sections()[section]))}"
+    top = [key for score, key in scored if score == best]
+    if len(top) == 1:
+        return f"; did you mean '{top[0]}'?"
+    return "; did you mean " + " or ".join(f"'{k}'" for k in top[:3]) + "?"
+
+
 def _resolve(key: str) -> tuple[str, str, Any]:
     """'section.field' -> (section, field, type), with a suggestion on a typo."""
     section, _, name = key.partition(".")
@@ -91,8 +109,7 @@ def _resolve(key: str) -> tuple[str, str, Any]:
         raise TitanError(f"unknown config section '{section}'" + _closest(section, list(secs)))
     fields = section_fields(secs[section])
     if name not in fields:
-        valid = [f"{section}.{f}" for f in fields]
-        raise TitanError(f"unknown config key '{key}'" + _closest(key, valid))
+        raise TitanError(f"unknown config key '{key}'" + _suggest_key(section, name))
     return section, name, fields[name]
 
 
@@ -257,23 +274,3 @@ def load_config(argv: list[str] | None = None, *, env: dict[str, str] | None = N
 # ---------------------------------------------------------------- output
 def to_dict(config: JobConfig) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(config)
-
-
-def format_help() -> str:
-    lines = [
-        "usage: train.py [--job.config_file FILE.toml] [--section.key VALUE ...]",
-        "",
-        "Options come from the TOML sections below; a command-line flag overrides the file.",
-        "Booleans may be given bare (--metrics.enable_tensorboard) or with true/false.",
-        "Lists: comma-separated (a,b) or TOML syntax ('[\"a\", \"b\"]').",
-    ]
-    for section, cls in sections().items():
-        lines += ["", f"[{section}]"]
-        defaults = cls()
-        docs = field_docs(cls)
-        for name, tp in section_fields(cls).items():
-            default = getattr(defaults, name)
-            lines.append(f"  --{section}.{name} ({type_name(tp)}, default: {default!r})")
-            for doc_line in docs.get(name, "").splitlines():
-                lines.append(f"      {doc_line}")
-    return "\n".join(lines)

@@ -22,10 +22,9 @@ def debug_requested(argv: list[str]) -> bool:
 
 def main(argv: list[str]) -> int:
     if wants_help(argv):
-        from titan.config import format_help
+        from titan.train import print_help
 
-        print(format_help())
-        return 0
+        return print_help(argv)
     try:
         from titan.config import load_config
 

@@ -35,16 +35,28 @@ def validate_comm_config(c: JobConfig) -> None:
         raise TitanError(f"config key 'comm.trace_buf_size' must be >= 0 (0 disables), got {m.trace_buf_size}")
 
 
-def _set_env(name: str, value: str) -> None:
+# What launchers (not users) put in the environment: torchrun's agent gives every worker
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless it is already set.
+_LAUNCHER_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+
+def _set_env(name: str, value: str, *, nccl: bool) -> None:
+    """Set ``name``; warn only when that replaces a value someone chose and NCCL will read it."""
     old = os.environ.get(name)
-    if old is not None and old != value:
-        logger.warning(f"[comm] config overrides {name}={old} with {value}")
+    if nccl and old is not None and old != value and _LAUNCHER_DEFAULTS.get(name) != old:
+        logger.warning(f"[comm] {name}={old} from the environment is replaced by {value} ([comm] config)")
     os.environ[name] = value
 
 
-def set_comm_env(config: JobConfig) -> dict[str, str]:
-    """Set the TORCH_NCCL_* variables for the flight recorder; returns what was set."""
+def set_comm_env(config: JobConfig, *, nccl: bool | None = None) -> dict[str, str]:
+    """Set the TORCH_NCCL_* variables for the flight recorder; returns what was set.
+
+    ``nccl``: whether this run's process group uses NCCL (None: whether CUDA is available). The
+    variables are set either way (unused by gloo), but replacing a value someone chose is only
+    worth a warning when NCCL reads it."""
     validate_comm_config(config)
+    if nccl is None:
+        nccl = torch.cuda.is_available()
     m = config.comm
     env = {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": str(m.trace_buf_size),
@@ -60,7 +72,7 @@ def set_comm_env(config: JobConfig) -> dict[str, str]:
         env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
         env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(folder, "rank_")
     for name, value in env.items():
-        _set_env(name, value)
+        _set_env(name, value, nccl=nccl)
     return env
 
 

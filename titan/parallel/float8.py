@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from titan.config.job_config import Float8 as Float8Config
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.tools.logging import import_torchao, logger
 
 __all__ = ["RECIPES", "validate_float8", "check_float8_hardware", "convert_to_float8", "build_precompute_hook"]
 
@@ -69,7 +69,7 @@ def convert_to_float8(model: nn.Module, cfg: Float8Config, *, fsdp_enabled: bool
         return []
     validate_float8(cfg)
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        torchao_float8 = import_torchao("torchao.float8")
     except ImportError as e:
         raise TitanError(f"float8.enable_float8_linear needs torchao (pip install torchao): {e}") from None
 
@@ -80,7 +80,7 @@ def convert_to_float8(model: nn.Module, cfg: Float8Config, *, fsdp_enabled: bool
             " FSDP is not enabled in this run"
         )
         all_gather = False
-    base = Float8LinearConfig.from_recipe_name(cfg.recipe)
+    base = torchao_float8.Float8LinearConfig.from_recipe_name(cfg.recipe)
     # Float8LinearConfig is frozen; replace() re-runs its checks on the new combination.
     from dataclasses import replace
 
@@ -99,7 +99,7 @@ def convert_to_float8(model: nn.Module, cfg: Float8Config, *, fsdp_enabled: bool
         converted.append(fqn)
         return True
 
-    convert_to_float8_training(model, config=config, module_filter_fn=module_filter)
+    torchao_float8.convert_to_float8_training(model, config=config, module_filter_fn=module_filter)
     for fqn, reason in skipped.items():
         logger.info(f"float8: kept {fqn} in high precision ({reason})")
     logger.info(
@@ -118,7 +118,7 @@ def build_precompute_hook(model_parts: list[nn.Module], cfg: Float8Config, fsdp_
         and fsdp_enabled
     ):
         return None
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    precompute_float8_dynamic_scale_for_fsdp = import_torchao("torchao.float8").precompute_float8_dynamic_scale_for_fsdp
 
     def hook() -> None:
         for part in model_parts:

@@ -7,8 +7,12 @@ twice unless the application also configures the root logger with a handler.
 
 from __future__ import annotations
 
+import importlib
 import logging
+import os
 import sys
+import types
+from typing import IO
 
 logger = logging.getLogger("titan")
 
@@ -53,3 +57,52 @@ def init_logger(rank: int = 0) -> logging.Logger:
     setattr(handler, _HANDLER_ATTR, True)
     logger.addHandler(handler)
     return logger
+
+
+def color_enabled(disabled: bool = False, stream: IO[str] | None = None) -> bool:
+    """Whether to print ANSI colours: only for a person at a terminal. Never when the config turns
+    them off, never with a non-empty NO_COLOR (https://no-color.org), never into a file or pipe
+    (under torchrun the workers' output goes to a pipe and log files, so it stays plain).
+    ``stream``: where the lines go (default: the stream of the titan log handler, else stderr)."""
+    if disabled or os.environ.get("NO_COLOR"):
+        return False
+    if stream is None:
+        handlers = [h for h in logger.handlers if getattr(h, _HANDLER_ATTR, False)]
+        stream = getattr(handlers[0], "stream", None) if handlers else sys.stderr
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # a closed stream
+        return False
+
+
+# Import-time lines from torchao that say nothing about the user's run: the notice that its C++
+# kernels were skipped (titan/__init__.py asks for that) and torch's deprecation warning about how
+# torchao registers one of its enums with pytree.
+_IMPORT_NOISE = (
+    ("torchao", "Skipping import of cpp extensions"),
+    ("torch.utils._pytree", "register_constant() on Enum"),
+)
+
+
+class _DropContaining(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def import_torchao(module: str) -> types.ModuleType:
+    """``importlib.import_module(module)`` for a torchao module, without torchao's import noise.
+
+    Raises ImportError like a plain import (callers turn it into their own message)."""
+    filters = [(logging.getLogger(name), _DropContaining(text)) for name, text in _IMPORT_NOISE]
+    for log, f in filters:
+        log.addFilter(f)
+    try:
+        return importlib.import_module(module)
+    finally:
+        for log, f in filters:
+            log.removeFilter(f)

@@ -38,3 +38,25 @@ def test_flight_recorder_off(tmp_path, clean_env):
 def test_bad_timeout_fails_at_load():
     with pytest.raises(TitanError, match="comm.train_timeout_seconds"):
         load_config(["--comm.train_timeout_seconds", "0"])
+
+
+@pytest.mark.parametrize(
+    "preset, nccl, warned",
+    [
+        (None, True, False),  # nothing set before: nothing replaced
+        ("1", True, False),  # torchrun's default for every worker, not the user's choice
+        ("0", True, True),  # the user's own value, and NCCL reads it
+        ("0", False, False),  # gloo never reads it
+    ],
+)
+def test_env_warning_only_for_user_values_nccl_reads(tmp_path, clean_env, monkeypatch, caplog, preset, nccl, warned):
+    if preset is not None:
+        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", preset)
+    c = load_config(["--job.dump_folder", str(tmp_path)])
+    with caplog.at_level("WARNING", logger="titan"):
+        set_comm_env(c, nccl=nccl)
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    messages = [r.getMessage() for r in caplog.records if "TORCH_NCCL" in r.getMessage()]
+    assert bool(messages) == warned, messages
+    if warned:
+        assert messages == ["[comm] TORCH_NCCL_ASYNC_ERROR_HANDLING=0 from the environment is replaced by 3 ([comm] config)"]

@@ -1,0 +1,33 @@
+"""The README's first command, `./run_train.sh` (debug model, train_configs/debug_model.toml, as
+shipped), shows clear learning: the mean loss of its last 5 steps is at most 70% of its first 5."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from titan.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_default_run_learns(tmp_path):
+    config = load_config(["--job.config_file", str(REPO / "train_configs/debug_model.toml")])
+    assert config.metrics.log_freq == 1 and config.metrics.enable_jsonl, "every step's loss must be logged"
+    # Only the output folder moves (the run would otherwise write ./outputs in the repository).
+    run = subprocess.run(["./run_train.sh", "--job.dump_folder", str(tmp_path)], cwd=REPO,
+                         env={k: v for k, v in os.environ.items() if k not in ("NGPU", "CONFIG_FILE")},
+                         capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [jsonl] = (tmp_path / config.metrics.save_jsonl_folder).glob("*.jsonl")
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    losses = [r["loss_metrics/global_avg_loss"] for r in rows]
+    assert [r["step"] for r in rows] == list(range(1, config.training.steps + 1))
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last <= 0.7 * first, f"mean loss of the first 5 steps {first:.3f}, of the last 5 {last:.3f}" \
+                                f" ({last / first:.1%} > 70%): {[round(x, 2) for x in losses]}"

@@ -1,0 +1,165 @@
+"""Every command the README and docs/ show runs as written, on this CPU machine.
+
+Commands are read from the Markdown itself: fenced shell blocks, indented code blocks and inline
+`code` spans that start with ./run_train.sh, python train.py, python -m titan.train, python
+scripts/..., python examples/... or sbatch (leading VAR=value assignments allowed). Each runs with
+a small step count appended where it trains (a later flag wins) and its output in a temporary
+folder. The only ones not run are in SKIP, each with the reason (hardware, a cluster, network or
+weights absent here), and templates with elided arguments ("...", "<dump_folder>"). A new command in the docs is
+run by default.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+TIMEOUT_S = 600  # per command, generous: the machine is shared
+
+SKIP = {
+    "CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh":
+        "8B model: needs GPUs (its layout is checked by the dry-run commands)",
+    "NGPU=8 CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh --training.steps 100": "8 GPUs",
+    "python scripts/convert_llama_to_dcp.py Meta-Llama-3.1-70B/original ckpt/llama3_70b":
+        "Meta's 70B weights (a hub download)",
+    "python scripts/convert_hf.py from_hf meta-llama/Llama-3.1-8B-local-copy dcp_out": "Llama 3.1 8B weights",
+}
+SKIP_PREFIXES = [
+    # (command prefix, reason): families of commands that need what this machine lacks
+    ("./run_train.sh --float8.enable_float8_linear", "float8 matmuls on an SM89+ GPU (CPU: add --float8.emulate)"),
+    ("python examples/sagemaker/launch.py --image-uri", "an AWS account and SageMaker (its --help runs)"),
+    ("python scripts/convert_hf.py to_hf outputs/checkpoint/step-1000", "a 1000-step 8B checkpoint"),
+    ("python scripts/convert_hf.py dcp_to_torch outputs/checkpoint/step-1000", "a 1000-step checkpoint"),
+    ("python scripts/convert_hf.py torch_to_dcp model.pt", "model.pt from the dcp_to_torch command"),
+    ("python scripts/dcp_to_torch.py", "a 1000-step checkpoint (tests/unit/interop covers the conversion)"),
+    ("python scripts/generate.py --checkpoint", "a trained checkpoint (tests/unit/interop covers generation)"),
+]
+# Depends on another change in flight: uneven pipeline stage splits (6 layers over 4 stages).
+NEEDS_UNEVEN_PP = "cannot be split into 4 pipeline stages"
+
+_COMMAND = re.compile(
+    r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)*"
+    r"(?:\./run_train\.sh|sbatch|python (?:train\.py|-m titan\.train|scripts/\S+\.py|examples/\S+\.py))(?:\s|$)"
+)
+
+
+def _candidates(text: str) -> list[str]:
+    """Shell lines from fenced shell blocks, indented code blocks and inline code spans."""
+    lines: list[str] = []
+    fenced = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+    for lang, body in fenced.findall(text):
+        if lang in ("", "bash", "sh", "shell", "console"):
+            lines += body.replace("\\\n", " ").splitlines()
+    prose = fenced.sub("", text)
+    lines += [m.group(1) for m in re.finditer(r"^ {4}(\S.*)$", prose.replace("\\\n", " "), re.M)]
+    lines += re.findall(r"`([^`\n]+)`", prose)
+    return lines
+
+
+def documented_commands() -> dict[str, str]:
+    """command (comments stripped, whitespace normalised) -> first doc that shows it."""
+    found: dict[str, str] = {}
+    for doc in DOCS:
+        for line in _candidates(doc.read_text()):
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:
+                continue
+            command = shlex.join(words)
+            if words and _COMMAND.match(command):
+                found.setdefault(command, doc.name)
+    return found
+
+
+def _skip_reason(command: str) -> str | None:
+    program = next(w for w in shlex.split(command) if not re.match(r"^[A-Z_][A-Z0-9_]*=", w))
+    if program == "sbatch":
+        return "a Slurm cluster (tests/integration/test_slurm.py runs the script locally)"
+    if command in SKIP:
+        return SKIP[command]
+    for prefix, reason in SKIP_PREFIXES:
+        if command.startswith(prefix):
+            return reason
+    if "..." in command.split() or re.search(r"<[a-z_]+>", command):
+        return "a template with elided arguments ('...', '<name>'), not a complete command"
+    return None
+
+
+def _prepare(command: str, out: Path) -> tuple[list[str], dict[str, str]]:
+    """argv and environment to run ``command`` here, small: a 2-step run in a temporary folder."""
+    words = shlex.split(command)
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # two commands run at once on this 2-core machine
+    while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    # Optional arguments shown as [--flag value] run without them.
+    words = re.sub(r"\[[^\]]*\]", " ", " ".join(words)).split()
+    if words[0] == "python":
+        words[0] = sys.executable
+    script = words[1] if words[0] == sys.executable else words[0]
+    titan_cli = script in ("./run_train.sh", "train.py") or words[1:3] == ["-m", "titan.train"]
+    if titan_cli and not {"--help", "-h"} & set(words):
+        words += ["--job.dump_folder", str(out)]
+        if env.get("COMM_MODE") != "fake_backend" and "--job.dry_run" not in words:
+            words += ["--training.steps", "2"]
+    elif script == "scripts/benchmark.py":
+        words += ["--warmup", "1", "--steps", "1"]
+    elif script == "scripts/benchmark_loader.py":
+        words += ["--batches", "5"]
+    return words, env
+
+
+def _run(command: str, out: Path) -> tuple[int, str, float]:
+    argv, env = _prepare(command, out)
+    start = time.perf_counter()
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          stdin=subprocess.DEVNULL)
+    return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start
+
+
+COMMANDS = documented_commands()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, tuple[int, str, float]]:
+    """Runs every command not skipped, two at a time; command -> (exit status, output, seconds)."""
+    runnable = [c for c in COMMANDS if _skip_reason(c) is None]
+    root = tmp_path_factory.mktemp("docs")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {c: pool.submit(_run, c, root / f"cmd{i}") for i, c in enumerate(runnable)}
+        return {c: f.result() for c, f in futures.items()}
+
+
+def test_commands_are_found():
+    """The extraction works on the docs as they are (a broken parser would test nothing)."""
+    assert "./run_train.sh" in COMMANDS
+    assert "NGPU=2 ./run_train.sh" in COMMANDS
+    assert "python train.py --help" in COMMANDS
+    assert any(c.startswith("python scripts/convert_hf.py") for c in COMMANDS)  # indented blocks
+    assert len(COMMANDS) >= 30
+    stale = [c for c in SKIP if c not in COMMANDS]
+    assert not stale, f"SKIP names commands the docs no longer show: {stale}"
+
+
+@pytest.mark.parametrize("command", list(COMMANDS), ids=lambda c: c[:90])
+def test_documented_command_runs(command, results):
+    reason = _skip_reason(command)
+    if reason is not None:
+        pytest.skip(f"{COMMANDS[command]}: needs {reason}" if not reason.startswith("a template") else reason)
+    status, output, seconds = results[command]
+    if status != 0 and NEEDS_UNEVEN_PP in output:
+        pytest.xfail("needs uneven pipeline stage splits (a change in flight in titan/parallel/pp.py)")
+    assert status == 0, f"{COMMANDS[command]}: `{command}` exited {status} after {seconds:.0f}s:\n{output[-4000:]}"
+    assert "Traceback" not in output, output[-4000:]
