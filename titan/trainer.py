@@ -130,7 +130,7 @@ class Trainer:
             f" {self.flops_per_token:,} training FLOPs/token at seq_len {t.seq_len}"
         )
         check_float8_hardware(config.float8, self.device)
-        # float8 swaps Linear modules before any split or wrapping (DESIGN.md step 4).
+        # float8 swaps Linear modules before any split or wrapping.
         self.float8_fqns = convert_to_float8(model, config.float8, fsdp_enabled=self.parallel_dims.fsdp_enabled)
         self.pp_schedule = None
         if self.parallel_dims.pp_enabled:

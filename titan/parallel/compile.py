@@ -36,7 +36,7 @@ def is_compiled(module: nn.Module) -> bool:
 def _wait_async_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     # A TP embedding's output can be an AsyncCollectiveTensor (from to_local() before the
     # collective finished). Handed straight to a compiled block, its backward fails with
-    # "'Tensor' object has no attribute '_local_tensor'" (see CPU_NOTES); waiting here first
+    # "'Tensor' object has no attribute '_local_tensor'" (torch 2.13, pytorch/pytorch#180614); waiting here first
     # costs nothing that the next op would not wait for anyway.
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 

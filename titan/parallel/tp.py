@@ -3,7 +3,7 @@
 Sequence parallel is always on with TP: between blocks the residual stream is sharded on the
 sequence dim, so the RMSNorm weights become DTensors (Replicate) like every other parameter.
 Without it they stay plain tensors next to DTensors, which breaks grad clipping and foreach
-optimizers (CPU_NOTES).
+optimizers (seen on CPU/gloo with torch 2.13).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Apply parallelisms to a Llama model part, in the order DESIGN.md fixes:
+"""Apply parallelisms to a Llama model part, in this fixed order:
 TP/SP -> CP -> activation checkpointing -> compile -> FSDP2 / HSDP / DDP.
 """
 
