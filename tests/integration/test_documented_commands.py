@@ -46,8 +46,6 @@ SKIP_PREFIXES = [
     ("python scripts/dcp_to_torch.py", "a 1000-step checkpoint (tests/unit/interop covers the conversion)"),
     ("python scripts/generate.py --checkpoint", "a trained checkpoint (tests/unit/interop covers generation)"),
 ]
-# Depends on another change in flight: uneven pipeline stage splits (6 layers over 4 stages).
-NEEDS_UNEVEN_PP = "cannot be split into 4 pipeline stages"
 
 _COMMAND = re.compile(
     r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)*"
@@ -159,7 +157,5 @@ def test_documented_command_runs(command, results):
     if reason is not None:
         pytest.skip(f"{COMMANDS[command]}: needs {reason}" if not reason.startswith("a template") else reason)
     status, output, seconds = results[command]
-    if status != 0 and NEEDS_UNEVEN_PP in output:
-        pytest.xfail("needs uneven pipeline stage splits (a change in flight in titan/parallel/pp.py)")
     assert status == 0, f"{COMMANDS[command]}: `{command}` exited {status} after {seconds:.0f}s:\n{output[-4000:]}"
     assert "Traceback" not in output, output[-4000:]
