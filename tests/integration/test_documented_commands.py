@@ -45,6 +45,9 @@ SKIP_PREFIXES = [
     ("python scripts/convert_hf.py torch_to_dcp model.pt", "model.pt from the dcp_to_torch command"),
     ("python scripts/dcp_to_torch.py", "a 1000-step checkpoint (tests/unit/interop covers the conversion)"),
     ("python scripts/generate.py --checkpoint", "a trained checkpoint (tests/unit/interop covers generation)"),
+    ("python scripts/benchmark.py --preset", "a GPU: the 8B-shape preset (1.76B parameters at seq 8192)"),
+    ("python scripts/benchmark_loader.py --dataset c4 --dataset_path /tmp/c4",
+     "the 16 x 10,000-document mirror, minutes to read (tests/unit/data/test_c4_mirror.py runs the benchmark on a small one)"),
 ]
 
 _COMMAND = re.compile(
@@ -115,7 +118,11 @@ def _prepare(command: str, out: Path) -> tuple[list[str], dict[str, str]]:
     elif script == "scripts/benchmark.py":
         words += ["--warmup", "1", "--steps", "1"]
     elif script == "scripts/benchmark_loader.py":
-        words += ["--batches", "5"]
+        words += ["--max_docs", "200"]
+    elif script == "scripts/make_c4_mirror.py":
+        at = words.index("--out") + 1
+        words[at] = str(out / "c4")  # never /tmp/c4 itself: a user's mirror may be there
+        words += ["--shards", "2", "--docs", "50"]
     return words, env
 
 

@@ -3,16 +3,17 @@ async save is being written (a step folder without its COMPLETE marker is on dis
 resumes from the newest intact checkpoint, its losses equal the uninterrupted run's, and no
 damaged checkpoint is ever loaded.
 
-The runs are forked from this already-initialized interpreter (train.main in the child) so a
-restart costs no torch import; the child is SIGKILLed exactly like ``kill -9``.
+The runs are forked by a multiprocessing fork server that has imported torch and train.py once,
+so a restart costs no torch import; the fork server is a fresh single-threaded process (forking
+pytest itself, after earlier tests started OpenMP/gloo threads, can deadlock the child). The
+child is SIGKILLed exactly like ``kill -9``.
 """
 
-import dataclasses
 import logging
+import multiprocessing as mp
 import os
 import random
 import re
-import signal
 import sys
 import time
 from pathlib import Path
@@ -25,15 +26,13 @@ from titan.checkpointing.manifest import verify
 
 pytestmark = pytest.mark.slow
 STEPS = 14
-ARGS = [*TINY, "--training.steps", str(STEPS), "--checkpoint.interval", "2", "--checkpoint.async_mode", "async"]
+# a 2-layer, dim-64 debug model: small checkpoints, fast steps
+ARGS = [*TINY, "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+        "--training.steps", str(STEPS), "--checkpoint.interval", "2", "--checkpoint.async_mode", "async"]
 RESUMED = re.compile(r"resumed from (\S+): step (\d+)")
 
 
-def _fork_train(folder: Path, log: Path) -> int:
-    log.write_text("")  # exists before the parent polls it
-    pid = os.fork()
-    if pid:
-        return pid
+def _train(folder: str, log: str) -> None:
     code = 1
     try:
         out = open(log, "a", buffering=1)
@@ -44,7 +43,7 @@ def _fork_train(folder: Path, log: Path) -> int:
         os.environ.pop("TITAN_DEBUG_KILL_AT", None)
         import train
 
-        code = train.main([*ARGS, "--job.dump_folder", str(folder)])
+        code = train.main([*ARGS, "--job.dump_folder", folder])
     except BaseException:
         import traceback
 
@@ -52,6 +51,13 @@ def _fork_train(folder: Path, log: Path) -> int:
     finally:
         sys.stdout.flush()
         os._exit(code)
+
+
+def _start(ctx, folder: Path, log: Path):
+    log.write_text("")  # exists before the parent polls it
+    proc = ctx.Process(target=_train, args=(str(folder), str(log)))
+    proc.start()
+    return proc
 
 
 def _losses(log: Path) -> dict[int, str]:
@@ -72,33 +78,29 @@ def _torn(root: Path) -> set[tuple[int, int, int]]:
     return out
 
 
-def _run_until(folder: Path, log: Path, stop, timeout: float = 120) -> tuple[int | None, bool]:
-    """Fork a run; SIGKILL it when ``stop()`` says so. Returns (exit status or None if killed,
+def _run_until(ctx, folder: Path, log: Path, stop, timeout: float = 120) -> tuple[int | None, bool]:
+    """Start a run; SIGKILL it when ``stop()`` says so. Returns (exit status or None if killed,
     whether a save was in flight at the kill)."""
-    pid = _fork_train(folder, log)
+    proc = _start(ctx, folder, log)
     deadline = time.time() + timeout
     while time.time() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status), False
+        if proc.exitcode is not None:
+            return proc.exitcode, False
         if stop():
             inside = bool(_torn(folder / "checkpoint"))
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+            proc.kill()
+            proc.join()
             return None, inside
         time.sleep(0.002)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
+    proc.kill()
+    proc.join()
     raise AssertionError(f"run did not finish in {timeout} s: {log.read_text()[-2000:]}")
 
 
-def test_kill_9_at_random_points_resumes_exactly(tmp_path, monkeypatch):
-    from titan.models.llama.args import llama3_configs
-
-    # a 2-layer, dim-64 debug model (inherited by the forked runs): small checkpoints, fast steps
-    small = dataclasses.replace(llama3_configs["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
-    monkeypatch.setitem(llama3_configs, "debugmodel", small)
-    code, _ = _run_until(tmp_path / "ref", tmp_path / "ref.log", lambda: False)
+def test_kill_9_at_random_points_resumes_exactly(tmp_path):
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "train"])
+    code, _ = _run_until(ctx, tmp_path / "ref", tmp_path / "ref.log", lambda: False)
     ref = _losses(tmp_path / "ref.log")
     assert code == 0 and sorted(ref) == list(range(1, STEPS + 1)), (tmp_path / "ref.log").read_text()[-3000:]
 
@@ -118,7 +120,7 @@ def test_kill_9_at_random_points_resumes_exactly(tmp_path, monkeypatch):
             stop = lambda: bool(_torn(root) - old)  # noqa: E731
         else:  # right after a random later step was logged
             stop = lambda: max(_losses(log), default=0) >= target  # noqa: E731
-        code, was_inside = _run_until(run, log, stop)
+        code, was_inside = _run_until(ctx, run, log, stop)
         text = log.read_text()
         assert code is None, f"run {i} ended before its kill point: {text[-3000:]}"
         inside += was_inside
@@ -129,7 +131,7 @@ def test_kill_9_at_random_points_resumes_exactly(tmp_path, monkeypatch):
         assert losses and all(losses[s] == ref[s] for s in losses), (i, losses, ref)
         assert "is damaged" not in text
     assert inside >= 5, f"only {inside} kills landed inside an async save"
-    code, _ = _run_until(run, tmp_path / "final.log", lambda: False)
+    code, _ = _run_until(ctx, run, tmp_path / "final.log", lambda: False)
     losses = _losses(tmp_path / "final.log")
     assert code == 0 and losses == {s: ref[s] for s in losses} and max(losses) == STEPS
     assert resumed_steps == sorted(resumed_steps) and resumed_steps[-1] > 0

@@ -17,7 +17,7 @@ from tests.unit.test_checkpoint import _trainer
 from titan.errors import TitanError
 
 PINNED = ["--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2",
-          "--checkpoint.async_mode", "async_with_pinned_mem"]
+          "--checkpoint.async_mode", "async_with_pinned_mem", "--checkpoint.keep_latest_k", "0"]  # keep all 4
 
 
 def _committed(folder: Path) -> list[str]:
