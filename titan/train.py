@@ -42,10 +42,12 @@ def print_help(argv: list[str]) -> int | None:
 
     topic = argv[at + 1] if at + 1 < len(argv) and not argv[at + 1].startswith("-") else None
     try:
-        print(format_help(topic))
+        print(format_help(topic), flush=True)
     except TitanError as e:
         _report(e, after_init=False)
         return 2
+    except BrokenPipeError:  # `--help | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
