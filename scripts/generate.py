@@ -48,7 +48,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def run(a: argparse.Namespace) -> int:
     from titan.data.tokenizer import build_tokenizer
-    from titan.interop.generate import generate, load_model
+    from titan.tools.generate import generate, load_model
 
     rank, local_rank, world = world_info()
     tokenizer = build_tokenizer(a.tokenizer)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import cpu_env
+from tests.helpers.distributed import cpu_env
 import train
 from titan.checkpointing.folders import MARKER
 from titan.errors import TitanError
@@ -31,7 +31,7 @@ TINY = ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--tr
 def _main(argv):
     """train.main, with the titan logger writing to this test's captured stderr (its handler keeps
     the stream of the test that created it; setStream would flush that closed one)."""
-    from titan.tools.logging import logger
+    from titan.log import logger
 
     for h in logger.handlers:
         if isinstance(h, logging.StreamHandler):
@@ -289,13 +289,13 @@ def test_sigkill_of_one_of_two_ranks_ends_the_job(tmp_path):
 def test_rank_waiting_on_a_lost_peer_says_so_in_one_line(capsys, monkeypatch, tmp_path):
     import torch.distributed as dist
 
-    import titan.trainer
+    import titan.train.trainer
 
     class Lost:
         def __init__(self, config):
             raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:186. This is typically ...")
 
-    monkeypatch.setattr(titan.trainer, "Trainer", Lost)
+    monkeypatch.setattr(titan.train.trainer, "Trainer", Lost)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr("titan.parallel.utils.destroy_distributed", lambda: None)
     monkeypatch.setenv("RANK", "0")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import cpu_env
+from tests.helpers.distributed import cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))

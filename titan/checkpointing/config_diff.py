@@ -22,7 +22,7 @@ import os
 from typing import Any
 
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 CONFIG_FILE = "config.json"
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d+)$")

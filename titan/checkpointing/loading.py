@@ -28,7 +28,7 @@ from titan.checkpointing.states import (
 )
 from titan.config.validate import CHECKPOINT_PARTS
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 
 def checkpoint_keys(path: str) -> set[str]:
@@ -106,7 +106,7 @@ class Loading:
             logger.info(f"no checkpoint in {self.root}: starting from scratch")
             return
         if self.cfg.initial_load_in_hf:
-            from titan.interop.hf import load_hf_into_model
+            from titan.checkpointing.hf import load_hf_into_model
 
             load_hf_into_model(self.trainer.model_parts, path)
             logger.info(f"loaded Hugging Face weights from checkpoint.initial_load_path {path}")

@@ -50,7 +50,7 @@ from titan.checkpointing.resume import RunStart, agree, choose_intact
 from titan.checkpointing.states import RNG_KEY, model_state, rng_state
 from titan.errors import TitanError
 from titan.parallel.fsdp import DTYPES
-from titan.tools.logging import logger
+from titan.log import logger
 
 __all__ = ["CheckpointManager"]
 
@@ -272,7 +272,7 @@ class CheckpointManager(Loading):
             self.start.release()
 
     def _export_hf(self, step: int) -> None:
-        from titan.interop.hf import save_model_hf
+        from titan.checkpointing.hf import save_model_hf
 
         out = step_dir(self.root, step) + "-hf"
         save_model_hf(self.trainer.model_parts, out, dtype=DTYPES[self.cfg.export_dtype])

@@ -39,16 +39,16 @@ def validate_config(c: JobConfig) -> None:
     _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, DTYPES[:2])
 
     # Sections whose builders own their checks: run those same checks now, before any work.
-    from titan.lr_scheduler import validate_lr_scheduler_config
-    from titan.optim import validate_optimizer_config
+    from titan.train.lr_scheduler import validate_lr_scheduler_config
+    from titan.train.optim import validate_optimizer_config
 
     validate_optimizer_config(c.optimizer)
     validate_lr_scheduler_config(c.lr_scheduler)
 
     from titan.parallel.comm import validate_comm_config
-    from titan.profiling import validate_profiling_config
-    from titan.stability import validate_stability_config
-    from titan.validate import validate_validation_config
+    from titan.train.profiling import validate_profiling_config
+    from titan.train.stability import validate_stability_config
+    from titan.train.validator import validate_validation_config
 
     validate_stability_config(c)
     validate_profiling_config(c)

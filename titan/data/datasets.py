@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 from .jsonl import JsonlSource, is_json_lines
 from .sources import DocumentSource, HFStreamSource, ListSource

@@ -22,7 +22,7 @@ def debug_requested(argv: list[str]) -> bool:
 
 def main(argv: list[str]) -> int:
     if wants_help(argv):
-        from titan.train import print_help
+        from titan.launch.entry import print_help
 
         return print_help(argv)
     try:

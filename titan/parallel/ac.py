@@ -16,7 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 __all__ = ["AC_MODES", "apply_ac", "parse_selective_option", "MATMUL_OPS", "SAVED_OPS"]
 

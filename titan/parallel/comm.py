@@ -21,7 +21,7 @@ import torch.distributed as dist
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.parallel.dims import ParallelDims
-from titan.tools.logging import logger
+from titan.log import logger
 
 __all__ = ["set_comm_env", "set_pg_timeouts", "validate_comm_config"]
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 __all__ = ["COMPILE_COMPONENTS", "apply_compile", "build_loss_fn", "is_compiled", "validate_components"]
 

@@ -33,7 +33,7 @@ from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, BlockM
 
 from titan.errors import TitanError
 from titan.models.llama.flex import causal_mask_mod
-from titan.tools.logging import logger
+from titan.log import logger
 
 # q/k/v reach the attention kernel as [B, H, S, Dh].
 _QKV_SEQ_DIM = 2

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from titan.config.job_config import Float8 as Float8Config
 from titan.errors import TitanError
-from titan.tools.logging import import_torchao, logger
+from titan.log import import_torchao, logger
 
 __all__ = ["RECIPES", "validate_float8", "check_float8_hardware", "convert_to_float8", "build_precompute_hook"]
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 
 def _root_plan(model: nn.Module, loss_parallel: bool) -> dict:

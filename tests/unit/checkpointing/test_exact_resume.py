@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import run_distributed
-from tests.unit.test_checkpoint import _signal_during, _trainer
+from tests.helpers.distributed import run_distributed
+from tests.unit.checkpointing.test_manager import _signal_during, _trainer
 
 pytestmark = pytest.mark.slow
 STEPS = ["--training.steps", "20", "--checkpoint.enable", "--checkpoint.interval", "10"]

@@ -102,7 +102,7 @@ def test_checkpoint_config():
 
 
 def test_seed_checkpoint_needs_one_process():
-    from titan.checkpoint import CheckpointManager
+    from titan.checkpointing.manager import CheckpointManager
 
     config = load_config(["--checkpoint.create_seed_checkpoint"])
     trainer = SimpleNamespace(parallel_dims=SimpleNamespace(world_size=2))

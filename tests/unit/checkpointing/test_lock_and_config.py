@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_checkpoint_recovery import REPO, STEP_RE, TINY, _env
-from tests.unit.test_checkpoint import _trainer
+from tests.unit.checkpointing.test_manager import _trainer
 from titan.checkpointing.config_diff import differences, snapshot
 from titan.checkpointing.lock import LOCK_NAME, RunLock, process_start
 from titan.config import load_config

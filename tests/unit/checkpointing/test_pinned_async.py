@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.unit.test_checkpoint import _trainer
+from tests.unit.checkpointing.test_manager import _trainer
 from titan.errors import TitanError
 
 PINNED = ["--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2",

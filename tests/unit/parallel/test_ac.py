@@ -10,10 +10,10 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.unit.parallel._tiny import TINY, batch, build
+from tests.helpers.tiny import TINY, batch, build
 from titan.config import load_config
 from titan.errors import TitanError
-from titan.loss import cross_entropy_sum
+from titan.train.loss import cross_entropy_sum
 from titan.parallel.ac import apply_ac, parse_selective_option
 from titan.parallel.init import canonical_fqn
 

@@ -9,7 +9,7 @@ from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.pipeline import split_stage
 from titan.parallel.dims import ParallelDims, check_layout
 from titan.parallel.pp import describe_split, layers_of_stage, num_stages, stage_ids_this_rank, stage_layer_counts
-from titan.trainer import Trainer
+from titan.train.trainer import Trainer
 
 ARGS = TransformerModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
 

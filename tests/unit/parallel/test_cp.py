@@ -5,9 +5,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.dist_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 from titan.errors import TitanError
-from titan.loss import cross_entropy_sum
+from titan.train.loss import cross_entropy_sum
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.model import Transformer
 from titan.parallel.cp import apply_cp, check_cp_seq_len, cp_shard_batch, cp_unshard

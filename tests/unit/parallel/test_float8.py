@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 from torchao.float8.float8_linear import Float8Linear
 
-from tests.dist_utils import run_distributed
-from tests.unit.parallel._tiny import TINY, batch, build, train_losses
+from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny import TINY, batch, build, train_losses
 from titan.config import load_config
 from titan.config.job_config import Float8 as Float8Config
 from titan.errors import TitanError
@@ -119,7 +119,7 @@ def _fsdp_float8_rank(rank: int, world: int, dump: str) -> dict:
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from titan.models.llama import llama3_configs
-    from titan.trainer import Trainer
+    from titan.train.trainer import Trainer
 
     llama3_configs["tiny"] = TINY_2K
     trainer = Trainer(_trainer_config(dump, "--float8.enable_fsdp_float8_all_gather",
@@ -151,7 +151,7 @@ def test_fsdp2_float8_all_gather_with_precomputed_scales_matches_one_process(tmp
     """2 gloo ranks, FSDP2 + float8 all-gather + precomputed scales (emulated matmuls) against
     one process with plain float8 layers: tensorwise scales of the full weight either way."""
     from titan.models.llama import llama3_configs
-    from titan.trainer import Trainer
+    from titan.train.trainer import Trainer
 
     monkeypatch.setitem(llama3_configs, "tiny", TINY_2K)
     ref = _batch_steps(Trainer(_trainer_config(str(tmp_path / "ref"))), slice(0, 4))
@@ -163,8 +163,8 @@ def test_fsdp2_float8_all_gather_with_precomputed_scales_matches_one_process(tmp
 
 
 def test_float8_with_activation_checkpointing_gives_identical_grads():
-    from tests.unit.parallel._tiny import batch
-    from titan.loss import cross_entropy_sum
+    from tests.helpers.tiny import batch
+    from titan.train.loss import cross_entropy_sum
     from titan.parallel.ac import apply_ac
     from titan.parallel.init import canonical_fqn
 

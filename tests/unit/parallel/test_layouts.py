@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 from titan.config import load_config
 from titan.models.llama.args import TransformerModelArgs, llama3_configs
-from titan.trainer import Trainer
+from titan.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
 SEQ, VOCAB, STEPS, GLOBAL_BATCH = 32, 2048, 10, 4

@@ -1,0 +1,44 @@
+"""A tiny Llama for the parallel/speed tests: every Linear has dims that are multiples of 16."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+from titan.train.loss import cross_entropy_sum
+from titan.models.llama import Transformer, TransformerModelArgs
+
+TINY = TransformerModelArgs(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=32
+)
+
+
+def build(args: TransformerModelArgs = TINY, seed: int = 0) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(copy.deepcopy(args))
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
+def batch(args: TransformerModelArgs = TINY, bsz: int = 4, seq: int = 32, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, args.vocab_size, (bsz, seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_losses(model: nn.Module, steps: int, loss_fn=cross_entropy_sum, lr: float = 3e-3) -> list[float]:
+    """AdamW steps on one fixed batch (the loss falls as the model memorises it)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    inputs, labels = batch()
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(model(inputs), labels) / labels.numel()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
