@@ -63,6 +63,23 @@ def test_keep_latest_k_never_deletes_last_complete_full(tmp_path):
     assert [(f.step, f.complete) for f in scan(str(tmp_path))] == [(4, True), (6, True), (8, False)]
 
 
+def test_prune_interrupted_mid_delete_leaves_a_torn_folder(tmp_path, monkeypatch):
+    """A kill while pruning must never leave a folder marked complete with files missing."""
+    for step in (2, 4):
+        _step(tmp_path, step, True)
+
+    def killed(path, ignore_errors=False):  # the process dies after the first file is gone
+        raise SystemExit("killed")
+
+    monkeypatch.setattr("titan.checkpointing.folders.shutil.rmtree", killed)
+    with pytest.raises(SystemExit):
+        prune(str(tmp_path), 1)
+    assert [(f.step, f.complete) for f in scan(str(tmp_path))] == [(2, False), (4, True)]
+    monkeypatch.undo()
+    prune(str(tmp_path), 1)  # the torn leftover is garbage next time
+    assert [(f.step, f.complete) for f in scan(str(tmp_path))] == [(4, True)]
+
+
 def test_debug_kill_hook():
     with pytest.raises(TitanError, match="TITAN_DEBUG_KILL_AT"):
         DebugKill("save@4")
