@@ -88,6 +88,7 @@ def test_toml_int_accepted_for_float(tmp_path):
         (["--checkpoint.export_dtype", "float64"], "config key 'checkpoint.export_dtype' got 'float64'; valid: float32, bfloat16, float16"),
         (["--compile.components", "model,optimizer"], "config key 'compile.components' got 'optimizer'; valid: model, loss"),
         (["--activation_checkpoint.mode", "partial"], "got 'partial'; valid: none, full, selective"),
+        (["--optimizer.implementation", "apex"], "'optimizer.implementation' got 'apex'; valid: for-loop, foreach, fused"),
         (["--model.n_layers", "0"], "config key 'model.n_layers' got 0; valid: an integer >= 1, or unset"),
         (["--parallelism.data_parallel_shard_degree", "0"], "-1 (the rest) or an integer >= 1"),
         (["--job.config_file", "/nonexistent/x.toml"], "config file '/nonexistent/x.toml' does not exist"),
