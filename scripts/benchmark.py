@@ -87,11 +87,11 @@ def run_single(argv: list[str], warmup: int, steps: int, out_path: str) -> None:
     """Inside one config's process: train warmup + steps steps, summarize the logged rows (rank 0)."""
     import torch
 
-    from titan.config import load_config
+    from titan.train.checks import load_job
     from titan.train.flops import get_peak_flops
     from titan.train.trainer import Trainer
 
-    config = load_config(argv)
+    config = load_job(argv)
     config.job.dump_folder = os.path.dirname(out_path)
     config.training.steps = warmup + steps
     config.metrics.log_freq = 1

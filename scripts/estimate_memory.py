@@ -22,7 +22,7 @@ os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 from tabulate import tabulate  # noqa: E402
 
-from titan.config import load_config  # noqa: E402
+from titan.train.checks import load_job  # noqa: E402
 from titan.errors import TitanError  # noqa: E402
 from titan.train.memory import estimate_memory, measure_peak  # noqa: E402
 
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> None:
     argv = list(argv)
     world_size = _pop_int(argv, "--world_size", 1)
     measure_steps = _pop_int(argv, "--measure_steps", 0)
-    config = load_config(argv)
+    config = load_job(argv)
     est = estimate_memory(config, world_size)
     t = config.training
     print(

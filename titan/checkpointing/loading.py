@@ -26,7 +26,7 @@ from titan.checkpointing.states import (
     saved_dp_ranks,
     set_rng_state,
 )
-from titan.config.validate import CHECKPOINT_PARTS
+from titan.config.choices import CHECKPOINT_PARTS
 from titan.errors import TitanError
 from titan.log import logger
 

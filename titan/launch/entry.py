@@ -62,9 +62,11 @@ def main(argv: list[str] | None = None) -> int:
 
         watch_parent()
     try:
-        from titan.config import load_config
+        from titan.train.checks import load_job
 
-        config = load_config(argv)  # bad flags fail here, before torch is even imported
+        # Every config error fails here, before any process group or model exists; a bad flag or
+        # TOML value even before torch is imported.
+        config = load_job(argv)
     except TitanError as e:
         if debug:
             raise

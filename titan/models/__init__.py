@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from titan.config.checks import SHAPE_OVERRIDES
 from titan.errors import TitanError
 
 
@@ -49,10 +50,6 @@ def get_flavor(spec: ModelSpec, flavor: str) -> Any:
     if flavor not in spec.flavors:
         raise TitanError(f"config key 'model.flavor' got {flavor!r}; valid for {spec.name}: {', '.join(spec.flavors)}")
     return spec.flavors[flavor]
-
-
-# [model] keys that override the flavor's shape when set.
-SHAPE_OVERRIDES = ("n_layers", "dim", "n_heads", "n_kv_heads")
 
 
 def model_args_from_config(spec: ModelSpec, model_config: Any) -> Any:

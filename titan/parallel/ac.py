@@ -15,12 +15,13 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from titan.config.choices import ACMode, choices
 from titan.errors import TitanError
 from titan.log import logger
 
 __all__ = ["AC_MODES", "apply_ac", "parse_selective_option", "MATMUL_OPS", "SAVED_OPS"]
 
-AC_MODES = ("none", "full", "selective")
+AC_MODES = choices(ACMode)
 
 aten = torch.ops.aten
 # Matmuls: the expensive ops whose outputs are worth keeping. _scaled_mm is the float8 matmul.
@@ -85,7 +86,8 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: int | str = "op")
     """Wrap blocks of ``model.layers`` in place; returns the names of the wrapped blocks.
 
     Blocks keep their layer-id names, so with pipeline stages "every N-th" stays a property of
-    the layer, not of its position inside a stage.
+    the layer, not of its position inside a stage. The mode is checked again here (the config
+    loader did it for the trainer) because any other string would silently mean full AC.
     """
     if mode not in AC_MODES:
         raise TitanError(f"config key 'activation_checkpoint.mode' got {mode!r}; valid: {', '.join(AC_MODES)}")

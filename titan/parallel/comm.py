@@ -53,8 +53,7 @@ def set_comm_env(config: JobConfig, *, nccl: bool | None = None) -> dict[str, st
 
     ``nccl``: whether this run's process group uses NCCL (None: whether CUDA is available). The
     variables are set either way (unused by gloo), but replacing a value someone chose is only
-    worth a warning when NCCL reads it."""
-    validate_comm_config(config)
+    worth a warning when NCCL reads it. ``config`` has passed validate_comm_config (validate_job)."""
     if nccl is None:
         nccl = torch.cuda.is_available()
     m = config.comm

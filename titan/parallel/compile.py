@@ -12,20 +12,9 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from titan.errors import TitanError
 from titan.log import logger
 
-__all__ = ["COMPILE_COMPONENTS", "apply_compile", "build_loss_fn", "is_compiled", "validate_components"]
-
-COMPILE_COMPONENTS = ("model", "loss")
-
-
-def validate_components(components: list[str]) -> None:
-    bad = [c for c in components if c not in COMPILE_COMPONENTS]
-    if bad:
-        raise TitanError(
-            f"config key 'compile.components' got {bad[0]!r}; valid: {', '.join(COMPILE_COMPONENTS)}"
-        )
+__all__ = ["apply_compile", "build_loss_fn", "is_compiled"]
 
 
 def is_compiled(module: nn.Module) -> bool:

@@ -18,17 +18,12 @@ from titan.config.job_config import Float8 as Float8Config
 from titan.errors import TitanError
 from titan.log import import_torchao, logger
 
-__all__ = ["RECIPES", "validate_float8", "check_float8_hardware", "convert_to_float8", "build_precompute_hook"]
-
-RECIPES = ("tensorwise", "rowwise")
-
+__all__ = ["validate_float8", "check_float8_hardware", "convert_to_float8", "build_precompute_hook"]
 
 def validate_float8(cfg: Float8Config) -> None:
-    """Config-only checks, runnable before any model or process group exists."""
+    """Options that only work together (recipe is a Literal choice, checked by the loader)."""
     if not cfg.enable_float8_linear:
         return
-    if cfg.recipe not in RECIPES:
-        raise TitanError(f"config key 'float8.recipe' got {cfg.recipe!r}; valid: {', '.join(RECIPES)}")
     if cfg.recipe == "rowwise" and cfg.enable_fsdp_float8_all_gather:
         raise TitanError(
             "float8.enable_fsdp_float8_all_gather works only with float8.recipe = tensorwise"
@@ -67,7 +62,6 @@ def convert_to_float8(model: nn.Module, cfg: Float8Config, *, fsdp_enabled: bool
     """Swap eligible nn.Linear modules in place; returns the names of the converted ones."""
     if not cfg.enable_float8_linear:
         return []
-    validate_float8(cfg)
     try:
         torchao_float8 = import_torchao("torchao.float8")
     except ImportError as e:

@@ -23,7 +23,6 @@ from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 
 GIB = 1024**3
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Optimizer state elements per parameter element (exp_avg and exp_avg_sq for Adam / AdamW).
 _OPTIM_STATES = {"adamw": 2, "adam": 2}
 

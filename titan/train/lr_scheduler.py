@@ -32,14 +32,12 @@ from titan.train.optim import OptimizersContainer
 from titan.log import logger
 
 __all__ = [
-    "DECAY_TYPES",
     "LRSchedulersContainer",
     "build_lr_schedulers",
     "lr_factor",
     "resolve_schedule",
+    "validate_lr_scheduler_config",
 ]
-
-DECAY_TYPES = ("linear", "sqrt", "cosine")
 
 
 def lr_factor(
@@ -78,15 +76,11 @@ def _check(cond: bool, message: str) -> None:
 
 
 def validate_lr_scheduler_config(cfg: LRSchedulerConfig) -> None:
-    """Raise TitanError naming the first invalid [lr_scheduler] key."""
+    """Raise TitanError naming the first invalid [lr_scheduler] key (decay_type is a Literal
+    choice, checked by the config loader)."""
     _check(
         cfg.warmup_steps >= 0,
         f"lr_scheduler.warmup_steps must be >= 0, got {cfg.warmup_steps}",
-    )
-    _check(
-        cfg.decay_type in DECAY_TYPES,
-        f"lr_scheduler.decay_type must be one of {', '.join(DECAY_TYPES)}, "
-        f"got {cfg.decay_type!r}",
     )
     _check(
         0.0 <= cfg.min_lr_factor <= 1.0,
@@ -100,9 +94,7 @@ def validate_lr_scheduler_config(cfg: LRSchedulerConfig) -> None:
 
 
 def resolve_schedule(cfg: LRSchedulerConfig, training_steps: int) -> dict[str, Any]:
-    """Validate the [lr_scheduler] section and return lr_factor's keyword arguments."""
-    _check(training_steps >= 1, f"training.steps must be >= 1, got {training_steps}")
-    validate_lr_scheduler_config(cfg)
+    """lr_factor's keyword arguments for a validated [lr_scheduler] section (validate_job)."""
     warmup = cfg.warmup_steps
     if warmup > training_steps:
         logger.warning(

@@ -18,6 +18,7 @@ from titan.config.job_config import JobConfig
 from titan.config.output import save_config
 from titan.data import build_dataloader, build_tokenizer
 from titan.errors import TitanError
+from titan.train.checks import validate_job
 from titan.train.loss import IGNORE_INDEX, cross_entropy_sum
 from titan.train.lr_scheduler import build_lr_schedulers
 from titan.train.metrics import MetricsProcessor
@@ -32,11 +33,11 @@ from titan.parallel.fsdp import DTYPES
 from titan.parallel.init import init_model_weights
 from titan.train.determinism import DeterministicMode
 from titan.parallel.utils import clip_grad_norm_, init_distributed, pick_device, set_seed, world_info
-from titan.train.profiling import Profiler, validate_profiling_config
+from titan.train.profiling import Profiler
 from titan.train.stability import StabilityMonitor, param_norm
 from titan.train.startup import log_summary, summary_rows
 from titan.log import init_logger, logger
-from titan.train.validator import Validator, validate_validation_config
+from titan.train.validator import Validator
 
 DEFAULT_SEED = 0
 
@@ -67,6 +68,7 @@ class Trainer:
         t = config.training
 
         # Everything that can be checked without a process group or a model, first.
+        validate_job(config)  # the entry point ran it too; a Trainer built from load_config alone needs it
         par = config.parallelism
         self.parallel_dims = ParallelDims(
             dp_replicate=par.data_parallel_replicate_degree,
@@ -79,8 +81,6 @@ class Trainer:
         )
         self.grad_accum_steps = grad_accumulation_steps(config, self.parallel_dims.dp_degree)
         self.stability = StabilityMonitor(config)
-        validate_profiling_config(config)
-        validate_validation_config(config)
         spec = get_model_spec(config.model.name)
         model_args = model_args_from_config(spec, config.model)
         from titan.data.datasets import check_dataset

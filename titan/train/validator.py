@@ -63,7 +63,7 @@ class Validator:
         metrics: MetricsProcessor,
         forward_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        validate_validation_config(config)
+        # config has passed validate_validation_config (titan.train.checks.validate_job)
         if parallel_dims.cp_enabled:
             raise TitanError("validation.enable with context parallelism is not supported yet (each cp rank would"
                              " need its sequence shard); set validation.enable = false")

@@ -10,6 +10,7 @@ import pytest
 
 from titan.config import load_config
 from titan.errors import TitanError
+from titan.train.checks import load_job
 from titan.models import get_model_spec, model_args_from_config
 from titan.models.llama import llama3_configs
 
@@ -57,7 +58,7 @@ def test_cli_and_toml_overrides_reach_the_built_model(tmp_path: Path) -> None:
 ])
 def test_bad_overrides_fail_at_config_time(argv: list[str], message: str) -> None:
     with pytest.raises(TitanError) as e:
-        load_config(argv)
+        load_job(argv)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

@@ -9,6 +9,7 @@ from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.pipeline import split_stage
 from titan.parallel.dims import ParallelDims, check_layout
 from titan.parallel.pp import describe_split, layers_of_stage, num_stages, stage_ids_this_rank, stage_layer_counts
+from titan.train.checks import load_job
 from titan.train.trainer import Trainer
 
 ARGS = TransformerModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
@@ -85,7 +86,7 @@ def test_trainer_rejects_bad_layout_before_any_process_group(tmp_path, monkeypat
 )
 def test_config_checks(flags, message):
     with pytest.raises(TitanError, match=message):
-        load_config(["--training.local_batch_size", "8", *flags])
+        load_job(["--training.local_batch_size", "8", *flags])
 
 
 def test_stage_layout():

@@ -15,6 +15,7 @@ from tests.helpers.tiny import TINY, batch, build, train_losses
 from titan.config import load_config
 from titan.config.job_config import Float8 as Float8Config
 from titan.errors import TitanError
+from titan.train.checks import load_job
 from titan.parallel.float8 import build_precompute_hook, check_float8_hardware, convert_to_float8
 
 REPO = Path(__file__).resolve().parents[3]
@@ -65,7 +66,7 @@ def test_precompute_hook_only_with_fsdp_float8_all_gather():
 )
 def test_bad_combinations_fail_at_config_load(args, match):
     with pytest.raises(TitanError, match=match):
-        load_config(["--float8.enable_float8_linear", *args])
+        load_job(["--float8.enable_float8_linear", *args])
 
 
 def test_old_gpu_without_emulate_is_a_clear_error(monkeypatch):

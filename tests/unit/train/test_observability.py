@@ -11,6 +11,7 @@ import torch
 from titan.config import load_config
 from titan.config.job_config import Job, JobConfig, Metrics
 from titan.errors import TitanError
+from titan.train.checks import load_job
 from titan.train.metrics import MetricsProcessor
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.model import Transformer
@@ -95,7 +96,7 @@ def test_memory_snapshot_wiring_on_cuda(tmp_path, monkeypatch):
 
 def test_profiling_window_must_fit():
     with pytest.raises(TitanError, match=r"warmup_steps \+ profiling.active_steps \(3 \+ 1\).*profile_freq \(2\)"):
-        load_config(["--profiling.enable_profiling", "--profiling.profile_freq", "2"])
+        load_job(["--profiling.enable_profiling", "--profiling.profile_freq", "2"])
 
 
 def _tiny_model(**kw) -> Transformer:
@@ -124,13 +125,13 @@ def test_weight_decay_exclude_groups_and_checkpoint_round_trip():
     fresh = build_optimizers([model], c.optimizer)
     fresh.load_state_dict(state)
     assert [g["weight_decay"] for g in fresh.optimizers[0].param_groups] == [0.5, 0.0]
-    with pytest.raises(TitanError, match="weight_decay_exclude entries must be among norms, embeddings"):
+    with pytest.raises(TitanError, match="'optimizer.weight_decay_exclude' got 'biases'; valid: norms, embeddings"):
         load_config(["--optimizer.weight_decay_exclude", "biases"])
 
 
 def test_bf16_stochastic_round_options():
     with pytest.raises(TitanError, match="bf16_stochastic_round needs optimizer.name = AdamW"):
-        load_config(["--optimizer.bf16_stochastic_round", "--optimizer.name", "Adam"])
+        load_job(["--optimizer.bf16_stochastic_round", "--optimizer.name", "Adam"])
     c = load_config(["--optimizer.bf16_stochastic_round"])
     with torch.device("meta"):
         model = Transformer(TransformerModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=64, max_seq_len=16,

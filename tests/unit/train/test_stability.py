@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from titan.config import load_config
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.train.stability import SpikeDetector, StabilityMonitor, param_norm, validate_stability_config
@@ -69,10 +70,8 @@ def test_skip_counts_and_stops_after_too_many_in_a_row():
 
 
 def test_config_checks():
-    c = JobConfig()
-    c.training.nonfinite = "ignore"
     with pytest.raises(TitanError, match="training.nonfinite.*stop, skip_step"):
-        validate_stability_config(c)
+        load_config(["--training.nonfinite", "ignore"])
     c = JobConfig()
     c.stability.loss_spike_window = 0
     with pytest.raises(TitanError, match="stability.loss_spike_window"):
