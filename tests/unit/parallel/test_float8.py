@@ -118,10 +118,10 @@ def _fsdp_float8_rank(rank: int, world: int, dump: str) -> dict:
     from tests.helpers.tiny import extra_flavors
 
     with extra_flavors(tiny=TINY_2K):
-        return _fsdp_float8_checks(dump)
+        return _fsdp_float8_checks(rank, dump)
 
 
-def _fsdp_float8_checks(dump: str) -> dict:
+def _fsdp_float8_checks(rank: int, dump: str) -> dict:
     from torch.distributed.tensor import DTensor
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
