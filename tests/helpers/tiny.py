@@ -1,18 +1,44 @@
-"""A tiny Llama for the parallel/speed tests: every Linear has dims that are multiples of 16."""
+"""A tiny Llama for the parallel/speed tests (every Linear has dims that are multiples of 16),
+and extra flavors for tests that train through the config (the flavor table is read-only)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 
 import torch
 import torch.nn as nn
 
+import titan.models.llama.args as llama_args
 from titan.train.loss import cross_entropy_sum
 from titan.models.llama import Transformer, TransformerModelArgs
 
 TINY = TransformerModelArgs(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=32
 )
+
+
+def flavors_with(**extra: TransformerModelArgs) -> Mapping[str, TransformerModelArgs]:
+    """A new read-only llama3 flavor table: the shipped flavors plus `extra`."""
+    return MappingProxyType({**llama_args.llama3_configs, **extra})
+
+
+def patch_flavors(monkeypatch, **extra: TransformerModelArgs) -> None:  # noqa: ANN001
+    """For the test's duration `--model.flavor NAME` finds the `extra` flavors too."""
+    monkeypatch.setattr(llama_args, "llama3_configs", flavors_with(**extra))
+
+
+@contextlib.contextmanager
+def extra_flavors(**extra: TransformerModelArgs) -> Iterator[None]:
+    """patch_flavors without pytest (inside spawned ranks)."""
+    saved = llama_args.llama3_configs
+    llama_args.llama3_configs = flavors_with(**extra)
+    try:
+        yield
+    finally:
+        llama_args.llama3_configs = saved
 
 
 def build(args: TransformerModelArgs = TINY, seed: int = 0) -> Transformer:

@@ -219,10 +219,11 @@ def test_torn_step_warned_and_skipped(capsys, tmp_path, two_steps_saved):
 def test_checkpoint_of_a_different_model_shape(capsys, tmp_path, two_steps_saved, monkeypatch):
     import dataclasses
 
-    from titan.models.llama.args import llama3_configs
+    from tests.helpers.tiny import patch_flavors
+    from titan.models.llama.args import get_model_args
 
     before = _snapshot(two_steps_saved)
-    monkeypatch.setitem(llama3_configs, "debugmodel", dataclasses.replace(llama3_configs["debugmodel"], dim=128))
+    patch_flavors(monkeypatch, debugmodel=dataclasses.replace(get_model_args("debugmodel"), dim=128))
     fail(capsys, _ckpt(tmp_path, "--training.steps", "4"), str(two_steps_saved / "step-2"),
          "tok_embeddings.weight", "[2048, 256]", "[2048, 128]")
     assert _snapshot(two_steps_saved) == before

@@ -3,12 +3,15 @@
 Export streams: shards are planned from the DCP metadata and each is read, remapped and written
 on its own, so peak memory is about one shard (max_shard_bytes), not the whole model.
 Import reads the safetensors files one at a time but holds the full model before writing DCP.
+The model family's state-dict adapter (ModelSpec.state_dict_adapter) does the key/layout and
+config mapping: found from the args being written, or from config.json's model_type when reading.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,8 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan.errors import TitanError
 from titan.checkpointing import model_dcp as dcp_io
-from titan.models.llama.args import TransformerModelArgs
-from titan.models.llama.state_dict_adapter import args_to_hf_config, from_hf, hf_config_to_args, to_hf
+from titan.models import spec_for_args, spec_for_hf_model_type
 from titan.progress import progress
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -53,13 +55,21 @@ def _prepare_out(out_dir: str | Path) -> Path:
     return out
 
 
-def _write(out: Path, args: TransformerModelArgs, groups: list, dtype: torch.dtype | None, load) -> None:  # noqa: ANN001
+def _adapter(args: Any) -> Any:
+    spec = spec_for_args(args)
+    if spec.state_dict_adapter is None:
+        raise TitanError(f"model {spec.name} has no Hugging Face format")
+    return spec.state_dict_adapter
+
+
+def _write(out: Path, args: Any, groups: list, dtype: torch.dtype | None, load) -> None:  # noqa: ANN001
+    adapter = _adapter(args)
     weight_map: dict[str, str] = {}
     total = 0
     saved_dtype = None
     for i, keys in enumerate(progress(groups, desc="writing safetensors", unit="file")):
         name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        hf = to_hf(load(keys), args, dtype)
+        hf = adapter.to_hf(load(keys), args, dtype)
         if not hf:
             continue
         # safetensors refuses views into shared storage; contiguous copies where needed.
@@ -71,11 +81,11 @@ def _write(out: Path, args: TransformerModelArgs, groups: list, dtype: torch.dty
             saved_dtype = v.dtype
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    config = args_to_hf_config(args, saved_dtype or torch.float32)
+    config = adapter.args_to_hf_config(args, saved_dtype or torch.float32)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def save_hf(state_dict: dict[str, torch.Tensor], args: TransformerModelArgs, out_dir: str | Path,
+def save_hf(state_dict: dict[str, torch.Tensor], args: Any, out_dir: str | Path,
             max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None) -> None:
     """In-memory titan state dict -> HF folder."""
     out = _prepare_out(out_dir)
@@ -84,7 +94,7 @@ def save_hf(state_dict: dict[str, torch.Tensor], args: TransformerModelArgs, out
     _write(out, args, _plan_shards(nbytes, max_shard_bytes), dtype, lambda ks: {k: state_dict[k] for k in ks})
 
 
-def export_dcp_to_hf(dcp_dir: str | Path, out_dir: str | Path, args: TransformerModelArgs,
+def export_dcp_to_hf(dcp_dir: str | Path, out_dir: str | Path, args: Any,
                      max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None) -> None:
     """Model tensors of a DCP checkpoint -> HF folder, one output shard in memory at a time."""
     nbytes = dcp_io.tensor_nbytes(dcp_dir)
@@ -98,20 +108,23 @@ def export_dcp_to_hf(dcp_dir: str | Path, out_dir: str | Path, args: Transformer
     _write(out, args, _plan_shards(nbytes, max_shard_bytes), dtype, lambda ks: dcp_io.read_model_tensors(dcp_dir, ks))
 
 
-def _expected_keys(args: TransformerModelArgs) -> list[str]:
-    from titan.models.llama.meta_checkpoint import full_shapes
+def _expected_keys(args: Any) -> list[str]:
+    shapes = _adapter(args).state_dict_shapes(args)
+    return [k for k in shapes if not (args.tie_embeddings and k == "output.weight")]
 
-    return [k for k in full_shapes(args) if not (args.tie_embeddings and k == "output.weight")]
 
-
-def read_hf_config(hf_dir: str | Path) -> TransformerModelArgs:
+def read_hf_config(hf_dir: str | Path) -> Any:
+    """The model args a Hugging Face folder's config.json describes (its family's args class)."""
     f = Path(hf_dir) / "config.json"
     if not f.is_file():
         raise TitanError(f"{hf_dir} is not a Hugging Face model folder: no config.json")
     try:
-        return hf_config_to_args(json.loads(f.read_text()))
+        config = json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise TitanError(f"{f} is not valid JSON: {e}") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise TitanError(f"{f} has no 'model_type'; is this a transformers model folder?")
+    return spec_for_hf_model_type(config["model_type"]).state_dict_adapter.hf_config_to_args(config)
 
 
 def _weight_files(hf_dir: Path) -> list[Path]:
@@ -128,7 +141,7 @@ def _weight_files(hf_dir: Path) -> list[Path]:
     raise TitanError(f"{hf_dir}: no model.safetensors or {INDEX_FILE} (only safetensors weights are supported)")
 
 
-def load_hf(hf_dir: str | Path, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], TransformerModelArgs]:
+def load_hf(hf_dir: str | Path, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], Any]:
     """HF folder -> (titan state dict, model args)."""
     hf_dir = Path(hf_dir)
     args = read_hf_config(hf_dir)
@@ -140,7 +153,7 @@ def load_hf(hf_dir: str | Path, dtype: torch.dtype | None = None) -> tuple[dict[
                 hf[k] = fh.get_tensor(k)
     if args.tie_embeddings:
         hf.pop("lm_head.weight", None)  # some exports store the tied copy too
-    state = from_hf(hf, args, dtype)
+    state = _adapter(args).from_hf(hf, args, dtype)
     expected = set(_expected_keys(args)) | ({"output.weight"} if args.tie_embeddings else set())
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
@@ -148,7 +161,7 @@ def load_hf(hf_dir: str | Path, dtype: torch.dtype | None = None) -> tuple[dict[
     return state, args
 
 
-def load_hf_into_model(model_parts: list[nn.Module], hf_dir: str | Path) -> TransformerModelArgs:
+def load_hf_into_model(model_parts: list[nn.Module], hf_dir: str | Path) -> Any:
     """Fill a built model (plain, FSDP, TP; pipeline parts take their own keys) from an HF folder:
     the hook for `[checkpoint] initial_load_in_hf`. Every rank reads the files and keeps its shard."""
     state, args = load_hf(hf_dir)
@@ -167,7 +180,7 @@ def load_hf_into_model(model_parts: list[nn.Module], hf_dir: str | Path) -> Tran
     return args
 
 
-def save_model_hf(model_parts: list[nn.Module], out_dir: str | Path, args: TransformerModelArgs | None = None,
+def save_model_hf(model_parts: list[nn.Module], out_dir: str | Path, args: Any | None = None,
                   dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
     """Gather a (possibly sharded) model and write an HF folder from rank 0: the hook for
     `[checkpoint] last_save_in_hf`. Collective: every rank must call it. Pipeline-parallel parts
@@ -188,7 +201,7 @@ def save_model_hf(model_parts: list[nn.Module], out_dir: str | Path, args: Trans
     save_hf(state, args, out_dir, max_shard_bytes, dtype)
 
 
-def import_hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> TransformerModelArgs:
+def import_hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Any:
     state, args = load_hf(hf_dir, dtype)
     dcp_io.save_model_dcp(state, args, out_dir)
     return args

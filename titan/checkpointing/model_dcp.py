@@ -3,8 +3,8 @@
 Layout: model tensors at their top-level FQN ("layers.0.attention.wq.weight", ...), as in a
 model-only (seed / export / converted) checkpoint. A full training checkpoint may instead nest
 them under "model." next to optimizer and dataloader state; readers accept both and ignore
-everything that is not a model tensor. Converters also write `model_args.json` (the
-TransformerModelArgs) beside the DCP files, so a converted folder is self-describing.
+everything that is not a model tensor. Converters also write `model_args.json` (the model's
+args dataclass) beside the DCP files, so a converted folder is self-describing.
 
 Works without a process group (single-process scripts, tests) and on FSDP/TP models, whose
 DTensor shards DCP loads directly.
@@ -16,6 +16,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from titan.errors import TitanError
-from titan.models.llama.args import TransformerModelArgs
+from titan.models import ModelSpec, get_flavor
 from titan.progress import progress
 
 MODEL_ARGS_FILE = "model_args.json"
@@ -64,7 +65,7 @@ def _nest(prefix: str, state: dict) -> dict:
     return {prefix[:-1]: state} if prefix else state
 
 
-def save_model_dcp(state_dict: dict[str, torch.Tensor], model_args: TransformerModelArgs, out_dir: str | Path) -> None:
+def save_model_dcp(state_dict: dict[str, torch.Tensor], model_args: Any, out_dir: str | Path) -> None:
     """Write a model-only DCP checkpoint (+ model_args.json) that load_model_from_dcp reads."""
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -75,32 +76,34 @@ def save_model_dcp(state_dict: dict[str, torch.Tensor], model_args: TransformerM
     (out / MODEL_ARGS_FILE).write_text(json.dumps(dataclasses.asdict(model_args), indent=2) + "\n")
 
 
-def read_model_args(path: str | Path) -> TransformerModelArgs | None:
+def read_model_args(path: str | Path, args_cls: type) -> Any | None:
+    """The `args_cls` instance recorded in the folder's model_args.json; None without one."""
     f = Path(path) / MODEL_ARGS_FILE
     if not f.is_file():
         return None
-    fields = {f.name for f in dataclasses.fields(TransformerModelArgs)}
+    fields = {f.name for f in dataclasses.fields(args_cls)}
     raw = json.loads(f.read_text())
     unknown = set(raw) - fields
     if unknown:
         raise TitanError(f"{f}: unknown fields {sorted(unknown)}; valid: {sorted(fields)}")
-    args = TransformerModelArgs(**raw)
+    args = args_cls(**raw)
     args.validate()
     return args
 
 
-def infer_model_args(path: str | Path, base: TransformerModelArgs) -> TransformerModelArgs:
-    """`base` (a flavor) with vocab_size, n_layers and tie_embeddings taken from the tensors."""
-    _, meta = model_tensor_metadata(path)
-    if "tok_embeddings.weight" not in meta:
-        raise TitanError(f"{path}: no tok_embeddings.weight; cannot infer the model shape")
-    vocab, dim = meta["tok_embeddings.weight"].size
-    if dim != base.dim:
-        raise TitanError(f"{path}: embedding width {dim} does not match the flavor's dim {base.dim}; pick the right flavor")
-    n_layers = 1 + max(int(k.split(".")[1]) for k in meta if k.startswith("layers."))
-    args = dataclasses.replace(base, vocab_size=vocab, n_layers=n_layers, tie_embeddings="output.weight" not in meta)
-    args.validate()
-    return args
+def model_args_for(path: str | Path, spec: ModelSpec, flavor: str | None = None) -> Any:
+    """A DCP folder's model args: model_args.json if it has one, else `flavor` reshaped to the
+    tensors (vocabulary, depth, tied embeddings) by the family's state-dict adapter."""
+    _, meta = model_tensor_metadata(path)  # a clear error first if this is no DCP model checkpoint
+    args = read_model_args(path, spec.args_cls)
+    if args is not None:
+        return args
+    if flavor is None:
+        raise TitanError(f"{path} has no {MODEL_ARGS_FILE}; pass --flavor (valid: {', '.join(spec.flavors)})")
+    if spec.state_dict_adapter is None:
+        raise TitanError(f"{path} has no {MODEL_ARGS_FILE} and model {spec.name} cannot infer its shape from the tensors")
+    shapes = {k: tuple(m.size) for k, m in meta.items()}
+    return spec.state_dict_adapter.args_from_shapes(shapes, get_flavor(spec, flavor), str(path))
 
 
 def _check_shapes(path: str | Path, expected: dict[str, tuple[tuple[int, ...], torch.dtype]],

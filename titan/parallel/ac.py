@@ -1,6 +1,6 @@
 """Activation checkpointing per TransformerBlock: full, selective per op, or every N-th block.
 
-Applied after TP/CP and before compile and FSDP (titan/models/llama/parallelize.py), so compile sees the checkpointed
+Applied after TP/CP and before compile and FSDP (by each model's parallelize function), so compile sees the checkpointed
 block and FSDP shards the wrapper. The wrapper adds "_checkpoint_wrapped_module." to parameter
 names; DCP's state-dict helpers and titan.parallel.init.canonical_fqn strip it.
 """

@@ -1,6 +1,6 @@
 """Pipeline parallelism: stage layout (which layers each stage holds), schedules by name or CSV.
 
-The model-specific split (deleting modules from a meta model) lives in models/llama/pipeline.py;
+The model-specific split (deleting modules from a meta model) is each model family's pipelining function;
 this file knows only layer counts, ranks and torch.distributed.pipelining.
 """
 

@@ -211,8 +211,10 @@ class Trainer:
         """CP: forward and backward see this rank's sequence shard (and RoPE rows)."""
         if not self.parallel_dims.cp_enabled:
             return contextlib.nullcontext((inputs, labels))
+        spec = get_model_spec(self.config.model.name)
+        buffers = [b for part in self.model_parts for b in spec.cp_buffers_fn(part)] if spec.cp_buffers_fn else []
         return cp_shard_batch(
-            self.parallel_dims.submesh("cp"), self.model_parts, inputs, labels,
+            self.parallel_dims.submesh("cp"), inputs, labels, buffers,
             self.config.parallelism.context_parallel_rotate_method,
         )
 

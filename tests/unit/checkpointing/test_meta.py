@@ -65,7 +65,7 @@ def test_two_shard_meta_checkpoint_converts_and_trains(tmp_path, capsys):
     assert set(converted) == set(truth) and all(converted[k].dtype == torch.bfloat16 for k in converted)
     for k in truth:
         assert torch.equal(converted[k].float(), truth[k]), k
-    assert read_model_args(tmp_path / "dcp").n_kv_heads == 8
+    assert read_model_args(tmp_path / "dcp", TransformerModelArgs).n_kv_heads == 8
 
     trainer = _trainer_from(str(tmp_path / "dump"), tmp_path / "dcp")  # bf16 on disk -> the fp32 model
     model = trainer.model_parts[0]

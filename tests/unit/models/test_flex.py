@@ -20,13 +20,13 @@ import torch
 import titan.models.llama.flex as flex_mod
 from titan.errors import TitanError
 from titan.train.loss import cross_entropy_sum
+from tests.helpers import tiny
 from titan.models.llama import Transformer, TransformerModelArgs
 from titan.models.llama.model import Attention, RMSNorm, precompute_freqs_cis
 from titan.parallel.ac import apply_ac
 from titan.parallel.compile import apply_compile
 
-TINY = TransformerModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32,
-                            max_seq_len=256)
+TINY = replace(tiny.TINY, n_layers=3, max_seq_len=256)
 AC_CASES = [("none", "op"), ("selective", "op"), ("full", "op")]
 
 

@@ -116,13 +116,18 @@ def _batch_steps(trainer, rows: slice, steps: int = 3) -> list[float]:
 
 
 def _fsdp_float8_rank(rank: int, world: int, dump: str) -> dict:
+    from tests.helpers.tiny import extra_flavors
+
+    with extra_flavors(tiny=TINY_2K):
+        return _fsdp_float8_checks(rank, dump)
+
+
+def _fsdp_float8_checks(rank: int, dump: str) -> dict:
     from torch.distributed.tensor import DTensor
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    from titan.models.llama import llama3_configs
     from titan.train.trainer import Trainer
 
-    llama3_configs["tiny"] = TINY_2K
     trainer = Trainer(_trainer_config(dump, "--float8.enable_fsdp_float8_all_gather",
                                       "--float8.precompute_float8_dynamic_scale_for_fsdp"))
     wq = trainer.model_parts[0].layers["0"].attention.wq
@@ -151,10 +156,10 @@ def _trainer_config(dump: str, *extra: str):
 def test_fsdp2_float8_all_gather_with_precomputed_scales_matches_one_process(tmp_path, monkeypatch):
     """2 gloo ranks, FSDP2 + float8 all-gather + precomputed scales (emulated matmuls) against
     one process with plain float8 layers: tensorwise scales of the full weight either way."""
-    from titan.models.llama import llama3_configs
+    from tests.helpers.tiny import patch_flavors
     from titan.train.trainer import Trainer
 
-    monkeypatch.setitem(llama3_configs, "tiny", TINY_2K)
+    patch_flavors(monkeypatch, tiny=TINY_2K)
     ref = _batch_steps(Trainer(_trainer_config(str(tmp_path / "ref"))), slice(0, 4))
     results = run_distributed(_fsdp_float8_rank, 2, str(tmp_path / "fsdp"))
     for r in results:

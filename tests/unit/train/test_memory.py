@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.tiny import TINY, build
+from tests.helpers.tiny import TINY, build, patch_flavors
 from titan.config import load_config
 from titan.train.loss import cross_entropy_sum
-from titan.models.llama import llama3_configs
+from titan.models.llama import get_model_args
 from titan.parallel.ac import apply_ac
 from titan.errors import TitanError
 from titan.train.memory import LiveBytes, estimate_memory
@@ -25,7 +25,7 @@ def tiny_flavor(monkeypatch):
     from dataclasses import replace
 
     args = replace(TINY, vocab_size=2048)  # the shipped tokenizer's vocabulary
-    monkeypatch.setitem(llama3_configs, "tiny", args)
+    patch_flavors(monkeypatch, tiny=args)
     return args
 
 
@@ -172,12 +172,11 @@ def test_script_refuses_tp_in_one_line():
 def test_estimate_matches_cuda_peak(tmp_path, monkeypatch, mode):
     """The Llama 3 8B shape cut to 4 layers, seq 8192, one GPU, bf16 autocast, AdamW: the estimate
     is within 10% of torch.cuda.max_memory_allocated, and not above what the allocator reserved."""
-    from dataclasses import replace
 
     from titan.train.memory import measure_peak
     from titan.train.trainer import Trainer
 
-    monkeypatch.setitem(llama3_configs, "8B_4layers", replace(llama3_configs["8B"], n_layers=4))
+    patch_flavors(monkeypatch, **{"8B_4layers": get_model_args("8B", n_layers=4)})
     config = load_config(["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder",
                           str(tmp_path), "--model.flavor", "8B_4layers", "--training.seq_len", "8192",
                           "--training.local_batch_size", "1", "--training.mixed_precision_param", "bfloat16",

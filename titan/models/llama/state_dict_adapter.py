@@ -208,9 +208,36 @@ def args_to_hf_config(args: TransformerModelArgs, dtype: torch.dtype = torch.flo
     }
 
 
+def args_from_shapes(
+    shapes: dict[str, tuple[int, ...]], base: TransformerModelArgs, where: str
+) -> TransformerModelArgs:
+    """`base` (a flavor) with vocab_size, n_layers and tie_embeddings read off the tensor shapes
+    of a checkpoint (``where`` names it in errors)."""
+    if "tok_embeddings.weight" not in shapes:
+        raise TitanError(f"{where}: no tok_embeddings.weight; cannot infer the model shape")
+    vocab, dim = shapes["tok_embeddings.weight"]
+    if dim != base.dim:
+        raise TitanError(f"{where}: embedding width {dim} does not match the flavor's dim {base.dim}; pick the right flavor")
+    n_layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("layers."))
+    args = replace(base, vocab_size=vocab, n_layers=n_layers, tie_embeddings="output.weight" not in shapes)
+    args.validate()
+    return args
+
+
+def state_dict_shapes(args: TransformerModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor a full model state dict holds, with its unsharded shape."""
+    from titan.models.llama.meta_checkpoint import full_shapes
+
+    return full_shapes(args)
+
+
 class LlamaStateDictAdapter:
     """The registry's handle on this module (ModelSpec.state_dict_adapter)."""
 
+    hf_model_types = ("llama",)
+    """config.json "model_type" values this adapter reads."""
+    args_from_shapes = staticmethod(args_from_shapes)
+    state_dict_shapes = staticmethod(state_dict_shapes)
     to_hf = staticmethod(to_hf)
     from_hf = staticmethod(from_hf)
     hf_config_to_args = staticmethod(hf_config_to_args)
