@@ -2,7 +2,7 @@
 
 Parameter names follow Meta's reference checkpoints (tok_embeddings, layers.N.attention.wq, ...,
 norm, output) and RoPE uses Meta's interleaved-pair layout, so consolidated.*.pth weights load
-without permutation. Parallelism lives elsewhere: this file must stay free of torch.distributed
+without permutation. Parallelism lives elsewhere: this file imports nothing of torch's distributed package
 so that the same module runs single-process, under FSDP/TP (DTensor parameters) and as a
 pipeline stage.
 """

@@ -111,7 +111,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
     ac = job_config.activation_checkpoint
     apply_ac(model, ac.mode, ac.selective_ac_option)
     if job_config.compile.enable and "model" in job_config.compile.components:
-        apply_compile(model)
+        apply_compile(model, before_blocks=model.tok_embeddings)  # None on later pipeline stages
     if parallel_dims.fsdp_enabled:
         # HSDP: replicate across the outer dim, shard inside; plain FSDP: one shard dim.
         apply_fsdp(
