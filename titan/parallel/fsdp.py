@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -9,7 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from titan.log import logger
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
 
 
 def reshard_policy(option: str, pp_enabled: bool) -> bool:
