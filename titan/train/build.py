@@ -69,7 +69,7 @@ def check_run_config(config: JobConfig, dims: ParallelDims) -> int:
     steps = grad_accumulation_steps(config, dims.dp_degree)
     validate_stability_config(config)
     validate_profiling_config(config)
-    validate_validation_config(config)
+    validate_validation_config(config, dims)
     return steps
 
 

@@ -39,10 +39,14 @@ from titan.log import logger
 __all__ = ["Validator", "validate_validation_config"]
 
 
-def validate_validation_config(c: JobConfig) -> None:
+def validate_validation_config(c: JobConfig, dims: ParallelDims | None = None) -> None:
+    """Config checks; with ``dims`` also the layout's (before any loader or model is built)."""
     v = c.validation
     if not v.enable:
         return
+    if dims is not None and dims.cp_enabled:
+        raise TitanError("validation.enable with context parallelism is not supported yet (each cp rank would"
+                         " need its sequence shard); set validation.enable = false")
     if v.freq < 1:
         raise TitanError(f"config key 'validation.freq' must be >= 1, got {v.freq}")
     if v.steps == 0 or v.steps < -1:
@@ -63,10 +67,7 @@ class Validator:
         metrics: MetricsProcessor,
         forward_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        validate_validation_config(config)
-        if parallel_dims.cp_enabled:
-            raise TitanError("validation.enable with context parallelism is not supported yet (each cp rank would"
-                             " need its sequence shard); set validation.enable = false")
+        validate_validation_config(config, parallel_dims)
         v = config.validation
         self.freq, self.steps, self.last_step = v.freq, v.steps, config.training.steps
         self.model_parts = model_parts
