@@ -40,7 +40,7 @@ __all__ = [
 TXT_SPLITS = ("paragraph", "line", "document")
 
 # suffix -> `datasets` packaged builder
-_BUILDERS = {
+_BUILDERS = MappingProxyType({
     ".jsonl": "json",
     ".json": "json",
     ".jsonl.gz": "json",
@@ -49,7 +49,7 @@ _BUILDERS = {
     ".arrow": "arrow",
     ".txt": "text",
     ".txt.gz": "text",
-}
+})
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def _pydoc_split(validation: bool) -> Callable[[str], DocumentSource]:
 
 # allenai/c4's file layout: <mirror>/en/c4-<split>.NNNNN-of-MMMMM.json.gz (JSON lines: text,
 # timestamp, url). 1024 train shards, 8 validation shards.
-C4_SHARDS = {"train": 1024, "validation": 8}
+C4_SHARDS = MappingProxyType({"train": 1024, "validation": 8})
 C4_MIRROR_HINT = ('mirror it with `hf download allenai/c4 --repo-type dataset --include '
                   '"en/c4-train.0000*-of-01024.json.gz" --local-dir DIR` (docs/datasets.md)')
 

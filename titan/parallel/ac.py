@@ -25,10 +25,10 @@ AC_MODES = choices(ACMode)
 
 aten = torch.ops.aten
 # Matmuls: the expensive ops whose outputs are worth keeping. _scaled_mm is the float8 matmul.
-MATMUL_OPS = {aten.mm.default, aten._scaled_mm.default}
+MATMUL_OPS = frozenset({aten.mm.default, aten._scaled_mm.default})
 # Always kept: attention (recomputing it costs as much as the forward) and TP reduce-scatters
 # (recomputing would repeat the communication).
-SAVED_OPS = {
+SAVED_OPS = frozenset({
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
@@ -36,9 +36,9 @@ SAVED_OPS = {
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     # torchao computes float8 scales from abs().max(); keeping the amax avoids re-reducing.
     aten.max.default,
-}
-if hasattr(torch.ops.higher_order, "flex_attention"):
-    SAVED_OPS.add(torch.ops.higher_order.flex_attention)
+    # flex attention is a higher-order op of newer torch releases
+    *([torch.ops.higher_order.flex_attention] if hasattr(torch.ops.higher_order, "flex_attention") else []),
+})
 
 
 def parse_selective_option(option: int | str) -> int | str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ def validate_comm_config(c: JobConfig) -> None:
 
 # What launchers (not users) put in the environment: torchrun's agent gives every worker
 # TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless it is already set.
-_LAUNCHER_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+_LAUNCHER_DEFAULTS = MappingProxyType({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
 
 
 def _set_env(name: str, value: str, *, nccl: bool) -> None:

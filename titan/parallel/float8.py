@@ -18,7 +18,8 @@ from titan.config.job_config import Float8 as Float8Config
 from titan.errors import TitanError
 from titan.log import import_torchao, logger
 
-__all__ = ["validate_float8", "check_float8_hardware", "convert_to_float8", "build_precompute_hook"]
+__all__ = ["validate_float8", "check_float8_hardware", "convert_to_float8", "apply_float8",
+           "build_precompute_hook", "register_float8_precompute"]
 
 def validate_float8(cfg: Float8Config) -> None:
     """Options that only work together (recipe is a Literal choice, checked by the loader)."""
@@ -103,6 +104,13 @@ def convert_to_float8(model: nn.Module, cfg: Float8Config, *, fsdp_enabled: bool
     return converted
 
 
+def apply_float8(model: nn.Module, cfg: Float8Config, device: torch.device, *, fsdp_enabled: bool) -> list[str]:
+    """The run's float8 set-up on the meta model: the hardware check for `device`, then the swap.
+    Returns the converted Linear names (empty when float8 is off)."""
+    check_float8_hardware(cfg, device)
+    return convert_to_float8(model, cfg, fsdp_enabled=fsdp_enabled)
+
+
 def build_precompute_hook(model_parts: list[nn.Module], cfg: Float8Config, fsdp_enabled: bool) -> Callable[[], None] | None:
     """The optimizer post-step hook that precomputes float8 scales, when the config asks for it."""
     if not (
@@ -119,3 +127,12 @@ def build_precompute_hook(model_parts: list[nn.Module], cfg: Float8Config, fsdp_
             precompute_float8_dynamic_scale_for_fsdp(part)
 
     return hook
+
+
+def register_float8_precompute(optimizers, model_parts: list[nn.Module], cfg: Float8Config,  # noqa: ANN001
+                               fsdp_enabled: bool) -> None:
+    """Run the scale precompute after every optimizer step, when the config asks for it.
+    ``optimizers``: anything with ``register_step_post_hook`` (titan's OptimizersContainer)."""
+    hook = build_precompute_hook(model_parts, cfg, fsdp_enabled)
+    if hook is not None:
+        optimizers.register_step_post_hook(hook)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -12,7 +15,7 @@ from titan.log import logger
 
 # The one dtype-name table (config values, checkpoint exports, scripts' --dtype); the names are the
 # config's DType choices and torch's attribute names. Bytes per element: DTYPES[name].itemsize.
-DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in choices(DType)}
+DTYPES: Mapping[str, torch.dtype] = MappingProxyType({name: getattr(torch, name) for name in choices(DType)})
 
 
 def reshard_policy(option: str, pp_enabled: bool) -> bool:

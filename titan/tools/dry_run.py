@@ -1,8 +1,8 @@
 """Dry run: check a layout for N ranks on one CPU process, before paying for the GPUs.
 
-A fake process group (no communication) stands in for the world; the Trainer's own build path
-(config checks, ParallelDims, mesh, meta model, parallelize) runs unchanged and stops before any
-memory is allocated. Then every parameter's sharding spec gives each rank's local shard, from
+A fake process group (no communication) stands in for the world; the Trainer's own build steps
+(titan/train/build.py: config checks, ParallelDims, layout, mesh, meta model, float8, pipeline
+split or parallelize) run unchanged, and the dry run stops before any memory is allocated. Then every parameter's sharding spec gives each rank's local shard, from
 which the per-rank parameter count and memory follow. Pipeline stages are built one at a time,
 as the first rank of each stage.
 """
@@ -13,6 +13,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -20,11 +21,20 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from titan.config.job_config import JobConfig
+from titan.data import build_tokenizer
 from titan.errors import TitanError
+from titan.log import init_logger, logger
+from titan.parallel.comm import validate_comm_config
+from titan.parallel.dims import ParallelDims
+from titan.train.build import (
+    BuiltModel, build_model, build_parallel_dims, check_run_config, check_run_layout, model_spec_and_args,
+    run_model_args,
+)
+from titan.train.loss import cross_entropy_sum
 
 GIB = 1024**3
 # Optimizer state elements per parameter element (exp_avg and exp_avg_sq for Adam / AdamW).
-_OPTIM_STATES = {"adamw": 2, "adam": 2}
+_OPTIM_STATES = MappingProxyType({"adamw": 2, "adam": 2})
 
 
 def estimate_rank_memory(local_params: int, config: JobConfig, *, with_grads: bool = True) -> dict[str, float]:
@@ -174,45 +184,73 @@ def _count_stage(parts: list[nn.Module], stage_ranks: list[int], world_size: int
     return per_rank, distinct
 
 
-def _build_stage(config: JobConfig, first_rank: int, world: int):  # noqa: ANN202
-    """Build the pipeline stage whose first rank is `first_rank`, as that rank, and count its
-    parameters while the fake group is alive. PP is the outermost mesh dim, so stage s owns
-    ranks [s * world / pp, (s + 1) * world / pp)."""
-    from titan.train.trainer import Trainer
+@dataclass
+class _Stage:
+    """One pipeline stage as built by its first rank."""
 
+    dims: ParallelDims
+    model: BuiltModel
+    counts: list[int]  # local parameter elements per global rank (0 outside the stage)
+    distinct: int
+    mesh_text: str
+
+
+def _tokenizer_vocab(config: JobConfig) -> int | None:
+    """The tokenizer's vocabulary as the run would size the model; without the tokenizer file (it
+    may live only on the cluster) the flavor's own vocab_size."""
+    try:
+        return build_tokenizer(config.model.tokenizer_path).vocab_size
+    except TitanError as e:
+        logger.warning(f"dry run without the tokenizer, using the flavor's vocab_size: {e}")
+        return None
+
+
+def _build_stage(config: JobConfig, first_rank: int, world: int) -> _Stage:
+    """Build the pipeline stage whose first rank is `first_rank`, as that rank, with the Trainer's
+    build steps (titan/train/build.py), and count its parameters while the fake group is alive.
+    PP is the outermost mesh dim, so stage s owns ranks [s * world / pp, (s + 1) * world / pp)."""
     with fake_world(first_rank, world):
-        trainer = Trainer(config)
-        dims = trainer.parallel_dims
+        init_logger(first_rank)
+        dims = build_parallel_dims(config, world)
+        check_run_config(config, dims)
+        spec, model_args = model_spec_and_args(config)
+        vocab_size = _tokenizer_vocab(config)
+        # The layout is checked as for the GPUs the fake world stands in for.
+        check_run_layout(config, dims, model_args, "cuda")
+        validate_comm_config(config)
+        dims.build_mesh("cpu")
+        model_args = run_model_args(config, model_args, vocab_size)
+        # The schedule is built but never run: the plain loss stands in for the Trainer's scaled one.
+        model = build_model(config, spec, model_args, dims, torch.device("cpu"), cross_entropy_sum)
         ranks = list(range(first_rank, first_rank + world // dims.pp))
-        counts, distinct = _count_stage(trainer.model_parts, ranks, world)
+        counts, distinct = _count_stage(model.parts, ranks, world)
         mesh_text = str(dims.mesh) if dims.mesh is not None else "none (1 rank)"
-    return trainer, counts, distinct, mesh_text
+    return _Stage(dims, model, counts, distinct, mesh_text)
 
 
 def run_dry_run(config: JobConfig) -> DryRunReport:
     world = config.job.dry_run_world_size
-    config.job.dry_run = True
-    first, per_rank, distinct, mesh_text = _build_stage(config, 0, world)
-    dims = first.parallel_dims
+    first = _build_stage(config, 0, world)
+    dims, per_rank, distinct = first.dims, first.counts, first.distinct
     degrees = {n: getattr(dims, n) for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
-    stages = [_describe_stage(first.model_parts)]
+    stages = [_describe_stage(first.model.parts)]
     for stage in range(1, dims.pp):
-        trainer, counts, d, _ = _build_stage(config, stage * (world // dims.pp), world)
-        stages.append(_describe_stage(trainer.model_parts))
-        per_rank = [a + b for a, b in zip(per_rank, counts)]
-        distinct += d
+        built = _build_stage(config, stage * (world // dims.pp), world)
+        stages.append(_describe_stage(built.model.parts))
+        per_rank = [a + b for a, b in zip(per_rank, built.counts)]
+        distinct += built.distinct
     shared, note = estimate_shared_memory(config, degrees, world)
     # The estimator's peak already holds the gradients: the grads column would count them twice.
     memory = [estimate_rank_memory(n, config, with_grads=not shared) | shared for n in per_rank]
-    return DryRunReport(world, mesh_text, degrees, stages, first.num_params, per_rank, distinct, memory,
-                        note, _transforms(first, config))
+    return DryRunReport(world, first.mesh_text, degrees, stages, first.model.num_params, per_rank, distinct, memory,
+                        note, _transforms(first.model, config))
 
 
-def _transforms(trainer, config: JobConfig) -> str:  # noqa: ANN001
-    """What the build applied besides the layout: read back from the trainer where it records it."""
+def _transforms(model: BuiltModel, config: JobConfig) -> str:
+    """What the build applied besides the layout: read back from the build where it records it."""
     parts = []
-    if trainer.float8_fqns:
-        parts.append(f"float8 on {len(trainer.float8_fqns)} Linear layers")
+    if model.float8_fqns:
+        parts.append(f"float8 on {len(model.float8_fqns)} Linear layers")
     if config.activation_checkpoint.mode != "none":
         parts.append(f"activation checkpointing {config.activation_checkpoint.mode}")
     if config.compile.enable:

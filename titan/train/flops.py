@@ -15,7 +15,7 @@ __all__ = ["PEAK_FLOPS", "get_float8_peak_flops", "get_peak_flops", "mfu", "tran
 # (pattern matched against the device name, bf16 peak, float8 peak or None).
 # Order matters: more specific names first (H100 NVL/PCIe before the plain H100 = SXM;
 # GH200 before H200). Patterns use word boundaries so "A10" never matches "A100" or "A10G".
-PEAK_FLOPS: list[tuple[str, float, float | None]] = [
+PEAK_FLOPS: tuple[tuple[str, float, float | None], ...] = (
     # NVIDIA Hopper
     (r"\bH100\b.*\bNVL\b", 835e12, 1670e12),
     (r"\bH100\b.*\bPCIe\b", 756e12, 1513e12),
@@ -47,9 +47,9 @@ PEAK_FLOPS: list[tuple[str, float, float | None]] = [
     (r"\bMI300X\b", 1307e12, 2615e12),
     (r"\bMI300A\b", 981e12, 1961e12),
     (r"\bMI250X\b", 191.5e12, None),  # per GCD: torch sees each of the two dies as a device
-]
+)
 
-_COMPILED = [(re.compile(p, re.IGNORECASE), bf16, fp8) for p, bf16, fp8 in PEAK_FLOPS]
+_COMPILED = tuple((re.compile(p, re.IGNORECASE), bf16, fp8) for p, bf16, fp8 in PEAK_FLOPS)
 
 
 def get_peak_flops(device_name: str, float8: bool = False) -> float | None:

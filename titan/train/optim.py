@@ -11,7 +11,8 @@ another split of the same model.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -29,26 +30,26 @@ from titan.log import import_torchao
 __all__ = ["OptimizersContainer", "build_optimizers", "OPTIMIZERS", "IMPLEMENTATIONS", "param_groups",
            "WEIGHT_DECAY_EXCLUDE"]
 
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+OPTIMIZERS: Mapping[str, type[torch.optim.Optimizer]] = MappingProxyType({
     "AdamW": torch.optim.AdamW,
     "Adam": torch.optim.Adam,
-}
+})
 # optimizer.implementation choice -> constructor kwargs. "for-loop" forces the per-tensor path: torch would
 # otherwise silently pick foreach when foreach=None.
-IMPLEMENTATIONS: dict[str, dict[str, bool]] = {
-    "for-loop": {"foreach": False, "fused": False},
-    "foreach": {"foreach": True, "fused": False},
-    "fused": {"foreach": False, "fused": True},
-}
+IMPLEMENTATIONS: Mapping[str, Mapping[str, bool]] = MappingProxyType({
+    "for-loop": MappingProxyType({"foreach": False, "fused": False}),
+    "foreach": MappingProxyType({"foreach": True, "fused": False}),
+    "fused": MappingProxyType({"foreach": False, "fused": True}),
+})
 
 _STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 # optimizer.weight_decay_exclude kinds -> does this module's own parameters belong to the kind.
 # Norms by class name so any norm class (RMSNorm, LayerNorm, wrapped by FSDP or not) matches.
-WEIGHT_DECAY_EXCLUDE: dict[str, Callable[[nn.Module], bool]] = {
+WEIGHT_DECAY_EXCLUDE: Mapping[str, Callable[[nn.Module], bool]] = MappingProxyType({
     "norms": lambda m: "Norm" in type(m).__name__,
     "embeddings": lambda m: isinstance(m, nn.Embedding),
-}
+})
 
 
 def param_groups(part: nn.Module, exclude: list[str] | tuple[str, ...] = ()) -> list[dict[str, Any]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from collections.abc import Iterator
 
@@ -16,21 +15,20 @@ from titan.checkpointing.manager import CheckpointManager
 from titan.checkpointing.resume import prepare_run
 from titan.config.job_config import JobConfig
 from titan.config.output import save_config
-from titan.data import build_dataloader, build_tokenizer
-from titan.errors import TitanError
+from titan.data import build_tokenizer
+from titan.data.datasets import check_dataset
+from titan.train.build import (
+    build_loader, build_model, build_optimizers_and_schedulers, build_parallel_dims, check_run_config,
+    check_run_layout, init_weights, model_spec_and_args, run_model_args,
+)
+from titan.train.gc_handler import GarbageCollection
 from titan.train.checks import validate_job
 from titan.train.loss import IGNORE_INDEX, cross_entropy_sum
-from titan.train.lr_scheduler import build_lr_schedulers
 from titan.train.metrics import MetricsProcessor
-from titan.models import get_model_spec, model_args_from_config
-from titan.train.optim import build_optimizers, cast_params_for_optimizer
 from titan.parallel.comm import set_comm_env, set_pg_timeouts
 from titan.parallel.compile import build_loss_fn
 from titan.parallel.cp import cp_shard_batch
-from titan.parallel.dims import ParallelDims, check_layout
-from titan.parallel.float8 import build_precompute_hook, check_float8_hardware, convert_to_float8
 from titan.parallel.fsdp import DTYPES
-from titan.parallel.init import init_model_weights
 from titan.train.determinism import DeterministicMode
 from titan.parallel.utils import clip_grad_norm_, init_distributed, pick_device, set_seed, world_info
 from titan.train.profiling import Profiler
@@ -40,19 +38,6 @@ from titan.log import init_logger, logger
 from titan.train.validator import Validator
 
 DEFAULT_SEED = 0
-
-
-def grad_accumulation_steps(config: JobConfig, dp_degree: int) -> int:
-    t = config.training
-    per_pass = t.local_batch_size * dp_degree
-    if t.global_batch_size == -1:
-        return 1
-    if t.global_batch_size % per_pass:
-        raise TitanError(
-            f"config key 'training.global_batch_size' got {t.global_batch_size}; it must be a multiple of"
-            f" local_batch_size x data-parallel degree = {t.local_batch_size} x {dp_degree} = {per_pass}"
-        )
-    return t.global_batch_size // per_pass
 
 
 def _replicated(t: torch.Tensor) -> torch.Tensor:
@@ -69,115 +54,49 @@ class Trainer:
 
         # Everything that can be checked without a process group or a model, first.
         validate_job(config)  # the entry point ran it too; a Trainer built from load_config alone needs it
-        par = config.parallelism
-        self.parallel_dims = ParallelDims(
-            dp_replicate=par.data_parallel_replicate_degree,
-            dp_shard=par.data_parallel_shard_degree,
-            cp=par.context_parallel_degree,
-            tp=par.tensor_parallel_degree,
-            pp=par.pipeline_parallel_degree,
-            world_size=world_size,
-            enable_loss_parallel=not par.disable_loss_parallel,
-        )
-        self.grad_accum_steps = grad_accumulation_steps(config, self.parallel_dims.dp_degree)
+        self.parallel_dims = build_parallel_dims(config, world_size)
+        self.grad_accum_steps = check_run_config(config, self.parallel_dims)
         self.stability = StabilityMonitor(config)
-        spec = get_model_spec(config.model.name)
-        model_args = model_args_from_config(spec, config.model)
-        from titan.data.datasets import check_dataset
+        spec, model_args = model_spec_and_args(config)
+        self.spec = spec  # what the loop needs from the model family (its CP buffers)
+        check_dataset(t.dataset, t.dataset_path)  # a typo'd dataset fails before the model is built
+        tokenizer = build_tokenizer(config.model.tokenizer_path)
 
-        if not config.job.dry_run:  # a typo'd dataset fails before the model is built
-            check_dataset(t.dataset, t.dataset_path)
-        try:
-            tokenizer = build_tokenizer(config.model.tokenizer_path)
-        except TitanError as e:
-            if not config.job.dry_run:
-                raise
-            logger.warning(f"dry run without the tokenizer, using the flavor's vocab_size: {e}")
-            tokenizer = None
-
-        # A dry run simulates the world on one CPU process (titan/tools/dry_run.py set up a fake group)
-        # and checks the layout as for the GPUs it stands in for.
         # Before the device is touched: cuBLAS reads its workspace setting when first created.
         self.determinism = DeterministicMode(t.deterministic).apply()
-        self.device = torch.device("cpu") if config.job.dry_run else pick_device(local_rank)
-        compiled = config.compile.enable and "model" in config.compile.components
-        layout_device = "cuda" if config.job.dry_run else self.device.type
-        check_layout(self.parallel_dims, par, model_args, t.seq_len, layout_device, config.model.attn_type, compiled)
+        self.device = pick_device(local_rank)
+        check_run_layout(config, self.parallel_dims, model_args, self.device.type)
         # NCCL reads the flight-recorder env when its groups are created
-        set_comm_env(config, nccl=self.device.type == "cuda" and not config.job.dry_run)
+        set_comm_env(config, nccl=self.device.type == "cuda")
         init_distributed(self.device, world_size, timeout_s=config.comm.init_timeout_seconds)
         self.parallel_dims.build_mesh(self.device.type)
         # Before anything is written to the dump folder: lock it, pick the checkpoint to resume
         # and settle its config against this one (may change config: checkpoint.config_mismatch).
-        self.run_start = None if config.job.dry_run else prepare_run(
-            config, self.rank, world_size, self.parallel_dims.dp_degree)
+        self.run_start = prepare_run(config, self.rank, world_size, self.parallel_dims.dp_degree)
         seed = DEFAULT_SEED if t.seed is None else t.seed
         set_seed(seed)
 
         # Model: built on meta, parallelized, then materialized and initialized.
-        if tokenizer is not None and model_args.vocab_size != tokenizer.vocab_size:
-            logger.info(f"model vocab_size {model_args.vocab_size} -> {tokenizer.vocab_size} (from the tokenizer)")
-            model_args.vocab_size = tokenizer.vocab_size
-        model_args.max_seq_len = t.seq_len
-        model_args.attn_type = config.model.attn_type
-        model_args.depth_init = config.model.depth_init
-        model_args.validate()
-        with torch.device("meta"):
-            model = spec.model_cls(model_args)
-        cast_params_for_optimizer(model, config.optimizer)
-        self.num_params, self.flops_per_token = spec.get_nparams_and_flops(model, t.seq_len)
-        logger.info(
-            f"model {spec.name} {config.model.flavor}: {self.num_params:,} parameters,"
-            f" {self.flops_per_token:,} training FLOPs/token at seq_len {t.seq_len}"
-        )
-        check_float8_hardware(config.float8, self.device)
-        # float8 swaps Linear modules before any split or wrapping.
-        self.float8_fqns = convert_to_float8(model, config.float8, fsdp_enabled=self.parallel_dims.fsdp_enabled)
-        self.pp_schedule = None
-        if self.parallel_dims.pp_enabled:
-            self.pp_schedule, self.model_parts, self.pp_has_first, self.pp_has_last = spec.pipelining_fn(
-                model, self.parallel_dims, config, self.device, spec.parallelize_fn, self._pp_loss_fn
-            )
-        else:
-            self.model_parts = [spec.parallelize_fn(model, self.parallel_dims, config)]
-        del model
-        if config.job.dry_run:  # the same build up to here; titan/tools/dry_run.py reports on the meta parts
-            return
-        for part in self.model_parts:
-            part.to_empty(device=self.device)
-            init_model_weights(part, seed, buffer_device=self.device)
-            part.train()
+        model_args = run_model_args(config, model_args, tokenizer.vocab_size)
+        built = build_model(config, spec, model_args, self.parallel_dims, self.device, self._pp_loss_fn)
+        self.model_parts, self.pp_schedule = built.parts, built.pp_schedule
+        self.pp_has_first, self.pp_has_last = built.pp_has_first, built.pp_has_last
+        self.num_params, self.flops_per_token, self.float8_fqns = built.num_params, built.flops_per_token, built.float8_fqns
+        init_weights(self.model_parts, seed, self.device)
         # Set per step: the PP loss function divides by the step's global token count.
         self._loss_scale = torch.ones((), device=self.device)
         # Without FSDP there is no MixedPrecisionPolicy: autocast gives the same compute dtype.
         self.amp = self._autocast_context(model_args)
 
-        self.optimizers = build_optimizers(self.model_parts, config.optimizer)
+        self.optimizers, self.lr_schedulers = build_optimizers_and_schedulers(config, self.model_parts, self.parallel_dims)
         # Fixed from here on (checkpoint loads copy into them): not rebuilt every step.
         self._params = [p for m in self.model_parts for p in m.parameters()]
         pp = self.parallel_dims.submesh("pp")
         self._pp_group = pp.get_group() if pp is not None else None
-        precompute = build_precompute_hook(self.model_parts, config.float8, self.parallel_dims.fsdp_enabled)
-        if precompute is not None:
-            self.optimizers.register_step_post_hook(precompute)
         self.loss_fn = build_loss_fn(cross_entropy_sum, config.compile.enable and "loss" in config.compile.components)
-        self.lr_schedulers = build_lr_schedulers(self.optimizers, config.lr_scheduler, t.steps)
 
         self.dp_rank = self.parallel_dims.dp_rank()
-        self.dataloader = build_dataloader(
-            dataset=t.dataset,
-            dataset_path=t.dataset_path,
-            text_field=t.dataset_text_field,
-            txt_split=t.dataset_txt_split,
-            bad_lines=t.dataset_bad_lines,
-            tokenizer=tokenizer,
-            seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size,
-            dp_rank=self.dp_rank,
-            dp_world_size=self.parallel_dims.dp_degree,
-            num_workers=t.dataloader_num_workers,
-            infinite=t.dataset_infinite,
-        )
+        self.dataloader = build_loader(config, tokenizer, self.parallel_dims)
         self.metrics = MetricsProcessor(
             config, rank=self.rank, device=self.device, num_flops_per_token=self.flops_per_token,
             non_data_parallel_size=self.parallel_dims.non_data_parallel_size,
@@ -186,8 +105,8 @@ class Trainer:
         self.validator = None
         if config.validation.enable:
             self.validator = Validator(config, model_parts=self.model_parts, parallel_dims=self.parallel_dims,
-                                       tokenizer=tokenizer, device=self.device, metrics=self.metrics,
-                                       forward_loss_sum=self._eval_loss_sum)
+                                       loader=build_loader(config, tokenizer, self.parallel_dims, validation=True),
+                                       device=self.device, metrics=self.metrics, forward_loss_sum=self._eval_loss_sum)
         self.step = 0
         self.tokens_seen = 0
         self._batches: Iterator | None = None
@@ -201,7 +120,6 @@ class Trainer:
                 peak_flops=self.metrics.peak_flops, float8=bool(self.float8_fqns),
             ))
             logger.info(f"merged config saved to {save_config(config)} (repeat the run with --job.config_file)")
-        gc.disable()  # collected every gc_freq steps instead, so pauses don't differ across ranks
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         """Loss parallel: cross entropy (forward and backward) on vocab-sharded DTensor logits."""
@@ -211,7 +129,7 @@ class Trainer:
         """CP: forward and backward see this rank's sequence shard (and RoPE rows)."""
         if not self.parallel_dims.cp_enabled:
             return contextlib.nullcontext((inputs, labels))
-        spec = get_model_spec(self.config.model.name)
+        spec = self.spec
         buffers = [b for part in self.model_parts for b in spec.cp_buffers_fn(part)] if spec.cp_buffers_fn else []
         return cp_shard_batch(
             self.parallel_dims.submesh("cp"), inputs, labels, buffers,
@@ -351,7 +269,12 @@ class Trainer:
             self.metrics.add_checkpoint_time(time.perf_counter() - t0)
 
     def train(self) -> dict[int, float]:
-        """Train to training.steps (or until finite data ends); returns {step: loss} of logged steps."""
+        """Train to training.steps (or until finite data ends); returns {step: loss} of logged steps.
+        Automatic garbage collection is off meanwhile and back as it was after (titan/train/gc_handler.py)."""
+        with GarbageCollection(self.config.training.gc_freq) as self.gc:
+            return self._train()
+
+    def _train(self) -> dict[int, float]:
         t = self.config.training
         losses: dict[int, float] = {}
         logger.info(
@@ -373,8 +296,7 @@ class Trainer:
                 logger.warning(f"data exhausted after step {self.step}; stopping")
                 break
             self.step += 1
-            if self.step % t.gc_freq == 0:
-                gc.collect(1)
+            self.gc.step(self.step)
             # An async save may still be copying the weights.
             self._checkpoint_timed(self.checkpointer.wait_for_staging)
             self.train_step(microbatches)

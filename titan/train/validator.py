@@ -29,14 +29,14 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from titan.config.job_config import JobConfig
-from titan.data import build_dataloader
+from titan.data import TitanDataLoader
 from titan.errors import TitanError
 from titan.train.loss import IGNORE_INDEX, cross_entropy_sum
 from titan.train.metrics import MetricsProcessor
 from titan.parallel.dims import ParallelDims
 from titan.log import logger
 
-__all__ = ["Validator", "validate_validation_config"]
+__all__ = ["Validator", "check_validation_layout", "validate_validation_config"]
 
 
 def validate_validation_config(c: JobConfig) -> None:
@@ -51,6 +51,13 @@ def validate_validation_config(c: JobConfig) -> None:
         raise TitanError(f"config key 'validation.local_batch_size' must be -1 or >= 1, got {v.local_batch_size}")
 
 
+def check_validation_layout(c: JobConfig, dims: ParallelDims) -> None:
+    """Before any loader or model is built."""
+    if c.validation.enable and dims.cp_enabled:
+        raise TitanError("validation.enable with context parallelism is not supported yet (each cp rank would"
+                         " need its sequence shard); set validation.enable = false")
+
+
 class Validator:
     def __init__(
         self,
@@ -58,36 +65,22 @@ class Validator:
         *,
         model_parts: list[nn.Module],
         parallel_dims: ParallelDims,
-        tokenizer,  # noqa: ANN001 - titan.data.Tokenizer
+        loader: TitanDataLoader,
         device: torch.device,
         metrics: MetricsProcessor,
         forward_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        # config has passed validate_validation_config (titan.train.checks.validate_job)
-        if parallel_dims.cp_enabled:
-            raise TitanError("validation.enable with context parallelism is not supported yet (each cp rank would"
-                             " need its sequence shard); set validation.enable = false")
-        v, t = config.validation, config.training
-        self.freq, self.steps, self.last_step = v.freq, v.steps, t.steps
+        # config has passed validate_validation_config (titan.train.checks.validate_job, and with the
+        # layout: check_validation_layout, from titan.train.build.check_run_config)
+        v = config.validation
+        self.freq, self.steps, self.last_step = v.freq, v.steps, config.training.steps
         self.model_parts = model_parts
         self.parallel_dims = parallel_dims
         self.device = device
         self.metrics = metrics
         if forward_loss_sum is not None:
             self.forward_loss_sum = forward_loss_sum  # type: ignore[method-assign]
-        self.loader = build_dataloader(
-            dataset=v.dataset,
-            dataset_path=v.dataset_path,
-            text_field=t.dataset_text_field,
-            txt_split=t.dataset_txt_split,
-            bad_lines=t.dataset_bad_lines,
-            tokenizer=tokenizer,
-            seq_len=t.seq_len,
-            local_batch_size=v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size,
-            dp_rank=parallel_dims.dp_rank(),
-            dp_world_size=parallel_dims.dp_degree,
-            infinite=False,
-        )
+        self.loader = loader  # one pass over the held-out set (titan/train/build.py: build_loader)
         self._start = self.loader.state_dict()
         self.history: dict[int, float] = {}
 

@@ -100,3 +100,11 @@ def test_settings_the_estimator_does_not_model_leave_the_plan_valid():
                                  "--training.mixed_precision_param", "bfloat16"))
     assert report.ok and set(report.memory[0]) == {"params", "grads", "optim"}
     assert "not optimizer.bf16_stochastic_round" in report.memory_note
+
+
+def test_validation_with_context_parallel_fails_in_the_plan_too():
+    # The check runs with the other build-time checks, before any loader or model exists.
+    with pytest.raises(TitanError, match="validation.enable with context parallelism"):
+        run_dry_run(_config("debug_model.toml", 2, "--parallelism.context_parallel_degree", "2",
+                            "--validation.enable", "true"))
+    assert not dist.is_initialized()
