@@ -2,9 +2,9 @@
 
 One ``CheckpointManager`` per trainer. The trainer hands it Stateful objects (model parts,
 optimizers, LR schedulers, data loader, train state: states.py) and the facts of its layout (world
-size, rank, DP rank and degree); it never reads the trainer. It saves those states, the data
-loader of every DP rank and each rank's RNG as one DCP checkpoint in ``<job.dump_folder>/<checkpoint.folder>/step-N`` (keys: states.py; commit protocol:
-folders.py). DCP reshards on load, so any FSDP/DDP layout reads any other's checkpoint.
+size, rank, DP rank and degree); it never reads the trainer. It saves those states (the data
+loader's of every DP rank) and each rank's RNG as one DCP checkpoint in
+``<job.dump_folder>/<checkpoint.folder>/step-N`` (keys: states.py; commit protocol: folders.py). DCP reshards on load, so any FSDP/DDP layout reads any other's checkpoint.
 
 A save is committed in this order: rank 0 writes ``config.json`` (config_diff.py) into the empty
 folder, DCP writes every rank's files and ``.metadata``, rank 0 hashes every file into

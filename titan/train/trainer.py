@@ -191,8 +191,7 @@ class Trainer:
                                        forward_loss_sum=self._eval_loss_sum)
         self.train_state = TrainState()  # step and tokens seen: saved and restored with the checkpoint
         self._batches: Iterator | None = None
-        # Last in set-up: hands the manager everything above to save, and restores it (auto-resume)
-        # if there is a checkpoint.
+        # Last in set-up: the manager saves the states above and restores them (auto-resume) if there is a checkpoint.
         self.checkpointer = CheckpointManager(
             config, model=ModelParts(self.model_parts), optimizer=self.optimizers, lr_scheduler=self.lr_schedulers,
             dataloader=self.dataloader, train_state=self.train_state, world_size=self.parallel_dims.world_size,
