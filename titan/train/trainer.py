@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titan.checkpointing.manager import CheckpointManager
 from titan.checkpointing.resume import prepare_run
+from titan.checkpointing.states import ModelParts, TrainState
 from titan.config.job_config import JobConfig
 from titan.config.output import save_config
 from titan.data import build_tokenizer
@@ -107,11 +108,15 @@ class Trainer:
             self.validator = Validator(config, model_parts=self.model_parts, parallel_dims=self.parallel_dims,
                                        loader=build_loader(config, tokenizer, self.parallel_dims, validation=True),
                                        device=self.device, metrics=self.metrics, forward_loss_sum=self._eval_loss_sum)
-        self.step = 0
-        self.tokens_seen = 0
+        self.train_state = TrainState()  # step and tokens seen: saved and restored with the checkpoint
         self._batches: Iterator | None = None
-        # Last in set-up: registers everything above and restores it (auto-resume) if there is a checkpoint.
-        self.checkpointer = CheckpointManager(config, self, self.run_start)
+        # Last in set-up: the manager saves the states above and restores them (auto-resume) if there is a checkpoint.
+        self.checkpointer = CheckpointManager(
+            config, model=ModelParts(self.model_parts), optimizer=self.optimizers, lr_scheduler=self.lr_schedulers,
+            dataloader=self.dataloader, train_state=self.train_state, world_size=self.parallel_dims.world_size,
+            rank=self.rank, dp_rank=self.dp_rank, dp_degree=self.parallel_dims.dp_degree, num_params=self.num_params,
+            start=self.run_start,
+        )
         self.checkpointer.load()
         if self.rank == 0:  # the run is committed to start here (its checkpoint folder checked or resumed)
             log_summary(summary_rows(
@@ -120,6 +125,11 @@ class Trainer:
                 peak_flops=self.metrics.peak_flops, float8=bool(self.float8_fqns),
             ))
             logger.info(f"merged config saved to {save_config(config)} (repeat the run with --job.config_file)")
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done so far (``train_state.step``)."""
+        return self.train_state.step
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         """Loss parallel: cross entropy (forward and backward) on vocab-sharded DTensor logits."""
@@ -295,12 +305,12 @@ class Trainer:
             if microbatches is None:
                 logger.warning(f"data exhausted after step {self.step}; stopping")
                 break
-            self.step += 1
+            self.train_state.step += 1
             self.gc.step(self.step)
             # An async save may still be copying the weights.
             self._checkpoint_timed(self.checkpointer.wait_for_staging)
             self.train_step(microbatches)
-            self.tokens_seen += sum(lab.numel() for _, lab in microbatches) * self.parallel_dims.dp_degree
+            self.train_state.tokens_seen += sum(lab.numel() for _, lab in microbatches) * self.parallel_dims.dp_degree
             if self.metrics.should_log(self.step):
                 # Host copies from the step's one sync (the non-finite check): no second read.
                 values = dict(self.stability.values)

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -121,7 +120,9 @@ def test_checkpoint_config():
 def test_seed_checkpoint_needs_one_process():
     from titan.checkpointing.manager import CheckpointManager
 
+    from titan.checkpointing.states import ModelParts, TrainState
+
     config = load_config(["--checkpoint.create_seed_checkpoint"])
-    trainer = SimpleNamespace(parallel_dims=SimpleNamespace(world_size=2))
     with pytest.raises(TitanError, match="create_seed_checkpoint needs 1 process"):
-        CheckpointManager(config, trainer)
+        CheckpointManager(config, model=ModelParts([]), optimizer=None, lr_scheduler=None, dataloader=None,
+                          train_state=TrainState(), world_size=2, rank=0, dp_rank=0, dp_degree=2, num_params=0)

@@ -92,7 +92,7 @@ def _scenario(rank: int, world: int, tmp: str) -> dict:
     # --- 2-rank FSDP2
     t = _trainer(tmp_path / "a1", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode", "async")
     out["ref"] = t.train()
-    out["ref_tokens"] = t.tokens_seen
+    out["ref_tokens"] = t.train_state.tokens_seen
     out["a1_steps"] = sorted(int(p.name[5:]) for p in (tmp_path / "a1/checkpoint").glob("step-*"))
     # stop by SIGTERM on rank 1 only during step 3: both ranks must save step 3 and stop
     t = _trainer(tmp_path / "a2", "--checkpoint.enable", "--checkpoint.interval", "100")
@@ -101,7 +101,7 @@ def _scenario(rank: int, world: int, tmp: str) -> dict:
     out["a2_step3"] = _complete(tmp_path / "a2", 3)
     t = _trainer(tmp_path / "a2", "--checkpoint.enable", "--checkpoint.interval", "100")
     out["a2_resumed"] = t.train()
-    out["a2_tokens"] = t.tokens_seen
+    out["a2_tokens"] = t.train_state.tokens_seen
     # resume from the step-2 save that was written in the background while step 3 ran
     if rank == 0:
         (tmp_path / "a3/checkpoint").mkdir(parents=True)
