@@ -125,14 +125,17 @@ def prune(root: str, keep_latest_k: int) -> None:
             delete(f.path)
 
 
-def delete(path: str) -> None:
+def delete(path: str, ignore_errors: bool = True) -> None:
     """Remove a step folder, its marker first: a kill in the middle leaves a torn folder (skipped,
     removed by the next prune), never one that is marked complete with files missing."""
     try:
         os.remove(os.path.join(path, MARKER))
     except FileNotFoundError:
         pass
-    shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        if not ignore_errors:
+            raise
+    shutil.rmtree(path, ignore_errors=ignore_errors)
 
 
 class DebugKill:

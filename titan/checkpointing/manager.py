@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titan.checkpointing import config_diff
 from titan.checkpointing.failure import explain
-from titan.checkpointing.folders import DebugKill, prune, scan, step_dir, write_marker
+from titan.checkpointing.folders import DebugKill, delete, prune, scan, step_dir, write_marker
 from titan.checkpointing.loading import Loading
 from titan.checkpointing.manifest import write_manifest
 from titan.checkpointing.preemption import PreemptionWatcher
@@ -141,7 +141,7 @@ class CheckpointManager(Loading):
             try:
                 if os.path.exists(path):
                     logger.info(f"replacing existing {path}")
-                    shutil.rmtree(path)
+                    delete(path, ignore_errors=False)
                 os.makedirs(path)
                 tree = config_diff.snapshot(self.config, self.dp_degree)
                 config_diff.write_config(path, tree)
