@@ -73,7 +73,7 @@ def dry(*extra):
     (["--training.stpes", "3"], ["unknown config key 'training.stpes'", "did you mean 'training.steps'"]),
     (["--training.steps", "ten"], ["'training.steps'", "'ten'", "int"]),
     (["--training.steps", "-3"], ["'training.steps'", "-3", ">= 1"]),
-    (["--optimizer.lr", "-0.1"], ["optimizer.lr must be > 0, got -0.1"]),
+    (["--optimizer.lr", "-0.1"], ["config key 'optimizer.lr' got -0.1; valid: a number > 0"]),
     (["--model.flavor", "giant"], ["'model.flavor' got 'giant'", "debugmodel"]),
     (["--model.name", "gpt9"], ["'model.name' got 'gpt9'; valid: llama3"]),
     (["--job.config_file", "/nonexistent/x.toml"], ["config file '/nonexistent/x.toml' does not exist"]),

@@ -30,7 +30,6 @@ import os
 import pickle
 import shutil
 import time
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -49,7 +48,7 @@ from titan.checkpointing.manifest import write_manifest
 from titan.checkpointing.preemption import PreemptionWatcher
 from titan.checkpointing.preflight import check_checkpoint_folder, checkpoint_bytes
 from titan.checkpointing.resume import RunStart, agree, choose_intact
-from titan.checkpointing.states import RNG_KEY, ModelParts, TrainState, rng_state
+from titan.checkpointing.states import RNG_KEY, ModelParts, TrainState, dcp_call, rng_state
 from titan.errors import TitanError
 from titan.parallel.fsdp import DTYPES
 from titan.log import logger
@@ -126,12 +125,9 @@ class CheckpointManager(Loading):
 
     def _dcp(self, call: Callable[..., Any], state: dict[str, Any], path: str, **kwargs: Any) -> Any:
         """``dcp.save``/``async_save``/``load`` on the checkpoint group, or with no_dist in a
-        one-process run (on purpose: DCP's warning about it is silenced for this call only; the
-        upload thread of a one-process async save may still print it once)."""
+        one-process run."""
         dist_kwargs = {"process_group": self.save_pg} if self.world_size > 1 else {"no_dist": True}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-            return call(state, checkpoint_id=path, **dist_kwargs, **kwargs)
+        return dcp_call(call, state, checkpoint_id=path, **dist_kwargs, **kwargs)
 
     # ------------------------------------------------------------------ saving
     def _prepare_folder(self, path: str) -> None:

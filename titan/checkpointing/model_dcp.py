@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _Em
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from titan.checkpointing.states import dcp_call
 from titan.errors import TitanError
 from titan.models import ModelSpec, get_flavor
 from titan.progress import progress
@@ -72,7 +73,7 @@ def save_model_dcp(state_dict: dict[str, torch.Tensor], model_args: Any, out_dir
         raise TitanError(f"output folder {out} already exists and is not empty; choose a new folder")
     out.mkdir(parents=True, exist_ok=True)
     # Tied weights are one tensor under two names; DCP writes each name, readers get both back.
-    dcp.save({k: v.contiguous() for k, v in state_dict.items()}, checkpoint_id=str(out))
+    dcp_call(dcp.save, {k: v.contiguous() for k, v in state_dict.items()}, checkpoint_id=str(out))
     (out / MODEL_ARGS_FILE).write_text(json.dumps(dataclasses.asdict(model_args), indent=2) + "\n")
 
 
@@ -126,7 +127,7 @@ def load_model_from_dcp(model: nn.Module, path: str | Path) -> None:
     for k, v in state.items():
         expected[k] = (tuple(v.shape), v.dtype)
     _check_shapes(path, expected, meta)
-    dcp.load(_nest(prefix, state), checkpoint_id=str(path))
+    dcp_call(dcp.load, _nest(prefix, state), checkpoint_id=str(path))
     set_model_state_dict(model, state)
 
 
@@ -165,7 +166,8 @@ def read_model_tensors(path: str | Path, keys: list[str] | None = None, show_pro
     if absent:
         raise TitanError(f"{path}: no tensor named {absent[0]!r}")
     state = {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype) for k in keys}
-    dcp.load(_nest(prefix, state), checkpoint_id=str(path), planner=_ProgressLoadPlanner() if show_progress else None)
+    dcp_call(dcp.load, _nest(prefix, state), checkpoint_id=str(path),
+             planner=_ProgressLoadPlanner() if show_progress else None)
     return state
 
 

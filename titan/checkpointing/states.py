@@ -19,6 +19,8 @@ from __future__ import annotations
 import pickle
 import random
 import re
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,18 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan.log import logger
+
+_ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+def dcp_call(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A ``dcp.save``/``async_save``/``load`` call. Without a process group DCP warns that it
+    assumes one process, which is what titan means there: the warning is silenced for this call
+    only (the upload thread of a one-process async save may still print it once)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_ONE_PROCESS)
+        return call(*args, **kwargs)
+
 
 DP_KEY = re.compile(r"^dataloader\.dp_rank_(\d+)$")
 RNG_KEY = "rng.rank_{}"

@@ -27,7 +27,7 @@ from typing import Any
 from torch.optim.lr_scheduler import LambdaLR
 
 from titan.config.job_config import LRScheduler as LRSchedulerConfig
-from titan.errors import TitanError
+from titan.errors import require
 from titan.train.optim import OptimizersContainer
 from titan.log import logger
 
@@ -70,27 +70,14 @@ def lr_factor(
     return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise TitanError(message)
-
-
 def validate_lr_scheduler_config(cfg: LRSchedulerConfig) -> None:
     """Raise TitanError naming the first invalid [lr_scheduler] key (decay_type is a Literal
     choice, checked by the config loader)."""
-    _check(
-        cfg.warmup_steps >= 0,
-        f"lr_scheduler.warmup_steps must be >= 0, got {cfg.warmup_steps}",
-    )
-    _check(
-        0.0 <= cfg.min_lr_factor <= 1.0,
-        f"lr_scheduler.min_lr_factor must be in [0, 1], got {cfg.min_lr_factor}",
-    )
+    require(cfg.warmup_steps >= 0, "lr_scheduler.warmup_steps", cfg.warmup_steps, "an integer >= 0")
+    require(0.0 <= cfg.min_lr_factor <= 1.0, "lr_scheduler.min_lr_factor", cfg.min_lr_factor, "a number in [0, 1]")
     if cfg.decay_ratio is not None:
-        _check(
-            0.0 <= cfg.decay_ratio <= 1.0,
-            f"lr_scheduler.decay_ratio must be in [0, 1] or unset, got {cfg.decay_ratio}",
-        )
+        require(0.0 <= cfg.decay_ratio <= 1.0, "lr_scheduler.decay_ratio", cfg.decay_ratio,
+                "a number in [0, 1], or unset")
 
 
 def resolve_schedule(cfg: LRSchedulerConfig, training_steps: int) -> dict[str, Any]:

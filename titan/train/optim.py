@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan.config.job_config import Optimizer as OptimizerConfig
-from titan.errors import TitanError
+from titan.errors import TitanError, require
 from titan.log import import_torchao
 
 __all__ = ["OptimizersContainer", "build_optimizers", "OPTIMIZERS", "IMPLEMENTATIONS", "param_groups",
@@ -126,37 +126,22 @@ class OptimizersContainer:
             )
 
 
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise TitanError(message)
-
-
 def validate_optimizer_config(cfg: OptimizerConfig) -> None:
     """Raise TitanError naming the first invalid [optimizer] key (implementation and
     weight_decay_exclude are Literal choices, checked by the config loader)."""
-    names = {n.lower(): n for n in OPTIMIZERS}
-    _check(
-        cfg.name.lower() in names,
-        f"optimizer.name must be one of {', '.join(OPTIMIZERS)}, got {cfg.name!r}",
-    )
-    _check(
-        math.isfinite(cfg.lr) and cfg.lr > 0, f"optimizer.lr must be > 0, got {cfg.lr}"
-    )
+    require(cfg.name.lower() in {n.lower() for n in OPTIMIZERS}, "optimizer.name", cfg.name, ", ".join(OPTIMIZERS))
+    require(math.isfinite(cfg.lr) and cfg.lr > 0, "optimizer.lr", cfg.lr, "a number > 0")
     for key in ("beta1", "beta2"):
         value = getattr(cfg, key)
-        _check(0.0 <= value < 1.0, f"optimizer.{key} must be in [0, 1), got {value}")
-    _check(
-        math.isfinite(cfg.eps) and cfg.eps >= 0, f"optimizer.eps must be >= 0, got {cfg.eps}"
-    )
-    _check(
-        math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0,
-        f"optimizer.weight_decay must be >= 0, got {cfg.weight_decay}",
-    )
+        require(0.0 <= value < 1.0, f"optimizer.{key}", value, "a number in [0, 1)")
+    require(math.isfinite(cfg.eps) and cfg.eps >= 0, "optimizer.eps", cfg.eps, "a number >= 0")
+    require(math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0, "optimizer.weight_decay", cfg.weight_decay,
+            "a number >= 0")
     if cfg.bf16_stochastic_round:
-        _check(cfg.name.lower() == "adamw",
-               f"optimizer.bf16_stochastic_round needs optimizer.name = AdamW (torchao's kernel), got {cfg.name!r}")
-        _check(cfg.implementation != "fused",
-               "optimizer.bf16_stochastic_round uses torchao's compiled kernel; implementation = fused does not apply")
+        require(cfg.name.lower() == "adamw", "optimizer.name", cfg.name,
+                "AdamW with optimizer.bf16_stochastic_round (torchao's kernel)")
+        require(cfg.implementation != "fused", "optimizer.implementation", cfg.implementation,
+                "foreach or for-loop with optimizer.bf16_stochastic_round (torchao's compiled kernel)")
 
 
 def build_optimizers(

@@ -15,9 +15,9 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--optimizer.lr", "-1"], "optimizer.lr must be > 0, got -1.0"),
-    (["--optimizer.name", "SGD"], "optimizer.name must be one of AdamW, Adam, got 'SGD'"),
-    (["--lr_scheduler.min_lr_factor", "2"], "lr_scheduler.min_lr_factor must be in [0, 1]"),
+    (["--optimizer.lr", "-1"], "config key 'optimizer.lr' got -1.0; valid: a number > 0"),
+    (["--optimizer.name", "SGD"], "config key 'optimizer.name' got 'SGD'; valid: AdamW, Adam"),
+    (["--lr_scheduler.min_lr_factor", "2"], "config key 'lr_scheduler.min_lr_factor' got 2.0; valid: a number in [0, 1]"),
     (["--stability.loss_spike_window", "0"], "config key 'stability.loss_spike_window' must be >= 1"),
     (["--profiling.enable_profiling", "--profiling.profile_freq", "2"], "must be <= profiling.profile_freq (2)"),
     (["--validation.enable", "--validation.freq", "0"], "config key 'validation.freq' must be >= 1"),
@@ -49,7 +49,7 @@ def test_load_job_passes_the_shipped_configs():
 def test_trainer_validates_a_config_from_load_config_alone():
     from titan.train.trainer import Trainer
 
-    with pytest.raises(TitanError, match="optimizer.lr must be > 0"):
+    with pytest.raises(TitanError, match="config key .optimizer.lr. got 0.0; valid: a number > 0"):
         Trainer(load_config(["--optimizer.lr", "0", "--training.seq_len", "32"]))
 
 
@@ -68,5 +68,5 @@ def test_check_entry_point_runs_the_whole_pass(capsys):
     from titan.launch.check import main
 
     assert main(["--optimizer.lr", "-1"]) == 2
-    assert capsys.readouterr().err.strip() == "titan: error: optimizer.lr must be > 0, got -1.0"
+    assert capsys.readouterr().err.strip() == "titan: error: config key 'optimizer.lr' got -1.0; valid: a number > 0"
     assert main(["--training.seq_len", "32"]) == 0

@@ -91,9 +91,9 @@ def test_clamping_warns(caplog: pytest.LogCaptureFixture) -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"warmup_steps": -1}, "lr_scheduler.warmup_steps must be >= 0, got -1"),
-        ({"decay_ratio": 1.5}, "lr_scheduler.decay_ratio must be in [0, 1]"),
-        ({"min_lr_factor": -0.1}, "lr_scheduler.min_lr_factor must be in [0, 1]"),
+        ({"warmup_steps": -1}, "config key 'lr_scheduler.warmup_steps' got -1; valid: an integer >= 0"),
+        ({"decay_ratio": 1.5}, "config key 'lr_scheduler.decay_ratio' got 1.5; valid: a number in [0, 1], or unset"),
+        ({"min_lr_factor": -0.1}, "config key 'lr_scheduler.min_lr_factor' got -0.1; valid: a number in [0, 1]"),
     ],
 )
 def test_bad_config(kwargs: dict, message: str) -> None:

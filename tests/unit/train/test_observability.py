@@ -130,7 +130,7 @@ def test_weight_decay_exclude_groups_and_checkpoint_round_trip():
 
 
 def test_bf16_stochastic_round_options():
-    with pytest.raises(TitanError, match="bf16_stochastic_round needs optimizer.name = AdamW"):
+    with pytest.raises(TitanError, match=r"optimizer.name' got 'Adam'; valid: AdamW with optimizer.bf16_stochastic_round"):
         load_job(["--optimizer.bf16_stochastic_round", "--optimizer.name", "Adam"])
     c = load_config(["--optimizer.bf16_stochastic_round"])
     with torch.device("meta"):

@@ -78,13 +78,13 @@ def test_implementations_agree() -> None:
 @pytest.mark.parametrize(
     "override, message",
     [
-        ({"lr": -1.0}, "optimizer.lr must be > 0, got -1.0"),
-        ({"lr": 0.0}, "optimizer.lr must be > 0"),
-        ({"name": "SGD"}, "optimizer.name must be one of AdamW, Adam, got 'SGD'"),
-        ({"beta1": 1.0}, "optimizer.beta1 must be in [0, 1)"),
-        ({"beta2": -0.1}, "optimizer.beta2 must be in [0, 1)"),
-        ({"eps": -1e-8}, "optimizer.eps must be >= 0"),
-        ({"weight_decay": -0.1}, "optimizer.weight_decay must be >= 0"),
+        ({"lr": -1.0}, "config key 'optimizer.lr' got -1.0; valid: a number > 0"),
+        ({"lr": 0.0}, "config key 'optimizer.lr' got 0.0; valid: a number > 0"),
+        ({"name": "SGD"}, "config key 'optimizer.name' got 'SGD'; valid: AdamW, Adam"),
+        ({"beta1": 1.0}, "config key 'optimizer.beta1' got 1.0; valid: a number in [0, 1)"),
+        ({"beta2": -0.1}, "config key 'optimizer.beta2' got -0.1; valid: a number in [0, 1)"),
+        ({"eps": -1e-8}, "config key 'optimizer.eps' got -1e-08; valid: a number >= 0"),
+        ({"weight_decay": -0.1}, "config key 'optimizer.weight_decay' got -0.1; valid: a number >= 0"),
     ],
 )
 def test_bad_config(override: dict, message: str) -> None:
