@@ -1,14 +1,16 @@
 """Context parallel on CPU: what runs here is the flex forward (training needs CUDA, checked)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny import TINY
 from titan.errors import TitanError
 from titan.train.loss import cross_entropy_sum
-from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.model import Transformer
 from titan.models.llama.parallelize import apply_llama_cp, cp_buffers
 from titan.parallel.cp import check_cp_seq_len, cp_shard_batch, cp_unshard
@@ -18,8 +20,7 @@ SEQ, VOCAB = 512, 256  # flex CP needs seq_len % (2 x cp x 128) == 0
 
 def _flex_forward_parity(rank: int, world: int):
     torch.manual_seed(0)
-    args = TransformerModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32,
-                                max_seq_len=SEQ, attn_type="flex")
+    args = replace(TINY, vocab_size=VOCAB, max_seq_len=SEQ, attn_type="flex")
     model = Transformer(args)
     model.init_weights()
     g = torch.Generator().manual_seed(1)

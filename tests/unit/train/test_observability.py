@@ -3,17 +3,19 @@
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import tiny
+from tests.helpers.tiny import TINY
 from titan.config import load_config
 from titan.config.job_config import Job, JobConfig, Metrics
 from titan.errors import TitanError
 from titan.train.checks import load_job
 from titan.train.metrics import MetricsProcessor
-from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.model import Transformer
 from titan.train.optim import build_optimizers, cast_params_for_optimizer
 from titan.train.profiling import Profiler
@@ -99,17 +101,9 @@ def test_profiling_window_must_fit():
         load_job(["--profiling.enable_profiling", "--profiling.profile_freq", "2"])
 
 
-def _tiny_model(**kw) -> Transformer:
-    torch.manual_seed(0)
-    args = TransformerModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16, multiple_of=16, **kw)
-    model = Transformer(args)
-    model.init_weights()
-    return model
-
-
 def test_weight_decay_exclude_groups_and_checkpoint_round_trip():
     c = load_config(["--optimizer.weight_decay_exclude", "norms,embeddings", "--optimizer.weight_decay", "0.5"])
-    model = _tiny_model()
+    model = tiny.build()
     opt = build_optimizers([model], c.optimizer)
     [o] = opt.optimizers
     names = {id(p): n for n, p in model.named_parameters()}
@@ -118,7 +112,7 @@ def test_weight_decay_exclude_groups_and_checkpoint_round_trip():
                           "layers.1.attention_norm.weight", "layers.1.ffn_norm.weight", "norm.weight",
                           "tok_embeddings.weight"]
     assert "output.weight" in decay[0.5] and len(decay[0.5]) == 15
-    model(torch.randint(0, 64, (2, 8))).sum().backward()
+    model(torch.randint(0, TINY.vocab_size, (2, 8))).sum().backward()
     opt.step()
     state = opt.state_dict()
     assert state["param_groups.norm.weight.weight_decay"] == 0.0
@@ -134,8 +128,7 @@ def test_bf16_stochastic_round_options():
         load_job(["--optimizer.bf16_stochastic_round", "--optimizer.name", "Adam"])
     c = load_config(["--optimizer.bf16_stochastic_round"])
     with torch.device("meta"):
-        model = Transformer(TransformerModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=64, max_seq_len=16,
-                                                 multiple_of=16, tie_embeddings=True))
+        model = Transformer(replace(TINY, n_layers=1, tie_embeddings=True))
     cast_params_for_optimizer(model, c.optimizer)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.output.weight is model.tok_embeddings.weight  # still tied
