@@ -13,6 +13,8 @@ import inspect
 import os
 import sys
 import types
+from collections.abc import Mapping
+from types import MappingProxyType
 import typing
 from typing import Any
 
@@ -25,18 +27,20 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
 
 
 # ---------------------------------------------------------------- schema
+# The three lookups below read the dataclass definitions, which never change while a process runs;
+# they are memoized and hand out read-only mappings, so no caller can alter what the next one sees.
 @functools.cache
-def field_docs(cls: type) -> dict[str, str]:
+def field_docs(cls: type) -> Mapping[str, str]:
     """Attribute docstrings: the string literal placed right under each field."""
     try:
         tree = ast.parse(inspect.getsource(cls))
     except (OSError, TypeError):
-        return {}
+        return MappingProxyType({})
     docs: dict[str, str] = {}
     body = tree.body[0].body  # type: ignore[attr-defined]
     for node, nxt in zip(body, body[1:]):
@@ -48,21 +52,21 @@ def field_docs(cls: type) -> dict[str, str]:
             and isinstance(nxt.value.value, str)
         ):
             docs[node.target.id] = inspect.cleandoc(nxt.value.value)
-    return docs
+    return MappingProxyType(docs)
 
 
 @functools.cache
-def sections() -> dict[str, type]:
+def sections() -> Mapping[str, type]:
     """Section name -> dataclass type."""
     hints = typing.get_type_hints(JobConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+    return MappingProxyType({f.name: hints[f.name] for f in dataclasses.fields(JobConfig)})
 
 
 @functools.cache
-def section_fields(section_cls: type) -> dict[str, Any]:
+def section_fields(section_cls: type) -> Mapping[str, Any]:
     """Field name -> resolved type annotation."""
     hints = typing.get_type_hints(section_cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+    return MappingProxyType({f.name: hints[f.name] for f in dataclasses.fields(section_cls)})
 
 
 def type_name(tp: Any) -> str:

@@ -14,7 +14,6 @@ from collections import deque
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError

@@ -280,9 +280,13 @@ class Trainer:
 
     def train(self) -> dict[int, float]:
         """Train to training.steps (or until finite data ends); returns {step: loss} of logged steps.
-        Automatic garbage collection is off meanwhile and back as it was after (titan/train/gc_handler.py)."""
-        with GarbageCollection(self.config.training.gc_freq) as self.gc:
-            return self._train()
+        Automatic garbage collection is off meanwhile (titan/train/gc_handler.py); it and the
+        deterministic-mode settings are back as they were after, also after a failure."""
+        try:
+            with GarbageCollection(self.config.training.gc_freq) as self.gc:
+                return self._train()
+        finally:
+            self.determinism.restore()  # process-wide settings: in-process runs (tests) must not inherit them
 
     def _train(self) -> dict[int, float]:
         t = self.config.training
@@ -293,7 +297,6 @@ class Trainer:
         )
         if self.config.checkpoint.create_seed_checkpoint:
             self.checkpointer.create_seed_checkpoint()
-            self.determinism.restore()
             return losses
         self.metrics.reset(self.step)
         self.checkpointer.install_signal_handlers()
@@ -332,6 +335,5 @@ class Trainer:
         profiler.close()
         self.checkpointer.finish(self.step, preempted)
         self.metrics.close()
-        self.determinism.restore()  # process-wide settings: in-process runs (tests) must not inherit them
         logger.info("training done")
         return losses

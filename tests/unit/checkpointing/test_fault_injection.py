@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_checkpoint_recovery import STEP_RE, TINY
+from tests.helpers.runs import STEP_RE, TINY_CKPT
 from titan.checkpointing.folders import scan
 from titan.checkpointing.manifest import verify
 
 pytestmark = pytest.mark.slow
 STEPS = 14
 # a 2-layer, dim-64 debug model: small checkpoints, fast steps
-ARGS = [*TINY, "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+ARGS = [*TINY_CKPT, "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--training.steps", str(STEPS), "--checkpoint.interval", "2", "--checkpoint.async_mode", "async"]
 RESUMED = re.compile(r"resumed from (\S+): step (\d+)")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
@@ -22,21 +21,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.runs import signal_during
+from tests.helpers.runs import trainer as tiny_trainer
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[3]
-TINY = ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--training.seq_len", "32",
-        "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-        "--metrics.disable_color_printing", "--training.steps", "6"]
-
-
-def _trainer(folder: Path, *args: str):
-    from titan.config import load_config
-    from titan.train.trainer import Trainer
-
-    return Trainer(load_config([*TINY, "--job.dump_folder", str(folder), *args]))
-
 
 @contextlib.contextmanager
 def _alone():
@@ -47,19 +35,6 @@ def _alone():
         yield
     finally:
         os.environ.update(saved)
-
-
-def _signal_during(trainer, step: int, send: bool) -> None:
-    """Deliver SIGTERM to this process while ``step`` runs (on the ranks where ``send``)."""
-    original = trainer.train_step
-
-    def train_step(microbatches):
-        out = original(microbatches)
-        if send and trainer.step == step:
-            signal.raise_signal(signal.SIGTERM)
-        return out
-
-    trainer.train_step = train_step
 
 
 def _probe(trainer, dp_rank: int, dp: int) -> tuple[float, float, float]:
@@ -84,22 +59,22 @@ def _scenario(rank: int, world: int, tmp: str) -> dict:
     # --- seed checkpoint: 1 process, different seed than the runs that start from it
     if rank == 0:
         with _alone():
-            _trainer(tmp_path / "seed", "--checkpoint.create_seed_checkpoint", "--training.seed", "5").train()
+            tiny_trainer(tmp_path / "seed", "--checkpoint.create_seed_checkpoint", "--training.seed", "5").train()
             out["seed_complete"] = _complete(tmp_path / "seed", 0)
     dist.barrier()
     seed = str(tmp_path / "seed/checkpoint/step-0")
 
     # --- 2-rank FSDP2
-    t = _trainer(tmp_path / "a1", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode", "async")
+    t = tiny_trainer(tmp_path / "a1", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode", "async")
     out["ref"] = t.train()
     out["ref_tokens"] = t.train_state.tokens_seen
     out["a1_steps"] = sorted(int(p.name[5:]) for p in (tmp_path / "a1/checkpoint").glob("step-*"))
     # stop by SIGTERM on rank 1 only during step 3: both ranks must save step 3 and stop
-    t = _trainer(tmp_path / "a2", "--checkpoint.enable", "--checkpoint.interval", "100")
-    _signal_during(t, 3, send=(rank == 1))
+    t = tiny_trainer(tmp_path / "a2", "--checkpoint.enable", "--checkpoint.interval", "100")
+    signal_during(t, 3, send=(rank == 1))
     out["a2_first"] = t.train()
     out["a2_step3"] = _complete(tmp_path / "a2", 3)
-    t = _trainer(tmp_path / "a2", "--checkpoint.enable", "--checkpoint.interval", "100")
+    t = tiny_trainer(tmp_path / "a2", "--checkpoint.enable", "--checkpoint.interval", "100")
     out["a2_resumed"] = t.train()
     out["a2_tokens"] = t.train_state.tokens_seen
     # resume from the step-2 save that was written in the background while step 3 ran
@@ -107,10 +82,10 @@ def _scenario(rank: int, world: int, tmp: str) -> dict:
         (tmp_path / "a3/checkpoint").mkdir(parents=True)
         shutil.copytree(tmp_path / "a1/checkpoint/step-2", tmp_path / "a3/checkpoint/step-2")
     dist.barrier()
-    out["a3_resumed"] = _trainer(tmp_path / "a3", "--checkpoint.enable", "--checkpoint.interval", "2",
+    out["a3_resumed"] = tiny_trainer(tmp_path / "a3", "--checkpoint.enable", "--checkpoint.interval", "2",
                                  "--checkpoint.async_mode", "async").train()
     # same-layout probe of the step-3 checkpoint (full load through initial_load_path)
-    probe = _trainer(tmp_path / "a4", "--checkpoint.enable", "--checkpoint.initial_load_path",
+    probe = tiny_trainer(tmp_path / "a4", "--checkpoint.enable", "--checkpoint.initial_load_path",
                      str(tmp_path / "a2/checkpoint/step-3"), "--checkpoint.initial_load_model_only", "false")
     out["a4_step"] = probe.step
     out["probe2"] = _probe(probe, probe.dp_rank, 2)
@@ -118,8 +93,8 @@ def _scenario(rank: int, world: int, tmp: str) -> dict:
     if rank == 0:
         shutil.copytree(tmp_path / "seed/checkpoint", tmp_path / "s_fsdp/checkpoint")
     dist.barrier()
-    out["seed_fsdp"] = _trainer(tmp_path / "s_fsdp", "--checkpoint.enable", "--training.steps", "1").train()
-    out["seed_ddp"] = _trainer(tmp_path / "s_ddp", "--checkpoint.enable", "--training.steps", "1",
+    out["seed_fsdp"] = tiny_trainer(tmp_path / "s_fsdp", "--checkpoint.enable", "--training.steps", "1").train()
+    out["seed_ddp"] = tiny_trainer(tmp_path / "s_ddp", "--checkpoint.enable", "--training.steps", "1",
                                "--checkpoint.initial_load_path", seed,
                                "--parallelism.data_parallel_replicate_degree", "2",
                                "--parallelism.data_parallel_shard_degree", "1").train()
@@ -129,18 +104,18 @@ def _scenario(rank: int, world: int, tmp: str) -> dict:
 
     # --- rank 0 alone: load the 2-rank FSDP2 checkpoint into 1 process
     with _alone():
-        one = _trainer(tmp_path / "b1", "--checkpoint.enable", "--checkpoint.initial_load_path",
+        one = tiny_trainer(tmp_path / "b1", "--checkpoint.enable", "--checkpoint.initial_load_path",
                        str(tmp_path / "a2/checkpoint/step-3"), "--checkpoint.initial_load_model_only", "false")
         out["b1_step"] = one.step
         out["b1_loader"] = one.dataloader.state_dict()
         out["probe1"] = _probe(one, 0, 1)
-        part = _trainer(tmp_path / "b4", "--checkpoint.enable", "--checkpoint.initial_load_path",
+        part = tiny_trainer(tmp_path / "b4", "--checkpoint.enable", "--checkpoint.initial_load_path",
                         str(tmp_path / "a2/checkpoint/step-3"), "--checkpoint.initial_load_model_only", "false",
                         "--checkpoint.exclude_from_loading", "dataloader,optimizer")
         out["b4"] = (part.step, part.dataloader.state_dict()["streams"][0]["next"],
                      any(o.state for o in part.optimizers))
         # 1 rank, pinned-memory async mode, bf16 model-only export at the end, keep_latest_k=1
-        b2 = _trainer(tmp_path / "b2", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode",
+        b2 = tiny_trainer(tmp_path / "b2", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode",
                       "async_with_pinned_mem", "--checkpoint.last_save_model_only", "--checkpoint.export_dtype",
                       "bfloat16", "--checkpoint.keep_latest_k", "1")
         out["ref1"] = b2.train()
@@ -161,7 +136,7 @@ def _scenario(rank: int, world: int, tmp: str) -> dict:
                                      for k, v in fresh.state_dict().items())
         (tmp_path / "b3/checkpoint").mkdir(parents=True)
         shutil.copytree(tmp_path / "b2/checkpoint/step-4", tmp_path / "b3/checkpoint/step-4")
-        out["b3_resumed"] = _trainer(tmp_path / "b3", "--checkpoint.enable", "--checkpoint.interval", "2",
+        out["b3_resumed"] = tiny_trainer(tmp_path / "b3", "--checkpoint.enable", "--checkpoint.interval", "2",
                                      "--checkpoint.async_mode", "async").train()
     return out
 

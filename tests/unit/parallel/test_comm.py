@@ -1,6 +1,5 @@
 """[comm]: flight-recorder environment and the switch to the training timeout."""
 
-import datetime
 import os
 
 import pytest

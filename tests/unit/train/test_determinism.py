@@ -10,7 +10,8 @@ import torch
 import torch._inductor.config as inductor_config
 
 from titan.train.determinism import DeterministicMode
-from tests.unit.checkpointing.test_manager import _signal_during, _trainer
+from tests.helpers.runs import signal_during
+from tests.helpers.runs import trainer as tiny_trainer
 
 
 def _settings() -> tuple:
@@ -70,7 +71,7 @@ def test_trainer_applies_it_before_the_device_and_restores_it(tmp_path, clean_en
 
     monkeypatch.setattr(titan.train.trainer, "pick_device", pick_device)
     before = _settings()
-    trainer = _trainer(tmp_path, "--training.deterministic", "--training.steps", "2")
+    trainer = tiny_trainer(tmp_path, "--training.deterministic", "--training.steps", "2")
     assert seen["env"] == ":4096:8"  # exported before the device was chosen (and CUDA touched)
     real_step = trainer.train_step
 
@@ -81,6 +82,16 @@ def test_trainer_applies_it_before_the_device_and_restores_it(tmp_path, clean_en
     trainer.train_step = train_step
     trainer.train()
     assert seen["during"] and _settings() == before
+
+    failing = tiny_trainer(tmp_path / "failing", "--training.deterministic", "--training.steps", "2")
+
+    def fail(microbatches):
+        raise RuntimeError("step failed")
+
+    failing.train_step = fail
+    with pytest.raises(RuntimeError, match="step failed"):
+        failing.train()
+    assert _settings() == before  # a failed run gives them back too
 
 
 # ---------------------------------------------------------------------------------------------- CUDA
@@ -101,7 +112,7 @@ def _params(trainer) -> dict[str, torch.Tensor]:
 def test_cuda_two_identical_runs_are_bitwise_equal(tmp_path, extra: list[str]) -> None:
     runs = []
     for name in ("a", "b"):
-        trainer = _trainer(tmp_path / name, *GPU_RUN, "--training.steps", "10", *extra)
+        trainer = tiny_trainer(tmp_path / name, *GPU_RUN, "--training.steps", "10", *extra)
         assert trainer.device.type == "cuda"
         runs.append((trainer.train(), _params(trainer)))
     (losses_a, params_a), (losses_b, params_b) = runs
@@ -115,11 +126,11 @@ def test_cuda_two_identical_runs_are_bitwise_equal(tmp_path, extra: list[str]) -
 @pytest.mark.slow
 def test_cuda_stop_and_resume_equals_the_uninterrupted_run(tmp_path) -> None:
     steps = [*GPU_RUN, "--training.steps", "20", "--checkpoint.enable", "--checkpoint.interval", "10"]
-    ref = _trainer(tmp_path / "ref", *steps).train()
-    first = _trainer(tmp_path / "run", *steps)
-    _signal_during(first, 10, send=True)
+    ref = tiny_trainer(tmp_path / "ref", *steps).train()
+    first = tiny_trainer(tmp_path / "run", *steps)
+    signal_during(first, 10, send=True)
     stopped = first.train()
-    resumed = _trainer(tmp_path / "run", *steps)
+    resumed = tiny_trainer(tmp_path / "run", *steps)
     assert resumed.step == 10
     assert sorted(ref) == list(range(1, 21))
     assert {**stopped, **resumed.train()} == ref  # every step, bitwise

@@ -1,6 +1,5 @@
 """W&B (offline), profiler / memory-snapshot set-up and the optimizer options."""
 
-import os
 import sys
 import time
 from dataclasses import replace

@@ -14,8 +14,9 @@ time when exporting a large checkpoint).
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
+import re
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from titan.errors import TitanError
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.model import ffn_hidden_dim
 
-_LAYER_MAP = {
+_LAYER_MAP = MappingProxyType({
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
@@ -34,14 +35,14 @@ _LAYER_MAP = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_MAP = {
+})
+_TOP_MAP = MappingProxyType({
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
-}
-_LAYER_MAP_INV = {v: k for k, v in _LAYER_MAP.items()}
-_TOP_MAP_INV = {v: k for k, v in _TOP_MAP.items()}
+})
+_LAYER_MAP_INV = MappingProxyType({v: k for k, v in _LAYER_MAP.items()})
+_TOP_MAP_INV = MappingProxyType({v: k for k, v in _TOP_MAP.items()})
 _TITAN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
