@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.unit.checkpointing.test_hf import random_model, small_args
+from tests.helpers.tiny import random_model, small_args
 from titan.tools.generate import generate, load_model
 from titan.checkpointing.hf import save_hf
 

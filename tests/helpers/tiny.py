@@ -68,3 +68,32 @@ def train_losses(model: nn.Module, steps: int, loss_fn=cross_entropy_sum, lr: fl
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+# An HF-interop tiny model: GQA and Llama 3.1 RoPE scaling at a size where every band occurs.
+def small_args(**kw) -> TransformerModelArgs:
+    # GQA (8 q / 2 kv heads) and 3.1 RoPE scaling whose bands all occur at head_dim 8:
+    # wavelengths 6.3 .. ~3500 straddle original_ctx / high (8) and original_ctx / low (32).
+    base = dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=128, multiple_of=32,
+                rope_theta=10000.0, use_rope_scaling=True, rope_scale_factor=4.0,
+                rope_original_max_position_embeddings=32, max_seq_len=64, norm_eps=1e-5)
+    return TransformerModelArgs(**(base | kw))
+
+
+def random_model(args: TransformerModelArgs, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(args)
+    model.init_weights()
+    with torch.no_grad():  # norms start at 1; perturb them so a swapped norm would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif ".wq." in name or ".wk." in name:
+                p.mul_(4.0)  # sharper attention, so positions (RoPE) visibly shape the logits
+    return model.eval()
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert set(a) == set(b), set(a) ^ set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k

@@ -61,3 +61,10 @@ def test_more_ranks_than_gpus_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(TitanError, match=r"local rank 1 needs GPU cuda:1 but 1 GPU\(s\) are visible.*CUDA_VISIBLE"):
         pick_device(1)
+
+
+def test_shared_helpers_live_in_tests_helpers():
+    """Tests import shared code from tests/helpers (or fixtures), never from another test module."""
+    offenders = [f"{path.relative_to(TESTS)}: {m[0]}" for path in TESTS.rglob("test_*.py")
+                 for m in re.finditer(r"from tests\.(?:unit|integration)\.\S+ import", path.read_text())]
+    assert not offenders, offenders

@@ -5,41 +5,13 @@ import json
 import pytest
 import torch
 
+from tests.helpers.tiny import assert_bitwise, random_model, small_args
 from titan.errors import TitanError
 from titan.checkpointing.model_dcp import read_model_tensors, save_model_dcp
 from titan.checkpointing.hf import export_dcp_to_hf, import_hf_to_dcp, load_hf, save_hf
 from titan.models import get_model_spec
-from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.model import Transformer, ffn_hidden_dim
 from titan.models.llama.state_dict_adapter import args_to_hf_config, from_hf, hf_config_to_args, to_hf
-
-
-def small_args(**kw) -> TransformerModelArgs:
-    # GQA (8 q / 2 kv heads) and 3.1 RoPE scaling whose bands all occur at head_dim 8:
-    # wavelengths 6.3 .. ~3500 straddle original_ctx / high (8) and original_ctx / low (32).
-    base = dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=128, multiple_of=32,
-                rope_theta=10000.0, use_rope_scaling=True, rope_scale_factor=4.0,
-                rope_original_max_position_embeddings=32, max_seq_len=64, norm_eps=1e-5)
-    return TransformerModelArgs(**(base | kw))
-
-
-def random_model(args: TransformerModelArgs, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(args)
-    model.init_weights()
-    with torch.no_grad():  # norms start at 1; perturb them so a swapped norm would show
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            elif ".wq." in name or ".wk." in name:
-                p.mul_(4.0)  # sharper attention, so positions (RoPE) visibly shape the logits
-    return model.eval()
-
-
-def _assert_bitwise(a: dict, b: dict) -> None:
-    assert set(a) == set(b), set(a) ^ set(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -50,7 +22,7 @@ def test_round_trip_is_bitwise_through_memory_files_and_dcp(tmp_path, tied):
     assert ("lm_head.weight" in hf) != tied and "model.layers.1.self_attn.k_proj.weight" in hf
     # The RoPE permutation really moves rows (else the parity test below would prove nothing).
     assert not torch.equal(hf["model.layers.0.self_attn.q_proj.weight"], sd["layers.0.attention.wq.weight"])
-    _assert_bitwise(from_hf(hf, args), sd)
+    assert_bitwise(from_hf(hf, args), sd)
 
     # titan DCP -> HF folder (several shards) -> titan DCP, and HF folder -> memory.
     save_model_dcp(sd, args, tmp_path / "dcp")
@@ -59,10 +31,10 @@ def test_round_trip_is_bitwise_through_memory_files_and_dcp(tmp_path, tied):
     files = sorted(set(index["weight_map"].values()))
     assert len(files) >= 3 and files[-1] == f"model-{len(files):05d}-of-{len(files):05d}.safetensors"
     loaded, args2 = load_hf(tmp_path / "hf")
-    _assert_bitwise(loaded, sd)
+    assert_bitwise(loaded, sd)
     assert ffn_hidden_dim(args2) == ffn_hidden_dim(args) and args2.tie_embeddings == tied
     import_hf_to_dcp(tmp_path / "hf", tmp_path / "dcp2")
-    _assert_bitwise(read_model_tensors(tmp_path / "dcp2"), sd)
+    assert_bitwise(read_model_tensors(tmp_path / "dcp2"), sd)
 
     # The in-memory writer too, with a dtype cast on the way out.
     save_hf(sd, args, tmp_path / "hf_bf16", dtype=torch.bfloat16)
@@ -146,12 +118,12 @@ def test_convert_script_on_a_training_checkpoint_and_torch_save_round_trip(tmp_p
     assert main(["to_hf", str(tmp_path / "step-3"), str(tmp_path / "hf"), "--flavor", "debugmodel"]) == 0
     assert json.loads((tmp_path / "hf/config.json").read_text())["num_hidden_layers"] == 2
     assert main(["from_hf", str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
-    _assert_bitwise(read_model_tensors(tmp_path / "dcp"), sd)
+    assert_bitwise(read_model_tensors(tmp_path / "dcp"), sd)
 
     assert main(["dcp_to_torch", str(tmp_path / "step-3"), str(tmp_path / "model.pt")]) == 0
-    _assert_bitwise(torch.load(tmp_path / "model.pt", weights_only=True), sd)  # model only, flat names
+    assert_bitwise(torch.load(tmp_path / "model.pt", weights_only=True), sd)  # model only, flat names
     assert main(["torch_to_dcp", str(tmp_path / "model.pt"), str(tmp_path / "dcp2")]) == 0
-    _assert_bitwise(read_model_tensors(tmp_path / "dcp2"), sd)
+    assert_bitwise(read_model_tensors(tmp_path / "dcp2"), sd)
     assert main(["dcp_to_torch", str(tmp_path / "step-3"), str(tmp_path / "all.pt"), "--all_state"]) == 0
     assert torch.load(tmp_path / "all.pt", weights_only=True)["step"].item() == 3
     assert main(["torch_to_dcp", str(tmp_path / "missing.pt"), str(tmp_path / "dcp3")]) == 1

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.unit.checkpointing.test_hf import _assert_bitwise, random_model, small_args
+from tests.helpers.tiny import assert_bitwise, random_model, small_args
 from titan.checkpointing.hf import load_hf, save_hf
 
 
@@ -38,5 +38,5 @@ def test_fsdp_model_loads_and_exports_hf_bitwise(tmp_path: Path):
     save_hf(sd, args, tmp_path / "src")
     results = run_distributed(_fsdp_round_trip, 2, str(tmp_path / "src"), str(tmp_path / "out"))
     assert all(sharded for sharded, _ in results)
-    _assert_bitwise(results[0][1], sd)
-    _assert_bitwise(load_hf(tmp_path / "out")[0], sd)
+    assert_bitwise(results[0][1], sd)
+    assert_bitwise(load_hf(tmp_path / "out")[0], sd)

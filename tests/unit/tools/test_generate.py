@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import cpu_env
-from tests.unit.checkpointing.test_hf import random_model, small_args
+from tests.helpers.tiny import random_model, small_args
 from titan.errors import TitanError
 from titan.tools.generate import generate, load_model, sample
 from titan.checkpointing.hf import import_hf_to_dcp, save_hf
