@@ -1,7 +1,7 @@
-"""Training entry point: `python -m titan.train [--job.config_file FILE.toml] [--section.key VALUE ...]`.
+"""Training entry point: `python -m titan [--job.config_file FILE.toml] [--section.key VALUE ...]`.
 
 train.py at the repository root calls main() here, so `torchrun ... train.py ...` (run_train.sh,
-the Slurm script) and `torchrun ... -m titan.train ...` run the same code.
+the Slurm script) and `torchrun ... -m titan ...` run the same code.
 """
 
 from __future__ import annotations

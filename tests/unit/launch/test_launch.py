@@ -28,7 +28,7 @@ def test_check_exits_2_with_one_line(capsys):
 
 def test_titan_args_found_without_torchruns_parser():
     assert supervisor.titan_args(["--nproc_per_node", "2", "train.py", "--a", "1"]) == ["--a", "1"]
-    assert supervisor.titan_args(["--nnodes", "1", "-m", "titan.train", "--b"]) == ["--b"]
+    assert supervisor.titan_args(["--nnodes", "1", "-m", "titan", "--b"]) == ["--b"]
     assert supervisor.titan_args(["--nproc_per_node", "2", "other.py", "train.py"]) is None
     assert supervisor.titan_args(["-m", "other", "train.py"]) is None
 
