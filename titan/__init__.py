@@ -7,7 +7,7 @@ import os
 # line per library. titan uses only torchao's Python float8 and optimizer code (float8 matmuls go
 # through torch._scaled_mm), which needs none of those kernels.
 # Set here, before anything can import torchao, so every entry point (train.py, python -m
-# titan, scripts, tests) gets it; an explicit TORCHAO_FORCE_SKIP_LOADING_SO_FILES=0 wins.
+# titan.train, scripts, tests) gets it; an explicit TORCHAO_FORCE_SKIP_LOADING_SO_FILES=0 wins.
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 __version__ = "0.1.0"

@@ -23,7 +23,7 @@ TINY_CKPT = [*TINY_RUN, "--checkpoint.enable"]
 def trainer(folder: Path, *args: str):
     """A Trainer for a 6-step tiny run dumping into ``folder`` (``args`` override)."""
     from titan.config import load_config
-    from titan.train.trainer import Trainer
+    from titan.training.trainer import Trainer
 
     return Trainer(load_config([*TINY_RUN, "--training.steps", "6", "--job.dump_folder", str(folder), *args]))
 

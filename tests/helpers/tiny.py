@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import titan.models.llama.args as llama_args
-from titan.train.loss import cross_entropy_sum
+from titan.training.loss import cross_entropy_sum
 from titan.models.llama import Transformer, TransformerModelArgs
 
 TINY = TransformerModelArgs(

@@ -290,13 +290,13 @@ def test_sigkill_of_one_of_two_ranks_ends_the_job(tmp_path):
 def test_rank_waiting_on_a_lost_peer_says_so_in_one_line(capsys, monkeypatch, tmp_path):
     import torch.distributed as dist
 
-    import titan.train.trainer
+    import titan.training.trainer
 
     class Lost:
         def __init__(self, config):
             raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:186. This is typically ...")
 
-    monkeypatch.setattr(titan.train.trainer, "Trainer", Lost)
+    monkeypatch.setattr(titan.training.trainer, "Trainer", Lost)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr("titan.parallel.utils.destroy_distributed", lambda: None)
     monkeypatch.setenv("RANK", "0")

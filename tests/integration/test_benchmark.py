@@ -59,7 +59,7 @@ def test_gpu_config_set_names_the_issue_rows():
 
 
 def test_the_issue_preset_is_a_valid_config():
-    from titan.train.checks import load_job
+    from titan.training.checks import load_job
     preset = benchmark.PRESETS["llama3_8b_8layers"]
     config = load_job(preset["args"])
     assert (config.training.seq_len, config.training.local_batch_size, config.model.n_layers) == (8192, 1, 8)

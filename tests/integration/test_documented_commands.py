@@ -1,7 +1,7 @@
 """Every command the README and docs/ show runs as written, on this CPU machine.
 
 Commands are read from the Markdown itself: fenced shell blocks, indented code blocks and inline
-`code` spans that start with ./run_train.sh, python train.py, python -m titan, python
+`code` spans that start with ./run_train.sh, python train.py, python -m titan.train, python
 scripts/..., python examples/... or sbatch (leading VAR=value assignments allowed). Each runs with
 a small step count appended where it trains (a later flag wins) and its output in a temporary
 folder. The only ones not run are in SKIP, each with the reason (hardware, a cluster, network or
@@ -110,7 +110,7 @@ def _prepare(command: str, out: Path) -> tuple[list[str], dict[str, str]]:
     if words[0] == "python":
         words[0] = sys.executable
     script = words[1] if words[0] == sys.executable else words[0]
-    titan_cli = script in ("./run_train.sh", "train.py") or words[1:3] == ["-m", "titan"]
+    titan_cli = script in ("./run_train.sh", "train.py") or words[1:3] == ["-m", "titan.train"]
     if titan_cli and not {"--help", "-h"} & set(words):
         words += ["--job.dump_folder", str(out)]
         if env.get("COMM_MODE") != "fake_backend" and "--job.dry_run" not in words:

@@ -19,10 +19,10 @@ FLOORS = (
     ("parallel",),
     ("models",),
     ("checkpointing",),
-    ("train",),
+    ("training",),
     ("tools",),
     ("launch",),
-    ("__main__",),  # `python -m titan`
+    ("train",),  # titan/train.py: `python -m titan.train`, the entry point as a module
 )
 FLOOR = {unit: i for i, units in enumerate(FLOORS) for unit in units}
 # Imports that go up a floor, by file; at most 3 may be allowed, and today none is.

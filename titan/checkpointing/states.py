@@ -8,7 +8,7 @@ dicts with "."):
 - ``model.<fqn>``: the model parts' parameters and buffers (DTensors under FSDP/TP; DCP reshards).
   A model-only checkpoint (seed, final export) stores them at the top level, ``<fqn>``, so plain
   ``dcp.load(fresh_model.state_dict(), checkpoint_id=...)`` reads it.
-- ``optimizer.*`` (FQN-keyed, see titan/train/optim.py), ``lr_scheduler.*``: identical on every rank.
+- ``optimizer.*`` (FQN-keyed, see titan/training/optim.py), ``lr_scheduler.*``: identical on every rank.
 - ``train_state``: pickled ``TrainState.state_dict()`` {step, tokens_seen}, identical on every rank.
 - ``rng.rank_<r>``, ``dataloader.dp_rank_<d>``: pickled bytes that differ per rank. DCP keeps only
   one copy of a non-tensor key however many ranks save it, so per-rank values need distinct keys.

@@ -2,7 +2,7 @@
 
 load_config runs them after the loader has checked every value's type and choices. Checks that
 need runtime knowledge (the model registry, optimizer and pipeline-schedule names, ...) live with
-the feature that owns them and run in titan.train.checks.validate_job; checks that need the world
+the feature that owns them and run in titan.training.checks.validate_job; checks that need the world
 size live with ParallelDims.
 """
 

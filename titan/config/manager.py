@@ -263,7 +263,7 @@ def load_config(argv: list[str] | None = None, *, env: dict[str, str] | None = N
     and choices; then the checks that need nothing but the config (titan/config/checks.py).
 
     Checks that need runtime knowledge (model registry, optimizer and schedule names, ...) are
-    titan.train.checks.validate_job; titan.train.checks.load_job runs both."""
+    titan.training.checks.validate_job; titan.training.checks.load_job runs both."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cli = parse_cli(argv)
     config = JobConfig()

@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
 
         return print_help(argv)
     try:
-        from titan.train.checks import load_job
+        from titan.training.checks import load_job
 
         load_job(argv)
     except TitanError as e:

@@ -1,7 +1,7 @@
-"""Training entry point: `python -m titan [--job.config_file FILE.toml] [--section.key VALUE ...]`.
+"""Training entry point: `python -m titan.train [--job.config_file FILE.toml] [--section.key VALUE ...]`.
 
 train.py at the repository root calls main() here, so `torchrun ... train.py ...` (run_train.sh,
-the Slurm script) and `torchrun ... -m titan ...` run the same code.
+the Slurm script) and `torchrun ... -m titan.train ...` run the same code.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
         watch_parent()
     try:
-        from titan.train.checks import load_job
+        from titan.training.checks import load_job
 
         # Every config error fails here, before any process group or model exists; a bad flag or
         # TOML value even before torch is imported.
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from titan.parallel.utils import destroy_distributed
-    from titan.train.trainer import Trainer
+    from titan.training.trainer import Trainer
 
     try:
         Trainer(config).train()

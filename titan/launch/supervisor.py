@@ -76,12 +76,12 @@ class Forwarder:
 
 
 def titan_args(argv: list[str]) -> list[str] | None:
-    """The arguments after titan's entry point (train.py or -m titan), found without
+    """The arguments after titan's entry point (train.py or -m titan.train), found without
     torchrun's parser so that a bad config fails before torch is imported; None for other scripts.
     The script is the first argument ending in .py, or the one after -m."""
     for i, arg in enumerate(argv):
         if i and argv[i - 1] in ("-m", "--module"):
-            return argv[i + 1:] if arg == "titan" else None
+            return argv[i + 1:] if arg == "titan.train" else None
         if arg.endswith(".py"):
             return argv[i + 1:] if os.path.basename(arg) == "train.py" else None
     return None

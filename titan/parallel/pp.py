@@ -33,7 +33,7 @@ def schedule_class(name: str) -> type[_PipelineSchedule]:
 
 
 def check_schedule_config(par, local_batch_size: int) -> None:  # noqa: ANN001 - config.Parallelism
-    """Checks needing only the config (run by titan.train.checks.validate_job)."""
+    """Checks needing only the config (run by titan.training.checks.validate_job)."""
     schedule_class(par.pipeline_parallel_schedule)
     csv = par.pipeline_parallel_schedule_csv
     if csv and not os.path.isfile(csv):

@@ -56,7 +56,7 @@ def destroy_distributed() -> None:
 
 def set_seed(seed: int) -> None:
     """Same seed on every rank: data order comes from the loader, not from the RNG. Deterministic
-    kernels are titan.train.determinism's job (training.deterministic)."""
+    kernels are titan.training.determinism's job (training.deterministic)."""
     random.seed(seed)
     torch.manual_seed(seed)
 

@@ -1,7 +1,7 @@
 """Dry run: check a layout for N ranks on one CPU process, before paying for the GPUs.
 
 A fake process group (no communication) stands in for the world; the Trainer's own build steps
-(titan/train/build.py: config checks, ParallelDims, layout, mesh, meta model, float8, pipeline
+(titan/training/build.py: config checks, ParallelDims, layout, mesh, meta model, float8, pipeline
 split or parallelize) run unchanged, and the dry run stops before any memory is allocated. Then every parameter's sharding spec gives each rank's local shard, from
 which the per-rank parameter count and memory follow. Pipeline stages are built one at a time,
 as the first rank of each stage.
@@ -26,11 +26,11 @@ from titan.errors import TitanError
 from titan.log import init_logger, logger
 from titan.parallel.comm import validate_comm_config
 from titan.parallel.dims import ParallelDims
-from titan.train.build import (
+from titan.training.build import (
     BuiltModel, build_model, build_parallel_dims, check_run_config, check_run_layout, model_spec_and_args,
     run_model_args,
 )
-from titan.train.loss import cross_entropy_sum
+from titan.training.loss import cross_entropy_sum
 
 GIB = 1024**3
 # Optimizer state elements per parameter element (exp_avg and exp_avg_sq for Adam / AdamW).
@@ -49,13 +49,13 @@ def estimate_rank_memory(local_params: int, config: JobConfig, *, with_grads: bo
 
 
 def estimate_shared_memory(config: JobConfig, degrees: dict[str, int], world: int) -> tuple[dict[str, float], str]:
-    """GiB every rank adds on top of its parameters and optimizer states, from titan/train/memory.py's
+    """GiB every rank adds on top of its parameters and optimizer states, from titan/training/memory.py's
     estimator (FSDP's gathered parameters; activations with the gradients accumulated by then),
     and a note saying what the columns hold. Empty where the estimator does not model the layout."""
     states = "params, optim: fp32 sharded parameters and AdamW states of each rank"
     if degrees["tp"] > 1 or degrees["pp"] > 1 or degrees["cp"] > 1:
         return {}, states + "; grads: fp32 sharded; activations not estimated for TP/PP/CP layouts (add them on top)"
-    from titan.train.memory import estimate_memory
+    from titan.training.memory import estimate_memory
 
     try:
         est = estimate_memory(config, world)
@@ -207,7 +207,7 @@ def _tokenizer_vocab(config: JobConfig) -> int | None:
 
 def _build_stage(config: JobConfig, first_rank: int, world: int) -> _Stage:
     """Build the pipeline stage whose first rank is `first_rank`, as that rank, with the Trainer's
-    build steps (titan/train/build.py), and count its parameters while the fake group is alive.
+    build steps (titan/training/build.py), and count its parameters while the fake group is alive.
     PP is the outermost mesh dim, so stage s owns ranks [s * world / pp, (s + 1) * world / pp)."""
     with fake_world(first_rank, world):
         init_logger(first_rank)

@@ -8,7 +8,7 @@ import torch
 
 from titan.config import load_config
 from titan.errors import TitanError
-from titan.train.trainer import Trainer
+from titan.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--training.seq_len", "32",

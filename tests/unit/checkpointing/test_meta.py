@@ -9,11 +9,11 @@ import torch
 from titan.config import load_config
 from titan.errors import TitanError
 from titan.checkpointing.model_dcp import load_model_from_dcp, read_model_args, read_model_tensors
-from titan.train.loss import cross_entropy_sum
+from titan.training.loss import cross_entropy_sum
 from titan.models.llama.args import TransformerModelArgs, get_model_args
 from titan.models.llama.meta_checkpoint import _merge
 from titan.models.llama.model import Transformer
-from titan.train.trainer import Trainer
+from titan.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
 SEQ = 32

@@ -16,8 +16,8 @@ import torch.nn as nn
 from titan.checkpointing.manager import CheckpointManager
 from titan.checkpointing.states import ModelParts, TrainState
 from titan.config import load_config
-from titan.train.lr_scheduler import build_lr_schedulers
-from titan.train.optim import build_optimizers
+from titan.training.lr_scheduler import build_lr_schedulers
+from titan.training.optim import build_optimizers
 
 REPO = Path(__file__).resolve().parents[3]
 DCP_WARNING = "torch.distributed is disabled, unavailable or uninitialized"

@@ -134,7 +134,7 @@ def test_help_for_one_section_or_option():
     assert "--help SECTION" in format_help() or "--help [SECTION" in format_help()
 
 
-@pytest.mark.parametrize("entry", [["train.py"], ["-m", "titan"]])
+@pytest.mark.parametrize("entry", [["train.py"], ["-m", "titan.train"]])
 def test_entry_points_help(entry):
     run = subprocess.run([sys.executable, *entry, "--help", "checkpoint"], cwd=REPO, capture_output=True, text=True,
                          timeout=120)

@@ -28,7 +28,7 @@ def test_check_exits_2_with_one_line(capsys):
 
 def test_titan_args_found_without_torchruns_parser():
     assert supervisor.titan_args(["--nproc_per_node", "2", "train.py", "--a", "1"]) == ["--a", "1"]
-    assert supervisor.titan_args(["--nnodes", "1", "-m", "titan", "--b"]) == ["--b"]
+    assert supervisor.titan_args(["--nnodes", "1", "-m", "titan.train", "--b"]) == ["--b"]
     assert supervisor.titan_args(["--nproc_per_node", "2", "other.py", "train.py"]) is None
     assert supervisor.titan_args(["-m", "other", "train.py"]) is None
 
@@ -151,7 +151,7 @@ def test_rank_stops_when_its_launcher_is_killed():
 def test_peer_lost_line_quotes_the_transport_whole(capsys, monkeypatch, tmp_path):
     import torch.distributed as dist
 
-    import titan.train.trainer
+    import titan.training.trainer
     import train
 
     gloo = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed by peer "
@@ -162,7 +162,7 @@ def test_peer_lost_line_quotes_the_transport_whole(capsys, monkeypatch, tmp_path
         def __init__(self, config):
             raise RuntimeError(gloo)
 
-    monkeypatch.setattr(titan.train.trainer, "Trainer", Lost)
+    monkeypatch.setattr(titan.training.trainer, "Trainer", Lost)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr("titan.parallel.utils.destroy_distributed", lambda: None)
     monkeypatch.setenv("RANK", "0")

@@ -19,7 +19,7 @@ import torch
 
 import titan.models.llama.flex as flex_mod
 from titan.errors import TitanError
-from titan.train.loss import cross_entropy_sum
+from titan.training.loss import cross_entropy_sum
 from tests.helpers import tiny
 from titan.models.llama import Transformer, TransformerModelArgs
 from titan.models.llama.model import Attention, RMSNorm, precompute_freqs_cis
@@ -106,7 +106,7 @@ def test_cpu_flex_has_no_backward_and_training_is_refused_before_the_model() -> 
 
 def test_trainer_on_cpu_with_flex_gives_one_line(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     from titan.config import load_config
-    from titan.train.trainer import Trainer
+    from titan.training.trainer import Trainer
 
     built = []
     monkeypatch.setattr(Transformer, "__init__", lambda *a, **k: built.append(1))

@@ -11,8 +11,8 @@ from tests.helpers.tiny import TINY
 from titan.models.llama.pipeline import split_stage
 from titan.parallel.dims import ParallelDims, check_layout
 from titan.parallel.pp import describe_split, layers_of_stage, num_stages, stage_ids_this_rank, stage_layer_counts
-from titan.train.checks import load_job
-from titan.train.trainer import Trainer
+from titan.training.checks import load_job
+from titan.training.trainer import Trainer
 
 ARGS = replace(TINY, n_layers=4, vocab_size=256, max_seq_len=2048)
 

@@ -6,7 +6,7 @@ import pytest
 
 from titan.config import load_config
 from titan.errors import TitanError
-from titan.train.checks import load_job
+from titan.training.checks import load_job
 from titan.parallel.comm import set_comm_env
 
 

@@ -15,7 +15,7 @@ from tests.helpers.tiny import TINY, batch, build, train_losses
 from titan.config import load_config
 from titan.config.job_config import Float8 as Float8Config
 from titan.errors import TitanError
-from titan.train.checks import load_job
+from titan.training.checks import load_job
 from titan.parallel.float8 import build_precompute_hook, check_float8_hardware, convert_to_float8
 
 REPO = Path(__file__).resolve().parents[3]
@@ -126,7 +126,7 @@ def _fsdp_float8_checks(rank: int, dump: str) -> dict:
     from torch.distributed.tensor import DTensor
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    from titan.train.trainer import Trainer
+    from titan.training.trainer import Trainer
 
     trainer = Trainer(_trainer_config(dump, "--float8.enable_fsdp_float8_all_gather",
                                       "--float8.precompute_float8_dynamic_scale_for_fsdp"))
@@ -157,7 +157,7 @@ def test_fsdp2_float8_all_gather_with_precomputed_scales_matches_one_process(tmp
     """2 gloo ranks, FSDP2 + float8 all-gather + precomputed scales (emulated matmuls) against
     one process with plain float8 layers: tensorwise scales of the full weight either way."""
     from tests.helpers.tiny import patch_flavors
-    from titan.train.trainer import Trainer
+    from titan.training.trainer import Trainer
 
     patch_flavors(monkeypatch, tiny=TINY_2K)
     ref = _batch_steps(Trainer(_trainer_config(str(tmp_path / "ref"))), slice(0, 4))
@@ -170,7 +170,7 @@ def test_fsdp2_float8_all_gather_with_precomputed_scales_matches_one_process(tmp
 
 def test_float8_with_activation_checkpointing_gives_identical_grads():
     from tests.helpers.tiny import batch
-    from titan.train.loss import cross_entropy_sum
+    from titan.training.loss import cross_entropy_sum
     from titan.parallel.ac import apply_ac
     from titan.parallel.init import canonical_fqn
 

@@ -14,7 +14,7 @@ from tests.helpers.distributed import run_distributed
 from tests.helpers.tiny import extra_flavors, patch_flavors
 from titan.config import load_config
 from titan.models.llama.args import TransformerModelArgs
-from titan.train.trainer import Trainer
+from titan.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
 SEQ, VOCAB, STEPS, GLOBAL_BATCH = 32, 2048, 10, 4

@@ -53,7 +53,7 @@ def test_hsdp_and_ddp_layouts_count_replicas_once():
     assert set(hsdp.memory[0]) == {"params", "optim", "gathered", "act+grads", "step"}
     assert hsdp.memory[0]["act+grads"] > 0 and "activation checkpointing none" in hsdp.memory_note
     # The row total is the estimator's peak for that rank (its sharding arithmetic = the real shards).
-    from titan.train.memory import estimate_memory
+    from titan.training.memory import estimate_memory
 
     est = estimate_memory(_config("debug_model.toml", 8, "--parallelism.data_parallel_replicate_degree", "2"), 8)
     assert est.params == hsdp.per_rank_params[0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from titan.config import load_config
-from titan.train.trainer import Trainer
+from titan.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
 STEPS = 50

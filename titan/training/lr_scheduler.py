@@ -28,7 +28,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from titan.config.job_config import LRScheduler as LRSchedulerConfig
 from titan.errors import require
-from titan.train.optim import OptimizersContainer
+from titan.training.optim import OptimizersContainer
 from titan.log import logger
 
 __all__ = [

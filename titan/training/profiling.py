@@ -45,7 +45,7 @@ def validate_profiling_config(c: JobConfig) -> None:
 
 class Profiler:
     def __init__(self, config: JobConfig, *, rank: int, device: torch.device, start_step: int = 0) -> None:
-        # config has passed validate_profiling_config (titan.train.checks.validate_job)
+        # config has passed validate_profiling_config (titan.training.checks.validate_job)
         p = config.profiling
         self.rank = rank
         self.freq = p.profile_freq

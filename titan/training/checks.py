@@ -21,11 +21,11 @@ def validate_job(config: JobConfig) -> None:
     from titan.parallel.comm import validate_comm_config
     from titan.parallel.float8 import validate_float8
     from titan.parallel.pp import check_schedule_config
-    from titan.train.lr_scheduler import validate_lr_scheduler_config
-    from titan.train.optim import validate_optimizer_config
-    from titan.train.profiling import validate_profiling_config
-    from titan.train.stability import validate_stability_config
-    from titan.train.validator import validate_validation_config
+    from titan.training.lr_scheduler import validate_lr_scheduler_config
+    from titan.training.optim import validate_optimizer_config
+    from titan.training.profiling import validate_profiling_config
+    from titan.training.stability import validate_stability_config
+    from titan.training.validator import validate_validation_config
 
     validate_optimizer_config(config.optimizer)
     validate_lr_scheduler_config(config.lr_scheduler)

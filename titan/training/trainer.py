@@ -18,25 +18,25 @@ from titan.config.job_config import JobConfig
 from titan.config.output import save_config
 from titan.data import build_tokenizer
 from titan.data.datasets import check_dataset
-from titan.train.build import (
+from titan.training.build import (
     build_loader, build_model, build_optimizers_and_schedulers, build_parallel_dims, check_run_config,
     check_run_layout, init_weights, model_spec_and_args, run_model_args,
 )
-from titan.train.gc_handler import GarbageCollection
-from titan.train.checks import validate_job
-from titan.train.loss import IGNORE_INDEX, cross_entropy_sum
-from titan.train.metrics import MetricsProcessor
+from titan.training.gc_handler import GarbageCollection
+from titan.training.checks import validate_job
+from titan.training.loss import IGNORE_INDEX, cross_entropy_sum
+from titan.training.metrics import MetricsProcessor
 from titan.parallel.comm import set_comm_env, set_pg_timeouts
 from titan.parallel.compile import build_loss_fn
 from titan.parallel.cp import cp_shard_batch
 from titan.parallel.fsdp import DTYPES
-from titan.train.determinism import DeterministicMode
+from titan.training.determinism import DeterministicMode
 from titan.parallel.utils import clip_grad_norm_, init_distributed, pick_device, set_seed, world_info
-from titan.train.profiling import Profiler
-from titan.train.stability import StabilityMonitor, param_norm
-from titan.train.startup import log_summary, summary_rows
+from titan.training.profiling import Profiler
+from titan.training.stability import StabilityMonitor, param_norm
+from titan.training.startup import log_summary, summary_rows
 from titan.log import init_logger, logger
-from titan.train.validator import Validator
+from titan.training.validator import Validator
 
 DEFAULT_SEED = 0
 
@@ -190,7 +190,7 @@ class Trainer:
         clip, optimizer + LR step.
 
         Returns (global mean token loss, total grad norm) as tensors. One host sync: the
-        non-finite check (titan/train/stability.py) reads both before deciding on the optimizer step;
+        non-finite check (titan/training/stability.py) reads both before deciding on the optimizer step;
         ``self.stability.values`` keeps them (and param_norm on the steps that log it) for logging.
         """
         microbatches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
@@ -242,7 +242,7 @@ class Trainer:
         return self._pp_run(self.pp_schedule.step, inputs, labels) / dp_scale
 
     def _eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Validation forward (titan/train/validator.py): the batch's summed token loss, on every pp stage."""
+        """Validation forward (titan/training/validator.py): the batch's summed token loss, on every pp stage."""
         if self.pp_schedule is None:
             with self._loss_context(), self.amp:
                 return _replicated(self.loss_fn(self.model_parts[0](inputs), labels))
@@ -280,7 +280,7 @@ class Trainer:
 
     def train(self) -> dict[int, float]:
         """Train to training.steps (or until finite data ends); returns {step: loss} of logged steps.
-        Automatic garbage collection is off meanwhile (titan/train/gc_handler.py); it and the
+        Automatic garbage collection is off meanwhile (titan/training/gc_handler.py); it and the
         deterministic-mode settings are back as they were after, also after a failure."""
         try:
             with GarbageCollection(self.config.training.gc_freq) as self.gc:

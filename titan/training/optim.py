@@ -152,7 +152,7 @@ def build_optimizers(
     Weight decay applies to every parameter (as in Llama 3 / torchtitan) unless
     ``weight_decay_exclude`` names module kinds to spare. With ``bf16_stochastic_round`` the
     parameters must already be bf16 (see ``cast_params_for_optimizer``). ``cfg`` has passed
-    validate_optimizer_config (titan.train.checks.validate_job).
+    validate_optimizer_config (titan.training.checks.validate_job).
     """
     if cfg.bf16_stochastic_round:
         return OptimizersContainer(model_parts, _bf16_sr_adamw(), {

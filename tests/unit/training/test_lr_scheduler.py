@@ -11,8 +11,8 @@ import torch.nn as nn
 from titan.config.job_config import LRScheduler as LRSchedulerConfig
 from titan.config.job_config import Optimizer as OptimizerConfig
 from titan.errors import TitanError
-from titan.train.lr_scheduler import build_lr_schedulers, lr_factor, resolve_schedule, validate_lr_scheduler_config
-from titan.train.optim import build_optimizers
+from titan.training.lr_scheduler import build_lr_schedulers, lr_factor, resolve_schedule, validate_lr_scheduler_config
+from titan.training.optim import build_optimizers
 
 PEAK = 1e-3
 

@@ -35,7 +35,7 @@ import torch
 
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
-from titan.train.flops import get_float8_peak_flops, get_peak_flops, mfu
+from titan.training.flops import get_float8_peak_flops, get_peak_flops, mfu
 from titan.log import color_enabled, logger
 
 __all__ = ["MetricsProcessor", "Color", "strip_color"]

@@ -14,8 +14,8 @@ import torch
 
 from titan.checkpointing.manager import CheckpointManager
 from titan.config import load_config
-from titan.train.metrics import MetricsProcessor
-from titan.train.trainer import Trainer
+from titan.training.metrics import MetricsProcessor
+from titan.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
 TITAN = REPO / "titan"

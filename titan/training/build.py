@@ -1,6 +1,6 @@
 """The build steps of a run, one function each, shared by the Trainer and the dry run.
 
-The Trainer (titan/train/trainer.py) calls them in order on its device; the dry run
+The Trainer (titan/training/trainer.py) calls them in order on its device; the dry run
 (titan/tools/dry_run.py) calls the same ones as one rank of a fake process group and stops once
 the model is split and parallelized on the meta device. Where the two differ they pass different
 arguments (the device, the device type the layout is checked for), so neither carries a branch
@@ -24,9 +24,9 @@ from titan.models import ModelSpec, get_model_spec, model_args_from_config
 from titan.parallel.dims import ParallelDims, check_layout
 from titan.parallel.float8 import apply_float8, register_float8_precompute
 from titan.parallel.init import init_model_weights
-from titan.train.lr_scheduler import build_lr_schedulers
-from titan.train.optim import OptimizersContainer, build_optimizers, cast_params_for_optimizer
-from titan.train.validator import check_validation_layout
+from titan.training.lr_scheduler import build_lr_schedulers
+from titan.training.optim import OptimizersContainer, build_optimizers, cast_params_for_optimizer
+from titan.training.validator import check_validation_layout
 
 __all__ = [
     "BuiltModel", "build_loader", "build_model", "build_optimizers_and_schedulers", "build_parallel_dims",
@@ -63,7 +63,7 @@ def grad_accumulation_steps(config: JobConfig, dp_degree: int) -> int:
 
 def check_run_config(config: JobConfig, dims: ParallelDims) -> int:
     """Checks that need the world size but no process group or model (the config's own checks
-    ran in titan.train.checks.validate_job); returns the gradient accumulation steps."""
+    ran in titan.training.checks.validate_job); returns the gradient accumulation steps."""
     steps = grad_accumulation_steps(config, dims.dp_degree)
     check_validation_layout(config, dims)
     return steps

@@ -11,11 +11,11 @@ import torch
 
 from tests.helpers.tiny import TINY, build, patch_flavors
 from titan.config import load_config
-from titan.train.loss import cross_entropy_sum
+from titan.training.loss import cross_entropy_sum
 from titan.models.llama import get_model_args
 from titan.parallel.ac import apply_ac
 from titan.errors import TitanError
-from titan.train.memory import LiveBytes, estimate_memory
+from titan.training.memory import LiveBytes, estimate_memory
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -128,8 +128,8 @@ def test_estimate_matches_a_real_cpu_training_run(tmp_path, mode):
     """The debug model trained for 2 steps on CPU as one rank, bf16 autocast over fp32 parameters
     (as on one GPU): the estimate is the measured peak (parameters, AdamW states created at the
     first step, autocast copies, activations, gradients, foreach temporaries) within 5%."""
-    from titan.train.memory import measure_peak
-    from titan.train.trainer import Trainer
+    from titan.training.memory import measure_peak
+    from titan.training.trainer import Trainer
 
     config = _debug(mode, "--training.mixed_precision_param", "bfloat16", "--job.dump_folder", str(tmp_path))
     est = estimate_memory(config, 1)
@@ -173,8 +173,8 @@ def test_estimate_matches_cuda_peak(tmp_path, monkeypatch, mode):
     """The Llama 3 8B shape cut to 4 layers, seq 8192, one GPU, bf16 autocast, AdamW: the estimate
     is within 10% of torch.cuda.max_memory_allocated, and not above what the allocator reserved."""
 
-    from titan.train.memory import measure_peak
-    from titan.train.trainer import Trainer
+    from titan.training.memory import measure_peak
+    from titan.training.trainer import Trainer
 
     patch_flavors(monkeypatch, **{"8B_4layers": get_model_args("8B", n_layers=4)})
     config = load_config(["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder",

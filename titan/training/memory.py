@@ -158,7 +158,7 @@ def _fake_forward_backward_peak(model_cls: type, model_args, config: JobConfig, 
     the forward under autocast: the bf16 copies of the weights, the fp32 residual stream and norm
     outputs, and the casts saved for backward all exist there too, so the fake run does the same.
     """
-    from titan.train.loss import cross_entropy_sum
+    from titan.training.loss import cross_entropy_sum
 
     t = config.training
     ac = config.activation_checkpoint
@@ -204,7 +204,7 @@ def _optimizer_step_bytes(model: nn.Module, shards: int, config: JobConfig) -> i
     (groups step one after another); for-loop: exp_avg_sq.sqrt() / bias_correction holds two
     copies of the largest parameter at once; fused: none (one kernel updates in place).
     """
-    from titan.train.optim import param_groups
+    from titan.training.optim import param_groups
 
     impl = config.optimizer.implementation
     if impl == "fused":
@@ -279,7 +279,7 @@ def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
     )
 
 
-def measure_peak(trainer, steps: int) -> tuple[float, str]:  # noqa: ANN001 - titan.train.trainer.Trainer
+def measure_peak(trainer, steps: int) -> tuple[float, str]:  # noqa: ANN001 - titan.training.trainer.Trainer
     """Peak bytes of `steps` real training steps of `trainer` (one rank) on random tokens, and
     what was measured: on CUDA the allocator's max_memory_allocated (everything the process
     allocated, parameters included); elsewhere the parameters and buffers plus the peak of every

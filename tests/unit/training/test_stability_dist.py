@@ -23,8 +23,8 @@ LAYOUTS = {
 
 def _rank(rank: int, world: int, dump: str, layout: tuple[str, ...]) -> dict:
     from titan.config import load_config
-    from titan.train.stability import param_norm
-    from titan.train.trainer import Trainer
+    from titan.training.stability import param_norm
+    from titan.training.trainer import Trainer
 
     config = load_config([
         "--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", dump,

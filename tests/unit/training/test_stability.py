@@ -1,5 +1,5 @@
 """Spike detection and the non-finite policy on plain numbers (the trainer runs are in
-tests/unit/train/test_stability_training.py)."""
+tests/unit/training/test_stability_training.py)."""
 
 import math
 
@@ -9,7 +9,7 @@ import torch
 from titan.config import load_config
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
-from titan.train.stability import SpikeDetector, StabilityMonitor, param_norm, validate_stability_config
+from titan.training.stability import SpikeDetector, StabilityMonitor, param_norm, validate_stability_config
 
 
 def test_grad_norm_spike_counts_events_and_durations():

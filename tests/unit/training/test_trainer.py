@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.helpers.distributed import run_distributed
 from titan.config import load_config
-from titan.train.trainer import Trainer
+from titan.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
 SEQ, VOCAB = 32, 2048

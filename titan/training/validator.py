@@ -31,8 +31,8 @@ from torch.distributed.fsdp import FSDPModule
 from titan.config.job_config import JobConfig
 from titan.data import TitanDataLoader
 from titan.errors import TitanError
-from titan.train.loss import IGNORE_INDEX, cross_entropy_sum
-from titan.train.metrics import MetricsProcessor
+from titan.training.loss import IGNORE_INDEX, cross_entropy_sum
+from titan.training.metrics import MetricsProcessor
 from titan.parallel.dims import ParallelDims
 from titan.log import logger
 
@@ -70,8 +70,8 @@ class Validator:
         metrics: MetricsProcessor,
         forward_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        # config has passed validate_validation_config (titan.train.checks.validate_job, and with the
-        # layout: check_validation_layout, from titan.train.build.check_run_config)
+        # config has passed validate_validation_config (titan.training.checks.validate_job, and with the
+        # layout: check_validation_layout, from titan.training.build.check_run_config)
         v = config.validation
         self.freq, self.steps, self.last_step = v.freq, v.steps, config.training.steps
         self.model_parts = model_parts
@@ -80,7 +80,7 @@ class Validator:
         self.metrics = metrics
         if forward_loss_sum is not None:
             self.forward_loss_sum = forward_loss_sum  # type: ignore[method-assign]
-        self.loader = loader  # one pass over the held-out set (titan/train/build.py: build_loader)
+        self.loader = loader  # one pass over the held-out set (titan/training/build.py: build_loader)
         self._start = self.loader.state_dict()
         self.history: dict[int, float] = {}
 

@@ -9,7 +9,7 @@ import torch
 from titan.config import load_config
 from titan.config.choices import DType, OptimizerImplementation, WeightDecayExclude, choices
 from titan.errors import TitanError
-from titan.train.checks import load_job, validate_job
+from titan.training.checks import load_job, validate_job
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -47,7 +47,7 @@ def test_load_job_passes_the_shipped_configs():
 
 
 def test_trainer_validates_a_config_from_load_config_alone():
-    from titan.train.trainer import Trainer
+    from titan.training.trainer import Trainer
 
     with pytest.raises(TitanError, match="config key .optimizer.lr. got 0.0; valid: a number > 0"):
         Trainer(load_config(["--optimizer.lr", "0", "--training.seq_len", "32"]))
@@ -55,7 +55,7 @@ def test_trainer_validates_a_config_from_load_config_alone():
 
 def test_runtime_tables_match_the_config_choices():
     from titan.parallel.fsdp import DTYPES
-    from titan.train.optim import IMPLEMENTATIONS, WEIGHT_DECAY_EXCLUDE
+    from titan.training.optim import IMPLEMENTATIONS, WEIGHT_DECAY_EXCLUDE
 
     assert tuple(IMPLEMENTATIONS) == choices(OptimizerImplementation)
     assert tuple(WEIGHT_DECAY_EXCLUDE) == choices(WeightDecayExclude)

@@ -52,24 +52,24 @@ def _param_bytes(model_parts: list[nn.Module], num_params: int) -> tuple[int, fl
 def _peak_text(peak_flops: float | None, device_name: str, device: torch.device, float8: bool) -> str:
     if peak_flops:
         precision = "float8" if float8 else "bf16"
-        return (f"{peak_flops / 1e12:,.1f} TFLOP/s dense {precision} (titan/train/flops.py peak table,"
+        return (f"{peak_flops / 1e12:,.1f} TFLOP/s dense {precision} (titan/training/flops.py peak table,"
                 f" by device name {device_name!r})")
     if device.type != "cuda":
-        return "n/a (no peak for CPUs in titan/train/flops.py; MFU shows n/a)"
-    return f"n/a ({device_name!r} is not in the titan/train/flops.py peak table; MFU shows n/a)"
+        return "n/a (no peak for CPUs in titan/training/flops.py; MFU shows n/a)"
+    return f"n/a ({device_name!r} is not in the titan/training/flops.py peak table; MFU shows n/a)"
 
 
 def _memory_text(config: JobConfig, world_size: int, capacity: float | None, what: str) -> str:
-    from titan.train.memory import estimate_memory
+    from titan.training.memory import estimate_memory
 
     try:
         estimate = estimate_memory(config, world_size).total_bytes
     except Exception as e:  # noqa: BLE001 - the estimate informs; training does not depend on it
         first = str(e).splitlines()[0] if str(e) else ""
-        return f"n/a (titan/train/memory.py: {type(e).__name__}: {first[:200]})"
+        return f"n/a (titan/training/memory.py: {type(e).__name__}: {first[:200]})"
     if not capacity:
-        return f"{_size(estimate)} per rank (titan/train/memory.py); capacity unknown"
-    return f"{_size(estimate)} per rank of {_size(capacity)} {what}: {100 * estimate / capacity:.0f}% (titan/train/memory.py)"
+        return f"{_size(estimate)} per rank (titan/training/memory.py); capacity unknown"
+    return f"{_size(estimate)} per rank of {_size(capacity)} {what}: {100 * estimate / capacity:.0f}% (titan/training/memory.py)"
 
 
 def summary_rows(

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from titan.config.job_config import Optimizer as OptimizerConfig
 from titan.errors import TitanError
-from titan.train.optim import OptimizersContainer, build_optimizers, validate_optimizer_config
+from titan.training.optim import OptimizersContainer, build_optimizers, validate_optimizer_config
 
 
 class Tiny(nn.Module):

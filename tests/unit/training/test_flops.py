@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from titan.train.flops import get_peak_flops, mfu, transformer_flops_per_token
+from titan.training.flops import get_peak_flops, mfu, transformer_flops_per_token
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_float8_runs_report_mfu_against_the_bf16_peak(tmp_path, monkeypatch, cap
     import torch
 
     from titan.config.job_config import Job, JobConfig, Metrics
-    from titan.train.metrics import MetricsProcessor, strip_color
+    from titan.training.metrics import MetricsProcessor, strip_color
 
     _fake_h100(monkeypatch)
     cfg = JobConfig(job=Job(dump_folder=str(tmp_path)), metrics=Metrics(disable_color_printing=True))

@@ -16,7 +16,7 @@ import torch
 import train as train_entry
 from titan.config import load_config
 from titan.errors import TitanError
-from titan.train.trainer import Trainer
+from titan.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",

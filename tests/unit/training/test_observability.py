@@ -13,11 +13,11 @@ from tests.helpers.tiny import TINY
 from titan.config import load_config
 from titan.config.job_config import Job, JobConfig, Metrics
 from titan.errors import TitanError
-from titan.train.checks import load_job
-from titan.train.metrics import MetricsProcessor
+from titan.training.checks import load_job
+from titan.training.metrics import MetricsProcessor
 from titan.models.llama.model import Transformer
-from titan.train.optim import build_optimizers, cast_params_for_optimizer
-from titan.train.profiling import Profiler
+from titan.training.optim import build_optimizers, cast_params_for_optimizer
+from titan.training.profiling import Profiler
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from titan.config import load_config
-from titan.train.startup import _peak_text
-from titan.train.trainer import Trainer
+from titan.training.startup import _peak_text
+from titan.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
 ROWS = ("device", "world size, layout", "model", "parameter memory", "FLOPs per token", "peak FLOP/s for MFU",
@@ -43,8 +43,8 @@ def test_summary_rows_on_cpu(tmp_path, caplog):
     assert _row(summary, "model") == f"llama3 debugmodel: {trainer.num_params:,} parameters"
     assert _row(summary, "parameter memory").startswith(f"{trainer.num_params * 4 / 2**20:.1f} MiB in all (float32)")
     assert _row(summary, "FLOPs per token").startswith(f"{trainer.flops_per_token:,} ")
-    assert _row(summary, "peak FLOP/s for MFU").startswith("n/a (no peak for CPUs in titan/train/flops.py")
-    assert "% (titan/train/memory.py)" in _row(summary, "memory estimate")
+    assert _row(summary, "peak FLOP/s for MFU").startswith("n/a (no peak for CPUs in titan/training/flops.py")
+    assert "% (titan/training/memory.py)" in _row(summary, "memory estimate")
     assert "host RAM" in _row(summary, "memory estimate")
     # Saved once the run is committed to start: loading it gives the run's config back.
     again = load_config(["--job.config_file", str(tmp_path / "config.toml")])
@@ -53,10 +53,10 @@ def test_summary_rows_on_cpu(tmp_path, caplog):
 
 def test_peak_text_names_its_source():
     text = _peak_text(989e12, "NVIDIA H100 80GB HBM3", torch.device("cuda"), float8=False)
-    assert text == "989.0 TFLOP/s dense bf16 (titan/train/flops.py peak table, by device name 'NVIDIA H100 80GB HBM3')"
+    assert text == "989.0 TFLOP/s dense bf16 (titan/training/flops.py peak table, by device name 'NVIDIA H100 80GB HBM3')"
     assert "float8" in _peak_text(1979e12, "NVIDIA H100 80GB HBM3", torch.device("cuda"), float8=True)
     assert _peak_text(None, "Some GPU", torch.device("cuda"), float8=False).startswith(
-        "n/a ('Some GPU' is not in the titan/train/flops.py peak table")
+        "n/a ('Some GPU' is not in the titan/training/flops.py peak table")
 
 
 @pytest.mark.cuda

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 
-from titan.train.determinism import DeterministicMode
+from titan.training.determinism import DeterministicMode
 from tests.helpers.runs import signal_during
 from tests.helpers.runs import trainer as tiny_trainer
 
@@ -60,16 +60,16 @@ def test_disabled_changes_nothing(clean_env) -> None:
 
 @pytest.mark.slow
 def test_trainer_applies_it_before_the_device_and_restores_it(tmp_path, clean_env, monkeypatch) -> None:
-    import titan.train.trainer
+    import titan.training.trainer
 
     seen = {}
-    real_pick = titan.train.trainer.pick_device
+    real_pick = titan.training.trainer.pick_device
 
     def pick_device(local_rank: int) -> torch.device:
         seen["env"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
         return real_pick(local_rank)
 
-    monkeypatch.setattr(titan.train.trainer, "pick_device", pick_device)
+    monkeypatch.setattr(titan.training.trainer, "pick_device", pick_device)
     before = _settings()
     trainer = tiny_trainer(tmp_path, "--training.deterministic", "--training.steps", "2")
     assert seen["env"] == ":4096:8"  # exported before the device was chosen (and CUDA touched)

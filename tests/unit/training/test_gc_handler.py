@@ -8,7 +8,7 @@ import pytest
 
 from titan.config import load_config
 from titan.errors import TitanError
-from titan.train.gc_handler import GarbageCollection
+from titan.training.gc_handler import GarbageCollection
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -49,7 +49,7 @@ def test_bad_frequency_names_the_key():
 
 
 def _trainer(dump: Path):
-    from titan.train.trainer import Trainer
+    from titan.training.trainer import Trainer
 
     return Trainer(load_config([
         "--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", str(dump),

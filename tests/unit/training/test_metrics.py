@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import titan.train.metrics
+import titan.training.metrics
 from titan.config.job_config import Job, JobConfig, Metrics
-from titan.train.metrics import MetricsProcessor, strip_color
+from titan.training.metrics import MetricsProcessor, strip_color
 
 LINE = re.compile(
     r"^step: {1,2}\d+  loss: [ \d.-]{7}  grad_norm: [ \d.-]{7}  "
@@ -30,7 +30,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr(titan.train.metrics, "time", SimpleNamespace(perf_counter=c.perf_counter))
+    monkeypatch.setattr(titan.training.metrics, "time", SimpleNamespace(perf_counter=c.perf_counter))
     return c
 
 
@@ -94,7 +94,7 @@ def test_non_data_parallel_devices_share_throughput(tmp_path: Path, clock: Clock
 
 
 def test_colors(tmp_path: Path, clock: Clock, caplog, monkeypatch) -> None:
-    monkeypatch.setattr("titan.train.metrics.color_enabled", lambda disabled: not disabled)  # as on a terminal
+    monkeypatch.setattr("titan.training.metrics.color_enabled", lambda disabled: not disabled)  # as on a terminal
     mp = _processor(tmp_path, color=True)
     mp.count_tokens(100)
     clock.now += 1.0
