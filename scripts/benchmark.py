@@ -11,7 +11,7 @@ own, through the trainer's own loop (Trainer.train) with a metrics line every st
 steps are left out (compilation, allocator warm-up), the next ``steps`` are reported. Columns are
 medians over those steps of what the trainer logs: step time, tokens/s per device, TFLOP/s per
 device, MFU against the device's dense bf16 peak (float8 rows too, so rows compare; see
-titan/tools/flops.py), and the peak memory (CUDA max reserved, the trainer's memory column; peak
+titan/training/flops.py), and the peak memory (CUDA max reserved, the trainer's memory column; peak
 resident memory on CPU) and the last loss.
 
 Default config set: with CUDA, GPU_CONFIGS (eager, compile, float8 tensorwise / rowwise, AC
@@ -87,11 +87,11 @@ def run_single(argv: list[str], warmup: int, steps: int, out_path: str) -> None:
     """Inside one config's process: train warmup + steps steps, summarize the logged rows (rank 0)."""
     import torch
 
-    from titan.config import load_config
-    from titan.tools.flops import get_peak_flops
-    from titan.trainer import Trainer
+    from titan.training.checks import load_job
+    from titan.training.flops import get_peak_flops
+    from titan.training.trainer import Trainer
 
-    config = load_config(argv)
+    config = load_job(argv)
     config.job.dump_folder = os.path.dirname(out_path)
     config.training.steps = warmup + steps
     config.metrics.log_freq = 1

@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from titan.data import build_dataloader, build_tokenizer  # noqa: E402
 from titan.errors import TitanError  # noqa: E402
-from titan.tools.logging import init_logger  # noqa: E402
+from titan.log import init_logger  # noqa: E402
 
 
 def _docs(loader) -> int:

@@ -23,21 +23,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from titan.errors import TitanError  # noqa: E402
-from titan.interop import dcp as dcp_io  # noqa: E402
-from titan.interop import hf as hf_io  # noqa: E402
-from titan.models import get_flavor, get_model_spec  # noqa: E402
+from titan.checkpointing import model_dcp as dcp_io  # noqa: E402
+from titan.checkpointing import hf as hf_io  # noqa: E402
+from titan.models import get_model_spec  # noqa: E402
 from titan.parallel.fsdp import DTYPES  # noqa: E402
-
-
-def dcp_model_args(path: str, flavor: str | None, model: str = "llama3"):  # noqa: ANN201
-    """model_args.json if the folder has one, else the flavor reshaped to the tensors."""
-    dcp_io.model_tensor_metadata(path)  # a clear error first if this is no DCP model checkpoint
-    args = dcp_io.read_model_args(path)
-    if args is not None:
-        return args
-    if flavor is None:
-        raise TitanError(f"{path} has no {dcp_io.MODEL_ARGS_FILE}; pass --flavor (e.g. debugmodel, 8B)")
-    return dcp_io.infer_model_args(path, get_flavor(get_model_spec(model), flavor))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     to_hf = sub.add_parser("to_hf", help="titan DCP folder -> Hugging Face folder")
     to_hf.add_argument("dcp_dir")
     to_hf.add_argument("hf_dir")
+    to_hf.add_argument("--model", default="llama3", help="model family (as [model] name in the config)")
     to_hf.add_argument("--flavor", default=None, help="model flavor when the folder has no model_args.json")
     to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast (default: keep the saved dtype)")
     to_hf.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors file, GiB")
@@ -64,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         if a.cmd == "to_hf":
-            args = dcp_model_args(a.dcp_dir, a.flavor)
+            args = dcp_io.model_args_for(a.dcp_dir, get_model_spec(a.model), a.flavor)
             dtype = DTYPES[a.dtype] if a.dtype else None
             hf_io.export_dcp_to_hf(a.dcp_dir, a.hf_dir, args, int(a.max_shard_gb * 1024**3), dtype)
             print(f"wrote {a.hf_dir} (config.json, safetensors shards, {hf_io.INDEX_FILE})")

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from titan.interop.dcp import read_all_state  # noqa: E402
+from titan.checkpointing.model_dcp import read_all_state  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

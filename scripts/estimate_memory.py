@@ -7,7 +7,7 @@ Any config override works (e.g. --activation_checkpoint.mode full, --training.lo
 --measure_steps N also trains the config for N steps on random tokens in this process (one rank,
 CPU or one GPU) and prints the measured peak next to the estimate: on CUDA the allocator's
 max_memory_allocated, elsewhere the parameters plus the peak of every tensor storage allocated
-during the steps (titan.tools.memory.measure_peak). Tensor / pipeline / context parallel layouts
+during the steps (titan.training.memory.measure_peak). Tensor / pipeline / context parallel layouts
 are refused (the dry run, --job.dry_run, counts their per-rank parameters exactly).
 """
 
@@ -22,9 +22,9 @@ os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 from tabulate import tabulate  # noqa: E402
 
-from titan.config import load_config  # noqa: E402
+from titan.training.checks import load_job  # noqa: E402
 from titan.errors import TitanError  # noqa: E402
-from titan.tools.memory import estimate_memory, measure_peak  # noqa: E402
+from titan.training.memory import estimate_memory, measure_peak  # noqa: E402
 
 _MIB = 1024**2
 
@@ -43,7 +43,7 @@ def _pop_int(argv: list[str], flag: str, default: int) -> int:
 
 def measure(config, steps: int) -> tuple[float, str]:
     """Train `steps` steps on random tokens in this process; (peak bytes, what was measured)."""
-    from titan.trainer import Trainer
+    from titan.training.trainer import Trainer
 
     config.metrics.enable_tensorboard = False
     return measure_peak(Trainer(config), steps)
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> None:
     argv = list(argv)
     world_size = _pop_int(argv, "--world_size", 1)
     measure_steps = _pop_int(argv, "--measure_steps", 0)
-    config = load_config(argv)
+    config = load_job(argv)
     est = estimate_memory(config, world_size)
     t = config.training
     print(

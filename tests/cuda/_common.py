@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from titan.config import load_config
-from titan.trainer import Trainer
+from titan.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,11 +1,11 @@
-"""titan/interop/generate.py on the GPU: the same greedy tokens as on the CPU, cache == recompute."""
+"""titan/tools/generate.py on the GPU: the same greedy tokens as on the CPU, cache == recompute."""
 
 import pytest
 import torch
 
-from tests.unit.interop.test_hf import random_model, small_args
-from titan.interop.generate import generate, load_model
-from titan.interop.hf import save_hf
+from tests.helpers.tiny import random_model, small_args
+from titan.tools.generate import generate, load_model
+from titan.checkpointing.hf import save_hf
 
 pytestmark = pytest.mark.cuda
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from titan.config import load_config
-from titan.profiling import Profiler
+from titan.training.profiling import Profiler
 
 pytestmark = pytest.mark.cuda
 

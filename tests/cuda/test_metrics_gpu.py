@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.cuda._common import metric_rows, train
-from titan.tools.flops import get_peak_flops
+from titan.training.flops import get_peak_flops
 
 pytestmark = pytest.mark.cuda
 
@@ -20,7 +20,7 @@ def test_tps_mfu_memory_columns_are_sane(tmp_path, caplog):
         assert 0 < row["memory/max_reserved(GiB)"] < capacity_gib, row
         assert 0 < row["memory/max_active(GiB)"] <= row["memory/max_reserved(GiB)"], row
         assert 0 < row["memory/max_reserved(%)"] < 100, row
-        if peak is None:  # a GPU missing from titan/tools/flops.py: MFU is n/a, not made up
+        if peak is None:  # a GPU missing from titan/training/flops.py: MFU is n/a, not made up
             assert "mfu(%)" not in row
         else:
             assert 0 < row["mfu(%)"] < 100, row

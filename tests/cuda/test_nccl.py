@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.cuda
 

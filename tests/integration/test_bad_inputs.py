@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import cpu_env
+from tests.helpers.distributed import cpu_env
 import train
 from titan.checkpointing.folders import MARKER
 from titan.errors import TitanError
@@ -31,7 +31,7 @@ TINY = ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--tr
 def _main(argv):
     """train.main, with the titan logger writing to this test's captured stderr (its handler keeps
     the stream of the test that created it; setStream would flush that closed one)."""
-    from titan.tools.logging import logger
+    from titan.log import logger
 
     for h in logger.handlers:
         if isinstance(h, logging.StreamHandler):
@@ -73,7 +73,7 @@ def dry(*extra):
     (["--training.stpes", "3"], ["unknown config key 'training.stpes'", "did you mean 'training.steps'"]),
     (["--training.steps", "ten"], ["'training.steps'", "'ten'", "int"]),
     (["--training.steps", "-3"], ["'training.steps'", "-3", ">= 1"]),
-    (["--optimizer.lr", "-0.1"], ["optimizer.lr must be > 0, got -0.1"]),
+    (["--optimizer.lr", "-0.1"], ["config key 'optimizer.lr' got -0.1; valid: a number > 0"]),
     (["--model.flavor", "giant"], ["'model.flavor' got 'giant'", "debugmodel"]),
     (["--model.name", "gpt9"], ["'model.name' got 'gpt9'; valid: llama3"]),
     (["--job.config_file", "/nonexistent/x.toml"], ["config file '/nonexistent/x.toml' does not exist"]),
@@ -219,10 +219,11 @@ def test_torn_step_warned_and_skipped(capsys, tmp_path, two_steps_saved):
 def test_checkpoint_of_a_different_model_shape(capsys, tmp_path, two_steps_saved, monkeypatch):
     import dataclasses
 
-    from titan.models.llama.args import llama3_configs
+    from tests.helpers.tiny import patch_flavors
+    from titan.models.llama.args import get_model_args
 
     before = _snapshot(two_steps_saved)
-    monkeypatch.setitem(llama3_configs, "debugmodel", dataclasses.replace(llama3_configs["debugmodel"], dim=128))
+    patch_flavors(monkeypatch, debugmodel=dataclasses.replace(get_model_args("debugmodel"), dim=128))
     fail(capsys, _ckpt(tmp_path, "--training.steps", "4"), str(two_steps_saved / "step-2"),
          "tok_embeddings.weight", "[2048, 256]", "[2048, 128]")
     assert _snapshot(two_steps_saved) == before
@@ -289,13 +290,13 @@ def test_sigkill_of_one_of_two_ranks_ends_the_job(tmp_path):
 def test_rank_waiting_on_a_lost_peer_says_so_in_one_line(capsys, monkeypatch, tmp_path):
     import torch.distributed as dist
 
-    import titan.trainer
+    import titan.training.trainer
 
     class Lost:
         def __init__(self, config):
             raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:186. This is typically ...")
 
-    monkeypatch.setattr(titan.trainer, "Trainer", Lost)
+    monkeypatch.setattr(titan.training.trainer, "Trainer", Lost)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr("titan.parallel.utils.destroy_distributed", lambda: None)
     monkeypatch.setenv("RANK", "0")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import cpu_env
+from tests.helpers.distributed import cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -59,10 +59,10 @@ def test_gpu_config_set_names_the_issue_rows():
 
 
 def test_the_issue_preset_is_a_valid_config():
-    from titan.config import load_config
+    from titan.training.checks import load_job
     preset = benchmark.PRESETS["llama3_8b_8layers"]
-    config = load_config(preset["args"])
+    config = load_job(preset["args"])
     assert (config.training.seq_len, config.training.local_batch_size, config.model.n_layers) == (8192, 1, 8)
     assert (preset["warmup"], preset["steps"]) == (10, 20)  # medians over steps 11-30
     for _, extra in benchmark.GPU_CONFIGS:
-        load_config(preset["args"] + extra.split())
+        load_job(preset["args"] + extra.split())

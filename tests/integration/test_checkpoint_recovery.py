@@ -4,7 +4,6 @@ complete save before it and another after it; more steps only add run time)."""
 
 import importlib.util
 import pickle
-import re
 import signal
 import subprocess
 import sys
@@ -13,30 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import cpu_env
-
-REPO = Path(__file__).resolve().parents[2]
-STEP_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
-TINY = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
-        "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-        "--metrics.disable_color_printing", "--checkpoint.enable"]
+from tests.helpers.runs import REPO, STEP_RE, TINY_CKPT, run_env, train_subprocess
 
 pytestmark = pytest.mark.slow
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = cpu_env(**extra)
-    if "TITAN_DEBUG_KILL_AT" not in extra:
-        env.pop("TITAN_DEBUG_KILL_AT", None)
-    return env
-
-
-def _train(folder: Path, *args: str, kill_at: str = "") -> tuple[int, str, dict[int, str]]:
-    cmd = [sys.executable, "train.py", *TINY, "--job.dump_folder", str(folder), *args]
-    env = _env(TITAN_DEBUG_KILL_AT=kill_at) if kill_at else _env()
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    text = out.stdout + out.stderr
-    return out.returncode, text, {int(m[1]): m[2] for m in STEP_RE.finditer(text)}
 
 
 def _to_torch(ckpt: Path, dst: Path) -> dict:
@@ -78,24 +56,24 @@ def _same(a: dict, b: dict) -> list[str]:
 
 def test_kill_9_at_several_points_then_resume(tmp_path):
     args = ["--training.steps", "6", "--checkpoint.interval", "2"]
-    rc, text, ref = _train(tmp_path / "ref", *args)
+    rc, text, ref = train_subprocess(tmp_path / "ref", *args)
     assert rc == 0 and sorted(ref) == list(range(1, 7)), text[-3000:]
 
     run = tmp_path / "run"
     ckpt = run / "checkpoint"
     # 1) async save of step 4: every file and DCP's .metadata written, killed before the commit
-    rc, text, _ = _train(run, *args, "--checkpoint.async_mode", "async", kill_at="save:step=4")
+    rc, text, _ = train_subprocess(run, *args, "--checkpoint.async_mode", "async", kill_at="save:step=4")
     assert rc == -signal.SIGKILL, text[-3000:]
     assert (ckpt / "step-2/COMPLETE").is_file()
     assert (ckpt / "step-4/.metadata").is_file() and not (ckpt / "step-4/COMPLETE").exists()
     # 2) restart: step 4 is torn, so resume from 2; killed right after step 5, before any save
-    rc, text, steps = _train(run, *args, kill_at="step=5")
+    rc, text, steps = train_subprocess(run, *args, kill_at="step=5")
     assert rc == -signal.SIGKILL, text[-3000:]
     assert "step-4 is incomplete" in text and "resumed from" in text and "step-2: step 2" in text, text[-3000:]
     assert sorted(steps) == [3, 4, 5] and all(steps[s] == ref[s] for s in steps), (steps, ref)
     assert (ckpt / "step-4/COMPLETE").is_file() and not (ckpt / "step-6").exists()
     # 3) restart: resume from 4 and finish exactly like the uninterrupted run
-    rc, text, steps = _train(run, *args)
+    rc, text, steps = train_subprocess(run, *args)
     assert rc == 0 and "step-4: step 4" in text, text[-3000:]
     assert steps == {5: ref[5], 6: ref[6]}
     # bitwise: final weights, optimizer moments, LR, data position, RNG all equal the reference
@@ -111,9 +89,9 @@ def test_kill_9_at_several_points_then_resume(tmp_path):
 
 
 def test_sigterm_saves_current_step_and_exits_0(tmp_path):
-    cmd = [sys.executable, "train.py", *TINY, "--job.dump_folder", str(tmp_path), "--training.steps", "200",
+    cmd = [sys.executable, "train.py", *TINY_CKPT, "--job.dump_folder", str(tmp_path), "--training.steps", "200",
            "--checkpoint.interval", "1000"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
         for line in proc.stdout:

@@ -48,7 +48,7 @@ def test_estimator_arguments(launch, tmp_path):
     assert channel["DataSource"]["S3DataSource"]["S3DataDistributionType"] == "FullyReplicated"
     # The staged source holds what the job runs, and not the repo's outputs or tests.
     assert (tmp_path / "train.py").is_file() and (tmp_path / "train_configs/llama3_70b.toml").is_file()
-    assert (tmp_path / "titan/trainer.py").is_file() and not (tmp_path / "tests").exists()
+    assert (tmp_path / "titan/training/trainer.py").is_file() and not (tmp_path / "tests").exists()
 
 
 def test_hyperparameters_pass_through_titans_parser(launch):

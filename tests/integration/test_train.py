@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import cpu_env
+from tests.helpers.distributed import cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
 STEP_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+grad_norm:\s*([0-9.]+)")

@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = ["titan", "scripts", "examples", "tests", "train.py"]
 # Modules imported by name (a string) rather than an import statement.
-DYNAMIC = {"torchao"}  # titan.tools.logging.import_torchao("torchao.float8"), ("torchao.optim")
+DYNAMIC = {"torchao"}  # titan.log.import_torchao("torchao.float8"), ("torchao.optim")
 
 
 def _normalize(name: str) -> str:
@@ -35,7 +35,7 @@ def _declared() -> set[str]:
 def _imported_top_level() -> dict[str, str]:
     """Top-level module -> one file importing it (absolute imports outside the repo's own)."""
     local = {"titan", "tests", "scripts", "train"} | {p.stem for p in (REPO / "scripts").glob("*.py")}
-    found: dict[str, str] = {m: "titan/tools/logging.py" for m in DYNAMIC}
+    found: dict[str, str] = {m: "titan/log.py" for m in DYNAMIC}
     for source in SOURCES:
         path = REPO / source
         files = [path] if path.is_file() else sorted(path.rglob("*.py"))
@@ -69,9 +69,9 @@ def test_every_import_is_declared():
 def test_torchao_import_prints_nothing():
     """titan's own torchao imports (float8, bf16 AdamW) without TORCHAO_FORCE_SKIP_LOADING_SO_FILES
     in the environment: no shared-library errors, no skip notice, no deprecation line. (A whole
-    training run with float8 is checked in tests/unit/tools/test_logging.py.)"""
+    training run with float8 is checked in tests/unit/test_log.py.)"""
     env = {k: v for k, v in os.environ.items() if k != "TORCHAO_FORCE_SKIP_LOADING_SO_FILES"}
-    code = ("import titan.optim as o; from titan.tools.logging import import_torchao;"
+    code = ("import titan.training.optim as o; from titan.log import import_torchao;"
             " import_torchao('torchao.float8').convert_to_float8_training; o._bf16_sr_adamw()")
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

@@ -1,3 +1,3 @@
-"""Checkpoint package: titan/checkpointing/manager.py (CheckpointManager, re-exported by
-titan/checkpoint.py) with loading, folders and commit, manifest, lock, config diff, failure
-handling, staging, state dicts, preemption."""
+"""Checkpointing, one package: the manager (saves and loads the Stateful objects it is handed),
+folders and atomic commit, manifest, lock, config diff, save failures, async staging, preemption,
+preflight, and the model-weight formats (model-only DCP folders, Hugging Face folders)."""

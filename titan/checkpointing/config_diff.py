@@ -16,18 +16,20 @@ change freely between restarts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import dataclasses
 import json
 import os
+from types import MappingProxyType
 from typing import Any
 
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 CONFIG_FILE = "config.json"
 
 # section -> keys compared (None: every key of the section) / keys never compared.
-_RELEVANT: dict[str, tuple[str, ...] | None] = {
+_RELEVANT: Mapping[str, tuple[str, ...] | None] = MappingProxyType({
     "model": ("name", "flavor", "tokenizer_path"),
     "optimizer": None,
     "lr_scheduler": None,
@@ -36,9 +38,9 @@ _RELEVANT: dict[str, tuple[str, ...] | None] = {
                  "dataset_infinite"),
     "float8": ("enable_float8_linear", "recipe"),
     "effective": None,
-}
+})
 # Kernel choices that give the same optimizer math.
-_FREE = {"optimizer": ("implementation",)}
+_FREE = MappingProxyType({"optimizer": ("implementation",)})
 POLICIES = ("error", "use_checkpoint", "use_new")
 # Read before the dump folder is even looked at (model flavor, batch shape): use_checkpoint names
 # the flag to pass instead of changing them under a half-built run.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from types import MappingProxyType
 from typing import Iterator
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -20,13 +21,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 # Below this much free space after a failed write, the disk being full is the cause.
 FULL_DISK_BYTES = 1 << 20
 
-_CAUSES = {
+_CAUSES = MappingProxyType({
     errno.ENOSPC: ("no space left on device", "free disk space or set job.dump_folder on a larger disk"),
     errno.EDQUOT: ("disk quota exceeded", "free space within your quota or set job.dump_folder elsewhere"),
     errno.EROFS: ("read-only file system", "remount it read-write or set job.dump_folder on a writable disk"),
     errno.EACCES: ("permission denied", "fix the folder's permissions or set job.dump_folder elsewhere"),
     errno.EPERM: ("permission denied", "fix the folder's permissions or set job.dump_folder elsewhere"),
-}
+})
 
 
 def rank_errors(error: BaseException) -> Iterator[tuple[int | None, BaseException]]:

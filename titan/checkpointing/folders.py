@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -122,7 +122,20 @@ def prune(root: str, keep_latest_k: int) -> None:
     for f in found:
         if f.step not in keep and (f.complete or f.step < newest):
             logger.info(f"keep_latest_k={keep_latest_k}: deleting {f.path}")
-            shutil.rmtree(f.path, ignore_errors=True)
+            delete(f.path)
+
+
+def delete(path: str, ignore_errors: bool = True) -> None:
+    """Remove a step folder, its marker first: a kill in the middle leaves a torn folder (skipped,
+    removed by the next prune), never one that is marked complete with files missing."""
+    try:
+        os.remove(os.path.join(path, MARKER))
+    except FileNotFoundError:
+        pass
+    except OSError:
+        if not ignore_errors:
+            raise
+    shutil.rmtree(path, ignore_errors=ignore_errors)
 
 
 class DebugKill:

@@ -1,8 +1,9 @@
-"""Loading a checkpoint into a trainer: auto-resume, load_step, initial_load_path, seed.
+"""Loading a checkpoint into the manager's states: auto-resume, load_step, initial_load_path, seed.
 
 Which checkpoint (newest intact, verified against its manifest) and whether its config may be
 used were settled before the trainer was built (titan/checkpointing/resume.py); this module reads
-it into the built model, optimizers, schedulers, data loader and train state.
+it into the Stateful objects the trainer handed the manager: the built model, optimizers,
+schedulers, data loader and train state.
 """
 
 from __future__ import annotations
@@ -18,17 +19,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from titan.checkpointing.failure import explain
 from titan.checkpointing.folders import Found
 from titan.checkpointing.preflight import check_no_later_checkpoints, clear_for_fresh_start
-from titan.checkpointing.states import (
-    RNG_KEY,
-    load_dataloader,
-    load_model_state,
-    model_state,
-    saved_dp_ranks,
-    set_rng_state,
-)
-from titan.config.validate import CHECKPOINT_PARTS
+from titan.checkpointing.states import RNG_KEY, load_dataloader, saved_dp_ranks, set_rng_state
+from titan.config.choices import CHECKPOINT_PARTS
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 
 def checkpoint_keys(path: str) -> set[str]:
@@ -58,17 +52,19 @@ def check_shapes(path: str, state: dict[str, Any], prefix: str = "") -> None:
     walk(state, prefix)
 
 
-def _hyperparameters(trainer: Any) -> tuple[list[list[dict]], list[list[float]]]:
-    """This run's optimizer param-group settings and scheduler base lrs (from its config)."""
-    groups = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in trainer.optimizers]
-    return groups, [list(s.base_lrs) for s in trainer.lr_schedulers.schedulers]
+def _hyperparameters(optimizers: Any, lr_schedulers: Any) -> tuple[list[list[dict]], list[list[float]]]:
+    """This run's optimizer param-group settings and scheduler base lrs (from its config), read
+    from the optimizer container (one optimizer per model part) and the scheduler container."""
+    groups = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers]
+    return groups, [list(s.base_lrs) for s in lr_schedulers.schedulers]
 
 
-def _restore_hyperparameters(trainer: Any, saved: tuple[list[list[dict]], list[list[float]]]) -> None:
+def _restore_hyperparameters(optimizers: Any, lr_schedulers: Any,
+                             saved: tuple[list[list[dict]], list[list[float]]]) -> None:
     """checkpoint.config_mismatch = use_new: the loaded optimizer/scheduler state carries the old
     run's lr, betas, ...; put this run's back and recompute the lr of the current step."""
     groups, base_lrs = saved
-    for opt, sched, opt_groups, bases in zip(trainer.optimizers, trainer.lr_schedulers.schedulers, groups, base_lrs):
+    for opt, sched, opt_groups, bases in zip(optimizers, lr_schedulers.schedulers, groups, base_lrs):
         sched.base_lrs = list(bases)
         for group, fresh, base, fn in zip(opt.param_groups, opt_groups, bases, sched.lr_lambdas):
             group.update(fresh)
@@ -78,8 +74,8 @@ def _restore_hyperparameters(trainer: Any, saved: tuple[list[list[dict]], list[l
 
 
 class Loading:
-    """Loading half of CheckpointManager (needs cfg, trainer, root, rank, overwrite, start, _agree,
-    _dist_kwargs)."""
+    """Loading half of CheckpointManager (needs cfg, the states, root, rank, dp_rank, dp_degree,
+    overwrite, start, _agree, _dcp)."""
 
     def load(self) -> None:
         """Auto-resume from this run's folder, or start from initial_load_path, or start fresh."""
@@ -98,7 +94,7 @@ class Loading:
                 self._load_model_only(found.path)
             else:
                 self._load_full(found.path, set(self.cfg.exclude_from_loading))
-                logger.info(f"resumed from {found.path}: step {self.trainer.step}")
+                logger.info(f"resumed from {found.path}: step {self.train_state.step}")
             self.last_saved_step = found.step
             return
         path = self.cfg.initial_load_path
@@ -106,9 +102,9 @@ class Loading:
             logger.info(f"no checkpoint in {self.root}: starting from scratch")
             return
         if self.cfg.initial_load_in_hf:
-            from titan.interop.hf import load_hf_into_model
+            from titan.checkpointing.hf import load_hf_into_model
 
-            load_hf_into_model(self.trainer.model_parts, path)
+            load_hf_into_model(self.model.parts, path)
             logger.info(f"loaded Hugging Face weights from checkpoint.initial_load_path {path}")
             return
         self._agree(lambda: os.path.isfile(os.path.join(path, ".metadata")) or _raise_missing(path))
@@ -117,11 +113,11 @@ class Loading:
             logger.info(f"loaded model weights from checkpoint.initial_load_path {path}")
         else:
             self._load_full(path, set(self.cfg.exclude_from_loading))
-            logger.info(f"loaded checkpoint.initial_load_path {path}: step {self.trainer.step}")
+            logger.info(f"loaded checkpoint.initial_load_path {path}: step {self.train_state.step}")
 
     def _dcp_load(self, state: dict[str, Any], path: str) -> None:
         try:
-            dcp.load(state, checkpoint_id=path, **self._dist_kwargs())
+            self._dcp(dcp.load, state, path)
         except (Exception, CheckpointException) as e:
             cause, _ = explain(e, path)
             raise TitanError(f"reading {path} failed ({cause}); load another checkpoint with --checkpoint.load_step N"
@@ -129,23 +125,18 @@ class Loading:
 
     def _load_model_only(self, path: str) -> None:
         keys = self._agree(lambda: checkpoint_keys(path))
-        state = model_state(self.trainer.model_parts)
+        state = self.model.state_dict()
         nested = any(k.startswith("model.") for k in keys)  # a full checkpoint nests the model
         self._agree(lambda: check_shapes(path, state, "model." if nested else ""))
         self._dcp_load({"model": state} if nested else state, path)
-        load_model_state(self.trainer.model_parts, state)
+        self.model.load_state_dict(state)
 
     def _load_full(self, path: str, exclude: set[str]) -> None:
-        t = self.trainer
         keys = self._agree(lambda: checkpoint_keys(path))
         parts = [p for p in CHECKPOINT_PARTS if p not in exclude]
-        state: dict[str, Any] = {}
-        if "model" in parts:
-            state["model"] = model_state(t.model_parts)
-        if "optimizer" in parts:
-            state["optimizer"] = t.optimizers.state_dict()
-        if "lr_scheduler" in parts:
-            state["lr_scheduler"] = t.lr_schedulers.state_dict()
+        # DCP loads in place into these dicts; each Stateful then takes its own back.
+        by_name = {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler}
+        state: dict[str, Any] = {name: by_name[name].state_dict() for name in by_name if name in parts}
         rng_key = None
         if "train_state" in parts:
             if "train_state" not in keys:
@@ -157,30 +148,26 @@ class Loading:
             if rng_key is not None:
                 state["rng"] = {rng_key.split(".", 1)[1]: b""}
         dp_ranks = saved_dp_ranks(keys) if "dataloader" in parts else []
-        dp_degree = t.parallel_dims.dp_degree
         if dp_ranks:
-            wanted = [t.dp_rank] if len(dp_ranks) == dp_degree else dp_ranks
+            wanted = [self.dp_rank] if len(dp_ranks) == self.dp_degree else dp_ranks
             state["dataloader"] = {f"dp_rank_{r}": b"" for r in wanted}
         self._agree(lambda: check_shapes(path, {"model": state["model"]} if "model" in state else {}))
-        fresh = _hyperparameters(t)
+        fresh = _hyperparameters(self.optimizer, self.lr_scheduler)
         self._dcp_load(state, path)
-        if "model" in state:
-            load_model_state(t.model_parts, state["model"])
-        if "optimizer" in state:
-            t.optimizers.load_state_dict(state["optimizer"])
-        if "lr_scheduler" in state:
-            t.lr_schedulers.load_state_dict(state["lr_scheduler"])
+        for name, stateful in by_name.items():
+            if name in state:
+                stateful.load_state_dict(state[name])
         if self.start.config_diff and self.cfg.config_mismatch == "use_new":
-            _restore_hyperparameters(t, fresh)
-            logger.info(f"checkpoint.config_mismatch=use_new: lr for the next step is {t.lr_schedulers.get_last_lr():.3g}")
+            _restore_hyperparameters(self.optimizer, self.lr_scheduler, fresh)
+            logger.info("checkpoint.config_mismatch=use_new: lr for the next step is"
+                        f" {self.lr_scheduler.get_last_lr():.3g}")
         if "train_state" in state:
-            train_state = pickle.loads(state["train_state"])
-            t.step, t.tokens_seen = train_state["step"], train_state["tokens_seen"]
+            self.train_state.load_state_dict(pickle.loads(state["train_state"]))
             if rng_key is not None:
                 set_rng_state(next(iter(state["rng"].values())))
         if "dataloader" in state:
             blobs = {int(k.rsplit("_", 1)[1]): v for k, v in state["dataloader"].items()}
-            load_dataloader(t.dataloader, blobs, t.dp_rank, len(dp_ranks), dp_degree)
+            load_dataloader(self.dataloader, blobs, self.dp_rank, len(dp_ranks), self.dp_degree)
         elif "dataloader" in parts:
             logger.warning(f"{path} holds no data loader state: the data starts from its beginning")
 

@@ -16,7 +16,7 @@ import socket
 import time
 
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 LOCK_NAME = ".titan.lock"
 

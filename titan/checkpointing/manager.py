@@ -1,9 +1,10 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): save, async save, resume, seed, export.
 
-One ``CheckpointManager`` per trainer. It saves the model parts, optimizers, LR schedulers, the
-data loader of every DP rank, and the train state (step, tokens seen, per-rank RNG) as one DCP
-checkpoint in ``<job.dump_folder>/<checkpoint.folder>/step-N`` (keys: states.py; commit protocol:
-folders.py). DCP reshards on load, so any FSDP/DDP layout reads any other's checkpoint.
+One ``CheckpointManager`` per trainer. The trainer hands it Stateful objects (model parts,
+optimizers, LR schedulers, data loader, train state: states.py) and the facts of its layout (world
+size, rank, DP rank and degree); it never reads the trainer. It saves those states (the data
+loader's of every DP rank) and each rank's RNG as one DCP checkpoint in
+``<job.dump_folder>/<checkpoint.folder>/step-N`` (keys: states.py; commit protocol: folders.py). DCP reshards on load, so any FSDP/DDP layout reads any other's checkpoint.
 
 A save is committed in this order: rank 0 writes ``config.json`` (config_diff.py) into the empty
 folder, DCP writes every rank's files and ``.metadata``, rank 0 hashes every file into
@@ -29,33 +30,30 @@ import os
 import pickle
 import shutil
 import time
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.checkpoint.stateful import Stateful
 
 from titan.checkpointing import config_diff
 from titan.checkpointing.failure import explain
-from titan.checkpointing.folders import DebugKill, prune, scan, step_dir, write_marker
+from titan.checkpointing.folders import DebugKill, delete, prune, scan, step_dir, write_marker
 from titan.checkpointing.loading import Loading
 from titan.checkpointing.manifest import write_manifest
 from titan.checkpointing.preemption import PreemptionWatcher
 from titan.checkpointing.preflight import check_checkpoint_folder, checkpoint_bytes
 from titan.checkpointing.resume import RunStart, agree, choose_intact
-from titan.checkpointing.states import RNG_KEY, model_state, rng_state
+from titan.checkpointing.states import RNG_KEY, ModelParts, TrainState, dcp_call, rng_state
 from titan.errors import TitanError
 from titan.parallel.fsdp import DTYPES
-from titan.tools.logging import logger
+from titan.log import logger
 
 __all__ = ["CheckpointManager"]
-
-# One-process runs pass no_dist=True on purpose; DCP still warns about it on every call.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 @dataclass
@@ -69,21 +67,27 @@ class _Pending:
 
 
 class CheckpointManager(Loading):
-    """Owns saving and loading for ``trainer`` (its model_parts, optimizers, lr_schedulers,
-    dataloader, parallel_dims, dp_rank, step, tokens_seen). ``start`` is what resume.prepare_run
-    settled; without it (tests, tools) the checkpoint to resume from is chosen here."""
+    """Saves and loads the Stateful objects it is handed. ``config`` is the whole job config (its
+    checkpoint section, training.steps, job.dump_folder and job.overwrite drive the manager; all of
+    it is recorded in each checkpoint). ``world_size``, ``rank``, ``dp_rank`` and ``dp_degree`` name
+    the per-rank keys and the layout a checkpoint was written with; ``num_params`` sizes the disk
+    preflight. ``start`` is what resume.prepare_run settled; without it (tests, tools) the
+    checkpoint to resume from is chosen here."""
 
-    def __init__(self, config: Any, trainer: Any, start: RunStart | None = None) -> None:
+    def __init__(self, config: Any, *, model: ModelParts, optimizer: Stateful, lr_scheduler: Stateful,
+                 dataloader: Stateful, train_state: TrainState, world_size: int, rank: int, dp_rank: int,
+                 dp_degree: int, num_params: int, start: RunStart | None = None) -> None:
         self.config = config
         self.cfg = config.checkpoint
-        self.trainer = trainer
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.dataloader, self.train_state = dataloader, train_state
         self.total_steps = config.training.steps
         self.root = os.path.join(config.job.dump_folder, self.cfg.folder)
-        self.world_size = trainer.parallel_dims.world_size
+        self.world_size = world_size
         if self.cfg.create_seed_checkpoint and self.world_size != 1:
             raise TitanError(f"checkpoint.create_seed_checkpoint needs 1 process without parallelism; this run has "
                              f"{self.world_size} ranks (run it with plain `python train.py`)")
-        self.rank = dist.get_rank() if self.world_size > 1 else 0
+        self.rank, self.dp_rank, self.dp_degree = rank, dp_rank, dp_degree
         self.enabled = self.cfg.enable or self.cfg.create_seed_checkpoint
         distributed = self.enabled and self.world_size > 1
         self.save_pg = dist.new_group(backend="gloo") if distributed else None
@@ -100,7 +104,7 @@ class CheckpointManager(Loading):
         self.last_saved_step = -1
         self.overwrite = config.job.overwrite
         if self.enabled:
-            need = checkpoint_bytes(getattr(trainer, "num_params", 0))
+            need = checkpoint_bytes(num_params)
             self._agree(lambda: check_checkpoint_folder(self.root, need))
         if start is None:
             resuming = self.cfg.enable and (self.cfg.load_step >= 0 or not self.overwrite)
@@ -110,18 +114,20 @@ class CheckpointManager(Loading):
 
     # ------------------------------------------------------------------ state dicts
     def _full_state(self) -> dict[str, Any]:
-        t = self.trainer
         return {
-            "model": model_state(t.model_parts),
-            "optimizer": t.optimizers.state_dict(),
-            "lr_scheduler": t.lr_schedulers.state_dict(),
-            "train_state": pickle.dumps({"step": t.step, "tokens_seen": t.tokens_seen}),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "train_state": pickle.dumps(self.train_state.state_dict()),
             "rng": {RNG_KEY.format(self.rank).split(".", 1)[1]: rng_state()},
-            "dataloader": {f"dp_rank_{t.dp_rank}": pickle.dumps(t.dataloader.state_dict())},
+            "dataloader": {f"dp_rank_{self.dp_rank}": pickle.dumps(self.dataloader.state_dict())},
         }
 
-    def _dist_kwargs(self) -> dict[str, Any]:
-        return {"process_group": self.save_pg} if self.world_size > 1 else {"no_dist": True}
+    def _dcp(self, call: Callable[..., Any], state: dict[str, Any], path: str, **kwargs: Any) -> Any:
+        """``dcp.save``/``async_save``/``load`` on the checkpoint group, or with no_dist in a
+        one-process run."""
+        dist_kwargs = {"process_group": self.save_pg} if self.world_size > 1 else {"no_dist": True}
+        return dcp_call(call, state, checkpoint_id=path, **dist_kwargs, **kwargs)
 
     # ------------------------------------------------------------------ saving
     def _prepare_folder(self, path: str) -> None:
@@ -131,9 +137,9 @@ class CheckpointManager(Loading):
             try:
                 if os.path.exists(path):
                     logger.info(f"replacing existing {path}")
-                    shutil.rmtree(path)
+                    delete(path, ignore_errors=False)
                 os.makedirs(path)
-                tree = config_diff.snapshot(self.config, self.trainer.parallel_dims.dp_degree)
+                tree = config_diff.snapshot(self.config, self.dp_degree)
                 config_diff.write_config(path, tree)
             except OSError as e:  # every rank raises it, so all take the same failure path
                 return e.errno, e.strerror
@@ -151,16 +157,16 @@ class CheckpointManager(Loading):
             self._prepare_folder(path)
             if model_only:
                 dtype = DTYPES[self.cfg.export_dtype] if step > 0 else None
-                state: dict[str, Any] = model_state(self.trainer.model_parts, dtype)
+                state: dict[str, Any] = self.model.state_dict(dtype)
             else:
                 state = self._full_state()
             if self.cfg.async_mode == "disabled" or blocking:
-                dcp.save(state, checkpoint_id=path, **self._dist_kwargs())
+                self._dcp(dcp.save, state, path)
                 if self.rank == 0:
                     write_manifest(path)
                 self._commit(step, path, model_only, t0)
                 return
-            result = dcp.async_save(state, checkpoint_id=path, async_stager=self._stager, **self._dist_kwargs())
+            result = self._dcp(dcp.async_save, state, path, async_stager=self._stager)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             self._save_failed(step, path, e, final or blocking)
             return
@@ -182,7 +188,7 @@ class CheckpointManager(Loading):
         self.debug_kill("save", step)
         if self.rank == 0:
             write_marker(path, step, model_only=model_only, world_size=self.world_size,
-                         dp_degree=self.trainer.parallel_dims.dp_degree)
+                         dp_degree=self.dp_degree)
             prune(self.root, self.cfg.keep_latest_k)
         self.last_saved_step = step
         kind = "model-only " + self.cfg.export_dtype if model_only else "full"
@@ -272,10 +278,10 @@ class CheckpointManager(Loading):
             self.start.release()
 
     def _export_hf(self, step: int) -> None:
-        from titan.interop.hf import save_model_hf
+        from titan.checkpointing.hf import save_model_hf
 
         out = step_dir(self.root, step) + "-hf"
-        save_model_hf(self.trainer.model_parts, out, dtype=DTYPES[self.cfg.export_dtype])
+        save_model_hf(self.model.parts, out, dtype=DTYPES[self.cfg.export_dtype])
         logger.info(f"Hugging Face export of step {step} written to {out}")
 
     def create_seed_checkpoint(self) -> None:

@@ -13,7 +13,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from titan.tools.logging import logger
+from titan.log import logger
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -20,7 +20,7 @@ from titan.checkpointing.folders import Found, resume_candidates
 from titan.checkpointing.lock import RunLock
 from titan.checkpointing.manifest import verify
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 
 @dataclass

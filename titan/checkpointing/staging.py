@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
-from titan.tools.logging import logger
+from titan.log import logger
 
 
 def staging_options() -> StagingOptions:

@@ -1,5 +1,7 @@
-"""Configuration: dataclasses (job_config), TOML + CLI loading (manager), checks (validate),
---help and the TOML dump (output)."""
+"""Configuration, the ground floor (imports nothing from titan but errors): dataclasses
+(job_config), fixed choices as Literal types (choices), TOML + CLI loading with type, choice and
+range checks (manager, checks), --help and the TOML dump (output). The checks that need runtime
+knowledge run in titan.training.checks.validate_job; titan.training.checks.load_job does both."""
 
 from titan.config.job_config import JobConfig
 from titan.config.manager import load_config, to_dict

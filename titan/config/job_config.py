@@ -1,13 +1,17 @@
 """The configuration tree: one dataclass per TOML section.
 
-Every field has a type, a default and a docstring (the string literal right under it). The CLI
-flags, ``--help`` and docs/config_reference.md are all generated from these classes, so this file
-is the only list of options.
+Every field has a type (fixed string choices are the Literal types of choices.py), a default and
+a docstring (the string literal right under it). CLI flags, ``--help`` and docs/config_reference.md
+are generated from these classes, so this file is the only list of options.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from titan.config.choices import (ACMode, AsyncMode, AttnType, BadLines, CheckpointPart, CompileComponent,
+    ConfigMismatch, DecayType, DType, Float8Recipe, MixedPrecisionDType, NonFinite, OnSaveError, OptimizerImplementation,
+    ReshardAfterForward, RotateMethod, TxtSplit, WeightDecayExclude)
 
 
 @dataclass
@@ -44,7 +48,7 @@ class Model:
     tokenizer_path: str = ""
     """Tokenizer file (tiktoken `tokenizer.model`, sentencepiece `.model` or HF `tokenizer.json`).
     Empty: the small tokenizer shipped in titan/data/assets."""
-    attn_type: str = "sdpa"
+    attn_type: AttnType = "sdpa"
     """Attention backend: sdpa (torch scaled_dot_product_attention) or flex (flex_attention with a
     causal block mask; CUDA only for training, as torch's flex_attention has no CPU backward)."""
     n_layers: int | None = None
@@ -76,10 +80,10 @@ class Optimizer:
     """Adam epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay."""
-    implementation: str = "foreach"
+    implementation: OptimizerImplementation = "foreach"
     """Kernel choice: for-loop, foreach or fused (fused needs a device that supports it). Not
     used with bf16_stochastic_round, whose torchao kernel is compiled per parameter."""
-    weight_decay_exclude: list[str] = field(default_factory=list)
+    weight_decay_exclude: list[WeightDecayExclude] = field(default_factory=list)
     """Parameter kinds that get no weight decay (a second param group): any of "norms" (weights
     of *Norm modules), "embeddings" (nn.Embedding weights, and a tied output). Empty: decay all."""
     bf16_stochastic_round: bool = False
@@ -95,7 +99,7 @@ class LRScheduler:
     decay_ratio: float | None = None
     """Fraction of steps spent decaying at the end (WSD: warmup, stable, decay). None: decay over
     all steps after warmup."""
-    decay_type: str = "linear"
+    decay_type: DecayType = "linear"
     """Shape of the decay: linear, sqrt or cosine."""
     min_lr_factor: float = 0.0
     """Final lr as a fraction of the peak lr."""
@@ -111,7 +115,7 @@ class Training:
     c4, a mirror in allenai/c4's layout (en/c4-train.*.json.gz, docs/datasets.md)."""
     dataset_text_field: str = "text"
     """Column that holds the document text in local / hub datasets."""
-    dataset_txt_split: str = "paragraph"
+    dataset_txt_split: TxtSplit = "paragraph"
     """How .txt files are cut into documents: paragraph (at blank lines), line, or document
     (one document per file)."""
     local_batch_size: int = 8
@@ -130,22 +134,22 @@ class Training:
     deterministic: bool = False
     """Bitwise-repeatable runs (slower): deterministic algorithms, fixed cuBLAS workspace, no cuDNN
     attention, Inductor without numerics-changing autotuning; see docs/stability.md."""
-    mixed_precision_param: str = "bfloat16"
+    mixed_precision_param: MixedPrecisionDType = "bfloat16"
     """FSDP parameter dtype in forward/backward: bfloat16 or float32 (on CPU bfloat16 matmuls are
     very slow; use float32 there)."""
-    mixed_precision_reduce: str = "float32"
+    mixed_precision_reduce: MixedPrecisionDType = "float32"
     """FSDP gradient reduce dtype: float32 or bfloat16."""
     dataset_infinite: bool = True
     """Re-loop over the dataset when it ends (logged, with an epoch counter). False: training
     stops cleanly when the data runs out."""
-    dataset_bad_lines: str = "fail"
+    dataset_bad_lines: BadLines = "fail"
     """A .jsonl line that is not a JSON object or not UTF-8: "fail" (stop naming file:line) or
     "skip" (drop it, log a count and the first few file:line)."""
     dataloader_num_workers: int = 0
     """Worker processes that prefetch batches (0: load in the training process)."""
     gc_freq: int = 50
     """Run Python's garbage collector every N steps (automatic gc is disabled to avoid stalls)."""
-    nonfinite: str = "stop"
+    nonfinite: NonFinite = "stop"
     """What a NaN/inf loss or grad norm does (checked every step, before the optimizer step):
     stop (raise and exit non-zero naming the step and metric, saving nothing) or skip_step (no
     optimizer update for that step; the step counter, data and LR schedule still advance)."""
@@ -159,7 +163,7 @@ class Parallelism:
     """Replicas of the model (DDP, or HSDP together with data_parallel_shard_degree)."""
     data_parallel_shard_degree: int = -1
     """FSDP shard group size. -1: the ranks left over by the other degrees."""
-    fsdp_reshard_after_forward: str = "default"
+    fsdp_reshard_after_forward: ReshardAfterForward = "default"
     """Free gathered parameters after forward: default (yes, except the root module), always,
     never."""
     tensor_parallel_degree: int = 1
@@ -189,7 +193,7 @@ class Parallelism:
     context_parallel_degree: int = 1
     """Context parallel degree: each sequence is split over this many ranks (ring attention).
     training.seq_len must be divisible by 2 x this degree (head-tail load balancing)."""
-    context_parallel_rotate_method: str = "allgather"
+    context_parallel_rotate_method: RotateMethod = "allgather"
     """How context-parallel ranks exchange key/value shards: allgather or alltoall."""
 
 
@@ -299,18 +303,18 @@ class Checkpoint:
     """Keep only the newest K complete checkpoints; older ones are deleted after each save, so a
     long run's disk use stays bounded (an 8B checkpoint with AdamW states is ~100 GB). 0 keeps
     every checkpoint. The newest complete full checkpoint is never deleted, whatever K."""
-    async_mode: str = "disabled"
+    async_mode: AsyncMode = "disabled"
     """disabled (blocking save), async (write in a background thread while training goes on), or
     async_with_pinned_mem (also copy to host memory in the background; pinned when a GPU exists)."""
     last_save_model_only: bool = False
     """Make the final save (at training.steps) model weights only, in export_dtype: the export for
     inference or fine-tuning. Auto-resume ignores such exports."""
-    export_dtype: str = "float32"
+    export_dtype: DType = "float32"
     """dtype of the model-only final save: float32, bfloat16 or float16. Only with
     last_save_model_only; resumable checkpoints keep the training dtype."""
     load_step: int = -1
     """Step to resume from. -1: the newest complete checkpoint in folder (torn ones are skipped)."""
-    exclude_from_loading: list[str] = field(default_factory=list)
+    exclude_from_loading: list[CheckpointPart] = field(default_factory=list)
     """Parts not to restore on resume: any of model, optimizer, lr_scheduler, dataloader,
     train_state (e.g. ["dataloader"] to switch datasets mid-run)."""
     initial_load_path: str = ""
@@ -325,11 +329,11 @@ class Checkpoint:
     last_save_in_hf: bool = False
     """At the end of training also write the model as a Hugging Face folder (config.json +
     sharded safetensors, in export_dtype) to <folder>/step-N-hf. Not with pipeline parallelism."""
-    on_save_error: str = "stop"
+    on_save_error: OnSaveError = "stop"
     """What a failed save (disk full, read-only, permission, any rank) does after its partial
     folder is removed: stop (exit with one line naming the cause) or retry (warn, keep training and
     save again at the next interval; the final save still stops on failure)."""
-    config_mismatch: str = "error"
+    config_mismatch: ConfigMismatch = "error"
     """Resuming from a checkpoint whose saved run config differs in a training-relevant key
     (model, optimizer, lr_scheduler, data, batch shape, float8; see docs/checkpointing.md): error
     (stop, naming the keys), use_checkpoint (continue with the checkpoint's values) or use_new
@@ -341,7 +345,7 @@ class Checkpoint:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = "none"
+    mode: ACMode = "none"
     """Recompute activations in backward instead of keeping them: none, full (every
     TransformerBlock keeps only its input) or selective (see selective_ac_option)."""
     selective_ac_option: int | str = "op"
@@ -353,7 +357,7 @@ class ActivationCheckpoint:
 class Compile:
     enable: bool = False
     """torch.compile the parts named in `components` (inductor)."""
-    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    components: list[CompileComponent] = field(default_factory=lambda: ["model", "loss"])
     """What to compile: model (each TransformerBlock, fullgraph) and/or loss (the cross entropy)."""
 
 
@@ -362,7 +366,7 @@ class Float8:
     enable_float8_linear: bool = False
     """Swap nn.Linear layers for torchao Float8Linear (float8 matmuls; needs CUDA SM89+ unless
     emulate)."""
-    recipe: str = "tensorwise"
+    recipe: Float8Recipe = "tensorwise"
     """torchao scaling recipe: tensorwise (one scale per tensor) or rowwise (one per row)."""
     enable_fsdp_float8_all_gather: bool = False
     """FSDP2 all-gathers weights already cast to float8 (half the bytes of bf16); tensorwise only."""

@@ -13,9 +13,12 @@ import inspect
 import os
 import sys
 import types
+from collections.abc import Mapping
+from types import MappingProxyType
 import typing
 from typing import Any
 
+from titan.config.checks import check_config
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 
@@ -24,18 +27,20 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
 
 
 # ---------------------------------------------------------------- schema
+# The three lookups below read the dataclass definitions, which never change while a process runs;
+# they are memoized and hand out read-only mappings, so no caller can alter what the next one sees.
 @functools.cache
-def field_docs(cls: type) -> dict[str, str]:
+def field_docs(cls: type) -> Mapping[str, str]:
     """Attribute docstrings: the string literal placed right under each field."""
     try:
         tree = ast.parse(inspect.getsource(cls))
     except (OSError, TypeError):
-        return {}
+        return MappingProxyType({})
     docs: dict[str, str] = {}
     body = tree.body[0].body  # type: ignore[attr-defined]
     for node, nxt in zip(body, body[1:]):
@@ -47,21 +52,21 @@ def field_docs(cls: type) -> dict[str, str]:
             and isinstance(nxt.value.value, str)
         ):
             docs[node.target.id] = inspect.cleandoc(nxt.value.value)
-    return docs
+    return MappingProxyType(docs)
 
 
 @functools.cache
-def sections() -> dict[str, type]:
+def sections() -> Mapping[str, type]:
     """Section name -> dataclass type."""
     hints = typing.get_type_hints(JobConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+    return MappingProxyType({f.name: hints[f.name] for f in dataclasses.fields(JobConfig)})
 
 
 @functools.cache
-def section_fields(section_cls: type) -> dict[str, Any]:
+def section_fields(section_cls: type) -> Mapping[str, Any]:
     """Field name -> resolved type annotation."""
     hints = typing.get_type_hints(section_cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+    return MappingProxyType({f.name: hints[f.name] for f in dataclasses.fields(section_cls)})
 
 
 def type_name(tp: Any) -> str:
@@ -71,12 +76,14 @@ def type_name(tp: Any) -> str:
     if origin is list:
         (inner,) = typing.get_args(tp)
         return f"list[{type_name(inner)}]"
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "None"
     return getattr(tp, "__name__", str(tp))
 
 
-def _closest(name: str, options: list[str]) -> str:
+def did_you_mean(name: str, options: list[str]) -> str:
     match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
     return f"; did you mean '{match[0]}'?" if match else f"; valid: {', '.join(options)}"
 
@@ -99,14 +106,14 @@ def _suggest_key(section: str, name: str) -> str:
     return "; did you mean " + " or ".join(f"'{k}'" for k in top[:3]) + "?"
 
 
-def _resolve(key: str) -> tuple[str, str, Any]:
+def resolve_key(key: str) -> tuple[str, str, Any]:
     """'section.field' -> (section, field, type), with a suggestion on a typo."""
     section, _, name = key.partition(".")
     secs = sections()
     if section not in secs or not name:
         if not name and section in secs:
             raise TitanError(f"config key '{key}' names a section, not an option; use '{key}.<option>'")
-        raise TitanError(f"unknown config section '{section}'" + _closest(section, list(secs)))
+        raise TitanError(f"unknown config section '{section}'" + did_you_mean(section, list(secs)))
     fields = section_fields(secs[section])
     if name not in fields:
         raise TitanError(f"unknown config key '{key}'" + _suggest_key(section, name))
@@ -123,6 +130,11 @@ def _convert(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
         )
 
     origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        options = typing.get_args(tp)
+        if isinstance(value, str) and value in options:
+            return value
+        raise TitanError(f"config key '{key}' got {value!r}; valid: {', '.join(options)}")
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if type(None) in args and (value is None or (from_cli and str(value).lower() in ("none", "null"))):
@@ -204,7 +216,7 @@ def _flatten_toml(data: dict[str, Any], path: str) -> list[tuple[str, Any]]:
         if not isinstance(body, dict):
             if section in sections():
                 raise TitanError(f"config file '{path}': '{section}' must be a [section] table")
-            raise TitanError(f"config file '{path}': unknown config section '{section}'" + _closest(section, list(sections())))
+            raise TitanError(f"config file '{path}': unknown config section '{section}'" + did_you_mean(section, list(sections())))
         for name, value in body.items():
             if isinstance(value, dict):
                 raise TitanError(f"config file '{path}': unknown config section '{section}.{name}' (sections are one level deep)")
@@ -223,7 +235,7 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str]]:
         key, eq, value = arg[2:].partition("=")
         if key == "config_file":  # SageMaker-style hyperparameter
             key = "job.config_file"
-        _, _, tp = _resolve(key)
+        _, _, tp = resolve_key(key)
         if eq:
             pairs.append((key, value))
             i += 1
@@ -242,12 +254,16 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str]]:
 
 
 def _set(config: JobConfig, key: str, value: Any, *, from_cli: bool) -> None:
-    section, name, tp = _resolve(key)
+    section, name, tp = resolve_key(key)
     setattr(getattr(config, section), name, _convert(key, value, tp, from_cli=from_cli))
 
 
 def load_config(argv: list[str] | None = None, *, env: dict[str, str] | None = None) -> JobConfig:
-    """defaults <- TOML (job.config_file) <- CLI flags; then validate."""
+    """defaults <- TOML (job.config_file) <- CLI flags, each value checked against its field's type
+    and choices; then the checks that need nothing but the config (titan/config/checks.py).
+
+    Checks that need runtime knowledge (model registry, optimizer and schedule names, ...) are
+    titan.training.checks.validate_job; titan.training.checks.load_job runs both."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cli = parse_cli(argv)
     config = JobConfig()
@@ -265,9 +281,7 @@ def load_config(argv: list[str] | None = None, *, env: dict[str, str] | None = N
     for key, value in cli:
         _set(config, key, value, from_cli=True)
     config.job.config_file = config_file
-    from titan.config.validate import validate_config
-
-    validate_config(config)
+    check_config(config)
     return config
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import tomli_w
 
 from titan.config.job_config import JobConfig
-from titan.config.manager import _closest, _resolve, field_docs, section_fields, sections, type_name
+from titan.config.manager import did_you_mean, field_docs, resolve_key, section_fields, sections, type_name
 from titan.errors import TitanError
 
 __all__ = ["format_help", "to_toml", "save_config", "CONFIG_FILE_NAME"]
@@ -41,9 +41,9 @@ def format_help(topic: str | None = None) -> str:
     if topic:
         section, _, name = topic.partition(".")
         if section not in secs:
-            raise TitanError(f"--help: unknown config section '{section}'" + _closest(section, list(secs)))
+            raise TitanError(f"--help: unknown config section '{section}'" + did_you_mean(section, list(secs)))
         if name:
-            _resolve(topic)  # unknown option: the usual did-you-mean
+            resolve_key(topic)  # unknown option: the usual did-you-mean
         return "\n".join([f"[{section}]", *_option_lines(section, secs[section], name or None)])
     lines = [
         "usage: train.py [--job.config_file FILE.toml] [--section.key VALUE ...]",

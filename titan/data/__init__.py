@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .datasets import DATASETS, DocumentSource, build_source, register_dataset
+from .datasets import DATASETS, DocumentSource, build_source
 from .loader import TitanDataLoader, build_dataloader
 
 __all__ = [
@@ -13,7 +13,6 @@ __all__ = [
     "build_dataloader",
     "build_source",
     "build_tokenizer",
-    "register_dataset",
 ]
 
 

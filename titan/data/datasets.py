@@ -4,18 +4,20 @@ Built in: ``pydoc`` (the stdlib's own documentation, always available offline), 
 ``c4_validation`` (streamed from the Hugging Face hub, or read from a local mirror in allenai/c4's
 layout when a dataset path is set), and any local file or folder of .jsonl(.gz)/.json(.gz),
 .parquet, .arrow or .txt files. Every file of a folder is a shard (see titan/data/packing.py for
-how shards are dealt to ranks). Add your own with :func:`register_dataset`.
+how shards are dealt to ranks). The table is read-only; add a named dataset as one more entry in
+``DATASETS`` below.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 from .jsonl import JsonlSource, is_json_lines
 from .sources import DocumentSource, HFStreamSource, ListSource
@@ -30,7 +32,6 @@ __all__ = [
     "build_source",
     "check_dataset",
     "local_source",
-    "register_dataset",
 ]
 
 # How a .txt file becomes documents (the `text` builder's sample_by): paragraph = blocks separated
@@ -39,7 +40,7 @@ __all__ = [
 TXT_SPLITS = ("paragraph", "line", "document")
 
 # suffix -> `datasets` packaged builder
-_BUILDERS = {
+_BUILDERS = MappingProxyType({
     ".jsonl": "json",
     ".json": "json",
     ".jsonl.gz": "json",
@@ -48,7 +49,7 @@ _BUILDERS = {
     ".arrow": "arrow",
     ".txt": "text",
     ".txt.gz": "text",
-}
+})
 
 
 @dataclass(frozen=True)
@@ -62,18 +63,6 @@ class DatasetSpec:
     text_field: str = "text"
     description: str = ""
     local: Callable[[str, str, str], DocumentSource] | None = None
-
-
-DATASETS: dict[str, DatasetSpec] = {}
-
-
-def register_dataset(
-    name: str, loader: Callable[[str], DocumentSource], text_field: str = "text", description: str = "",
-    local: Callable[[str, str, str], DocumentSource] | None = None,
-) -> None:
-    """Make ``training.dataset = name`` build ``loader(text_field)`` (``local(path, text_field,
-    bad_lines)`` when a dataset path is set)."""
-    DATASETS[name] = DatasetSpec(name, loader, text_field, description, local)
 
 
 def _pydoc_source(text_field: str) -> DocumentSource:
@@ -107,8 +96,6 @@ def _hub_source(name: str, repo: str, config: str, split: str) -> Callable[[str]
     return load
 
 
-register_dataset("pydoc", _pydoc_source, description="embedded offline corpus: pydoc_data.topics")
-
 # A held-out split of the same corpus: every 10th topic (sorted) is validation, the rest train.
 PYDOC_VALIDATION_EVERY = 10
 
@@ -123,11 +110,9 @@ def _pydoc_split(validation: bool) -> Callable[[str], DocumentSource]:
     return load
 
 
-register_dataset("pydoc_train", _pydoc_split(False), description="pydoc without the pydoc_validation topics")
-register_dataset("pydoc_validation", _pydoc_split(True), description="every 10th pydoc topic, held out")
 # allenai/c4's file layout: <mirror>/en/c4-<split>.NNNNN-of-MMMMM.json.gz (JSON lines: text,
 # timestamp, url). 1024 train shards, 8 validation shards.
-C4_SHARDS = {"train": 1024, "validation": 8}
+C4_SHARDS = MappingProxyType({"train": 1024, "validation": 8})
 C4_MIRROR_HINT = ('mirror it with `hf download allenai/c4 --repo-type dataset --include '
                   '"en/c4-train.0000*-of-01024.json.gz" --local-dir DIR` (docs/datasets.md)')
 
@@ -157,14 +142,16 @@ def _c4_local(split: str) -> Callable[[str, str, str], DocumentSource]:
     return load
 
 
-register_dataset("c4", _hub_source("c4", "allenai/c4", "en", "train"), description="allenai/c4 en train",
-                 local=_c4_local("train"))
-register_dataset(
-    "c4_validation",
-    _hub_source("c4_validation", "allenai/c4", "en", "validation"),
-    description="allenai/c4 en validation",
-    local=_c4_local("validation"),
-)
+# training.dataset = name -> its source; read-only (a run never changes it)
+DATASETS: Mapping[str, DatasetSpec] = MappingProxyType({spec.name: spec for spec in (
+    DatasetSpec("pydoc", _pydoc_source, description="embedded offline corpus: pydoc_data.topics"),
+    DatasetSpec("pydoc_train", _pydoc_split(False), description="pydoc without the pydoc_validation topics"),
+    DatasetSpec("pydoc_validation", _pydoc_split(True), description="every 10th pydoc topic, held out"),
+    DatasetSpec("c4", _hub_source("c4", "allenai/c4", "en", "train"), description="allenai/c4 en train",
+                local=_c4_local("train")),
+    DatasetSpec("c4_validation", _hub_source("c4_validation", "allenai/c4", "en", "validation"),
+                description="allenai/c4 en validation", local=_c4_local("validation")),
+)})
 
 
 def _builder_for(path: Path) -> str | None:

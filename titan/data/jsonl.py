@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 from .sources import DocumentSource, SkipProgress
 

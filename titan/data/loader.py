@@ -25,7 +25,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 from .datasets import build_source
 from .packing import new_stream_state, next_position, pack_stream, reshard_states

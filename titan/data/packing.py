@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import torch
 
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 from .readers import DocumentReader, ShardReader
 from .sources import DocumentSource

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 __all__ = ["DocumentSource", "HFStreamSource", "ListSource", "SkipProgress"]
 

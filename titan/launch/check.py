@@ -1,7 +1,8 @@
 """``python -m titan.launch.check [train.py options]``: load and validate the merged config (TOML +
 flags + environment defaults) in one process and exit: 0 when it is valid, 2 with titan's one line
 when not. The launchers run it before torchrun / srun start, so a typo fails in seconds, before
-any rank (or a Slurm job's nodes) is busy with it. It imports no torch."""
+any rank (or a Slurm job's nodes) is busy with it. A bad flag or TOML value fails before torch is
+imported; the checks that need the model registry and the other features import it."""
 
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ def debug_requested(argv: list[str]) -> bool:
 
 def main(argv: list[str]) -> int:
     if wants_help(argv):
-        from titan.train import print_help
+        from titan.launch.entry import print_help
 
         return print_help(argv)
     try:
-        from titan.config import load_config
+        from titan.training.checks import load_job
 
-        load_config(argv)
+        load_job(argv)
     except TitanError as e:
         if debug_requested(argv):
             raise

@@ -19,13 +19,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from types import FrameType
+from types import FrameType, MappingProxyType
 
 from titan.launch.check import main as check_config
 from titan.launch.parent import LAUNCHER_PID_ENV
 
 # signal to the launcher -> signal to the ranks (titan's ranks save and stop on SIGTERM / SIGUSR1)
-FORWARD = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGTERM, signal.SIGUSR1: signal.SIGUSR1}
+FORWARD = MappingProxyType({signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGTERM, signal.SIGUSR1: signal.SIGUSR1})
 PEER_LOST_STATUS = 3  # train.py: "another rank failed during a collective"
 
 

@@ -1,6 +1,6 @@
 """Activation checkpointing per TransformerBlock: full, selective per op, or every N-th block.
 
-Applied after TP/CP and before compile and FSDP (titan/models/llama/parallelize.py), so compile sees the checkpointed
+Applied after TP/CP and before compile and FSDP (by each model's parallelize function), so compile sees the checkpointed
 block and FSDP shards the wrapper. The wrapper adds "_checkpoint_wrapped_module." to parameter
 names; DCP's state-dict helpers and titan.parallel.init.canonical_fqn strip it.
 """
@@ -15,19 +15,20 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from titan.config.choices import ACMode, choices
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 __all__ = ["AC_MODES", "apply_ac", "parse_selective_option", "MATMUL_OPS", "SAVED_OPS"]
 
-AC_MODES = ("none", "full", "selective")
+AC_MODES = choices(ACMode)
 
 aten = torch.ops.aten
 # Matmuls: the expensive ops whose outputs are worth keeping. _scaled_mm is the float8 matmul.
-MATMUL_OPS = {aten.mm.default, aten._scaled_mm.default}
+MATMUL_OPS = frozenset({aten.mm.default, aten._scaled_mm.default})
 # Always kept: attention (recomputing it costs as much as the forward) and TP reduce-scatters
 # (recomputing would repeat the communication).
-SAVED_OPS = {
+SAVED_OPS = frozenset({
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
@@ -35,9 +36,9 @@ SAVED_OPS = {
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     # torchao computes float8 scales from abs().max(); keeping the amax avoids re-reducing.
     aten.max.default,
-}
-if hasattr(torch.ops.higher_order, "flex_attention"):
-    SAVED_OPS.add(torch.ops.higher_order.flex_attention)
+    # flex attention is a higher-order op of newer torch releases
+    *([torch.ops.higher_order.flex_attention] if hasattr(torch.ops.higher_order, "flex_attention") else []),
+})
 
 
 def parse_selective_option(option: int | str) -> int | str:
@@ -85,7 +86,8 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: int | str = "op")
     """Wrap blocks of ``model.layers`` in place; returns the names of the wrapped blocks.
 
     Blocks keep their layer-id names, so with pipeline stages "every N-th" stays a property of
-    the layer, not of its position inside a stage.
+    the layer, not of its position inside a stage. The mode is checked again here (the config
+    loader did it for the trainer) because any other string would silently mean full AC.
     """
     if mode not in AC_MODES:
         raise TitanError(f"config key 'activation_checkpoint.mode' got {mode!r}; valid: {', '.join(AC_MODES)}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.parallel.dims import ParallelDims
-from titan.tools.logging import logger
+from titan.log import logger
 
 __all__ = ["set_comm_env", "set_pg_timeouts", "validate_comm_config"]
 
@@ -37,7 +38,7 @@ def validate_comm_config(c: JobConfig) -> None:
 
 # What launchers (not users) put in the environment: torchrun's agent gives every worker
 # TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless it is already set.
-_LAUNCHER_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+_LAUNCHER_DEFAULTS = MappingProxyType({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
 
 
 def _set_env(name: str, value: str, *, nccl: bool) -> None:
@@ -53,8 +54,7 @@ def set_comm_env(config: JobConfig, *, nccl: bool | None = None) -> dict[str, st
 
     ``nccl``: whether this run's process group uses NCCL (None: whether CUDA is available). The
     variables are set either way (unused by gloo), but replacing a value someone chose is only
-    worth a warning when NCCL reads it."""
-    validate_comm_config(config)
+    worth a warning when NCCL reads it. ``config`` has passed validate_comm_config (validate_job)."""
     if nccl is None:
         nccl = torch.cuda.is_available()
     m = config.comm

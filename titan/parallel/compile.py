@@ -12,20 +12,9 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
-__all__ = ["COMPILE_COMPONENTS", "apply_compile", "build_loss_fn", "is_compiled", "validate_components"]
-
-COMPILE_COMPONENTS = ("model", "loss")
-
-
-def validate_components(components: list[str]) -> None:
-    bad = [c for c in components if c not in COMPILE_COMPONENTS]
-    if bad:
-        raise TitanError(
-            f"config key 'compile.components' got {bad[0]!r}; valid: {', '.join(COMPILE_COMPONENTS)}"
-        )
+__all__ = ["apply_compile", "build_loss_fn", "is_compiled"]
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -45,14 +34,15 @@ def _wait_async_output(module: nn.Module, args: tuple, output: torch.Tensor) -> 
     return output
 
 
-def apply_compile(model: nn.Module, fullgraph: bool = True) -> int:
-    """Compile each block of ``model.layers`` in place; returns how many were compiled."""
+def apply_compile(model: nn.Module, *, before_blocks: nn.Module | None = None, fullgraph: bool = True) -> int:
+    """Compile each block of ``model.layers`` in place; returns how many were compiled.
+    ``before_blocks`` is the module whose output the first block takes (e.g. a TP embedding):
+    its async output is waited for."""
     for block in model.layers.values():
         block.compile(fullgraph=fullgraph)
-    emb = getattr(model, "tok_embeddings", None)
-    if emb is not None:
-        emb.register_forward_hook(_wait_async_output)
-    logger.info(f"compiled {len(model.layers)} TransformerBlocks (fullgraph={fullgraph})")
+    if before_blocks is not None:
+        before_blocks.register_forward_hook(_wait_async_output)
+    logger.info(f"compiled {len(model.layers)} blocks (fullgraph={fullgraph})")
     return len(model.layers)
 
 

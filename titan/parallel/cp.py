@@ -2,11 +2,13 @@
 
 Sequences are cut into 2 x cp chunks and rank r keeps chunks r and 2cp-1-r (head-tail load
 balancing: with a causal mask the early chunks are cheap and the late ones expensive, so each
-rank gets one of each). inputs, labels and the RoPE table (freqs_cis) are sharded the same way;
-attention then needs every rank's keys/values:
+rank gets one of each). inputs, labels and the position-indexed buffers the model names (e.g. a
+RoPE table) are sharded the same way; attention then needs every rank's keys/values:
 - SDPA: q/k/v become sequence-sharded DTensors and torch's CP dispatcher runs ring attention;
 - flex: k/v are all-gathered before the kernel, and the model builds its BlockMask (once per
   batch, outside the blocks) for the local, rearranged query rows against all keys.
+This file is the mechanism only: the model's parallelize function says which modules are its
+attention kernels, which mask_mod its flex mask uses and which buffers follow the sequence.
 Training with CP needs CUDA (see check_layout): on CPU SDPA has no CP sharding rule and flex
 attention has no backward. The forward (e.g. evaluation) with flex runs anywhere.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -32,11 +34,14 @@ from torch.distributed.tensor.experimental._attention import (
 from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, BlockMask, create_block_mask
 
 from titan.errors import TitanError
-from titan.models.llama.flex import causal_mask_mod
-from titan.tools.logging import logger
+from titan.log import logger
 
 # q/k/v reach the attention kernel as [B, H, S, Dh].
 _QKV_SEQ_DIM = 2
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+SeqBuffer = tuple[nn.Module, str, int]
+"""(module, attribute name, sequence dim): a tensor cp_shard_batch swaps for its local shard."""
 
 
 def check_cp_seq_len(seq_len: int, cp: int, attn_type: str) -> None:
@@ -50,9 +55,9 @@ def check_cp_seq_len(seq_len: int, cp: int, attn_type: str) -> None:
         )
 
 
-def cp_causal_block_mask(cp_mesh: DeviceMesh, local_len: int, device: torch.device) -> BlockMask:
-    """The global causal mask restricted to this rank's (head-tail rearranged) query rows, against
-    all keys: what flex needs once the CP hook has all-gathered k/v."""
+def cp_block_mask(mask_mod: MaskMod, cp_mesh: DeviceMesh, local_len: int, device: torch.device) -> BlockMask:
+    """The global `mask_mod` mask restricted to this rank's (head-tail rearranged) query rows,
+    against all keys: what flex needs once the CP hook has all-gathered k/v."""
     import torch.distributed.tensor.experimental._context_parallel._attention as cp_impl
 
     full = local_len * cp_mesh.size()
@@ -61,40 +66,42 @@ def cp_causal_block_mask(cp_mesh: DeviceMesh, local_len: int, device: torch.devi
         # for a mask built once, so use the eager function (same result).
         cp_impl._compiled_create_block_mask = create_block_mask
     return cp_impl._create_cp_block_mask(
-        causal_mask_mod, 1, 1, full, full, cp_mesh, _HeadTailLoadBalancer(full, cp_mesh.size(), device)
+        mask_mod, 1, 1, full, full, cp_mesh, _HeadTailLoadBalancer(full, cp_mesh.size(), device)
     )
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, attn_type: str) -> None:
-    """Hook every block's attention kernel module (Attention.inner_attention) for CP; with flex,
-    the model's mask cache builds the CP mask instead of the plain causal one."""
+def cp_mask_builder(mask_mod: MaskMod, cp_mesh: DeviceMesh) -> Callable[[int, torch.device], BlockMask]:
+    """(local length, device) -> BlockMask: the builder a model's flex mask cache uses under CP."""
+    return functools.partial(cp_block_mask, mask_mod, cp_mesh)
+
+
+def apply_cp(attention_kernels: Iterable[nn.Module], cp_mesh: DeviceMesh, attn_type: str) -> None:
+    """Hook each attention kernel module (called as kernel(q, k, v, ...) with [B, H, S, Dh]
+    tensors) for CP: SDPA dispatches to ring attention, flex gets k/v all-gathered."""
     kind = _ContextParallel.AttentionType.FLEX if attn_type == "flex" else _ContextParallel.AttentionType.SDPA
-    if attn_type == "flex":
-        model.block_masks.set_builder(functools.partial(cp_causal_block_mask, cp_mesh))
-    for block in model.layers.values():
-        _ContextParallel(seq_dim=_QKV_SEQ_DIM, attention_type=kind)._apply(block.attention.inner_attention, cp_mesh)
+    for kernel in attention_kernels:
+        _ContextParallel(seq_dim=_QKV_SEQ_DIM, attention_type=kind)._apply(kernel, cp_mesh)
     logger.info(f"applied context parallel (degree {cp_mesh.size()}, {attn_type}, head-tail load balancing)")
 
 
 @contextlib.contextmanager
 def cp_shard_batch(
     cp_mesh: DeviceMesh,
-    model_parts: list[nn.Module],
     inputs: torch.Tensor | None,
     labels: torch.Tensor | None,
+    buffers: Sequence[SeqBuffer] = (),
     rotate_method: str = "allgather",
 ) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
-    """Within the block: (local inputs, local labels), and each part's freqs_cis swapped for its
-    shard. Run forward *and* backward inside (SDPA's ring attention dispatches in both)."""
-    seq_len = next(t for t in (inputs, labels) if t is not None).shape[1]
-    device = next(t for t in (inputs, labels) if t is not None).device
-    balancer = _HeadTailLoadBalancer(seq_len, cp_mesh.size(), device)
-    buffers = [t for t in (inputs, labels) if t is not None] + [m.freqs_cis for m in model_parts]
-    dims = [1] * (len(buffers) - len(model_parts)) + [0] * len(model_parts)
-    shards = _context_parallel_shard(cp_mesh, buffers, dims, balancer)
-    originals = [m.freqs_cis for m in model_parts]
-    for m, f in zip(model_parts, shards[len(buffers) - len(model_parts):]):
-        m.freqs_cis = f
+    """Within the block: (local inputs, local labels), and each (module, name, dim) of `buffers`
+    swapped for its shard. Run forward *and* backward inside (SDPA's ring attention dispatches
+    in both)."""
+    first = next(t for t in (inputs, labels) if t is not None)
+    balancer = _HeadTailLoadBalancer(first.shape[1], cp_mesh.size(), first.device)
+    batch = [t for t in (inputs, labels) if t is not None]
+    originals = [getattr(m, name) for m, name, _ in buffers]
+    shards = _context_parallel_shard(cp_mesh, batch + originals, [1] * len(batch) + [d for _, _, d in buffers], balancer)
+    for (m, name, _), shard in zip(buffers, shards[len(batch):]):
+        setattr(m, name, shard)
     it = iter(shards)
     local_inputs = next(it) if inputs is not None else None
     local_labels = next(it) if labels is not None else None
@@ -104,8 +111,8 @@ def cp_shard_batch(
         yield local_inputs, local_labels
     finally:
         _disable_context_parallel_dispatcher()
-        for m, f in zip(model_parts, originals):
-            m.freqs_cis = f
+        for (m, name, _), original in zip(buffers, originals):
+            setattr(m, name, original)
 
 
 def cp_unshard(cp_mesh: DeviceMesh, tensor: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:

@@ -16,19 +16,15 @@ import torch.nn as nn
 
 from titan.config.job_config import Float8 as Float8Config
 from titan.errors import TitanError
-from titan.tools.logging import import_torchao, logger
+from titan.log import import_torchao, logger
 
-__all__ = ["RECIPES", "validate_float8", "check_float8_hardware", "convert_to_float8", "build_precompute_hook"]
-
-RECIPES = ("tensorwise", "rowwise")
-
+__all__ = ["validate_float8", "check_float8_hardware", "convert_to_float8", "apply_float8",
+           "build_precompute_hook", "register_float8_precompute"]
 
 def validate_float8(cfg: Float8Config) -> None:
-    """Config-only checks, runnable before any model or process group exists."""
+    """Options that only work together (recipe is a Literal choice, checked by the loader)."""
     if not cfg.enable_float8_linear:
         return
-    if cfg.recipe not in RECIPES:
-        raise TitanError(f"config key 'float8.recipe' got {cfg.recipe!r}; valid: {', '.join(RECIPES)}")
     if cfg.recipe == "rowwise" and cfg.enable_fsdp_float8_all_gather:
         raise TitanError(
             "float8.enable_fsdp_float8_all_gather works only with float8.recipe = tensorwise"
@@ -67,7 +63,6 @@ def convert_to_float8(model: nn.Module, cfg: Float8Config, *, fsdp_enabled: bool
     """Swap eligible nn.Linear modules in place; returns the names of the converted ones."""
     if not cfg.enable_float8_linear:
         return []
-    validate_float8(cfg)
     try:
         torchao_float8 = import_torchao("torchao.float8")
     except ImportError as e:
@@ -109,6 +104,13 @@ def convert_to_float8(model: nn.Module, cfg: Float8Config, *, fsdp_enabled: bool
     return converted
 
 
+def apply_float8(model: nn.Module, cfg: Float8Config, device: torch.device, *, fsdp_enabled: bool) -> list[str]:
+    """The run's float8 set-up on the meta model: the hardware check for `device`, then the swap.
+    Returns the converted Linear names (empty when float8 is off)."""
+    check_float8_hardware(cfg, device)
+    return convert_to_float8(model, cfg, fsdp_enabled=fsdp_enabled)
+
+
 def build_precompute_hook(model_parts: list[nn.Module], cfg: Float8Config, fsdp_enabled: bool) -> Callable[[], None] | None:
     """The optimizer post-step hook that precomputes float8 scales, when the config asks for it."""
     if not (
@@ -125,3 +127,12 @@ def build_precompute_hook(model_parts: list[nn.Module], cfg: Float8Config, fsdp_
             precompute_float8_dynamic_scale_for_fsdp(part)
 
     return hook
+
+
+def register_float8_precompute(optimizers, model_parts: list[nn.Module], cfg: Float8Config,  # noqa: ANN001
+                               fsdp_enabled: bool) -> None:
+    """Run the scale precompute after every optimizer step, when the config asks for it.
+    ``optimizers``: anything with ``register_step_post_hook`` (titan's OptimizersContainer)."""
+    hook = build_precompute_hook(model_parts, cfg, fsdp_enabled)
+    if hook is not None:
+        optimizers.register_step_post_hook(hook)

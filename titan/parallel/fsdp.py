@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from titan.tools.logging import logger
+from titan.config.choices import DType, choices
+from titan.log import logger
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The one dtype-name table (config values, checkpoint exports, scripts' --dtype); the names are the
+# config's DType choices and torch's attribute names. Bytes per element: DTYPES[name].itemsize.
+DTYPES: Mapping[str, torch.dtype] = MappingProxyType({name: getattr(torch, name) for name in choices(DType)})
 
 
 def reshard_policy(option: str, pp_enabled: bool) -> bool:

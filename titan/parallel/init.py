@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 # In-place random Tensor methods, caught by a TorchFunctionMode when called on a parameter.
-_RANDOM_METHODS: set[Callable] = {
+_RANDOM_METHODS: frozenset[Callable] = frozenset({
     torch.Tensor.normal_,
     torch.Tensor.uniform_,
     torch.Tensor.bernoulli_,
@@ -29,7 +29,7 @@ _RANDOM_METHODS: set[Callable] = {
     torch.Tensor.cauchy_,
     torch.Tensor.log_normal_,
     torch.Tensor.geometric_,
-}
+})
 # nn.init functions are swapped for the duration of init: some (trunc_normal_) resample into
 # temporaries with extra RNG draws, so only wrapping the whole call makes them layout-independent.
 _INIT_FUNCTIONS = (

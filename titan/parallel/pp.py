@@ -1,6 +1,6 @@
 """Pipeline parallelism: stage layout (which layers each stage holds), schedules by name or CSV.
 
-The model-specific split (deleting modules from a meta model) lives in models/llama/pipeline.py;
+The model-specific split (deleting modules from a meta model) is each model family's pipelining function;
 this file knows only layer counts, ranks and torch.distributed.pipelining.
 """
 
@@ -33,7 +33,7 @@ def schedule_class(name: str) -> type[_PipelineSchedule]:
 
 
 def check_schedule_config(par, local_batch_size: int) -> None:  # noqa: ANN001 - config.Parallelism
-    """Checks needing only the config (run by validate_config)."""
+    """Checks needing only the config (run by titan.training.checks.validate_job)."""
     schedule_class(par.pipeline_parallel_schedule)
     csv = par.pipeline_parallel_schedule_csv
     if csv and not os.path.isfile(csv):

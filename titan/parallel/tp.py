@@ -1,59 +1,23 @@
-"""Tensor + sequence parallelism for Llama blocks (parallelize_module plans), and async TP.
+"""Tensor + sequence parallelism: apply a model's parallelize_module plan, and async TP.
 
-Sequence parallel is always on with TP: between blocks the residual stream is sharded on the
-sequence dim, so the RMSNorm weights become DTensors (Replicate) like every other parameter.
-Without it they stay plain tensors next to DTensors, which breaks grad clipping and foreach
-optimizers (seen on CPU/gloo with torch 2.13).
+The plans themselves (which submodule is colwise, rowwise, sequence parallel) belong to each
+model family's parallelize function; this file only applies them. A plan that
+turns on sequence parallelism between blocks makes every norm weight a DTensor (Replicate) like
+the other parameters: plain tensors next to DTensors break grad clipping and foreach optimizers
+(seen on CPU/gloo with torch 2.13).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from titan.errors import TitanError
-from titan.tools.logging import logger
 
-
-def _root_plan(model: nn.Module, loss_parallel: bool) -> dict:
-    plan: dict = {}
-    if getattr(model, "tok_embeddings", None) is not None:
-        # Every TP rank holds a slice of the vocab; the output comes back sharded on sequence.
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-    if getattr(model, "norm", None) is not None:
-        plan["norm"] = SequenceParallel()
-    if getattr(model, "output", None) is not None:
-        # Loss parallel keeps logits sharded on vocab: cross entropy then never gathers them.
-        plan["output"] = ColwiseParallel(
-            input_layouts=Shard(1),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        )
-    return plan
-
-
-_BLOCK_PLAN = {
-    "attention_norm": SequenceParallel(),
-    # block_mask (a kwarg) passes through untouched; freqs_cis stays a plain full-length tensor.
-    "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-    "attention.wq": ColwiseParallel(),
-    "attention.wk": ColwiseParallel(),
-    "attention.wv": ColwiseParallel(),
-    "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-    "ffn_norm": SequenceParallel(),
-    "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-    "feed_forward.w1": ColwiseParallel(),
-    "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-    "feed_forward.w3": ColwiseParallel(),
-}
+Plan = dict[str, ParallelStyle]
 
 
 def check_tp_shapes(n_heads: int, n_kv_heads: int, tp: int) -> None:
@@ -66,25 +30,24 @@ def check_tp_shapes(n_heads: int, n_kv_heads: int, tp: int) -> None:
             )
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False) -> None:
-    """Shard a Llama model (or pipeline stage) over `tp_mesh` with sequence parallelism.
-
-    With `loss_parallel` the output projection returns vocab-sharded DTensor logits: compute
-    the loss (and its backward) under `torch.distributed.tensor.parallel.loss_parallel()`.
-    Without it the logits are gathered into an ordinary full tensor.
-    """
-    tp = tp_mesh.size()
-    args = model.model_args
-    check_tp_shapes(args.n_heads, args.kv_heads, tp)
+def apply_tp_plan(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    root_plan: Plan,
+    blocks: Iterable[nn.Module],
+    block_plan: Plan,
+    *,
+    enable_async_tp: bool = False,
+) -> None:
+    """Shard `model` over `tp_mesh`: `root_plan` on the model itself (FQNs relative to it), then
+    `block_plan` on each of `blocks` (the repeated layers, so one plan serves any depth and any
+    pipeline stage's subset)."""
     if enable_async_tp:
         enable_async_tensor_parallel(tp_mesh)
-    parallelize_module(model, tp_mesh, _root_plan(model, loss_parallel))
-    # Sequence parallel: blocks see 1/tp of the sequence, attention the gathered whole (the flex
-    # mask is built for that length).
-    model.seq_shards = tp
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _BLOCK_PLAN)
-    logger.info(f"applied tensor + sequence parallel (degree {tp}, loss parallel {loss_parallel}, async {enable_async_tp})")
+    if root_plan:
+        parallelize_module(model, tp_mesh, root_plan)
+    for block in blocks:
+        parallelize_module(block, tp_mesh, block_plan)
 
 
 def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> None:
@@ -98,4 +61,3 @@ def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> None:
     import torch._inductor.config as inductor_config
 
     inductor_config._micro_pipeline_tp = True
-

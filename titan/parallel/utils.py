@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from titan.errors import TitanError
-from titan.tools.logging import logger
+from titan.log import logger
 
 
 def world_info() -> tuple[int, int, int]:
@@ -56,7 +56,7 @@ def destroy_distributed() -> None:
 
 def set_seed(seed: int) -> None:
     """Same seed on every rank: data order comes from the loader, not from the RNG. Deterministic
-    kernels are titan.determinism's job (training.deterministic)."""
+    kernels are titan.training.determinism's job (training.deterministic)."""
     random.seed(seed)
     torch.manual_seed(seed)
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import run_distributed
-from tests.unit.test_checkpoint import _signal_during, _trainer
+from tests.helpers.distributed import run_distributed
+from tests.helpers.runs import signal_during
+from tests.helpers.runs import trainer as tiny_trainer
 
 pytestmark = pytest.mark.slow
 STEPS = ["--training.steps", "20", "--checkpoint.enable", "--checkpoint.interval", "10"]
@@ -15,11 +16,11 @@ STEPS = ["--training.steps", "20", "--checkpoint.enable", "--checkpoint.interval
 
 def _ref_and_resumed(tmp: Path, async_mode: str) -> tuple[dict, dict]:
     mode = ["--checkpoint.async_mode", async_mode]
-    ref = _trainer(tmp / f"ref_{async_mode}", *STEPS, *mode).train()
-    first = _trainer(tmp / f"run_{async_mode}", *STEPS, *mode)
-    _signal_during(first, 10, send=True)
+    ref = tiny_trainer(tmp / f"ref_{async_mode}", *STEPS, *mode).train()
+    first = tiny_trainer(tmp / f"run_{async_mode}", *STEPS, *mode)
+    signal_during(first, 10, send=True)
     stopped = first.train()
-    resumed = _trainer(tmp / f"run_{async_mode}", *STEPS, *mode)
+    resumed = tiny_trainer(tmp / f"run_{async_mode}", *STEPS, *mode)
     assert resumed.step == 10
     return ref, {**stopped, **resumed.train()}
 

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -63,6 +62,23 @@ def test_keep_latest_k_never_deletes_last_complete_full(tmp_path):
     assert [(f.step, f.complete) for f in scan(str(tmp_path))] == [(4, True), (6, True), (8, False)]
 
 
+def test_prune_interrupted_mid_delete_leaves_a_torn_folder(tmp_path, monkeypatch):
+    """A kill while pruning must never leave a folder marked complete with files missing."""
+    for step in (2, 4):
+        _step(tmp_path, step, True)
+
+    def killed(path, ignore_errors=False):  # the process dies after the first file is gone
+        raise SystemExit("killed")
+
+    monkeypatch.setattr("titan.checkpointing.folders.shutil.rmtree", killed)
+    with pytest.raises(SystemExit):
+        prune(str(tmp_path), 1)
+    assert [(f.step, f.complete) for f in scan(str(tmp_path))] == [(2, False), (4, True)]
+    monkeypatch.undo()
+    prune(str(tmp_path), 1)  # the torn leftover is garbage next time
+    assert [(f.step, f.complete) for f in scan(str(tmp_path))] == [(4, True)]
+
+
 def test_debug_kill_hook():
     with pytest.raises(TitanError, match="TITAN_DEBUG_KILL_AT"):
         DebugKill("save@4")
@@ -102,9 +118,11 @@ def test_checkpoint_config():
 
 
 def test_seed_checkpoint_needs_one_process():
-    from titan.checkpoint import CheckpointManager
+    from titan.checkpointing.manager import CheckpointManager
+
+    from titan.checkpointing.states import ModelParts, TrainState
 
     config = load_config(["--checkpoint.create_seed_checkpoint"])
-    trainer = SimpleNamespace(parallel_dims=SimpleNamespace(world_size=2))
     with pytest.raises(TitanError, match="create_seed_checkpoint needs 1 process"):
-        CheckpointManager(config, trainer)
+        CheckpointManager(config, model=ModelParts([]), optimizer=None, lr_scheduler=None, dataloader=None,
+                          train_state=TrainState(), world_size=2, rank=0, dp_rank=0, dp_degree=2, num_params=0)

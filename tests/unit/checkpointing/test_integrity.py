@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_checkpoint_recovery import _train
+from tests.helpers.runs import train_subprocess
 from titan.checkpointing.manifest import MANIFEST, verify
 from titan.checkpointing.resume import choose_intact
 from titan.errors import TitanError
@@ -53,7 +53,7 @@ DAMAGE = {
 def saved(tmp_path_factory):
     """One uninterrupted 6-step run with checkpoints at 2, 4, 6 (made once)."""
     folder = tmp_path_factory.mktemp("ref")
-    rc, text, losses = _train(folder, "--training.steps", "6", "--checkpoint.interval", "2")
+    rc, text, losses = train_subprocess(folder, "--training.steps", "6", "--checkpoint.interval", "2")
     assert rc == 0, text[-3000:]
     return folder, losses
 
@@ -91,7 +91,7 @@ def test_flipped_bytes_resume_from_older_exactly(saved, tmp_path):
     losses equal the uninterrupted run's; the next save replaces the damaged folder."""
     folder, ref = saved
     root = _damaged_copy(folder, tmp_path, DAMAGE["3 x 64 flipped bytes"][0])
-    rc, text, losses = _train(tmp_path, "--training.steps", "6", "--checkpoint.interval", "2")
+    rc, text, losses = train_subprocess(tmp_path, "--training.steps", "6", "--checkpoint.interval", "2")
     assert rc == 0, text[-3000:]
     assert text.count("is damaged") == 1 and "resumed from" in text and "step-2: step 2" in text, text[-3000:]
     assert losses == {s: ref[s] for s in range(3, 7)}

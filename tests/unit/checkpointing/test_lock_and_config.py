@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_checkpoint_recovery import REPO, STEP_RE, TINY, _env
-from tests.unit.test_checkpoint import _trainer
+from tests.helpers.runs import REPO, STEP_RE, TINY_CKPT, run_env
+from tests.helpers.runs import trainer as tiny_trainer
 from titan.checkpointing.config_diff import differences, snapshot
 from titan.checkpointing.lock import LOCK_NAME, RunLock, process_start
 from titan.config import load_config
@@ -25,9 +25,9 @@ def _files(folder: Path) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_second_run_on_same_folder_is_refused_and_writes_nothing(tmp_path):
-    cmd = [sys.executable, "train.py", *TINY, "--job.dump_folder", str(tmp_path), "--training.steps", "400",
+    cmd = [sys.executable, "train.py", *TINY_CKPT, "--job.dump_folder", str(tmp_path), "--training.steps", "400",
            "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2"]
-    first = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in first.stdout:  # the first run holds the lock and has saved checkpoints
             if (m := STEP_RE.search(line)) and int(m[1]) >= 5:
@@ -36,7 +36,7 @@ def test_second_run_on_same_folder_is_refused_and_writes_nothing(tmp_path):
         assert lock["pid"] == first.pid and lock["host"] == socket.gethostname()
         os.kill(first.pid, signal.SIGSTOP)  # frozen: whatever changes in the folder now is the second run's
         before = _files(tmp_path)
-        second = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        second = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
         after = _files(tmp_path)
         os.kill(first.pid, signal.SIGCONT)
         first.send_signal(signal.SIGTERM)
@@ -88,13 +88,13 @@ def test_training_relevant_keys_by_section():
 @pytest.mark.slow
 def test_changed_lr_on_resume_error_use_new_use_checkpoint(tmp_path):
     steps = ["--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2"]
-    _trainer(tmp_path, *steps).train()
+    tiny_trainer(tmp_path, *steps).train()
     with pytest.raises(TitanError, match=r"optimizer.lr = 0.003 there, 0.002 now.*config_mismatch use_checkpoint"):
-        _trainer(tmp_path, *steps, "--training.steps", "6", "--optimizer.lr", "2e-3")
+        tiny_trainer(tmp_path, *steps, "--training.steps", "6", "--optimizer.lr", "2e-3")
     # use_new: today's lr really drives the optimizer after the checkpoint's state was loaded
-    new = _trainer(tmp_path, *steps, "--training.steps", "6", "--optimizer.lr", "2e-3",
+    new = tiny_trainer(tmp_path, *steps, "--training.steps", "6", "--optimizer.lr", "2e-3",
                    "--checkpoint.config_mismatch", "use_new")
-    ref = _trainer(tmp_path / "ref", "--training.steps", "6", "--optimizer.lr", "2e-3")
+    ref = tiny_trainer(tmp_path / "ref", "--training.steps", "6", "--optimizer.lr", "2e-3")
     for _ in range(4):  # the uninterrupted lr schedule at lr 2e-3, at step 4
         ref.optimizers.step()
         ref.lr_schedulers.step()
@@ -102,6 +102,6 @@ def test_changed_lr_on_resume_error_use_new_use_checkpoint(tmp_path):
     assert new.lr_schedulers.get_last_lr() == pytest.approx(ref.lr_schedulers.get_last_lr())
     assert all(g["lr"] == pytest.approx(ref.lr_schedulers.get_last_lr()) for o in new.optimizers for g in o.param_groups)
     # use_checkpoint: the run continues with the checkpoint's lr
-    old = _trainer(tmp_path, *steps, "--training.steps", "6", "--optimizer.lr", "2e-3",
+    old = tiny_trainer(tmp_path, *steps, "--training.steps", "6", "--optimizer.lr", "2e-3",
                    "--checkpoint.config_mismatch", "use_checkpoint")
     assert old.config.optimizer.lr == 3e-3 and old.lr_schedulers.schedulers[0].base_lrs == [3e-3]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.unit.test_checkpoint import _trainer
+from tests.helpers.runs import trainer as tiny_trainer
 from titan.errors import TitanError
 
 PINNED = ["--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2",
@@ -38,12 +38,12 @@ def _closing_async_save(monkeypatch) -> None:
 
 def _saves_and_resumes(tmp_path: Path, monkeypatch, exact: bool) -> None:
     _closing_async_save(monkeypatch)
-    ref = _trainer(tmp_path / "ref", *PINNED).train()
+    ref = tiny_trainer(tmp_path / "ref", *PINNED).train()
     assert sorted(ref) == list(range(1, 9))
     assert _committed(tmp_path / "ref") == ["step-2", "step-4", "step-6", "step-8"]
     (tmp_path / "run/checkpoint").mkdir(parents=True)
     shutil.copytree(tmp_path / "ref/checkpoint/step-4", tmp_path / "run/checkpoint/step-4")
-    resumed = _trainer(tmp_path / "run", *PINNED)
+    resumed = tiny_trainer(tmp_path / "run", *PINNED)
     assert resumed.step == 4
     losses = resumed.train()
     assert sorted(losses) == [5, 6, 7, 8]
@@ -74,7 +74,7 @@ def test_failed_pinned_save_names_exception_and_cause(tmp_path, monkeypatch):
         return inner
 
     monkeypatch.setattr(staging.OwnedStager, "_live", released)
-    trainer = _trainer(tmp_path / "run", *PINNED)
+    trainer = tiny_trainer(tmp_path / "run", *PINNED)
     with pytest.raises(TitanError) as info:
         trainer.train()
     message = str(info.value)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
-from tests.integration.test_checkpoint_recovery import REPO, TINY, _env, _train
+from tests.helpers.runs import REPO, TINY_CKPT, run_env, train_subprocess
 from titan.checkpointing.failure import explain
 
 # debugmodel: one full checkpoint is ~70 MB; 100 MB holds one (and passes the start-up space check,
@@ -49,7 +49,7 @@ def _check_failed_run(rc: int, text: str, folder: Path, failed_step: int, cause:
 @pytest.mark.parametrize("mode", ["async", "disabled"])
 def test_full_disk_on_real_tmpfs(tmp_path, tmpfs, mode):
     ckpt = tmpfs / "ckpt"
-    rc, text, _ = _train(tmp_path / "run", "--training.steps", "6", "--checkpoint.interval", "2",
+    rc, text, _ = train_subprocess(tmp_path / "run", "--training.steps", "6", "--checkpoint.interval", "2",
                          "--checkpoint.folder", str(ckpt), "--checkpoint.async_mode", mode)
     _check_failed_run(rc, text, ckpt, 4, "no space left on device")
     assert "free disk space" in text
@@ -60,7 +60,7 @@ def test_full_disk_on_real_tmpfs(tmp_path, tmpfs, mode):
 @pytest.mark.slow
 def test_full_disk_retry_keeps_training(tmp_path, tmpfs):
     ckpt = tmpfs / "ckpt"
-    rc, text, steps = _train(tmp_path / "run", "--training.steps", "7", "--checkpoint.interval", "2",
+    rc, text, steps = train_subprocess(tmp_path / "run", "--training.steps", "7", "--checkpoint.interval", "2",
                              "--checkpoint.folder", str(ckpt), "--checkpoint.async_mode", "async",
                              "--checkpoint.on_save_error", "retry", "--checkpoint.keep_latest_k", "1")
     # step-4 and step-6 fail (a second checkpoint never fits), training reaches 7, whose final save stops
@@ -73,9 +73,9 @@ def test_full_disk_retry_keeps_training(tmp_path, tmpfs):
 @pytest.mark.slow
 def test_read_only_file_system_mid_run(tmp_path, tmpfs):
     ckpt = tmpfs / "ckpt"
-    cmd = [sys.executable, "train.py", *TINY, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "12",
+    cmd = [sys.executable, "train.py", *TINY_CKPT, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "12",
            "--checkpoint.interval", "6", "--checkpoint.folder", str(ckpt), "--checkpoint.async_mode", "async"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 240
         while not (ckpt / "step-6/COMPLETE").exists() and time.time() < deadline and proc.poll() is None:

@@ -28,7 +28,12 @@ def _other_value(tp, default):  # noqa: ANN001, ANN202
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return _other_value(args[-1], default if type(default) is args[-1] else None)
+    if origin is typing.Literal:
+        return next(c for c in reversed(typing.get_args(tp)) if c != default)
     if origin is list:
+        (inner,) = typing.get_args(tp)
+        if typing.get_origin(inner) is typing.Literal:
+            return list(reversed(typing.get_args(inner)))
         return [AWKWARD, "", "x,y"]
     if tp is bool:
         return not default
@@ -42,7 +47,7 @@ def _other_value(tp, default):  # noqa: ANN001, ANN202
 
 
 def _load_without_checks(text: str) -> JobConfig:
-    """What load_config does with a TOML file, minus validate_config (the values are nonsense)."""
+    """What load_config does with a TOML file, minus check_config (the values are nonsense)."""
     config = JobConfig()
     for key, value in _flatten_toml(tomllib.loads(text), "dump.toml"):
         _set(config, key, value, from_cli=False)

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from titan.data import datasets as ds_mod
-from titan.data.datasets import DATASETS, build_source, register_dataset
+from titan.data.datasets import DATASETS, DatasetSpec, build_source
 from titan.errors import TitanError
 
 DOCS = ["first document", "second one\nwith two lines", "third", "fourth — unicode ✓"]
@@ -137,14 +137,17 @@ def test_c4_offline_is_one_clear_error(monkeypatch):
         build_source("c4")
 
 
-def test_register_custom_dataset():
+def test_dataset_table_is_read_only_and_an_added_entry_builds(monkeypatch):
+    from types import MappingProxyType
+
+    from titan.data import datasets as ds_mod
     from titan.data.datasets import ListSource
 
-    register_dataset("unit_test_docs", lambda field: ListSource("unit_test_docs", ["a", "b"]))
-    try:
-        assert _texts(build_source("unit_test_docs")) == ["a", "b"]
-    finally:
-        DATASETS.pop("unit_test_docs")
+    with pytest.raises(TypeError):
+        DATASETS["unit_test_docs"] = None  # type: ignore[index]
+    entry = DatasetSpec("unit_test_docs", lambda field: ListSource("unit_test_docs", ["a", "b"]))
+    monkeypatch.setattr(ds_mod, "DATASETS", MappingProxyType({**DATASETS, entry.name: entry}))
+    assert _texts(build_source("unit_test_docs")) == ["a", "b"]
 
 
 def test_play_txt_paragraphs_are_documents(tmp_path):

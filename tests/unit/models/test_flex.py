@@ -19,14 +19,14 @@ import torch
 
 import titan.models.llama.flex as flex_mod
 from titan.errors import TitanError
-from titan.loss import cross_entropy_sum
+from titan.training.loss import cross_entropy_sum
+from tests.helpers import tiny
 from titan.models.llama import Transformer, TransformerModelArgs
 from titan.models.llama.model import Attention, RMSNorm, precompute_freqs_cis
 from titan.parallel.ac import apply_ac
 from titan.parallel.compile import apply_compile
 
-TINY = TransformerModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32,
-                            max_seq_len=256)
+TINY = replace(tiny.TINY, n_layers=3, max_seq_len=256)
 AC_CASES = [("none", "op"), ("selective", "op"), ("full", "op")]
 
 
@@ -106,7 +106,7 @@ def test_cpu_flex_has_no_backward_and_training_is_refused_before_the_model() -> 
 
 def test_trainer_on_cpu_with_flex_gives_one_line(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     from titan.config import load_config
-    from titan.trainer import Trainer
+    from titan.training.trainer import Trainer
 
     built = []
     monkeypatch.setattr(Transformer, "__init__", lambda *a, **k: built.append(1))

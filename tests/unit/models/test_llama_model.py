@@ -20,22 +20,16 @@ from titan.models.llama import (
     get_nparams_and_flops,
     llama3_configs,
 )
+from tests.helpers import tiny
 from titan.models.llama.flex import causal_block_mask
 from titan.models.llama.model import Attention, precompute_freqs_cis
 
-# A model small enough that every test below runs in well under a second on 2 CPU cores.
-TINY = TransformerModelArgs(
-    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=64
-)
+# The shared tiny model (well under a second per test on 2 CPU cores), with room for 64 positions.
+TINY = replace(tiny.TINY, max_seq_len=64)
 
 
 def build(args: TransformerModelArgs = TINY, seed: int = 0) -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    model.init_weights()
-    return model
+    return tiny.build(args, seed)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import pytest
 
 from titan.config import load_config
 from titan.errors import TitanError
+from titan.training.checks import load_job
 from titan.models import get_model_spec, model_args_from_config
 from titan.models.llama import llama3_configs
 
@@ -34,7 +35,7 @@ def test_cli_and_toml_overrides_reach_the_built_model(tmp_path: Path) -> None:
     assert llama3_configs["8B"].n_layers == 32  # the shared flavor is untouched
     toml = tmp_path / "shape.toml"
     toml.write_text("[model]\nflavor = \"debugmodel\"\nn_layers = 2\ndim = 128\nn_heads = 4\nn_kv_heads = 2\n")
-    from titan.trainer import Trainer
+    from titan.training.trainer import Trainer
 
     cfg = load_config(["--job.config_file", str(toml), "--job.dump_folder", str(tmp_path), "--training.steps", "1",
                        "--training.seq_len", "32", "--training.local_batch_size", "1",
@@ -57,7 +58,7 @@ def test_cli_and_toml_overrides_reach_the_built_model(tmp_path: Path) -> None:
 ])
 def test_bad_overrides_fail_at_config_time(argv: list[str], message: str) -> None:
     with pytest.raises(TitanError) as e:
-        load_config(argv)
+        load_job(argv)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

@@ -10,10 +10,11 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.unit.parallel._tiny import TINY, batch, build
+from tests.helpers.tiny import TINY, batch, build
 from titan.config import load_config
 from titan.errors import TitanError
-from titan.loss import cross_entropy_sum
+from titan.training.checks import load_job
+from titan.training.loss import cross_entropy_sum
 from titan.parallel.ac import apply_ac, parse_selective_option
 from titan.parallel.init import canonical_fqn
 
@@ -89,6 +90,6 @@ def test_config_is_validated_before_anything_runs():
     with pytest.raises(TitanError, match="activation_checkpoint.mode"):
         load_config(["--activation_checkpoint.mode", "partial"])
     with pytest.raises(TitanError, match="selective_ac_option"):
-        load_config(["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"])
+        load_job(["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"])
     cfg = load_config(["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"])
     assert cfg.activation_checkpoint.selective_ac_option == 2

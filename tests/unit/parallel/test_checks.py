@@ -1,17 +1,20 @@
 """Bad layouts fail with one clear line before any process group exists (so no rank can hang)."""
 
+from dataclasses import replace
+
 import pytest
 import torch.distributed as dist
 
 from titan.config import load_config
 from titan.errors import TitanError
-from titan.models.llama.args import TransformerModelArgs
+from tests.helpers.tiny import TINY
 from titan.models.llama.pipeline import split_stage
 from titan.parallel.dims import ParallelDims, check_layout
 from titan.parallel.pp import describe_split, layers_of_stage, num_stages, stage_ids_this_rank, stage_layer_counts
-from titan.trainer import Trainer
+from titan.training.checks import load_job
+from titan.training.trainer import Trainer
 
-ARGS = TransformerModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
+ARGS = replace(TINY, n_layers=4, vocab_size=256, max_seq_len=2048)
 
 
 def _par(*flags: str):
@@ -85,7 +88,7 @@ def test_trainer_rejects_bad_layout_before_any_process_group(tmp_path, monkeypat
 )
 def test_config_checks(flags, message):
     with pytest.raises(TitanError, match=message):
-        load_config(["--training.local_batch_size", "8", *flags])
+        load_job(["--training.local_batch_size", "8", *flags])
 
 
 def test_stage_layout():

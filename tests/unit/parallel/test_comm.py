@@ -1,12 +1,12 @@
 """[comm]: flight-recorder environment and the switch to the training timeout."""
 
-import datetime
 import os
 
 import pytest
 
 from titan.config import load_config
 from titan.errors import TitanError
+from titan.training.checks import load_job
 from titan.parallel.comm import set_comm_env
 
 
@@ -37,7 +37,7 @@ def test_flight_recorder_off(tmp_path, clean_env):
 
 def test_bad_timeout_fails_at_load():
     with pytest.raises(TitanError, match="comm.train_timeout_seconds"):
-        load_config(["--comm.train_timeout_seconds", "0"])
+        load_job(["--comm.train_timeout_seconds", "0"])
 
 
 @pytest.mark.parametrize(

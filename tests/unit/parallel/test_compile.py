@@ -7,10 +7,10 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from tests.unit.parallel._tiny import build, train_losses
+from tests.helpers.tiny import build, train_losses
 from titan.config import load_config
 from titan.errors import TitanError
-from titan.loss import cross_entropy_sum
+from titan.training.loss import cross_entropy_sum
 from titan.models.llama.parallelize import parallelize_llama
 from titan.parallel.compile import _wait_async_output, build_loss_fn, is_compiled
 from titan.parallel.dims import ParallelDims

@@ -1,24 +1,26 @@
 """Context parallel on CPU: what runs here is the flex forward (training needs CUDA, checked)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.dist_utils import run_distributed
+from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny import TINY
 from titan.errors import TitanError
-from titan.loss import cross_entropy_sum
-from titan.models.llama.args import TransformerModelArgs
+from titan.training.loss import cross_entropy_sum
 from titan.models.llama.model import Transformer
-from titan.parallel.cp import apply_cp, check_cp_seq_len, cp_shard_batch, cp_unshard
+from titan.models.llama.parallelize import apply_llama_cp, cp_buffers
+from titan.parallel.cp import check_cp_seq_len, cp_shard_batch, cp_unshard
 
 SEQ, VOCAB = 512, 256  # flex CP needs seq_len % (2 x cp x 128) == 0
 
 
 def _flex_forward_parity(rank: int, world: int):
     torch.manual_seed(0)
-    args = TransformerModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32,
-                                max_seq_len=SEQ, attn_type="flex")
+    args = replace(TINY, vocab_size=VOCAB, max_seq_len=SEQ, attn_type="flex")
     model = Transformer(args)
     model.init_weights()
     g = torch.Generator().manual_seed(1)
@@ -29,9 +31,9 @@ def _flex_forward_parity(rank: int, world: int):
         ref_loss = cross_entropy_sum(ref_logits, labels)
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    apply_cp(model, mesh, "flex")
+    apply_llama_cp(model, mesh, "flex")
     chunk = SEQ // (2 * world)
-    with torch.no_grad(), cp_shard_batch(mesh, [model], inputs, labels) as (x, y):
+    with torch.no_grad(), cp_shard_batch(mesh, inputs, labels, cp_buffers(model)) as (x, y):
         # Head-tail: rank r holds chunks r and 2cp-1-r of the sequence (inputs, labels, RoPE rows).
         head, tail = slice(rank * chunk, (rank + 1) * chunk), slice((2 * world - 1 - rank) * chunk, (2 * world - rank) * chunk)
         assert torch.equal(x, torch.cat([inputs[:, head], inputs[:, tail]], 1))

@@ -10,11 +10,12 @@ import torch
 import torch.nn as nn
 from torchao.float8.float8_linear import Float8Linear
 
-from tests.dist_utils import run_distributed
-from tests.unit.parallel._tiny import TINY, batch, build, train_losses
+from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny import TINY, batch, build, train_losses
 from titan.config import load_config
 from titan.config.job_config import Float8 as Float8Config
 from titan.errors import TitanError
+from titan.training.checks import load_job
 from titan.parallel.float8 import build_precompute_hook, check_float8_hardware, convert_to_float8
 
 REPO = Path(__file__).resolve().parents[3]
@@ -65,7 +66,7 @@ def test_precompute_hook_only_with_fsdp_float8_all_gather():
 )
 def test_bad_combinations_fail_at_config_load(args, match):
     with pytest.raises(TitanError, match=match):
-        load_config(["--float8.enable_float8_linear", *args])
+        load_job(["--float8.enable_float8_linear", *args])
 
 
 def test_old_gpu_without_emulate_is_a_clear_error(monkeypatch):
@@ -115,13 +116,18 @@ def _batch_steps(trainer, rows: slice, steps: int = 3) -> list[float]:
 
 
 def _fsdp_float8_rank(rank: int, world: int, dump: str) -> dict:
+    from tests.helpers.tiny import extra_flavors
+
+    with extra_flavors(tiny=TINY_2K):
+        return _fsdp_float8_checks(rank, dump)
+
+
+def _fsdp_float8_checks(rank: int, dump: str) -> dict:
     from torch.distributed.tensor import DTensor
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    from titan.models.llama import llama3_configs
-    from titan.trainer import Trainer
+    from titan.training.trainer import Trainer
 
-    llama3_configs["tiny"] = TINY_2K
     trainer = Trainer(_trainer_config(dump, "--float8.enable_fsdp_float8_all_gather",
                                       "--float8.precompute_float8_dynamic_scale_for_fsdp"))
     wq = trainer.model_parts[0].layers["0"].attention.wq
@@ -150,10 +156,10 @@ def _trainer_config(dump: str, *extra: str):
 def test_fsdp2_float8_all_gather_with_precomputed_scales_matches_one_process(tmp_path, monkeypatch):
     """2 gloo ranks, FSDP2 + float8 all-gather + precomputed scales (emulated matmuls) against
     one process with plain float8 layers: tensorwise scales of the full weight either way."""
-    from titan.models.llama import llama3_configs
-    from titan.trainer import Trainer
+    from tests.helpers.tiny import patch_flavors
+    from titan.training.trainer import Trainer
 
-    monkeypatch.setitem(llama3_configs, "tiny", TINY_2K)
+    patch_flavors(monkeypatch, tiny=TINY_2K)
     ref = _batch_steps(Trainer(_trainer_config(str(tmp_path / "ref"))), slice(0, 4))
     results = run_distributed(_fsdp_float8_rank, 2, str(tmp_path / "fsdp"))
     for r in results:
@@ -163,8 +169,8 @@ def test_fsdp2_float8_all_gather_with_precomputed_scales_matches_one_process(tmp
 
 
 def test_float8_with_activation_checkpointing_gives_identical_grads():
-    from tests.unit.parallel._tiny import batch
-    from titan.loss import cross_entropy_sum
+    from tests.helpers.tiny import batch
+    from titan.training.loss import cross_entropy_sum
     from titan.parallel.ac import apply_ac
     from titan.parallel.init import canonical_fqn
 

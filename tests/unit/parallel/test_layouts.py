@@ -10,22 +10,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny import extra_flavors, patch_flavors
 from titan.config import load_config
-from titan.models.llama.args import TransformerModelArgs, llama3_configs
-from titan.trainer import Trainer
+from titan.models.llama.args import TransformerModelArgs
+from titan.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
 SEQ, VOCAB, STEPS, GLOBAL_BATCH = 32, 2048, 10, 4
 TOL = 1e-4
-# Tiny, 4 layers (2 or 4 pipeline stages), GQA with heads divisible by TP 2.
-llama3_configs.setdefault(
-    "partest", TransformerModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32)
-)
-# 5 layers: no pipeline degree splits them evenly.
-llama3_configs.setdefault(
-    "partest5", TransformerModelArgs(dim=64, n_layers=5, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32)
-)
+# Tiny, 4 layers (2 or 4 pipeline stages), GQA with heads divisible by TP 2; and 5 layers, which
+# no pipeline degree splits evenly.
+FLAVORS = {
+    f"partest{suffix}": TransformerModelArgs(
+        dim=64, n_layers=n, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32
+    )
+    for suffix, n in (("", 4), ("5", 5))
+}
+
+
+@pytest.fixture(autouse=True)
+def _flavors(monkeypatch):
+    patch_flavors(monkeypatch, **FLAVORS)
 
 
 def _config(dump: str, *extra: str):
@@ -55,6 +61,11 @@ def _run(trainer: Trainer) -> list[tuple[float, float]]:
 
 
 def _layouts_on_ranks(rank: int, world: int, dump: str, layouts: dict[str, tuple[str, ...]]):
+    with extra_flavors(**FLAVORS):
+        return _layouts(dump, layouts)
+
+
+def _layouts(dump: str, layouts: dict[str, tuple[str, ...]]):
     results = {}
     for name, flags in layouts.items():
         dp = 1
@@ -71,7 +82,8 @@ def _layouts_on_ranks(rank: int, world: int, dump: str, layouts: dict[str, tuple
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return _run(Trainer(_config(str(tmp_path_factory.mktemp("ref")), "--training.local_batch_size", str(GLOBAL_BATCH))))
+    with extra_flavors(**FLAVORS):  # module scope: monkeypatch is per test
+        return _run(Trainer(_config(str(tmp_path_factory.mktemp("ref")), "--training.local_batch_size", str(GLOBAL_BATCH))))
 
 
 def _shard(n: int) -> tuple[str, ...]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 from torch import nn
 
@@ -99,9 +101,12 @@ class TransformerModelArgs:
 
 # Published Llama 3.1 shapes (Meta's params.json). The large flavors keep the 3.1 context
 # length; the trainer should lower max_seq_len to its seq_len to keep the RoPE table small.
-_LLAMA31 = dict(vocab_size=128256, rope_theta=500000.0, use_rope_scaling=True, max_seq_len=131072)
+_LLAMA31 = MappingProxyType(dict(vocab_size=128256, rope_theta=500000.0, use_rope_scaling=True, max_seq_len=131072))
 
-llama3_configs: dict[str, TransformerModelArgs] = {
+# Read-only: nothing may add or replace a flavor at run time (tests that need a tiny flavor
+# swap in a new mapping, see tests/helpers/tiny.py). The args inside are shared: hand out
+# copies (get_model_args, titan.models.get_flavor), never the entries themselves.
+llama3_configs: Mapping[str, TransformerModelArgs] = MappingProxyType({
     # ~5.8M params: GQA (16 query / 8 kv heads) so the repeat-kv path is exercised in tests.
     "debugmodel": TransformerModelArgs(
         dim=256,
@@ -125,11 +130,11 @@ llama3_configs: dict[str, TransformerModelArgs] = {
         dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
         ffn_dim_multiplier=1.2, multiple_of=4096, **_LLAMA31,
     ),
-}
+})
 
 
 def get_model_args(flavor: str, **overrides) -> TransformerModelArgs:
-    """A validated copy of a flavor (the dict entries are shared; never mutate them)."""
+    """A validated copy of a flavor with ``overrides`` applied."""
     if flavor not in llama3_configs:
         raise TitanError(
             f"model.flavor {flavor!r} is unknown; valid: {', '.join(llama3_configs)}"

@@ -12,18 +12,19 @@ titan's parameter names and RoPE layout are Meta's, so no renaming or permutatio
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
+import re
+from types import MappingProxyType
 
 import torch
 
 from titan.errors import TitanError
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.model import ffn_hidden_dim
-from titan.tools.progress import progress
+from titan.progress import progress
 
 # Meta's 3.1 reference code hard-codes these; params.json only says use_scaled_rope.
-_META_ROPE_DEFAULTS = dict(rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192)
+_META_ROPE_DEFAULTS = MappingProxyType(dict(rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192))
 _SKIP_KEYS = ("rope.freqs",)  # Llama 2 stored its RoPE table; titan recomputes it
 
 

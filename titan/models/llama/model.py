@@ -2,7 +2,7 @@
 
 Parameter names follow Meta's reference checkpoints (tok_embeddings, layers.N.attention.wq, ...,
 norm, output) and RoPE uses Meta's interleaved-pair layout, so consolidated.*.pth weights load
-without permutation. Parallelism lives elsewhere: this file must stay free of torch.distributed
+without permutation. Parallelism lives elsewhere: this file imports nothing of torch's distributed package
 so that the same module runs single-process, under FSDP/TP (DTensor parameters) and as a
 pipeline stage.
 """
@@ -18,6 +18,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from titan.errors import TitanError
 from titan.models.llama.args import TransformerModelArgs
+from titan.models.kv_cache import KVCache
 from titan.models.llama.flex import BlockMaskCache, FlexKernel
 
 
@@ -114,8 +115,9 @@ class FlexAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: TransformerModelArgs, flex_kernel: FlexKernel | None = None) -> None:
+    def __init__(self, args: TransformerModelArgs, flex_kernel: FlexKernel | None = None, layer_id: int = 0) -> None:
         super().__init__()
+        self.layer_id = layer_id  # its slot in a KV cache
         self.n_heads = args.n_heads
         self.n_kv_heads = args.kv_heads
         self.head_dim = args.head_dim
@@ -127,7 +129,8 @@ class Attention(nn.Module):
         self.inner_attention = FlexAttention(flex_kernel) if args.attn_type == "flex" else SDPAttention()
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, block_mask: BlockMask | None = None
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, block_mask: BlockMask | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         # Head counts are inferred (-1) so tensor parallelism can hand us a local shard of heads.
@@ -136,8 +139,11 @@ class Attention(nn.Module):
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         # Sliced here, not by the caller: under TP/SP the caller only sees its sequence shard,
         # while attention runs on the gathered sequence (under CP both are the local shard).
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
-        if self.attn_type == "flex":
+        start = kv_cache.pos if kv_cache is not None else 0
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[start:start + seqlen])
+        if kv_cache is not None:
+            out = self._cached_attention(xq, xk, xv, kv_cache)
+        elif self.attn_type == "flex":
             if block_mask is None:
                 raise TitanError("flex attention needs the BlockMask built by Transformer.forward")
             # flex reads kv head h // n_rep for query head h itself (enable_gqa): no k/v copies.
@@ -150,6 +156,21 @@ class Attention(nn.Module):
             out = self.inner_attention(q, k, v)
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
         return self.wo(out)
+
+    def _cached_attention(
+        self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """Decoding: the new queries against every cached key. SDPA with an explicit mask for both
+        attention types: the queries sit at an offset (is_causal aligns them top-left), and a flex
+        BlockMask would have to be rebuilt for every new length."""
+        start, seqlen = kv_cache.pos, xq.shape[1]
+        xk, xv = kv_cache.update(self.layer_id, xk, xv)
+        n_rep = self.n_heads // self.n_kv_heads
+        q, k, v = (t.transpose(1, 2) for t in (xq, repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)))
+        # Query i sits at position start + i and may see keys 0 .. start + i.
+        keys = torch.arange(start + seqlen, device=xq.device)
+        mask = keys[None, :] <= torch.arange(start, start + seqlen, device=xq.device)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def ffn_hidden_dim(args: TransformerModelArgs) -> int:
@@ -178,15 +199,16 @@ class TransformerBlock(nn.Module):
         self.layer_id = layer_id
         self.n_layers = args.n_layers
         self.depth_init = args.depth_init
-        self.attention = Attention(args, flex_kernel)
+        self.attention = Attention(args, flex_kernel, layer_id)
         self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args))
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, block_mask: BlockMask | None = None
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, block_mask: BlockMask | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, block_mask=block_mask)
+        h = x + self.attention(self.attention_norm(x), freqs_cis, block_mask=block_mask, kv_cache=kv_cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -248,14 +270,19 @@ class Transformer(nn.Module):
             return p.device
         return self.freqs_cis.device
 
+    def init_buffers(self, device: torch.device | None = None) -> None:
+        """(Re)compute the derived buffers (the RoPE table) on `device` (default: the parameters').
+        Loading weights into a model fresh from to_empty() needs this and not init_weights."""
+        device = device if device is not None else self._param_device()
+        self.freqs_cis = precompute_freqs_cis(self.model_args, device=device)
+
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """(Re)initialise buffers and parameters in place; seed with torch.manual_seed first.
 
         Only nn.init functions on existing parameters are used, so this works on plain tensors
         and on FSDP/TP DTensor parameters alike, and on pipeline stages missing some modules.
         """
-        device = buffer_device if buffer_device is not None else self._param_device()
-        self.freqs_cis = precompute_freqs_cis(self.model_args, device=device)
+        self.init_buffers(buffer_device)
         dim = self.model_args.dim
         if self.tok_embeddings is not None:
             nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
@@ -270,27 +297,29 @@ class Transformer(nn.Module):
             std = dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """tokens [B, S] int64 -> logits [B, S, vocab] in the parameter dtype.
 
         Pipeline stages: without tok_embeddings the input is already hidden states [B, S, dim];
-        without norm/output the hidden states are returned.
+        without norm/output the hidden states are returned. With a ``kv_cache`` (generation) the
+        tokens continue the cached ones at position ``kv_cache.pos``; the caller advances it.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seqlen = h.shape[1]
-        if seqlen * self.seq_shards > self.freqs_cis.shape[0]:
+        end = seqlen * self.seq_shards + (kv_cache.pos if kv_cache is not None else 0)
+        if end > self.freqs_cis.shape[0]:
             raise TitanError(
-                f"sequence length {seqlen * self.seq_shards} exceeds model max_seq_len {self.freqs_cis.shape[0]}; "
+                f"sequence length {end} exceeds model max_seq_len {self.freqs_cis.shape[0]}; "
                 "raise model max_seq_len or lower training.seq_len"
             )
         # The full RoPE table: attention slices it for the length it sees (h may be a TP/SP
         # sequence shard). The flex mask is built here, once per batch (cached per length), not
         # inside the compiled and checkpointed blocks.
         block_mask = None
-        if self.block_masks is not None:
+        if self.block_masks is not None and kv_cache is None:
             block_mask = self.block_masks.get(seqlen * self.seq_shards, h.device)
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis, block_mask)
+            h = layer(h, self.freqs_cis, block_mask, kv_cache=kv_cache)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

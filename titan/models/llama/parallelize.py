@@ -1,25 +1,100 @@
-"""Apply parallelisms to a Llama model part, in this fixed order:
+"""Parallelize a Llama model part, in this fixed order:
 TP/SP -> CP -> activation checkpointing -> compile -> FSDP2 / HSDP / DDP.
+
+The Llama-specific parts live here (the TP/SP plan, the CP hook points, the RoPE table that
+follows the sequence under CP); titan/parallel supplies the mechanisms.
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from titan.config.job_config import JobConfig
+from titan.log import logger
+from titan.models.llama.flex import causal_mask_mod
 from titan.parallel.ac import apply_ac
 from titan.parallel.compile import apply_compile
-from titan.parallel.cp import apply_cp
+from titan.parallel.cp import SeqBuffer, apply_cp, cp_mask_builder
 from titan.parallel.dims import ParallelDims
 from titan.parallel.fsdp import apply_ddp, apply_fsdp
-from titan.parallel.tp import apply_tp as _apply_tp
+from titan.parallel.tp import Plan, apply_tp_plan, check_tp_shapes
+
+
+def _root_plan(model: nn.Module, loss_parallel: bool) -> Plan:
+    """Plan for the modules a pipeline stage may lack (embedding, final norm, output)."""
+    plan: Plan = {}
+    if getattr(model, "tok_embeddings", None) is not None:
+        # Every TP rank holds a slice of the vocab; the output comes back sharded on sequence.
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if getattr(model, "norm", None) is not None:
+        plan["norm"] = SequenceParallel()
+    if getattr(model, "output", None) is not None:
+        # Loss parallel keeps logits sharded on vocab: cross entropy then never gathers them.
+        plan["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    return plan
+
+
+def _block_plan() -> Plan:
+    # Built per call: ParallelStyle objects are not shared between models.
+    return {
+        "attention_norm": SequenceParallel(),
+        # block_mask and the KV cache (kwargs) pass through untouched; freqs_cis stays a plain
+        # full-length tensor.
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False) -> None:
-    """Tensor + sequence parallel over `tp_mesh` (see titan/parallel/tp.py). With loss_parallel
-    the logits are vocab-sharded DTensors: run the loss under tensor.parallel.loss_parallel()."""
-    _apply_tp(model, tp_mesh, loss_parallel=loss_parallel, enable_async_tp=enable_async_tp)
+    """Shard a Llama model (or pipeline stage) over `tp_mesh` with sequence parallelism.
+
+    With `loss_parallel` the output projection returns vocab-sharded DTensor logits: compute
+    the loss (and its backward) under `torch.distributed.tensor.parallel.loss_parallel()`.
+    Without it the logits are gathered into an ordinary full tensor.
+    """
+    tp = tp_mesh.size()
+    check_tp_shapes(model.model_args.n_heads, model.model_args.kv_heads, tp)
+    apply_tp_plan(
+        model, tp_mesh, _root_plan(model, loss_parallel), model.layers.values(), _block_plan(),
+        enable_async_tp=enable_async_tp,
+    )
+    # Sequence parallel: blocks see 1/tp of the sequence, attention the gathered whole (the flex
+    # mask is built for that length).
+    model.seq_shards = tp
+    logger.info(f"applied tensor + sequence parallel (degree {tp}, loss parallel {loss_parallel}, async {enable_async_tp})")
+
+
+def apply_llama_cp(model: nn.Module, cp_mesh: DeviceMesh, attn_type: str) -> None:
+    """CP hooks every block's attention kernel (Attention.inner_attention); with flex the model's
+    mask cache builds the CP (local query rows) causal mask instead of the plain one."""
+    if attn_type == "flex":
+        model.block_masks.set_builder(cp_mask_builder(causal_mask_mod, cp_mesh))
+    apply_cp([block.attention.inner_attention for block in model.layers.values()], cp_mesh, attn_type)
+
+
+def cp_buffers(model: nn.Module) -> list[SeqBuffer]:
+    """Buffers indexed by position that CP shards with the batch: the RoPE table (dim 0)."""
+    return [(model, "freqs_cis", 0)]
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
@@ -32,11 +107,11 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             enable_async_tp=par.enable_async_tensor_parallel,
         )
     if parallel_dims.cp_enabled:
-        apply_cp(model, parallel_dims.submesh("cp"), job_config.model.attn_type)
+        apply_llama_cp(model, parallel_dims.submesh("cp"), job_config.model.attn_type)
     ac = job_config.activation_checkpoint
     apply_ac(model, ac.mode, ac.selective_ac_option)
     if job_config.compile.enable and "model" in job_config.compile.components:
-        apply_compile(model)
+        apply_compile(model, before_blocks=model.tok_embeddings)  # None on later pipeline stages
     if parallel_dims.fsdp_enabled:
         # HSDP: replicate across the outer dim, shard inside; plain FSDP: one shard dim.
         apply_fsdp(

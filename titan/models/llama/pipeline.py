@@ -19,7 +19,7 @@ from titan.parallel.pp import (
     num_stages,
     stage_ids_this_rank,
 )
-from titan.tools.logging import logger
+from titan.log import logger
 
 
 def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:

@@ -14,8 +14,9 @@ time when exporting a large checkpoint).
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
+import re
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from titan.errors import TitanError
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.model import ffn_hidden_dim
 
-_LAYER_MAP = {
+_LAYER_MAP = MappingProxyType({
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
@@ -34,14 +35,14 @@ _LAYER_MAP = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_MAP = {
+})
+_TOP_MAP = MappingProxyType({
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
-}
-_LAYER_MAP_INV = {v: k for k, v in _LAYER_MAP.items()}
-_TOP_MAP_INV = {v: k for k, v in _TOP_MAP.items()}
+})
+_LAYER_MAP_INV = MappingProxyType({v: k for k, v in _LAYER_MAP.items()})
+_TOP_MAP_INV = MappingProxyType({v: k for k, v in _TOP_MAP.items()})
 _TITAN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -208,9 +209,36 @@ def args_to_hf_config(args: TransformerModelArgs, dtype: torch.dtype = torch.flo
     }
 
 
+def args_from_shapes(
+    shapes: dict[str, tuple[int, ...]], base: TransformerModelArgs, where: str
+) -> TransformerModelArgs:
+    """`base` (a flavor) with vocab_size, n_layers and tie_embeddings read off the tensor shapes
+    of a checkpoint (``where`` names it in errors)."""
+    if "tok_embeddings.weight" not in shapes:
+        raise TitanError(f"{where}: no tok_embeddings.weight; cannot infer the model shape")
+    vocab, dim = shapes["tok_embeddings.weight"]
+    if dim != base.dim:
+        raise TitanError(f"{where}: embedding width {dim} does not match the flavor's dim {base.dim}; pick the right flavor")
+    n_layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("layers."))
+    args = replace(base, vocab_size=vocab, n_layers=n_layers, tie_embeddings="output.weight" not in shapes)
+    args.validate()
+    return args
+
+
+def state_dict_shapes(args: TransformerModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor a full model state dict holds, with its unsharded shape."""
+    from titan.models.llama.meta_checkpoint import full_shapes
+
+    return full_shapes(args)
+
+
 class LlamaStateDictAdapter:
     """The registry's handle on this module (ModelSpec.state_dict_adapter)."""
 
+    hf_model_types = ("llama",)
+    """config.json "model_type" values this adapter reads."""
+    args_from_shapes = staticmethod(args_from_shapes)
+    state_dict_shapes = staticmethod(state_dict_shapes)
     to_hf = staticmethod(to_hf)
     from_hf = staticmethod(from_hf)
     hf_config_to_args = staticmethod(hf_config_to_args)

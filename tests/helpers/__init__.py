@@ -1,0 +1,1 @@
+"""Shared test helpers: the tiny model and configs (tiny), the multi-process runner (distributed)."""

@@ -1,0 +1,58 @@
+"""Training runs for tests: the tiny debug-model run (CLI arguments), an in-process Trainer, a
+train.py subprocess with the CPU environment, and a SIGTERM delivered during a chosen step."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers.distributed import cpu_env
+
+REPO = Path(__file__).resolve().parents[2]
+STEP_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
+# The debug model on 32-token windows, every step logged, no TensorBoard, plain console lines.
+TINY_RUN = ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--training.seq_len", "32",
+            "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+            "--metrics.disable_color_printing"]
+TINY_CKPT = [*TINY_RUN, "--checkpoint.enable"]
+
+
+def trainer(folder: Path, *args: str):
+    """A Trainer for a 6-step tiny run dumping into ``folder`` (``args`` override)."""
+    from titan.config import load_config
+    from titan.training.trainer import Trainer
+
+    return Trainer(load_config([*TINY_RUN, "--training.steps", "6", "--job.dump_folder", str(folder), *args]))
+
+
+def signal_during(trainer, step: int, send: bool) -> None:  # noqa: ANN001 - a Trainer
+    """Deliver SIGTERM to this process while ``step`` runs (on the ranks where ``send``)."""
+    original = trainer.train_step
+
+    def train_step(microbatches):  # noqa: ANN001, ANN202
+        out = original(microbatches)
+        if send and trainer.step == step:
+            signal.raise_signal(signal.SIGTERM)
+        return out
+
+    trainer.train_step = train_step
+
+
+def run_env(**extra: str) -> dict[str, str]:
+    """cpu_env() without a fault-injection point inherited from the caller's environment."""
+    env = cpu_env(**extra)
+    if "TITAN_DEBUG_KILL_AT" not in extra:
+        env.pop("TITAN_DEBUG_KILL_AT", None)
+    return env
+
+
+def train_subprocess(folder: Path, *args: str, kill_at: str = "") -> tuple[int, str, dict[int, str]]:
+    """`python train.py` on the tiny run with checkpoints on: (exit status, output, {step: loss})."""
+    cmd = [sys.executable, "train.py", *TINY_CKPT, "--job.dump_folder", str(folder), *args]
+    env = run_env(TITAN_DEBUG_KILL_AT=kill_at) if kill_at else run_env()
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    return out.returncode, text, {int(m[1]): m[2] for m in STEP_RE.finditer(text)}

@@ -1,0 +1,72 @@
+"""The one validation pass: load_job = load_config (types, choices, ranges) + validate_job (the
+checks each feature owns). Every error is one line naming the key."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan.config import load_config
+from titan.config.choices import DType, OptimizerImplementation, WeightDecayExclude, choices
+from titan.errors import TitanError
+from titan.training.checks import load_job, validate_job
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--optimizer.lr", "-1"], "config key 'optimizer.lr' got -1.0; valid: a number > 0"),
+    (["--optimizer.name", "SGD"], "config key 'optimizer.name' got 'SGD'; valid: AdamW, Adam"),
+    (["--lr_scheduler.min_lr_factor", "2"], "config key 'lr_scheduler.min_lr_factor' got 2.0; valid: a number in [0, 1]"),
+    (["--stability.loss_spike_window", "0"], "config key 'stability.loss_spike_window' must be >= 1"),
+    (["--profiling.enable_profiling", "--profiling.profile_freq", "2"], "must be <= profiling.profile_freq (2)"),
+    (["--validation.enable", "--validation.freq", "0"], "config key 'validation.freq' must be >= 1"),
+    (["--comm.train_timeout_seconds", "0"], "config key 'comm.train_timeout_seconds' must be >= 1 second"),
+    (["--parallelism.pipeline_parallel_schedule", "2F2B"], "'parallelism.pipeline_parallel_schedule' got '2F2B'"),
+    (["--model.flavor", "giant"], "config key 'model.flavor' got 'giant'; valid for llama3: debugmodel"),
+    (["--model.name", "gpt9"], "config key 'model.name' got 'gpt9'; valid: llama3"),
+    (["--model.n_kv_heads", "5"], "(flavor 'debugmodel' with model.n_kv_heads = 5)"),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
+     "'activation_checkpoint.selective_ac_option' got 0"),
+    (["--float8.enable_float8_linear", "--float8.recipe", "rowwise", "--float8.enable_fsdp_float8_all_gather"],
+     "float8.enable_fsdp_float8_all_gather works only with float8.recipe = tensorwise"),
+])
+def test_feature_checks_run_in_load_job_only(argv, message):
+    config = load_config(argv)  # the config knows nothing wrong with these
+    with pytest.raises(TitanError) as e:
+        validate_job(config)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(TitanError) as again:
+        load_job(argv)
+    assert str(again.value) == str(e.value)
+
+
+def test_load_job_passes_the_shipped_configs():
+    for path in sorted((REPO / "train_configs").glob("*.toml")):
+        load_job(["--job.config_file", str(path)])
+
+
+def test_trainer_validates_a_config_from_load_config_alone():
+    from titan.training.trainer import Trainer
+
+    with pytest.raises(TitanError, match="config key .optimizer.lr. got 0.0; valid: a number > 0"):
+        Trainer(load_config(["--optimizer.lr", "0", "--training.seq_len", "32"]))
+
+
+def test_runtime_tables_match_the_config_choices():
+    from titan.parallel.fsdp import DTYPES
+    from titan.training.optim import IMPLEMENTATIONS, WEIGHT_DECAY_EXCLUDE
+
+    assert tuple(IMPLEMENTATIONS) == choices(OptimizerImplementation)
+    assert tuple(WEIGHT_DECAY_EXCLUDE) == choices(WeightDecayExclude)
+    assert tuple(DTYPES) == choices(DType)
+    assert [DTYPES[n].itemsize for n in DTYPES] == [4, 2, 2] and DTYPES["bfloat16"] is torch.bfloat16
+
+
+def test_check_entry_point_runs_the_whole_pass(capsys):
+    """python -m titan.launch.check (what the launchers run first) reports a feature's error too."""
+    from titan.launch.check import main
+
+    assert main(["--optimizer.lr", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == "titan: error: config key 'optimizer.lr' got -1.0; valid: a number > 0"
+    assert main(["--training.seq_len", "32"]) == 0

@@ -1,0 +1,151 @@
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+from titan.config.job_config import LRScheduler as LRSchedulerConfig
+from titan.config.job_config import Optimizer as OptimizerConfig
+from titan.errors import TitanError
+from titan.training.lr_scheduler import build_lr_schedulers, lr_factor, resolve_schedule, validate_lr_scheduler_config
+from titan.training.optim import build_optimizers
+
+PEAK = 1e-3
+
+
+def _lrs(cfg: LRSchedulerConfig, steps: int, n_parts: int = 1, extra: int = 0) -> list[float]:
+    """The lr used by optimizer steps 1..steps+extra, read as the trainer would."""
+    parts = [nn.Linear(2, 2) for _ in range(n_parts)]
+    opt = build_optimizers(parts, OptimizerConfig(lr=PEAK))
+    sched = build_lr_schedulers(opt, cfg, steps)
+    out = []
+    for _ in range(steps + extra):
+        lrs = {g["lr"] for o in opt for g in o.param_groups}
+        assert len(lrs) == 1 and lrs.pop() == pytest.approx(sched.get_last_lr(), abs=0)
+        out.append(sched.get_last_lr() / PEAK)
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_wsd_linear_by_hand() -> None:
+    # steps 10, warmup 2, decay_ratio 0.5 -> decay 5 steps, stable 3 steps.
+    cfg = LRSchedulerConfig(warmup_steps=2, decay_ratio=0.5, decay_type="linear")
+    expected = [1 / 3, 2 / 3, 1.0, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2, 0.0, 0.0]
+    assert _lrs(cfg, 10, extra=1) == pytest.approx(expected, abs=1e-12)
+
+
+def test_wsd_min_lr_by_hand() -> None:
+    cfg = LRSchedulerConfig(
+        warmup_steps=2, decay_ratio=0.5, decay_type="linear", min_lr_factor=0.1
+    )
+    expected = [1 / 3, 2 / 3, 1.0, 1.0, 1.0, 0.82, 0.64, 0.46, 0.28, 0.1, 0.1]
+    assert _lrs(cfg, 10, extra=1) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "decay_type, at_step3, at_step6",
+    [
+        # No decay_ratio: decay over the 8 steps after warmup; step 3 is p = 1/8, step 6 p = 1/2.
+        ("linear", 0.875, 0.5),
+        ("sqrt", 1 - 0.3535533905932738, 1 - 0.7071067811865476),
+        ("cosine", 0.5 * (1 + 0.9238795325112867), 0.5),
+    ],
+)
+def test_decay_types_by_hand(decay_type: str, at_step3: float, at_step6: float) -> None:
+    lrs = _lrs(LRSchedulerConfig(warmup_steps=2, decay_type=decay_type), 10)
+    assert lrs[:2] == pytest.approx([1 / 3, 2 / 3])
+    assert lrs[2] == pytest.approx(at_step3, abs=1e-12)
+    assert lrs[5] == pytest.approx(at_step6, abs=1e-12)
+    assert lrs[9] == pytest.approx(0.0, abs=1e-12)
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
+
+
+def test_no_warmup_first_lr_positive_and_decay_ratio_zero_is_constant() -> None:
+    assert _lrs(LRSchedulerConfig(warmup_steps=0, decay_ratio=0.0), 5) == [1.0] * 5
+    first = _lrs(LRSchedulerConfig(warmup_steps=0), 4)
+    assert first == pytest.approx([0.75, 0.5, 0.25, 0.0])
+
+
+def test_all_parts_follow_one_schedule() -> None:
+    cfg = LRSchedulerConfig(warmup_steps=2, decay_ratio=0.5)
+    assert _lrs(cfg, 10, n_parts=3) == _lrs(cfg, 10, n_parts=1)
+
+
+def test_clamping_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="titan"):
+        sched = resolve_schedule(LRSchedulerConfig(warmup_steps=20), 10)
+    assert sched["warmup_steps"] == 10 and sched["decay_steps"] == 0
+    assert "lr_scheduler.warmup_steps (20) > training.steps (10)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="titan"):
+        sched = resolve_schedule(LRSchedulerConfig(warmup_steps=2, decay_ratio=0.9), 10)
+    assert (sched["warmup_steps"], sched["stable_steps"], sched["decay_steps"]) == (2, 0, 8)
+    assert "clamping decay to 8 steps" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"warmup_steps": -1}, "config key 'lr_scheduler.warmup_steps' got -1; valid: an integer >= 0"),
+        ({"decay_ratio": 1.5}, "config key 'lr_scheduler.decay_ratio' got 1.5; valid: a number in [0, 1], or unset"),
+        ({"min_lr_factor": -0.1}, "config key 'lr_scheduler.min_lr_factor' got -0.1; valid: a number in [0, 1]"),
+    ],
+)
+def test_bad_config(kwargs: dict, message: str) -> None:
+    with pytest.raises(TitanError) as info:
+        validate_lr_scheduler_config(LRSchedulerConfig(**kwargs))
+    assert message in str(info.value)
+
+
+def test_lr_factor_is_pure() -> None:
+    kw = dict(warmup_steps=0, stable_steps=0, decay_steps=4, decay_type="cosine", min_lr_factor=0.2)
+    assert lr_factor(1, **kw) == pytest.approx(0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi / 2)))
+    assert lr_factor(100, **kw) == pytest.approx(0.2)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_resume_continues_exactly(tmp_path) -> None:
+    cfg = LRSchedulerConfig(warmup_steps=3, decay_ratio=0.4, decay_type="cosine", min_lr_factor=0.1)
+    steps = 12
+    uninterrupted = _lrs(cfg, steps)
+
+    parts = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    opt = build_optimizers(parts, OptimizerConfig(lr=PEAK))
+    sched = build_lr_schedulers(opt, cfg, steps)
+    seen = []
+    for _ in range(5):
+        seen.append(sched.get_last_lr() / PEAK)
+        opt.step()
+        sched.step()
+    dcp.save({"lr_scheduler": sched.state_dict()}, checkpoint_id=str(tmp_path))
+
+    # Resume with a different layout (one part) through DCP.
+    new_opt = build_optimizers([nn.Linear(2, 2)], OptimizerConfig(lr=PEAK))
+    new_sched = build_lr_schedulers(new_opt, cfg, steps)
+    state = {"lr_scheduler": new_sched.state_dict()}
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    new_sched.load_state_dict(state["lr_scheduler"])
+    assert new_sched.schedulers[0].last_epoch == 5
+    # The optimizer's lr comes back with the optimizer state in a real resume; here only the
+    # scheduler was restored, so the next value is read from the scheduler.
+    for _ in range(steps - 5):
+        seen.append(new_sched.get_last_lr() / PEAK)
+        new_opt.step()
+        new_sched.step()
+        assert new_opt.optimizers[0].param_groups[0]["lr"] == new_sched.get_last_lr()
+    assert seen == pytest.approx(uninterrupted, abs=0)
+
+
+def test_lr_used_by_optimizer_matches_schedule() -> None:
+    p = nn.Parameter(torch.zeros(1))
+    opt = build_optimizers([nn.ParameterList([p])], OptimizerConfig(lr=PEAK, weight_decay=0.0))
+    sched = build_lr_schedulers(opt, LRSchedulerConfig(warmup_steps=2, decay_ratio=0.5), 10)
+    p.grad = torch.ones(1)
+    opt.step()  # first Adam step moves by lr * sign(grad) (up to eps)
+    assert -p.item() == pytest.approx(PEAK / 3, rel=1e-5)
+    sched.step()

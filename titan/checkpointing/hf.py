@@ -1,0 +1,207 @@
+"""Hugging Face folders: config.json + model-0000x-of-0000y.safetensors + model.safetensors.index.json.
+
+Export streams: shards are planned from the DCP metadata and each is read, remapped and written
+on its own, so peak memory is about one shard (max_shard_bytes), not the whole model.
+Import reads the safetensors files one at a time but holds the full model before writing DCP.
+The model family's state-dict adapter (ModelSpec.state_dict_adapter) does the key/layout and
+config mapping: found from the args being written, or from config.json's model_type when reading.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from titan.errors import TitanError
+from titan.checkpointing import model_dcp as dcp_io
+from titan.models import spec_for_args, spec_for_hf_model_type
+from titan.progress import progress
+
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 5 * 1024**3  # what transformers' save_pretrained uses
+
+
+def _plan_shards(nbytes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Greedy in layer order, so a layer's tensors mostly land in one file."""
+    def order(key: str) -> tuple[int, str]:
+        parts = key.split(".")
+        return (int(parts[1]) if parts[0] == "layers" else (-1 if parts[0] == "tok_embeddings" else 1 << 30), key)
+
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key in sorted(nbytes, key=order):
+        if shards[-1] and size + nbytes[key] > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes[key]
+    return shards
+
+
+def _prepare_out(out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise TitanError(f"output folder {out} already exists and is not empty; choose a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _adapter(args: Any) -> Any:
+    spec = spec_for_args(args)
+    if spec.state_dict_adapter is None:
+        raise TitanError(f"model {spec.name} has no Hugging Face format")
+    return spec.state_dict_adapter
+
+
+def _write(out: Path, args: Any, groups: list, dtype: torch.dtype | None, load) -> None:  # noqa: ANN001
+    adapter = _adapter(args)
+    weight_map: dict[str, str] = {}
+    total = 0
+    saved_dtype = None
+    for i, keys in enumerate(progress(groups, desc="writing safetensors", unit="file")):
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        hf = adapter.to_hf(load(keys), args, dtype)
+        if not hf:
+            continue
+        # safetensors refuses views into shared storage; contiguous copies where needed.
+        hf = {k: v.detach().contiguous() for k, v in hf.items()}
+        save_file(hf, str(out / name), metadata={"format": "pt"})
+        for k, v in hf.items():
+            weight_map[k] = name
+            total += v.numel() * v.element_size()
+            saved_dtype = v.dtype
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    config = adapter.args_to_hf_config(args, saved_dtype or torch.float32)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def save_hf(state_dict: dict[str, torch.Tensor], args: Any, out_dir: str | Path,
+            max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None) -> None:
+    """In-memory titan state dict -> HF folder."""
+    out = _prepare_out(out_dir)
+    keys = [k for k in state_dict if not (args.tie_embeddings and k == "output.weight")]
+    nbytes = {k: state_dict[k].numel() * state_dict[k].element_size() for k in keys}
+    _write(out, args, _plan_shards(nbytes, max_shard_bytes), dtype, lambda ks: {k: state_dict[k] for k in ks})
+
+
+def export_dcp_to_hf(dcp_dir: str | Path, out_dir: str | Path, args: Any,
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None) -> None:
+    """Model tensors of a DCP checkpoint -> HF folder, one output shard in memory at a time."""
+    nbytes = dcp_io.tensor_nbytes(dcp_dir)
+    if args.tie_embeddings:
+        nbytes.pop("output.weight", None)
+    expected = set(_expected_keys(args))
+    if set(nbytes) != expected:
+        missing, extra = sorted(expected - set(nbytes)), sorted(set(nbytes) - expected)
+        raise TitanError(f"{dcp_dir}: model tensors do not match the model args; missing {missing[:3]}, unexpected {extra[:3]}")
+    out = _prepare_out(out_dir)
+    _write(out, args, _plan_shards(nbytes, max_shard_bytes), dtype, lambda ks: dcp_io.read_model_tensors(dcp_dir, ks))
+
+
+def _expected_keys(args: Any) -> list[str]:
+    shapes = _adapter(args).state_dict_shapes(args)
+    return [k for k in shapes if not (args.tie_embeddings and k == "output.weight")]
+
+
+def read_hf_config(hf_dir: str | Path) -> Any:
+    """The model args a Hugging Face folder's config.json describes (its family's args class)."""
+    f = Path(hf_dir) / "config.json"
+    if not f.is_file():
+        raise TitanError(f"{hf_dir} is not a Hugging Face model folder: no config.json")
+    try:
+        config = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise TitanError(f"{f} is not valid JSON: {e}") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise TitanError(f"{f} has no 'model_type'; is this a transformers model folder?")
+    return spec_for_hf_model_type(config["model_type"]).state_dict_adapter.hf_config_to_args(config)
+
+
+def _weight_files(hf_dir: Path) -> list[Path]:
+    index = hf_dir / INDEX_FILE
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [f for f in files if not (hf_dir / f).is_file()]
+        if missing:
+            raise TitanError(f"{hf_dir}: {INDEX_FILE} names {missing[0]}, which is missing")
+        return [hf_dir / f for f in files]
+    single = hf_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise TitanError(f"{hf_dir}: no model.safetensors or {INDEX_FILE} (only safetensors weights are supported)")
+
+
+def load_hf(hf_dir: str | Path, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], Any]:
+    """HF folder -> (titan state dict, model args)."""
+    hf_dir = Path(hf_dir)
+    args = read_hf_config(hf_dir)
+    hf: dict[str, torch.Tensor] = {}
+    files = _weight_files(hf_dir)
+    for f in progress(files, desc="reading safetensors", unit="file"):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                hf[k] = fh.get_tensor(k)
+    if args.tie_embeddings:
+        hf.pop("lm_head.weight", None)  # some exports store the tied copy too
+    state = _adapter(args).from_hf(hf, args, dtype)
+    expected = set(_expected_keys(args)) | ({"output.weight"} if args.tie_embeddings else set())
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise TitanError(f"{hf_dir}: weights do not match config.json; missing {missing[:3]}, unexpected {extra[:3]}")
+    return state, args
+
+
+def load_hf_into_model(model_parts: list[nn.Module], hf_dir: str | Path) -> Any:
+    """Fill a built model (plain, FSDP, TP; pipeline parts take their own keys) from an HF folder:
+    the hook for `[checkpoint] initial_load_in_hf`. Every rank reads the files and keeps its shard."""
+    state, args = load_hf(hf_dir)
+    with torch.no_grad():
+        for part in model_parts:
+            for name, target in get_model_state_dict(part).items():
+                if name not in state:
+                    raise TitanError(f"{hf_dir}: no weight for model parameter {name!r}; wrong model folder?")
+                src = state[name]
+                if tuple(src.shape) != tuple(target.shape):
+                    raise TitanError(f"{hf_dir}: {name!r} has shape {tuple(src.shape)}, the model expects {tuple(target.shape)}")
+                src = src.to(device=target.device, dtype=target.dtype)
+                if isinstance(target, DTensor):
+                    src = distribute_tensor(src, target.device_mesh, target.placements)
+                target.copy_(src)
+    return args
+
+
+def save_model_hf(model_parts: list[nn.Module], out_dir: str | Path, args: Any | None = None,
+                  dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """Gather a (possibly sharded) model and write an HF folder from rank 0: the hook for
+    `[checkpoint] last_save_in_hf`. Collective: every rank must call it. Pipeline-parallel parts
+    live on different ranks, so a rank 0 without all of them refuses rather than exporting half."""
+    args = args if args is not None else model_parts[0].model_args
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state: dict[str, torch.Tensor] = {}
+    for part in model_parts:
+        state.update(get_model_state_dict(part, options=options))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if args.tie_embeddings:
+        state.pop("output.weight", None)
+    missing = sorted(set(_expected_keys(args)) - set(state))
+    if missing:
+        raise TitanError(f"HF export needs the whole model on rank 0 but {missing[0]!r} is on another pipeline "
+                         "stage; export the DCP checkpoint with scripts/convert_hf.py to_hf instead")
+    save_hf(state, args, out_dir, max_shard_bytes, dtype)
+
+
+def import_hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Any:
+    state, args = load_hf(hf_dir, dtype)
+    dcp_io.save_model_dcp(state, args, out_dir)
+    return args

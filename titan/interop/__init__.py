@@ -1,1 +1,0 @@
-"""Checkpoint interop: model-only DCP folders, Hugging Face folders, Meta releases, generation."""

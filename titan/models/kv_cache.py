@@ -1,0 +1,38 @@
+"""Key/value cache for incremental decoding, shared by model families (pure torch).
+
+A model's attention takes it as an optional argument: with a cache, the new tokens' keys and
+values are written at positions ``pos .. pos + S`` and attention runs over everything cached so
+far. The caller (generation) advances ``pos`` by the real tokens fed; padded slots past them are
+overwritten by the next chunk, and no real query attends to them (causal).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from titan.errors import TitanError
+
+
+class KVCache:
+    """Per-layer [B, max_len, kv_heads, head_dim] buffers, allocated on first use (sized from the
+    first keys, so a TP rank holds only its local heads)."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.pos = 0
+        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v [B, S, KVH, Dh] of ``layer`` at pos .. pos + S; return keys/values 0 .. pos + S."""
+        start, end = self.pos, self.pos + k.shape[1]
+        if end > self.max_len:
+            raise TitanError(f"the KV cache holds {self.max_len} positions; generation reached {end}")
+        if layer not in self._kv:
+            shape = (k.shape[0], self.max_len, *k.shape[2:])
+            self._kv[layer] = (k.new_zeros(shape), v.new_zeros(shape))
+        ck, cv = self._kv[layer]
+        ck[:, start:end], cv[:, start:end] = k, v
+        return ck[:, :end], cv[:, :end]
+
+    def advance(self, n: int) -> None:
+        self.pos += n

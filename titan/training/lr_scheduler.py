@@ -1,0 +1,154 @@
+"""Learning-rate schedules: linear warmup, optional stable phase (WSD), then decay to min_lr.
+
+Indexing: ``lr_factor(s)`` is the factor used by optimizer step ``s + 1`` (``s`` = scheduler steps
+taken so far; LambdaLR evaluates s = 0 at construction). With N = training_steps, W = warmup,
+D = decay steps and S = N - W - D stable steps:
+
+- warmup   s in [0, W):        (s + 1) / (W + 1)       -- the first step already has lr > 0
+- stable   s in [W, W + S):    1.0
+- decay    s in [W + S, N):    p = (s - W - S + 1) / D, so the last step (s = N - 1) has p = 1
+                               and runs exactly at min_lr; factor = m + (1 - m) * shape(p)
+                               with shape linear 1 - p, sqrt 1 - sqrt(p), cosine (1 + cos(pi p))/2
+- s >= N (training continued past the plan): min_lr.
+
+D = round(N * decay_ratio) when decay_ratio is set (WSD), else N - W.
+
+Inconsistent lengths are clamped with a warning rather than refused: overriding
+``--training.steps`` for a short smoke test of a big config (warmup 200, steps 10) is common and
+the clamped schedule is still well defined. Warmup is clamped to N, then decay to N - warmup.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+from torch.optim.lr_scheduler import LambdaLR
+
+from titan.config.job_config import LRScheduler as LRSchedulerConfig
+from titan.errors import require
+from titan.training.optim import OptimizersContainer
+from titan.log import logger
+
+__all__ = [
+    "LRSchedulersContainer",
+    "build_lr_schedulers",
+    "lr_factor",
+    "resolve_schedule",
+    "validate_lr_scheduler_config",
+]
+
+
+def lr_factor(
+    step: int,
+    *,
+    warmup_steps: int,
+    stable_steps: int,
+    decay_steps: int,
+    decay_type: str,
+    min_lr_factor: float,
+) -> float:
+    """Multiplier of the peak lr for 0-based scheduler step ``step`` (see module docstring)."""
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    decay_start = warmup_steps + stable_steps
+    if step < decay_start:
+        return 1.0
+    if decay_steps <= 0:
+        # No decay phase planned (decay_ratio = 0): stay at the peak.
+        return 1.0
+    progress = min((step - decay_start + 1) / decay_steps, 1.0)
+    if decay_type == "linear":
+        shape = 1.0 - progress
+    elif decay_type == "sqrt":
+        shape = 1.0 - math.sqrt(progress)
+    elif decay_type == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"unknown decay_type {decay_type!r}")
+    return min_lr_factor + (1.0 - min_lr_factor) * shape
+
+
+def validate_lr_scheduler_config(cfg: LRSchedulerConfig) -> None:
+    """Raise TitanError naming the first invalid [lr_scheduler] key (decay_type is a Literal
+    choice, checked by the config loader)."""
+    require(cfg.warmup_steps >= 0, "lr_scheduler.warmup_steps", cfg.warmup_steps, "an integer >= 0")
+    require(0.0 <= cfg.min_lr_factor <= 1.0, "lr_scheduler.min_lr_factor", cfg.min_lr_factor, "a number in [0, 1]")
+    if cfg.decay_ratio is not None:
+        require(0.0 <= cfg.decay_ratio <= 1.0, "lr_scheduler.decay_ratio", cfg.decay_ratio,
+                "a number in [0, 1], or unset")
+
+
+def resolve_schedule(cfg: LRSchedulerConfig, training_steps: int) -> dict[str, Any]:
+    """lr_factor's keyword arguments for a validated [lr_scheduler] section (validate_job)."""
+    warmup = cfg.warmup_steps
+    if warmup > training_steps:
+        logger.warning(
+            f"lr_scheduler.warmup_steps ({warmup}) > training.steps ({training_steps}); "
+            f"clamping warmup to {training_steps}"
+        )
+        warmup = training_steps
+    if cfg.decay_ratio is None:
+        decay = training_steps - warmup
+    else:
+        decay = round(training_steps * cfg.decay_ratio)
+        if warmup + decay > training_steps:
+            logger.warning(
+                f"lr_scheduler.warmup_steps ({warmup}) + decay steps ({decay} = "
+                f"round({training_steps} * decay_ratio {cfg.decay_ratio})) > training.steps "
+                f"({training_steps}); clamping decay to {training_steps - warmup} steps"
+            )
+            decay = training_steps - warmup
+    return {
+        "warmup_steps": warmup,
+        "stable_steps": training_steps - warmup - decay,
+        "decay_steps": decay,
+        "decay_type": cfg.decay_type,
+        "min_lr_factor": cfg.min_lr_factor,
+    }
+
+
+class LRSchedulersContainer:
+    """One LambdaLR per optimizer in the container, all following the same schedule.
+
+    The checkpoint stores one scheduler's state (they are identical), so it loads into any number
+    of model parts.
+    """
+
+    def __init__(self, optimizers: OptimizersContainer, schedule: dict[str, Any]) -> None:
+        self.schedule = dict(schedule)
+        lr_lambda = functools.partial(lr_factor, **self.schedule)
+        self.schedulers = [LambdaLR(opt, lr_lambda) for opt in optimizers]
+
+    def step(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def get_last_lr(self) -> float:
+        """The lr the next optimizer step will use (first param group; all parts agree)."""
+        return float(self.schedulers[0].get_last_lr()[0])
+
+    def state_dict(self) -> dict[str, Any]:
+        # lr_lambdas is dropped: the lambda is rebuilt from the config, and its (empty) state
+        # would only be a fragile nested entry in the checkpoint.
+        state = self.schedulers[0].state_dict()
+        state.pop("lr_lambdas", None)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for scheduler in self.schedulers:
+            state = {k: v for k, v in state_dict.items()}
+            # LambdaLR.load_state_dict pops this key; None entries leave our lambdas untouched.
+            state["lr_lambdas"] = [None] * len(scheduler.lr_lambdas)
+            for key in ("base_lrs", "_last_lr"):
+                if key in state:
+                    state[key] = list(state[key])
+            scheduler.load_state_dict(state)
+
+
+def build_lr_schedulers(
+    optimizers: OptimizersContainer, cfg: LRSchedulerConfig, training_steps: int
+) -> LRSchedulersContainer:
+    """Schedulers for every optimizer in ``optimizers``; sets each lr to the step-1 value."""
+    return LRSchedulersContainer(optimizers, resolve_schedule(cfg, training_steps))

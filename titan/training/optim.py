@@ -1,0 +1,223 @@
+"""Optimizers: one torch optimizer per model part, checkpointed as a single FQN-keyed dict.
+
+Pipeline parallelism splits the model into several parts (stages) per rank; each part gets its own
+optimizer so a stage only touches its own parameters. The checkpoint state is produced with
+``torch.distributed.checkpoint.state_dict`` and ``flatten_optimizer_state_dict=True``: keys are
+parameter FQNs ("state.layers.0.attention.wq.weight.exp_avg", "param_groups.<fqn>.lr"), not
+positional ids, so a checkpoint saved with one split (or none, or FSDP/DTensor params) loads into
+another split of the same model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from titan.config.job_config import Optimizer as OptimizerConfig
+from titan.errors import TitanError, require
+from titan.log import import_torchao
+
+__all__ = ["OptimizersContainer", "build_optimizers", "OPTIMIZERS", "IMPLEMENTATIONS", "param_groups",
+           "WEIGHT_DECAY_EXCLUDE"]
+
+OPTIMIZERS: Mapping[str, type[torch.optim.Optimizer]] = MappingProxyType({
+    "AdamW": torch.optim.AdamW,
+    "Adam": torch.optim.Adam,
+})
+# optimizer.implementation choice -> constructor kwargs. "for-loop" forces the per-tensor path: torch would
+# otherwise silently pick foreach when foreach=None.
+IMPLEMENTATIONS: Mapping[str, Mapping[str, bool]] = MappingProxyType({
+    "for-loop": MappingProxyType({"foreach": False, "fused": False}),
+    "foreach": MappingProxyType({"foreach": True, "fused": False}),
+    "fused": MappingProxyType({"foreach": False, "fused": True}),
+})
+
+_STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+# optimizer.weight_decay_exclude kinds -> does this module's own parameters belong to the kind.
+# Norms by class name so any norm class (RMSNorm, LayerNorm, wrapped by FSDP or not) matches.
+WEIGHT_DECAY_EXCLUDE: Mapping[str, Callable[[nn.Module], bool]] = MappingProxyType({
+    "norms": lambda m: "Norm" in type(m).__name__,
+    "embeddings": lambda m: isinstance(m, nn.Embedding),
+})
+
+
+def param_groups(part: nn.Module, exclude: list[str] | tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """One group of all trainable parameters, or with ``exclude`` a second group with weight
+    decay 0 for the parameters of the excluded module kinds (a shared/tied parameter is excluded
+    if any module holding it is). The checkpoint stays layout independent: the flattened state
+    dict stores each group's hyper-parameters per parameter FQN."""
+    params = [p for p in part.parameters() if p.requires_grad]
+    if not exclude:
+        return [{"params": params}]
+    checks = [WEIGHT_DECAY_EXCLUDE[kind] for kind in exclude]
+    skip = {
+        id(p) for m in part.modules() if any(check(m) for check in checks) for p in m.parameters(recurse=False)
+    }
+    groups = [{"params": [p for p in params if id(p) not in skip]},
+              {"params": [p for p in params if id(p) in skip], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+class OptimizersContainer:
+    """Holds ``optimizers[i]`` for ``model_parts[i]`` and steps / checkpoints them together.
+
+    Implements the ``Stateful`` protocol (state_dict / load_state_dict) so the checkpoint manager
+    can register it directly.
+    """
+
+    def __init__(
+        self,
+        model_parts: list[nn.Module],
+        optimizer_cls: type[torch.optim.Optimizer],
+        optimizer_kwargs: dict[str, Any],
+        weight_decay_exclude: list[str] | tuple[str, ...] = (),
+    ) -> None:
+        self.model_parts = list(model_parts)
+        self.optimizer_kwargs = dict(optimizer_kwargs)
+        self.optimizers: list[torch.optim.Optimizer] = []
+        for part in self.model_parts:
+            params = param_groups(part, weight_decay_exclude)
+            self.optimizers.append(optimizer_cls(params, **self.optimizer_kwargs))
+        self._post_step_hooks: list[Callable[[], None]] = []
+
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        return iter(self.optimizers)
+
+    def __len__(self) -> int:
+        return len(self.optimizers)
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+        for hook in self._post_step_hooks:
+            hook()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def register_step_post_hook(self, hook: Callable[[], None]) -> None:
+        """Run ``hook()`` once after every container step (e.g. float8 scale precompute), after all
+        parts have stepped."""
+        self._post_step_hooks.append(hook)
+
+    def state_dict(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for part, optimizer in zip(self.model_parts, self.optimizers):
+            merged.update(get_optimizer_state_dict(part, optimizer, options=_STATE_DICT_OPTIONS))
+        return merged
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Each part picks the FQN keys of its own parameters out of the merged dict.
+        for part, optimizer in zip(self.model_parts, self.optimizers):
+            set_optimizer_state_dict(
+                part, optimizer, optim_state_dict=state_dict, options=_STATE_DICT_OPTIONS
+            )
+
+
+def validate_optimizer_config(cfg: OptimizerConfig) -> None:
+    """Raise TitanError naming the first invalid [optimizer] key (implementation and
+    weight_decay_exclude are Literal choices, checked by the config loader)."""
+    require(cfg.name.lower() in {n.lower() for n in OPTIMIZERS}, "optimizer.name", cfg.name, ", ".join(OPTIMIZERS))
+    require(math.isfinite(cfg.lr) and cfg.lr > 0, "optimizer.lr", cfg.lr, "a number > 0")
+    for key in ("beta1", "beta2"):
+        value = getattr(cfg, key)
+        require(0.0 <= value < 1.0, f"optimizer.{key}", value, "a number in [0, 1)")
+    require(math.isfinite(cfg.eps) and cfg.eps >= 0, "optimizer.eps", cfg.eps, "a number >= 0")
+    require(math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0, "optimizer.weight_decay", cfg.weight_decay,
+            "a number >= 0")
+    if cfg.bf16_stochastic_round:
+        require(cfg.name.lower() == "adamw", "optimizer.name", cfg.name,
+                "AdamW with optimizer.bf16_stochastic_round (torchao's kernel)")
+        require(cfg.implementation != "fused", "optimizer.implementation", cfg.implementation,
+                "foreach or for-loop with optimizer.bf16_stochastic_round (torchao's compiled kernel)")
+
+
+def build_optimizers(
+    model_parts: list[nn.Module], cfg: OptimizerConfig
+) -> OptimizersContainer:
+    """Build one optimizer per model part from the [optimizer] config section.
+
+    Weight decay applies to every parameter (as in Llama 3 / torchtitan) unless
+    ``weight_decay_exclude`` names module kinds to spare. With ``bf16_stochastic_round`` the
+    parameters must already be bf16 (see ``cast_params_for_optimizer``). ``cfg`` has passed
+    validate_optimizer_config (titan.training.checks.validate_job).
+    """
+    if cfg.bf16_stochastic_round:
+        return OptimizersContainer(model_parts, _bf16_sr_adamw(), {
+            "lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "weight_decay": cfg.weight_decay,
+            "bf16_stochastic_round": True,
+        }, cfg.weight_decay_exclude)
+    name = {n.lower(): n for n in OPTIMIZERS}[cfg.name.lower()]
+    kwargs: dict[str, Any] = {
+        "lr": cfg.lr,
+        "betas": (cfg.beta1, cfg.beta2),
+        "eps": cfg.eps,
+        "weight_decay": cfg.weight_decay,
+        **IMPLEMENTATIONS[cfg.implementation],
+    }
+    if cfg.implementation == "fused":
+        _check_fused_supported(model_parts)
+    return OptimizersContainer(model_parts, OPTIMIZERS[name], kwargs, cfg.weight_decay_exclude)
+
+
+def _bf16_sr_adamw() -> type[torch.optim.Optimizer]:
+    """torchao's plain AdamW with bf16 stochastic rounding (fp32 math, fp32 moments, the new bf16
+    weight rounded up with probability = the dropped fraction): torchao.optim._AdamW."""
+    try:
+        return import_torchao("torchao.optim")._AdamW
+    except (ImportError, AttributeError):
+        raise TitanError("optimizer.bf16_stochastic_round needs torchao >= 0.18 (its torchao.optim._AdamW);"
+                         " pip install 'torchao>=0.18'") from None
+
+
+def cast_params_for_optimizer(model: nn.Module, cfg: OptimizerConfig) -> None:
+    """bf16_stochastic_round keeps the weights themselves in bf16. Call on the meta-device model,
+    before parallelizing (FSDP then shards bf16 parameters) and before init (so the weights are
+    drawn in bf16). Buffers keep their dtype; tied parameters stay tied."""
+    if not cfg.bf16_stochastic_round:
+        return
+    new: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(old) -> (old kept alive, new)
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_floating_point() and p.dtype != torch.bfloat16:
+                if id(p) not in new:
+                    new[id(p)] = (p, nn.Parameter(p.detach().to(torch.bfloat16), p.requires_grad))
+                module.register_parameter(name, new[id(p)][1])
+
+
+def _fused_devices() -> list[str]:
+    try:
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+        return list(_get_fused_kernels_supported_devices())
+    except ImportError:  # private helper moved: let torch itself complain at step time
+        return []
+
+
+def _check_fused_supported(model_parts: list[nn.Module]) -> None:
+    """Fail at build time, not at the first step (torch only checks fused support in step())."""
+    supported = _fused_devices()
+    if not supported:
+        return
+    for part in model_parts:
+        for fqn, p in part.named_parameters():
+            if p.requires_grad and (
+                p.device.type not in supported or not torch.is_floating_point(p)
+            ):
+                raise TitanError(
+                    f"optimizer.implementation=fused is not supported for parameter {fqn} "
+                    f"({p.dtype} on {p.device.type}; fused needs floating point on one of "
+                    f"{', '.join(supported)}); use foreach or for-loop"
+                )

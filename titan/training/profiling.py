@@ -1,0 +1,117 @@
+"""torch.profiler traces and CUDA memory snapshots, driven by the [profiling] config section.
+
+The trainer calls ``profiler.step(step)`` after every training step and ``profiler.close()`` at
+the end. Every ``profile_freq`` steps the last ``active_steps`` of the window are recorded after
+``warmup_steps`` warm-up steps, and each rank writes
+``<dump_folder>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json`` (chrome://tracing,
+perfetto.dev). Memory snapshots (CUDA only) go to
+``<dump_folder>/<save_memory_snapshot_folder>/iteration_<step>/rank<r>_memory_snapshot.pickle``
+and, on an out-of-memory error, ``.../oom/rank<r>_memory_snapshot.pickle``
+(drag into pytorch.org/memory_viz).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from titan.config.job_config import JobConfig
+from titan.errors import TitanError
+from titan.log import logger
+
+__all__ = ["Profiler", "validate_profiling_config"]
+
+# Allocator events kept for a snapshot; ~100k covers several steps of a large model.
+MEMORY_HISTORY_ENTRIES = 100_000
+
+
+def validate_profiling_config(c: JobConfig) -> None:
+    p = c.profiling
+    if not p.enable_profiling and not p.enable_memory_snapshot:
+        return
+    if p.profile_freq < 1:
+        raise TitanError(f"config key 'profiling.profile_freq' must be >= 1, got {p.profile_freq}")
+    if p.enable_profiling:
+        if p.active_steps < 1 or p.warmup_steps < 0:
+            raise TitanError("config keys 'profiling.active_steps' (>= 1) and 'profiling.warmup_steps' (>= 0) got"
+                             f" {p.active_steps} and {p.warmup_steps}")
+        if p.warmup_steps + p.active_steps > p.profile_freq:
+            raise TitanError(f"profiling.warmup_steps + profiling.active_steps ({p.warmup_steps} + {p.active_steps})"
+                             f" must be <= profiling.profile_freq ({p.profile_freq})")
+
+
+class Profiler:
+    def __init__(self, config: JobConfig, *, rank: int, device: torch.device, start_step: int = 0) -> None:
+        # config has passed validate_profiling_config (titan.training.checks.validate_job)
+        p = config.profiling
+        self.rank = rank
+        self.freq = p.profile_freq
+        self.torch_profiler: Any = None
+        self.memory_folder: str | None = None
+        self.traces: list[str] = []
+        if p.enable_memory_snapshot:
+            if device.type != "cuda":
+                raise TitanError(f"profiling.enable_memory_snapshot needs CUDA (it records the CUDA caching"
+                                 f" allocator's history); this run is on {device.type}: set it to false")
+            self.memory_folder = os.path.join(config.job.dump_folder, p.save_memory_snapshot_folder)
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+            torch._C._cuda_attach_out_of_memory_observer(self._on_oom)
+            logger.info(f"CUDA memory snapshots every {self.freq} steps and on OOM in {self.memory_folder}")
+        if p.enable_profiling:
+            self.trace_folder = os.path.join(config.job.dump_folder, p.save_traces_folder)
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            wait = self.freq - p.warmup_steps - p.active_steps
+            self.torch_profiler = torch.profiler.profile(
+                activities=activities,
+                schedule=torch.profiler.schedule(wait=wait, warmup=p.warmup_steps, active=p.active_steps),
+                on_trace_ready=self._save_trace,
+                record_shapes=True,
+            )
+            self.torch_profiler.start()
+            # A resumed run keeps the same trace steps as an uninterrupted one.
+            self.torch_profiler.step_num = start_step
+            logger.info(f"profiling every {self.freq} steps ({p.warmup_steps} warm-up, {p.active_steps} active)"
+                        f" into {self.trace_folder}")
+
+    def _save_trace(self, prof: torch.profiler.profile) -> None:
+        folder = os.path.join(self.trace_folder, f"iteration_{prof.step_num}")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"rank{self.rank}_trace.json")
+        t0 = time.perf_counter()
+        prof.export_chrome_trace(path)
+        self.traces.append(path)
+        logger.info(f"profiler trace written to {path} in {time.perf_counter() - t0:.2f}s")
+
+    def _dump_memory(self, name: str) -> str:
+        assert self.memory_folder is not None
+        folder = os.path.join(self.memory_folder, name)
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"rank{self.rank}_memory_snapshot.pickle")
+        torch.cuda.memory._dump_snapshot(path)
+        return path
+
+    def _on_oom(self, device: int, alloc: int, device_alloc: int, device_free: int) -> None:
+        path = self._dump_memory("oom")
+        logger.error(f"CUDA out of memory on device {device} (asked {alloc / 2**30:.2f} GiB, free"
+                     f" {device_free / 2**30:.2f} GiB): memory snapshot written to {path}")
+
+    def step(self, step: int) -> None:
+        """Call once after training step ``step`` finished."""
+        if self.torch_profiler is not None:
+            self.torch_profiler.step()
+        if self.memory_folder is not None and step % self.freq == 0:
+            path = self._dump_memory(f"iteration_{step}")
+            logger.info(f"memory snapshot written to {path}")
+
+    def close(self) -> None:
+        if self.torch_profiler is not None:
+            self.torch_profiler.stop()
+            self.torch_profiler = None
+        if self.memory_folder is not None:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.memory_folder = None

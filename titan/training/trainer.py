@@ -1,0 +1,339 @@
+"""The training loop: config -> process group -> model -> parallelize -> data -> steps."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from titan.checkpointing.manager import CheckpointManager
+from titan.checkpointing.resume import prepare_run
+from titan.checkpointing.states import ModelParts, TrainState
+from titan.config.job_config import JobConfig
+from titan.config.output import save_config
+from titan.data import build_tokenizer
+from titan.data.datasets import check_dataset
+from titan.training.build import (
+    build_loader, build_model, build_optimizers_and_schedulers, build_parallel_dims, check_run_config,
+    check_run_layout, init_weights, model_spec_and_args, run_model_args,
+)
+from titan.training.gc_handler import GarbageCollection
+from titan.training.checks import validate_job
+from titan.training.loss import IGNORE_INDEX, cross_entropy_sum
+from titan.training.metrics import MetricsProcessor
+from titan.parallel.comm import set_comm_env, set_pg_timeouts
+from titan.parallel.compile import build_loss_fn
+from titan.parallel.cp import cp_shard_batch
+from titan.parallel.fsdp import DTYPES
+from titan.training.determinism import DeterministicMode
+from titan.parallel.utils import clip_grad_norm_, init_distributed, pick_device, set_seed, world_info
+from titan.training.profiling import Profiler
+from titan.training.stability import StabilityMonitor, param_norm
+from titan.training.startup import log_summary, summary_rows
+from titan.log import init_logger, logger
+from titan.training.validator import Validator
+
+DEFAULT_SEED = 0
+
+
+def _replicated(t: torch.Tensor) -> torch.Tensor:
+    """A loss computed under loss parallel is a replicated DTensor: take the plain value."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class Trainer:
+    def __init__(self, config: JobConfig):
+        self.config = config
+        self.rank, local_rank, world_size = world_info()
+        init_logger(self.rank)
+        t = config.training
+
+        # Everything that can be checked without a process group or a model, first.
+        validate_job(config)  # the entry point ran it too; a Trainer built from load_config alone needs it
+        self.parallel_dims = build_parallel_dims(config, world_size)
+        self.grad_accum_steps = check_run_config(config, self.parallel_dims)
+        self.stability = StabilityMonitor(config)
+        spec, model_args = model_spec_and_args(config)
+        self.spec = spec  # what the loop needs from the model family (its CP buffers)
+        check_dataset(t.dataset, t.dataset_path)  # a typo'd dataset fails before the model is built
+        tokenizer = build_tokenizer(config.model.tokenizer_path)
+
+        # Before the device is touched: cuBLAS reads its workspace setting when first created.
+        self.determinism = DeterministicMode(t.deterministic).apply()
+        self.device = pick_device(local_rank)
+        check_run_layout(config, self.parallel_dims, model_args, self.device.type)
+        # NCCL reads the flight-recorder env when its groups are created
+        set_comm_env(config, nccl=self.device.type == "cuda")
+        init_distributed(self.device, world_size, timeout_s=config.comm.init_timeout_seconds)
+        self.parallel_dims.build_mesh(self.device.type)
+        # Before anything is written to the dump folder: lock it, pick the checkpoint to resume
+        # and settle its config against this one (may change config: checkpoint.config_mismatch).
+        self.run_start = prepare_run(config, self.rank, world_size, self.parallel_dims.dp_degree)
+        seed = DEFAULT_SEED if t.seed is None else t.seed
+        set_seed(seed)
+
+        # Model: built on meta, parallelized, then materialized and initialized.
+        model_args = run_model_args(config, model_args, tokenizer.vocab_size)
+        built = build_model(config, spec, model_args, self.parallel_dims, self.device, self._pp_loss_fn)
+        self.model_parts, self.pp_schedule = built.parts, built.pp_schedule
+        self.pp_has_first, self.pp_has_last = built.pp_has_first, built.pp_has_last
+        self.num_params, self.flops_per_token, self.float8_fqns = built.num_params, built.flops_per_token, built.float8_fqns
+        init_weights(self.model_parts, seed, self.device)
+        # Set per step: the PP loss function divides by the step's global token count.
+        self._loss_scale = torch.ones((), device=self.device)
+        # Without FSDP there is no MixedPrecisionPolicy: autocast gives the same compute dtype.
+        self.amp = self._autocast_context(model_args)
+
+        self.optimizers, self.lr_schedulers = build_optimizers_and_schedulers(config, self.model_parts, self.parallel_dims)
+        # Fixed from here on (checkpoint loads copy into them): not rebuilt every step.
+        self._params = [p for m in self.model_parts for p in m.parameters()]
+        pp = self.parallel_dims.submesh("pp")
+        self._pp_group = pp.get_group() if pp is not None else None
+        self.loss_fn = build_loss_fn(cross_entropy_sum, config.compile.enable and "loss" in config.compile.components)
+
+        self.dp_rank = self.parallel_dims.dp_rank()
+        self.dataloader = build_loader(config, tokenizer, self.parallel_dims)
+        self.metrics = MetricsProcessor(
+            config, rank=self.rank, device=self.device, num_flops_per_token=self.flops_per_token,
+            non_data_parallel_size=self.parallel_dims.non_data_parallel_size,
+            float8=bool(self.float8_fqns),
+        )
+        self.validator = None
+        if config.validation.enable:
+            self.validator = Validator(config, model_parts=self.model_parts, parallel_dims=self.parallel_dims,
+                                       loader=build_loader(config, tokenizer, self.parallel_dims, validation=True),
+                                       device=self.device, metrics=self.metrics, forward_loss_sum=self._eval_loss_sum)
+        self.train_state = TrainState()  # step and tokens seen: saved and restored with the checkpoint
+        self._batches: Iterator | None = None
+        # Last in set-up: the manager saves the states above and restores them (auto-resume) if there is a checkpoint.
+        self.checkpointer = CheckpointManager(
+            config, model=ModelParts(self.model_parts), optimizer=self.optimizers, lr_scheduler=self.lr_schedulers,
+            dataloader=self.dataloader, train_state=self.train_state, world_size=self.parallel_dims.world_size,
+            rank=self.rank, dp_rank=self.dp_rank, dp_degree=self.parallel_dims.dp_degree, num_params=self.num_params,
+            start=self.run_start,
+        )
+        self.checkpointer.load()
+        if self.rank == 0:  # the run is committed to start here (its checkpoint folder checked or resumed)
+            log_summary(summary_rows(
+                config, device=self.device, parallel_dims=self.parallel_dims, model_parts=self.model_parts,
+                num_params=self.num_params, flops_per_token=self.flops_per_token,
+                peak_flops=self.metrics.peak_flops, float8=bool(self.float8_fqns),
+            ))
+            logger.info(f"merged config saved to {save_config(config)} (repeat the run with --job.config_file)")
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done so far (``train_state.step``)."""
+        return self.train_state.step
+
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        """Loss parallel: cross entropy (forward and backward) on vocab-sharded DTensor logits."""
+        return loss_parallel() if self.parallel_dims.loss_parallel_enabled else contextlib.nullcontext()
+
+    def _cp_context(self, inputs: torch.Tensor, labels: torch.Tensor) -> contextlib.AbstractContextManager:
+        """CP: forward and backward see this rank's sequence shard (and RoPE rows)."""
+        if not self.parallel_dims.cp_enabled:
+            return contextlib.nullcontext((inputs, labels))
+        spec = self.spec
+        buffers = [b for part in self.model_parts for b in spec.cp_buffers_fn(part)] if spec.cp_buffers_fn else []
+        return cp_shard_batch(
+            self.parallel_dims.submesh("cp"), inputs, labels, buffers,
+            self.config.parallelism.context_parallel_rotate_method,
+        )
+
+    def _pp_loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(logits, labels) * self._loss_scale
+
+    def _autocast_context(self, model_args) -> contextlib.AbstractContextManager:  # noqa: ANN001
+        dtype = self.config.training.mixed_precision_param
+        if self.parallel_dims.fsdp_enabled or dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[dtype])
+
+    # ------------------------------------------------------------ one step
+    def next_microbatches(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        if self._batches is None:
+            self._batches = iter(self.dataloader)
+        out = []
+        t0 = time.perf_counter()
+        for _ in range(self.grad_accum_steps):
+            try:
+                # A new DataLoader iterator draws a seed from the global RNG; resume restores that
+                # RNG, so the draw (once per process) must not move it, or resumed runs drift.
+                with torch.random.fork_rng(devices=[]):
+                    inputs, labels = next(self._batches)
+            except StopIteration:
+                return None
+            out.append((inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)))
+        self.metrics.add_data_time(time.perf_counter() - t0)
+        return out
+
+    def _global_token_count(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        count = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
+        count = torch.as_tensor(count, dtype=torch.int64, device=self.device)
+        dp = self.parallel_dims.submesh("dp")
+        if dp is not None:
+            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=dp.get_group())
+        return count.clamp(min=1)
+
+    def _param_norm_due(self, step: int) -> bool:
+        freq = self.config.metrics.param_norm_freq
+        return freq > 0 and self.metrics.should_log(step) and (step == 1 or step % freq == 0)
+
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward over the micro-batches (moved to the device if they are not there yet),
+        clip, optimizer + LR step.
+
+        Returns (global mean token loss, total grad norm) as tensors. One host sync: the
+        non-finite check (titan/training/stability.py) reads both before deciding on the optimizer step;
+        ``self.stability.values`` keeps them (and param_norm on the steps that log it) for logging.
+        """
+        microbatches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                        for x, y in microbatches]
+        self.optimizers.zero_grad()
+        global_tokens = self._global_token_count(microbatches)
+        # Data-parallel wrappers average gradients over dp (x cp) ranks; scaling by that turns it
+        # into the sum over ranks, so the gradient is that of (sum of token losses / global tokens).
+        dp_scale = self.parallel_dims.dp_degree * self.parallel_dims.cp
+        loss_sum = torch.zeros((), device=self.device)
+        for full_inputs, full_labels in microbatches:
+            with self._cp_context(full_inputs, full_labels) as (inputs, labels):
+                if self.pp_schedule is not None:
+                    loss_sum += self._pp_forward_backward(inputs, labels, global_tokens, dp_scale)
+                else:
+                    loss_sum += self._forward_backward(inputs, labels, global_tokens, dp_scale)
+            self.metrics.count_tokens(full_labels.numel())
+        grad_norm = clip_grad_norm_(self._params, self.config.training.max_norm, self._pp_group)
+        # CP ranks hold the loss of their sequence shard: the total sums over dp x cp.
+        dp_cp = self.parallel_dims.submesh("dp_cp")
+        if dp_cp is not None:
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dp_cp.get_group())
+        # A whole-model pass: only on the log steps that show it, read in the check's one sync.
+        extra = {"param_norm": param_norm(self.model_parts, self._pp_group)} if self._param_norm_due(self.step) else None
+        # Non-finite policy (training.nonfinite): a skipped step still advances step and LR.
+        if self.stability.check(self.step, loss_sum, grad_norm, extra):
+            self.optimizers.step()
+        else:
+            self.optimizers.zero_grad()
+        self.lr_schedulers.step()
+        return loss_sum, grad_norm
+
+    def _forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor, dp_scale: int
+    ) -> torch.Tensor:
+        with self._loss_context():
+            with self.amp:
+                logits = self.model_parts[0](inputs)
+            local = self.loss_fn(logits, labels) / global_tokens
+            del logits
+            (local * dp_scale).backward()
+        return _replicated(local.detach())
+
+    def _pp_forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor, dp_scale: int
+    ) -> torch.Tensor:
+        """One pipeline step over local_batch_size / microbatch_size micro-batches."""
+        self._loss_scale = dp_scale / global_tokens
+        return self._pp_run(self.pp_schedule.step, inputs, labels) / dp_scale
+
+    def _eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Validation forward (titan/training/validator.py): the batch's summed token loss, on every pp stage."""
+        if self.pp_schedule is None:
+            with self._loss_context(), self.amp:
+                return _replicated(self.loss_fn(self.model_parts[0](inputs), labels))
+        self._loss_scale = torch.ones((), device=self.device)  # the PP loss function then sums
+        return self._pp_run(self.pp_schedule.eval, inputs, labels)
+
+    def _pp_run(self, run, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        """Drive one schedule call (step or eval). The last stage holds the losses; a sum over the
+        pp group hands their total to every stage (rank 0 logs it)."""
+        targets, losses = (labels, []) if self.pp_has_last else (None, None)
+        with self._loss_context(), self.amp:
+            if self.pp_has_first:
+                run(inputs, target=targets, losses=losses)
+            else:
+                run(target=targets, losses=losses)
+        loss = torch.zeros((), device=self.device)
+        if self.pp_has_last:
+            loss = sum(_replicated(x.detach()).float() for x in losses)
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.parallel_dims.submesh("pp").get_group())
+        return loss
+
+    # ------------------------------------------------------------ loop
+    def _checkpoint_timed(self, fn, *args, may_save: bool = False):  # noqa: ANN001, ANN002, ANN202
+        """Run a checkpoint hook with its wall time kept out of tokens/s and MFU and logged on its
+        own (time_metrics/checkpoint(s)). Before an interval save the device finishes the step's
+        queued work first, so the step's own compute is not counted as checkpoint time."""
+        cfg = self.config.checkpoint
+        if may_save and self.device.type == "cuda" and cfg.enable and self.step % cfg.interval == 0:
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.metrics.add_checkpoint_time(time.perf_counter() - t0)
+
+    def train(self) -> dict[int, float]:
+        """Train to training.steps (or until finite data ends); returns {step: loss} of logged steps.
+        Automatic garbage collection is off meanwhile (titan/training/gc_handler.py); it and the
+        deterministic-mode settings are back as they were after, also after a failure."""
+        try:
+            with GarbageCollection(self.config.training.gc_freq) as self.gc:
+                return self._train()
+        finally:
+            self.determinism.restore()  # process-wide settings: in-process runs (tests) must not inherit them
+
+    def _train(self) -> dict[int, float]:
+        t = self.config.training
+        losses: dict[int, float] = {}
+        logger.info(
+            f"training {t.steps} steps: local batch {t.local_batch_size} x seq {t.seq_len},"
+            f" dp {self.parallel_dims.dp_degree}, grad accumulation {self.grad_accum_steps}"
+        )
+        if self.config.checkpoint.create_seed_checkpoint:
+            self.checkpointer.create_seed_checkpoint()
+            return losses
+        self.metrics.reset(self.step)
+        self.checkpointer.install_signal_handlers()
+        preempted = False
+        profiler = Profiler(self.config, rank=self.rank, device=self.device, start_step=self.step)
+        first_step = True
+        while self.step < t.steps:
+            microbatches = self.next_microbatches()
+            if microbatches is None:
+                logger.warning(f"data exhausted after step {self.step}; stopping")
+                break
+            self.train_state.step += 1
+            self.gc.step(self.step)
+            # An async save may still be copying the weights.
+            self._checkpoint_timed(self.checkpointer.wait_for_staging)
+            self.train_step(microbatches)
+            self.train_state.tokens_seen += sum(lab.numel() for _, lab in microbatches) * self.parallel_dims.dp_degree
+            if self.metrics.should_log(self.step):
+                # Host copies from the step's one sync (the non-finite check): no second read.
+                values = dict(self.stability.values)
+                loss_value, grad_norm_value = values.pop("loss"), values.pop("grad_norm")
+                losses[self.step] = loss_value
+                self.metrics.log(
+                    self.step, loss=loss_value, grad_norm=grad_norm_value, lr=self.lr_schedulers.get_last_lr(),
+                    extra={**values, **self.stability.console()}, extra_scalars=self.stability.scalars(),
+                )
+            if self.validator is not None and self.validator.should_validate(self.step):
+                self.validator.validate(self.step)
+            profiler.step(self.step)
+            if first_step:  # start-up is over: from now on a hang should fail fast
+                set_pg_timeouts(self.config.comm.train_timeout_seconds, self.parallel_dims, self.device)
+                first_step = False
+            if self._checkpoint_timed(self.checkpointer.after_step, self.step, may_save=True):
+                preempted = True
+                break
+        profiler.close()
+        self.checkpointer.finish(self.step, preempted)
+        self.metrics.close()
+        logger.info("training done")
+        return losses

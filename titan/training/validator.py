@@ -1,0 +1,154 @@
+"""Validation: loss and perplexity on held-out data, every ``validation.freq`` steps.
+
+The held-out loader is finite (one pass) and rewound to its start before every validation, so
+each validation scores the same tokens and the numbers are comparable over training. Each dp
+rank reads its own shard; the loss is the global mean over all non-ignored tokens (sum of token
+losses and token count reduced over dp). TP / PP / FSDP do not change it; a different dp degree
+packs the documents into different windows, so the number moves slightly.
+
+Forward passes are dp-collective under FSDP, so all ranks must run the same number of batches:
+before each batch the ranks agree (all_reduce MIN) that every one of them still has data.
+
+The model forward is the trainer's (``forward_loss_sum``): it knows tensor parallelism's loss
+parallel and the pipeline schedule. With pipeline parallelism it runs ``schedule.eval`` (the
+first stage feeds the inputs, the last stage passes the labels and collects the microbatch
+losses, with the schedule's loss function returning the token-loss *sum*), then sums over the
+pp group, so every stage holds the batch loss and all ranks log the same value. Without a
+trainer (tests, tools) the plain single-module forward is used.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+from titan.config.job_config import JobConfig
+from titan.data import TitanDataLoader
+from titan.errors import TitanError
+from titan.training.loss import IGNORE_INDEX, cross_entropy_sum
+from titan.training.metrics import MetricsProcessor
+from titan.parallel.dims import ParallelDims
+from titan.log import logger
+
+__all__ = ["Validator", "check_validation_layout", "validate_validation_config"]
+
+
+def validate_validation_config(c: JobConfig) -> None:
+    v = c.validation
+    if not v.enable:
+        return
+    if v.freq < 1:
+        raise TitanError(f"config key 'validation.freq' must be >= 1, got {v.freq}")
+    if v.steps == 0 or v.steps < -1:
+        raise TitanError(f"config key 'validation.steps' must be -1 (whole set) or >= 1, got {v.steps}")
+    if v.local_batch_size == 0 or v.local_batch_size < -1:
+        raise TitanError(f"config key 'validation.local_batch_size' must be -1 or >= 1, got {v.local_batch_size}")
+
+
+def check_validation_layout(c: JobConfig, dims: ParallelDims) -> None:
+    """Before any loader or model is built."""
+    if c.validation.enable and dims.cp_enabled:
+        raise TitanError("validation.enable with context parallelism is not supported yet (each cp rank would"
+                         " need its sequence shard); set validation.enable = false")
+
+
+class Validator:
+    def __init__(
+        self,
+        config: JobConfig,
+        *,
+        model_parts: list[nn.Module],
+        parallel_dims: ParallelDims,
+        loader: TitanDataLoader,
+        device: torch.device,
+        metrics: MetricsProcessor,
+        forward_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        # config has passed validate_validation_config (titan.training.checks.validate_job, and with the
+        # layout: check_validation_layout, from titan.training.build.check_run_config)
+        v = config.validation
+        self.freq, self.steps, self.last_step = v.freq, v.steps, config.training.steps
+        self.model_parts = model_parts
+        self.parallel_dims = parallel_dims
+        self.device = device
+        self.metrics = metrics
+        if forward_loss_sum is not None:
+            self.forward_loss_sum = forward_loss_sum  # type: ignore[method-assign]
+        self.loader = loader  # one pass over the held-out set (titan/training/build.py: build_loader)
+        self._start = self.loader.state_dict()
+        self.history: dict[int, float] = {}
+
+    def should_validate(self, step: int) -> bool:
+        return step % self.freq == 0 or step == self.last_step
+
+    def _dp_group(self) -> dist.ProcessGroup | None:
+        dp = self.parallel_dims.submesh("dp")
+        return dp.get_group() if dp is not None else None
+
+    def _all_have_batch(self, has: bool) -> bool:
+        group = self._dp_group()
+        if group is None:
+            return has
+        flag = torch.tensor([1 if has else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
+    def forward_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Sum of the token losses of one batch (fp32); single module, no TP/PP."""
+        return cross_entropy_sum(self.model_parts[0](inputs), labels)
+
+    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self.loader.load_state_dict(self._start)
+        it = iter(self.loader)
+        n = 0
+        while self.steps == -1 or n < self.steps:
+            batch = next(it, None)
+            if not self._all_have_batch(batch is not None):
+                return
+            assert batch is not None
+            n += 1
+            yield batch[0].to(self.device, non_blocking=True), batch[1].to(self.device, non_blocking=True)
+
+    @torch.no_grad()
+    def validate(self, step: int) -> float:
+        """Run one validation pass, log it, return the loss (the same on every rank)."""
+        t0 = time.perf_counter()
+        for m in self.model_parts:
+            m.eval()
+        # [loss sum, token count] in float64: token counts stay exact far beyond 2**24.
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        try:
+            for inputs, labels in self._batches():
+                totals[0] += self.forward_loss_sum(inputs, labels).double()
+                totals[1] += (labels != IGNORE_INDEX).sum()
+        finally:
+            for m in self.model_parts:
+                m.train()
+                # A forward without backward leaves modules that don't reshard after forward
+                # (FSDP2's root by default) holding unsharded plain-tensor parameters; reshard so
+                # the optimizer, norms and checkpoints see the DTensor shards again.
+                for module in m.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
+        group = self._dp_group()
+        if group is not None:
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
+        loss_sum, tokens = totals.tolist()
+        if tokens == 0:
+            raise TitanError("validation data yielded no batch: the held-out set is smaller than one batch per dp"
+                             " rank (validation.dataset / local_batch_size / training.seq_len)")
+        loss = loss_sum / tokens
+        seconds = time.perf_counter() - t0
+        self.history[step] = loss
+        self.metrics.log_validation(step, loss=loss, perplexity=math.exp(min(loss, 700.0)),
+                                    tokens=int(tokens), seconds=seconds)
+        self.metrics.exclude_time(seconds)
+        if not math.isfinite(loss):
+            logger.warning(f"validation loss at step {step} is not finite ({loss})")
+        return loss
