@@ -1,5 +1,9 @@
 """Errors a user can cause (bad config, data, checkpoint, CLI)."""
 
+from __future__ import annotations
+
+import os
+
 
 class TitanError(Exception):
     """A user-caused error; the message is one line naming the key/file and what is valid."""
@@ -9,3 +13,17 @@ def require(ok: bool, key: str, value: object, valid: str) -> None:
     """The one shape of a config check: ``config key 'KEY' got VALUE; valid: VALID``."""
     if not ok:
         raise TitanError(f"config key '{key}' got {value!r}; valid: {valid}")
+
+
+def read_user_json(path: os.PathLike[str] | str, missing: str) -> object:
+    """A JSON file the user pointed at: ``missing`` when it is not there, one line when it is not JSON."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise TitanError(missing)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise TitanError(f"{path} is not valid JSON: {e}") from None

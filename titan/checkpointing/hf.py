@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan.errors import TitanError
+from titan.errors import TitanError, read_user_json
 from titan.checkpointing import model_dcp as dcp_io
 from titan.models import spec_for_args, spec_for_hf_model_type
 from titan.progress import progress
@@ -116,12 +116,7 @@ def _expected_keys(args: Any) -> list[str]:
 def read_hf_config(hf_dir: str | Path) -> Any:
     """The model args a Hugging Face folder's config.json describes (its family's args class)."""
     f = Path(hf_dir) / "config.json"
-    if not f.is_file():
-        raise TitanError(f"{hf_dir} is not a Hugging Face model folder: no config.json")
-    try:
-        config = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise TitanError(f"{f} is not valid JSON: {e}") from None
+    config = read_user_json(f, f"{hf_dir} is not a Hugging Face model folder: no config.json")
     if not isinstance(config, dict) or "model_type" not in config:
         raise TitanError(f"{f} has no 'model_type'; is this a transformers model folder?")
     return spec_for_hf_model_type(config["model_type"]).state_dict_adapter.hf_config_to_args(config)

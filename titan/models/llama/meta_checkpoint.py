@@ -11,14 +11,13 @@ titan's parameter names and RoPE layout are Meta's, so no renaming or permutatio
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 import re
 from types import MappingProxyType
 
 import torch
 
-from titan.errors import TitanError
+from titan.errors import TitanError, read_user_json
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.model import ffn_hidden_dim
 from titan.progress import progress
@@ -113,12 +112,8 @@ def load_meta_checkpoint(
     if not ckpt_dir.is_dir():
         raise TitanError(f"Meta checkpoint folder {ckpt_dir} does not exist")
     params_file = ckpt_dir / "params.json"
-    if not params_file.is_file():
-        raise TitanError(f"{params_file} is missing; Meta checkpoints ship params.json next to consolidated.*.pth")
-    try:
-        params = json.loads(params_file.read_text())
-    except json.JSONDecodeError as e:
-        raise TitanError(f"{params_file} is not valid JSON: {e}") from None
+    params = read_user_json(
+        params_file, f"{params_file} is missing; Meta checkpoints ship params.json next to consolidated.*.pth")
     files = shard_files(ckpt_dir)
     shards = []
     for f in files:
