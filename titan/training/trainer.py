@@ -59,7 +59,6 @@ class Trainer:
         self.grad_accum_steps = check_run_config(config, self.parallel_dims)
         self.stability = StabilityMonitor(config)
         spec, model_args = model_spec_and_args(config)
-        self.spec = spec  # what the loop needs from the model family (its CP buffers)
         check_dataset(t.dataset, t.dataset_path)  # a typo'd dataset fails before the model is built
         tokenizer = build_tokenizer(config.model.tokenizer_path)
 
@@ -84,6 +83,8 @@ class Trainer:
         self.pp_has_first, self.pp_has_last = built.pp_has_first, built.pp_has_last
         self.num_params, self.flops_per_token, self.float8_fqns = built.num_params, built.flops_per_token, built.float8_fqns
         init_weights(self.model_parts, seed, self.device)
+        # Position-indexed buffers (the RoPE table) that CP shards with each batch: fixed per run.
+        self._cp_buffers = [b for part in self.model_parts for b in spec.cp_buffers_fn(part)] if spec.cp_buffers_fn else []
         # Set per step: the PP loss function divides by the step's global token count.
         self._loss_scale = torch.ones((), device=self.device)
         # Without FSDP there is no MixedPrecisionPolicy: autocast gives the same compute dtype.
@@ -139,10 +140,8 @@ class Trainer:
         """CP: forward and backward see this rank's sequence shard (and RoPE rows)."""
         if not self.parallel_dims.cp_enabled:
             return contextlib.nullcontext((inputs, labels))
-        spec = self.spec
-        buffers = [b for part in self.model_parts for b in spec.cp_buffers_fn(part)] if spec.cp_buffers_fn else []
         return cp_shard_batch(
-            self.parallel_dims.submesh("cp"), inputs, labels, buffers,
+            self.parallel_dims.submesh("cp"), inputs, labels, self._cp_buffers,
             self.config.parallelism.context_parallel_rotate_method,
         )
 
