@@ -27,6 +27,7 @@ from titan.launch.parent import LAUNCHER_PID_ENV
 # signal to the launcher -> signal to the ranks (titan's ranks save and stop on SIGTERM / SIGUSR1)
 FORWARD = MappingProxyType({signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGTERM, signal.SIGUSR1: signal.SIGUSR1})
 PEER_LOST_STATUS = 3  # train.py: "another rank failed during a collective"
+USER_ERROR_STATUS = 2  # train.py: a titan error line
 
 
 def child_pids(pid: int) -> list[int]:
@@ -90,14 +91,20 @@ def titan_args(argv: list[str]) -> list[str] | None:
 def failure_line(failures: dict, received: list[int]) -> tuple[str, int]:
     """One line for the root cause among failed ranks (torchrun's ProcessFailure by global rank),
     and the exit status to end with. A rank that reported "another rank failed" is a consequence;
-    a rank's own titan line (from its error file) is preferred, then the earliest failure."""
+    a rank's own titan line (from its error file) is preferred, then the earliest failure. A rank
+    that wrote its line but was stopped by torchrun (another rank failed first) before it exited
+    still reports its line: that is why it was failing."""
+
+    def titan_line(f) -> bool:  # noqa: ANN001 - torchrun's ProcessFailure
+        return isinstance(f.message, str) and f.message.startswith("titan: ")
 
     def rank_order(item):
         rank, f = item
-        titan_line = isinstance(f.message, str) and f.message.startswith("titan: ")
-        return (f.exitcode == PEER_LOST_STATUS, not titan_line, f.timestamp, rank)
+        return (f.exitcode == PEER_LOST_STATUS, not titan_line(f), f.exitcode < 0, f.timestamp, rank)
 
     rank, f = min(failures.items(), key=rank_order)
+    if titan_line(f):
+        return f.message, f.exitcode if f.exitcode > 0 else USER_ERROR_STATUS
     if f.exitcode < 0:
         sig = f.signal_name()
         if received and -f.exitcode == FORWARD.get(signal.Signals(received[0]), received[0]):
@@ -105,8 +112,6 @@ def failure_line(failures: dict, received: list[int]) -> tuple[str, int]:
                     " (nothing to save yet)", 128 - f.exitcode)
         return (f"titan: error: rank {rank} (pid {f.pid}) was killed by {sig}; the other ranks stopped with it"
                 " (out of memory? see the system log)", 128 - f.exitcode)
-    if isinstance(f.message, str) and f.message.startswith("titan: "):
-        return f.message, f.exitcode
     return f"titan: error: rank {rank} exited with status {f.exitcode}; its output above says why", f.exitcode
 
 

@@ -50,6 +50,11 @@ def test_failure_line_prefers_the_cause_over_its_consequences():
     # no titan line (a bug: the rank printed its traceback): say where to look, keep its status
     line, code = supervisor.failure_line({1: _failure(1, "To enable traceback see: ...")}, [])
     assert line == "titan: error: rank 1 exited with status 1; its output above says why" and code == 1
+    # both ranks hit the same user error; torchrun stopped rank 0 (SIGTERM) after rank 1 exited, in
+    # the same second: the line is the cause, not the launcher's SIGTERM
+    same = "titan: error: dataset path '/x' does not exist (training.dataset_path)"
+    assert supervisor.failure_line({0: _failure(-15, same), 1: _failure(2, same)}, []) == (same, 2)
+    assert supervisor.failure_line({0: _failure(-15, same)}, []) == (same, 2)
     # the launcher was signalled while the ranks were still importing: no save was possible
     line, code = supervisor.failure_line({0: _failure(-15)}, [signal.SIGINT])
     assert line.startswith("titan: stopped by SIGINT while the ranks were starting") and code == 143
