@@ -1,10 +1,10 @@
 """The fixed choices of string options, as Literal types.
 
-job_config.py annotates its fields with these, so the loader checks them (one line naming the
-key, the value and the valid choices) and --help / docs/config_reference.md list them. Code that
-maps a choice to behaviour (the dtype table in titan/parallel/fsdp.py, the optimizer kernels, the
-activation-checkpointing modes) derives its list from the same Literal with ``choices()``, so
-adding a choice happens here once.
+The section dataclasses (titan/config/sections/) annotate their fields with these, so the loader
+checks them (one line naming the key, the value and the valid choices) and --help /
+docs/config_reference.md list them. Code that maps a choice to behaviour (the dtype table in
+titan/parallel/fsdp.py, the optimizer kernels, the activation-checkpointing modes) derives its list
+from the same Literal with ``choices()``, so adding a choice happens here once.
 
 Choices that need runtime knowledge (model names and flavors from the registry, optimizer and
 pipeline-schedule names, which are matched case-insensitively) stay plain ``str`` and are

@@ -1,6 +1,6 @@
 """Build a JobConfig from defaults <- TOML file <- CLI flags.
 
-The option list, the types and the help text all come from the dataclasses in job_config.py.
+The option list, the types and the help text all come from the section dataclasses (titan/config/sections/, assembled in job_config.py).
 """
 
 from __future__ import annotations

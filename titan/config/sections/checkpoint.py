@@ -1,0 +1,59 @@
+"""[checkpoint]: the Checkpoint section of the config tree (assembled in titan/config/job_config.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from titan.config.choices import AsyncMode, CheckpointPart, ConfigMismatch, DType, OnSaveError
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save checkpoints (and resume from them). `--checkpoint.enable` alone turns it on."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.dump_folder; holds one `step-N` DCP folder per save."""
+    interval: int = 500
+    """Save every N steps; the last step is always saved too."""
+    keep_latest_k: int = 3
+    """Keep only the newest K complete checkpoints; older ones are deleted after each save, so a
+    long run's disk use stays bounded (an 8B checkpoint with AdamW states is ~100 GB). 0 keeps
+    every checkpoint. The newest complete full checkpoint is never deleted, whatever K."""
+    async_mode: AsyncMode = "disabled"
+    """disabled (blocking save), async (write in a background thread while training goes on), or
+    async_with_pinned_mem (also copy to host memory in the background; pinned when a GPU exists)."""
+    last_save_model_only: bool = False
+    """Make the final save (at training.steps) model weights only, in export_dtype: the export for
+    inference or fine-tuning. Auto-resume ignores such exports."""
+    export_dtype: DType = "float32"
+    """dtype of the model-only final save: float32, bfloat16 or float16. Only with
+    last_save_model_only; resumable checkpoints keep the training dtype."""
+    load_step: int = -1
+    """Step to resume from. -1: the newest complete checkpoint in folder (torn ones are skipped)."""
+    exclude_from_loading: list[CheckpointPart] = field(default_factory=list)
+    """Parts not to restore on resume: any of model, optimizer, lr_scheduler, dataloader,
+    train_state (e.g. ["dataloader"] to switch datasets mid-run)."""
+    initial_load_path: str = ""
+    """DCP checkpoint folder to start from when folder holds no checkpoint yet (another run's
+    step-N, a converted or seed checkpoint). Ignored once this run has its own checkpoints."""
+    initial_load_model_only: bool = True
+    """Load only the model weights from initial_load_path (True), or everything it holds minus
+    exclude_from_loading (False)."""
+    initial_load_in_hf: bool = False
+    """initial_load_path is a Hugging Face folder (config.json + *.safetensors), not DCP; model
+    weights only. Convert other formats with scripts/convert_hf.py or convert_llama_to_dcp.py."""
+    last_save_in_hf: bool = False
+    """At the end of training also write the model as a Hugging Face folder (config.json +
+    sharded safetensors, in export_dtype) to <folder>/step-N-hf. Not with pipeline parallelism."""
+    on_save_error: OnSaveError = "stop"
+    """What a failed save (disk full, read-only, permission, any rank) does after its partial
+    folder is removed: stop (exit with one line naming the cause) or retry (warn, keep training and
+    save again at the next interval; the final save still stops on failure)."""
+    config_mismatch: ConfigMismatch = "error"
+    """Resuming from a checkpoint whose saved run config differs in a training-relevant key
+    (model, optimizer, lr_scheduler, data, batch shape, float8; see docs/checkpointing.md): error
+    (stop, naming the keys), use_checkpoint (continue with the checkpoint's values) or use_new
+    (this run's values; the loaded lr and optimizer settings are replaced by today's)."""
+    create_seed_checkpoint: bool = False
+    """Write the initialized weights as folder/step-0 (model only) and exit. Needs 1 process and no
+    parallelism; every layout that starts from it begins with identical weights."""

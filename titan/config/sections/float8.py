@@ -1,0 +1,27 @@
+"""[float8]: the Float8 section of the config tree (assembled in titan/config/job_config.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from titan.config.choices import Float8Recipe
+
+
+@dataclass
+class Float8:
+    enable_float8_linear: bool = False
+    """Swap nn.Linear layers for torchao Float8Linear (float8 matmuls; needs CUDA SM89+ unless
+    emulate)."""
+    recipe: Float8Recipe = "tensorwise"
+    """torchao scaling recipe: tensorwise (one scale per tensor) or rowwise (one per row)."""
+    enable_fsdp_float8_all_gather: bool = False
+    """FSDP2 all-gathers weights already cast to float8 (half the bytes of bf16); tensorwise only."""
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """After each optimizer step, compute all float8 weight scales with one all-reduce instead of
+    one per layer in forward. Needs enable_fsdp_float8_all_gather."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Linear layers whose name contains any of these strings stay in high precision. Layers with
+    a dimension that is not a multiple of 16 are always skipped (float8 kernel requirement)."""
+    emulate: bool = False
+    """Run the float8 matmuls in high precision after the casts (for testing on CPU or GPUs older
+    than SM89); numerics match float8, speed does not."""

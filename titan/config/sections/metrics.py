@@ -1,0 +1,37 @@
+"""[metrics]: the Metrics section of the config tree (assembled in titan/config/job_config.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log one console line (and TensorBoard scalars) every N steps."""
+    param_norm_freq: int = 10
+    """Add param_norm (total L2 norm of the weights entering the step) to the log of step 1 and of
+    every log step that is a multiple of N. It reads every weight once, so log_freq = 1 runs pay for
+    it only every N steps. 0: never."""
+    enable_tensorboard: bool = False
+    """Write TensorBoard event files."""
+    save_tb_folder: str = "tb"
+    """TensorBoard folder, relative to job.dump_folder."""
+    disable_color_printing: bool = False
+    """Plain console output without ANSI colors. Colors are used only when the output is a
+    terminal and NO_COLOR is not set, so logs written to a file or pipe are plain anyway."""
+    log_rank: int = 0
+    """Rank that prints the metrics line and writes TensorBoard / JSONL / W&B. -1: every rank
+    (files get a rank suffix)."""
+    enable_jsonl: bool = True
+    """Append every logged step's scalars as one JSON line to <dump_folder>/<save_jsonl_folder>/
+    <run stamp>.jsonl (plot with scripts/plot_metrics.py)."""
+    save_jsonl_folder: str = "metrics"
+    """JSONL metrics folder, relative to job.dump_folder."""
+    enable_wandb: bool = False
+    """Log to Weights & Biases (pip install 'titan[wandb]'); WANDB_MODE=offline works without
+    network. Files go under <dump_folder>/wandb."""
+    wandb_project: str = ""
+    """W&B project. Empty: $WANDB_PROJECT, else "titan"."""
+    wandb_run_name: str = ""
+    """W&B run name. Empty: $WANDB_NAME, else W&B's generated name."""

@@ -1,0 +1,59 @@
+"""[training]: the Training section of the config tree (assembled in titan/config/job_config.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan.config.choices import BadLines, MixedPrecisionDType, NonFinite, TxtSplit
+
+
+@dataclass
+class Training:
+    dataset: str = "pydoc"
+    """Dataset name from the registry (pydoc: the embedded offline corpus, c4, c4_validation) or
+    a local path when `dataset_path` is set."""
+    dataset_path: str = ""
+    """Local file or folder (jsonl/json/parquet/arrow/txt) to read instead of the hub source; for
+    c4, a mirror in allenai/c4's layout (en/c4-train.*.json.gz, docs/datasets.md)."""
+    dataset_text_field: str = "text"
+    """Column that holds the document text in local / hub datasets."""
+    dataset_txt_split: TxtSplit = "paragraph"
+    """How .txt files are cut into documents: paragraph (at blank lines), line, or document
+    (one document per file)."""
+    local_batch_size: int = 8
+    """Sequences per micro-batch on each data-parallel rank."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all data-parallel ranks. -1: local_batch_size x dp.
+    A larger multiple means gradient accumulation."""
+    seq_len: int = 2048
+    """Tokens per sequence."""
+    steps: int = 10000
+    """Optimizer steps to train for."""
+    max_norm: float = 1.0
+    """Gradient-norm clipping threshold (total L2 norm over all parameters). <= 0 disables it."""
+    seed: int | None = None
+    """Seed for weight init and RNG. None: a fixed default of 0 is used so runs are repeatable."""
+    deterministic: bool = False
+    """Bitwise-repeatable runs (slower): deterministic algorithms, fixed cuBLAS workspace, no cuDNN
+    attention, Inductor without numerics-changing autotuning; see docs/stability.md."""
+    mixed_precision_param: MixedPrecisionDType = "bfloat16"
+    """FSDP parameter dtype in forward/backward: bfloat16 or float32 (on CPU bfloat16 matmuls are
+    very slow; use float32 there)."""
+    mixed_precision_reduce: MixedPrecisionDType = "float32"
+    """FSDP gradient reduce dtype: float32 or bfloat16."""
+    dataset_infinite: bool = True
+    """Re-loop over the dataset when it ends (logged, with an epoch counter). False: training
+    stops cleanly when the data runs out."""
+    dataset_bad_lines: BadLines = "fail"
+    """A .jsonl line that is not a JSON object or not UTF-8: "fail" (stop naming file:line) or
+    "skip" (drop it, log a count and the first few file:line)."""
+    dataloader_num_workers: int = 0
+    """Worker processes that prefetch batches (0: load in the training process)."""
+    gc_freq: int = 50
+    """Run Python's garbage collector every N steps (automatic gc is disabled to avoid stalls)."""
+    nonfinite: NonFinite = "stop"
+    """What a NaN/inf loss or grad norm does (checked every step, before the optimizer step):
+    stop (raise and exit non-zero naming the step and metric, saving nothing) or skip_step (no
+    optimizer update for that step; the step counter, data and LR schedule still advance)."""
+    nonfinite_max_consecutive_skips: int = 10
+    """With nonfinite = skip_step: stop once this many steps in a row were skipped."""

@@ -1,0 +1,23 @@
+"""[validation]: the Validation section of the config tree (assembled in titan/config/job_config.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Compute loss and perplexity on held-out data every `freq` steps (and at the last step)."""
+    dataset: str = "pydoc_validation"
+    """Held-out dataset name from the registry (pydoc_validation: topics that pydoc_train leaves
+    out; c4_validation) or a local path."""
+    dataset_path: str = ""
+    """Local file or folder to read instead of the registry source; for c4_validation, a mirror in
+    allenai/c4's layout (en/c4-validation.*.json.gz)."""
+    freq: int = 100
+    """Validate every N training steps."""
+    steps: int = -1
+    """Batches per validation (local_batch_size x seq_len each, per dp rank). -1: the whole set."""
+    local_batch_size: int = -1
+    """Sequences per validation batch per dp rank. -1: training.local_batch_size."""
