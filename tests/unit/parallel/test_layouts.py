@@ -19,13 +19,13 @@ from titan.training.trainer import Trainer
 REPO = Path(__file__).resolve().parents[3]
 SEQ, VOCAB, STEPS, GLOBAL_BATCH = 32, 2048, 10, 4
 TOL = 1e-4
-# Tiny, 4 layers (2 or 4 pipeline stages), GQA with heads divisible by TP 2; and 5 layers, which
-# no pipeline degree splits evenly.
+# Tiny, 4 layers (2 or 4 pipeline stages), GQA with heads divisible by TP 2; 5 layers, which
+# no pipeline degree splits evenly; 6 layers, the debug model's depth.
 FLAVORS = {
     f"partest{suffix}": TransformerModelArgs(
         dim=64, n_layers=n, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32
     )
-    for suffix, n in (("", 4), ("5", 5))
+    for suffix, n in (("", 4), ("5", 5), ("6", 6))
 }
 
 
@@ -147,7 +147,8 @@ def _looped_bfs_csv(path: Path) -> str:
 def test_two_rank_layouts_match_one_process(tmp_path, reference):
     """world size 2: FSDP, DDP, TP (+/- loss parallel), PP with every torch schedule and a CSV one."""
     csv = _looped_bfs_csv(tmp_path / "schedule.csv")
-    layouts = {**TWO_RANK_LAYOUTS, "pp2_csv": (*_pp("1F1B", "--parallelism.pipeline_parallel_schedule_csv", csv), *_shard(1))}
+    multi = _pp("PipelineScheduleMulti", "--parallelism.pipeline_parallel_schedule_csv", csv)
+    layouts = {**TWO_RANK_LAYOUTS, "pp2_csv": (*multi, *_shard(1))}
     _check(run_distributed(_layouts_on_ranks, 2, str(tmp_path), layouts), reference)
 
 
@@ -157,9 +158,47 @@ def test_four_rank_layouts_match_one_process(tmp_path, reference):
     _check(run_distributed(_layouts_on_ranks, 4, str(tmp_path), FOUR_RANK_LAYOUTS), reference)
 
 
+def _split_backward_csv(path: Path) -> str:
+    """Like _looped_bfs_csv, with each backward split into its input (I) and weight (W) halves."""
+    rows = []
+    for rank in range(2):
+        stages = (rank, rank + 2)
+        fwd = [f"{s}F{m}" for s in stages for m in range(4)]
+        bwd = [f"{s}{op}{m}" for s in reversed(stages) for m in range(4) for op in "IW"]
+        rows.append(",".join(fwd + bwd))
+    path.write_text("\n".join(rows) + "\n")
+    return str(path)
+
+
+SIX = ("--model.flavor", "partest6")
+
+
+@pytest.mark.slow
+def test_six_layer_splits_match_one_process(tmp_path):
+    """6 layers, the embedding and the output counted as a layer each (8 units): 8 virtual stages on
+    4 ranks for the looped schedules, 2 stages of 4 units at layers_per_stage 4, an explicit module
+    list, and PipelineScheduleMulti running CSV orders (4 stages on 2 ranks)."""
+    reference = _run(Trainer(_config(str(tmp_path / "ref"), "--training.local_batch_size", str(GLOBAL_BATCH), *SIX)))
+    fqns = '[["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "layers.4", "layers.5", "norm", "output"]]'
+    two = {
+        "pp2_layers_per_stage4": (*_pp("1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "4"), *_shard(1)),
+        "pp2_module_fqns": (*_pp("GPipe", "--parallelism.module_fqns_per_model_part", fqns), *_shard(1)),
+        "pp2_multi_csv_split_backward": (*_pp("PipelineScheduleMulti", "--parallelism.pipeline_parallel_schedule_csv",
+                                              _split_backward_csv(tmp_path / "zb.csv")), *_shard(1)),
+    }
+    four = {
+        f"pp4_{schedule}": ("--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule",
+                            schedule, *_shard(1))
+        for schedule in ("Interleaved1F1B", "InterleavedZeroBubble")
+    }
+    for world, layouts in ((2, two), (4, four)):
+        layouts = {name: (*flags, *SIX) for name, flags in layouts.items()}
+        _check(run_distributed(_layouts_on_ranks, world, str(tmp_path), layouts), reference)
+
+
 UNEVEN_LAYOUTS = {
     "pp2_1f1b_uneven": (*_pp("1F1B"), *_shard(1)),  # stages of 3 and 2 layers
-    "pp2_interleaved1f1b_uneven": (*_pp("Interleaved1F1B"), *_shard(1)),  # 4 stages: 1, 1, 2, 1 layers
+    "pp2_interleaved1f1b_uneven": (*_pp("Interleaved1F1B"), *_shard(1)),  # 4 stages: 1, 2, 2, 0 layers
 }
 
 
