@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from titan.config.job_config import Optimizer as OptimizerConfig
 from titan.errors import TitanError, require
 from titan.log import import_torchao
+from titan.parallel.utils import clip_grad_norm_
 
 __all__ = ["OptimizersContainer", "build_optimizers", "OPTIMIZERS", "IMPLEMENTATIONS", "param_groups",
            "WEIGHT_DECAY_EXCLUDE"]
@@ -107,6 +109,11 @@ class OptimizersContainer:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
+    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None
+                        ) -> torch.Tensor:
+        """Clip the gradients of `params` to max_norm (if > 0); returns their total norm before clipping."""
+        return clip_grad_norm_(params, max_norm, pp_group)
+
     def register_step_post_hook(self, hook: Callable[[], None]) -> None:
         """Run ``hook()`` once after every container step (e.g. float8 scale precompute), after all
         parts have stepped."""
@@ -145,17 +152,18 @@ def validate_optimizer_config(cfg: OptimizerConfig) -> None:
 
 
 def build_optimizers(
-    model_parts: list[nn.Module], cfg: OptimizerConfig
+    model_parts: list[nn.Module], cfg: OptimizerConfig, container: type[OptimizersContainer] = OptimizersContainer
 ) -> OptimizersContainer:
     """Build one optimizer per model part from the [optimizer] config section.
 
     Weight decay applies to every parameter (as in Llama 3 / torchtitan) unless
     ``weight_decay_exclude`` names module kinds to spare. With ``bf16_stochastic_round`` the
     parameters must already be bf16 (see ``cast_params_for_optimizer``). ``cfg`` has passed
-    validate_optimizer_config (titan.training.checks.validate_job).
+    validate_optimizer_config (titan.training.checks.validate_job). ``container``: this module's,
+    or titan.training.optim_in_backward's for optimizer.early_step_in_backward.
     """
     if cfg.bf16_stochastic_round:
-        return OptimizersContainer(model_parts, _bf16_sr_adamw(), {
+        return container(model_parts, _bf16_sr_adamw(), {
             "lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "weight_decay": cfg.weight_decay,
             "bf16_stochastic_round": True,
         }, cfg.weight_decay_exclude)
@@ -169,7 +177,7 @@ def build_optimizers(
     }
     if cfg.implementation == "fused":
         _check_fused_supported(model_parts)
-    return OptimizersContainer(model_parts, OPTIMIZERS[name], kwargs, cfg.weight_decay_exclude)
+    return container(model_parts, OPTIMIZERS[name], kwargs, cfg.weight_decay_exclude)
 
 
 def _bf16_sr_adamw() -> type[torch.optim.Optimizer]:
