@@ -34,6 +34,8 @@ def _other_value(tp, default):  # noqa: ANN001, ANN202
         (inner,) = typing.get_args(tp)
         if typing.get_origin(inner) is typing.Literal:
             return list(reversed(typing.get_args(inner)))
+        if typing.get_origin(inner) is list:
+            return [_other_value(inner, []), ["y"]]
         return [AWKWARD, "", "x,y"]
     if tp is bool:
         return not default

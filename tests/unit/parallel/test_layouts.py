@@ -119,7 +119,7 @@ def test_six_layer_splits_match_one_process(tmp_path):
     }
     for world, layouts in ((2, two), (4, four)):
         layouts = {name: (*flags, *SIX) for name, flags in layouts.items()}
-        check(run_distributed(layouts_on_ranks, world, str(tmp_path), layouts), reference)
+        check(run_distributed(layouts_on_ranks, world, str(tmp_path), layouts, timeout=900), reference)
 
 
 UNEVEN_LAYOUTS = {
