@@ -94,6 +94,11 @@ def num_stages(n_layers: int, pp: int, par) -> int:  # noqa: ANN001
             f"{why} {stages} pipeline stages, {per_rank} per rank, but schedule {par.pipeline_parallel_schedule}"
             " runs one stage per rank; use a looped schedule (Interleaved1F1B, ...) or fewer stages"
         )
+    if is_v_schedule(par.pipeline_parallel_schedule) and per_rank != 2:
+        raise TitanError(
+            f"{why} {stages} pipeline stages, {per_rank} per rank, but the V-shaped schedule"
+            f" {par.pipeline_parallel_schedule} runs exactly 2 per rank"
+        )
     if multi and per_rank < 2:
         raise TitanError(
             f"{why} {stages} pipeline stages, 1 per rank, but schedule {par.pipeline_parallel_schedule} runs"

@@ -87,11 +87,14 @@ class OptimizersContainer:
     ) -> None:
         self.model_parts = list(model_parts)
         self.optimizer_kwargs = dict(optimizer_kwargs)
-        self.optimizers: list[torch.optim.Optimizer] = []
-        for part in self.model_parts:
-            params = param_groups(part, weight_decay_exclude)
-            self.optimizers.append(optimizer_cls(params, **self.optimizer_kwargs))
         self._post_step_hooks: list[Callable[[], None]] = []
+        # part_optimizers[i]: the optimizers of model_parts[i] (one here; one per parameter in a subclass).
+        self.part_optimizers = [self._build_part(part, optimizer_cls, weight_decay_exclude) for part in self.model_parts]
+        self.optimizers = [o for optimizers in self.part_optimizers for o in optimizers]
+
+    def _build_part(self, part: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
+                    weight_decay_exclude: list[str] | tuple[str, ...]) -> list[torch.optim.Optimizer]:
+        return [optimizer_cls(param_groups(part, weight_decay_exclude), **self.optimizer_kwargs)]
 
     def __iter__(self) -> Iterator[torch.optim.Optimizer]:
         return iter(self.optimizers)
@@ -121,15 +124,15 @@ class OptimizersContainer:
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
-        for part, optimizer in zip(self.model_parts, self.optimizers):
-            merged.update(get_optimizer_state_dict(part, optimizer, options=_STATE_DICT_OPTIONS))
+        for part, optimizers in zip(self.model_parts, self.part_optimizers):
+            merged.update(get_optimizer_state_dict(part, optimizers, options=_STATE_DICT_OPTIONS))
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Each part picks the FQN keys of its own parameters out of the merged dict.
-        for part, optimizer in zip(self.model_parts, self.optimizers):
+        for part, optimizers in zip(self.model_parts, self.part_optimizers):
             set_optimizer_state_dict(
-                part, optimizer, optim_state_dict=state_dict, options=_STATE_DICT_OPTIONS
+                part, optimizers, optim_state_dict=state_dict, options=_STATE_DICT_OPTIONS
             )
 
 

@@ -21,11 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from titan.errors import TitanError
-from titan.training.optim import _STATE_DICT_OPTIONS, OptimizersContainer, param_groups
+from titan.training.optim import OptimizersContainer, param_groups
 
 __all__ = ["OptimizersInBackward", "check_step_in_backward"]
 
@@ -53,6 +52,9 @@ def _square_share(grad: torch.Tensor, world: int) -> torch.Tensor:
     a DTensor's local shard is held by world / (product of its sharded mesh dims) ranks."""
     local, shards = grad, 1
     if isinstance(grad, DTensor):
+        if any(p.is_partial() for p in grad.placements):
+            # Pending sums (a tensor-parallel replicated weight's grad) must be reduced before squaring.
+            grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
         local = grad.to_local()
         shards = math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if not p.is_replicate())
     return local.detach().float().pow(2).sum() * (shards / world)
@@ -62,28 +64,20 @@ class OptimizersInBackward(OptimizersContainer):
     """One optimizer per parameter, stepped in backward; ``optimizers`` lists them all (the LR
     schedulers drive each), ``part_optimizers[i]`` those of ``model_parts[i]``."""
 
-    def __init__(
-        self,
-        model_parts: list[nn.Module],
-        optimizer_cls: type[torch.optim.Optimizer],
-        optimizer_kwargs: dict[str, Any],
-        weight_decay_exclude: list[str] | tuple[str, ...] = (),
-    ) -> None:
-        self.model_parts = list(model_parts)
-        self.optimizer_kwargs = dict(optimizer_kwargs)
-        self._post_step_hooks = []
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._world = dist.get_world_size() if dist.is_initialized() else 1
         self._square_sum: torch.Tensor | None = None
-        self.part_optimizers: list[list[torch.optim.Optimizer]] = []
-        for part in self.model_parts:
-            optimizers = []
-            for group in param_groups(part, weight_decay_exclude):
-                for param in group["params"]:
-                    optimizer = optimizer_cls([{**group, "params": [param]}], **self.optimizer_kwargs)
-                    param.register_post_accumulate_grad_hook(self._hook(optimizer))
-                    optimizers.append(optimizer)
-            self.part_optimizers.append(optimizers)
-        self.optimizers = [o for optimizers in self.part_optimizers for o in optimizers]
+        super().__init__(*args, **kwargs)
+
+    def _build_part(self, part: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
+                    weight_decay_exclude: list[str] | tuple[str, ...]) -> list[torch.optim.Optimizer]:
+        optimizers = []
+        for group in param_groups(part, weight_decay_exclude):
+            for param in group["params"]:
+                optimizer = optimizer_cls([{**group, "params": [param]}], **self.optimizer_kwargs)
+                param.register_post_accumulate_grad_hook(self._hook(optimizer))
+                optimizers.append(optimizer)
+        return optimizers
 
     def _hook(self, optimizer: torch.optim.Optimizer):  # noqa: ANN202
         def step_and_free(param: torch.Tensor) -> None:
@@ -111,13 +105,3 @@ class OptimizersInBackward(OptimizersContainer):
         if self._world > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return total.sqrt()
-
-    def state_dict(self) -> dict[str, Any]:
-        merged: dict[str, Any] = {}
-        for part, optimizers in zip(self.model_parts, self.part_optimizers):
-            merged.update(get_optimizer_state_dict(part, optimizers, options=_STATE_DICT_OPTIONS))
-        return merged
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for part, optimizers in zip(self.model_parts, self.part_optimizers):
-            set_optimizer_state_dict(part, optimizers, optim_state_dict=state_dict, options=_STATE_DICT_OPTIONS)

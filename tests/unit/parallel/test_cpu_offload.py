@@ -1,6 +1,6 @@
 """training.enable_cpu_offload: FSDP2 keeps parameters, gradients and optimizer states on the host and
 steps there; on CPU ranks the losses equal the 1-process run's, with grad-norm clipping applied to the
-offloaded gradients, and with the optimizer step in backward."""
+offloaded gradients, and with the optimizer step in backward (which also runs with TP)."""
 
 import pytest
 import torch
@@ -40,8 +40,10 @@ def _on_ranks(rank: int, world: int, dump: str) -> dict:
             "fsdp2_offload_clip": (*SHARD2, *OFFLOAD, *CLIP),
             "fsdp2_step_in_backward": (*SHARD2, *EARLY, *NO_CLIP),
             "fsdp2_offload_step_in_backward": (*SHARD2, *OFFLOAD, *EARLY, *NO_CLIP),
+            # Sequence-parallel norm weights: replicated parameters whose gradients the hooks see too.
+            "tp2_step_in_backward": ("--parallelism.tensor_parallel_degree", "2", *EARLY, *NO_CLIP),
         })
-    offloaded, plain, both = built
+    offloaded, plain, both, _ = built
     optimizer_states = [t for o in offloaded.optimizers for s in o.state.values() for t in s.values()
                         if isinstance(t, torch.Tensor)]
     results["policies"] = [_offload_policies(t) for t in (offloaded, plain, both)]
@@ -60,4 +62,5 @@ def test_offload_matches_one_process(tmp_path, monkeypatch):
         assert per_rank["policies"] == [{CPUOffloadPolicy.__name__}, {"OffloadPolicy"}, {CPUOffloadPolicy.__name__}]
         assert per_rank["state_devices"] == {"cpu"}
     check([{"fsdp2_offload_clip": r["fsdp2_offload_clip"]} for r in results], clipped)
-    check([{k: r[k] for k in ("fsdp2_step_in_backward", "fsdp2_offload_step_in_backward")} for r in results], unclipped)
+    early = ("fsdp2_step_in_backward", "fsdp2_offload_step_in_backward", "tp2_step_in_backward")
+    check([{k: r[k] for k in early} for r in results], unclipped)
