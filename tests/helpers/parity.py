@@ -75,7 +75,8 @@ def run_layouts(dump: str, layouts: dict[str, tuple[str, ...]]):
             if key in flags:
                 dp *= int(flags[flags.index(key) + 1])
         accum = 2 if name.endswith("_accum2") else 1
-        batch = ("--training.local_batch_size", str(GLOBAL_BATCH // dp // accum), "--training.global_batch_size", str(GLOBAL_BATCH))
+        batch = ("--training.local_batch_size", str(GLOBAL_BATCH // dp // accum),
+                 "--training.global_batch_size", str(GLOBAL_BATCH))
         trainer = Trainer(config(dump, *batch, *flags))
         results[name] = run(trainer)
         del trainer

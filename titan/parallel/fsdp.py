@@ -73,7 +73,8 @@ def check_cpu_offload(fsdp_enabled: bool, float8) -> None:  # noqa: ANN001 - con
             "training.enable_cpu_offload needs FSDP (data_parallel_shard_degree x context_parallel_degree > 1):"
             " it offloads FSDP2's sharded parameters, gradients and optimizer states; set it to false"
         )
-    if float8.enable_float8_linear and (float8.enable_fsdp_float8_all_gather or float8.precompute_float8_dynamic_scale_for_fsdp):
+    scales_on_device = float8.enable_fsdp_float8_all_gather or float8.precompute_float8_dynamic_scale_for_fsdp
+    if float8.enable_float8_linear and scales_on_device:
         raise TitanError(
             "training.enable_cpu_offload does not combine with float8.enable_fsdp_float8_all_gather /"
             " precompute_float8_dynamic_scale_for_fsdp; turn those off to offload"

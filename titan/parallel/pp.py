@@ -129,8 +129,8 @@ def spread_modules(n_layers: int, stages: int, first_less: int = 1, last_less: i
             f"model n_layers ({n_layers}) cannot be split into {stages} pipeline stages: with the embedding"
             f" counted as {first_less} layer(s) and the output as {last_less} (parallelism.pipeline_parallel_first/"
             f"last_stage_less_layers) a stage gets {base} unit(s) or {base + 1}, and the first and last stages"
-            " need at least their own modules' count; lower parallelism.pipeline_parallel_degree or"
-            " pipeline_parallel_layers_per_stage's stage count"
+            " need at least their own modules' count; lower parallelism.pipeline_parallel_degree (or raise"
+            " pipeline_parallel_layers_per_stage)"
         )
     parts, layer = [], 0
     for s in range(stages):
@@ -196,7 +196,8 @@ def build_schedule(
     name = csv or par.pipeline_parallel_schedule
     try:
         if csv:
-            schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+            schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
+                                                scale_grads=False)
         else:
             cls = schedule_class(par.pipeline_parallel_schedule)
             first = issubclass(cls, PipelineScheduleSingle)

@@ -89,7 +89,8 @@ class OptimizersContainer:
         self.optimizer_kwargs = dict(optimizer_kwargs)
         self._post_step_hooks: list[Callable[[], None]] = []
         # part_optimizers[i]: the optimizers of model_parts[i] (one here; one per parameter in a subclass).
-        self.part_optimizers = [self._build_part(part, optimizer_cls, weight_decay_exclude) for part in self.model_parts]
+        self.part_optimizers = [self._build_part(part, optimizer_cls, weight_decay_exclude)
+                                for part in self.model_parts]
         self.optimizers = [o for optimizers in self.part_optimizers for o in optimizers]
 
     def _build_part(self, part: nn.Module, optimizer_cls: type[torch.optim.Optimizer],

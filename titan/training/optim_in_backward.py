@@ -82,8 +82,11 @@ class OptimizersInBackward(OptimizersContainer):
     def _hook(self, optimizer: torch.optim.Optimizer):  # noqa: ANN202
         def step_and_free(param: torch.Tensor) -> None:
             # The norm is only reported (clipping is refused): its share is summed without a sync.
+            if param.grad is None:  # the hook runs after accumulation: never, but typed so
+                return
             share = _square_share(param.grad, self._world)
-            self._square_sum = share if self._square_sum is None else self._square_sum + share.to(self._square_sum.device)
+            total = self._square_sum
+            self._square_sum = share if total is None else total + share.to(total.device)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 

@@ -207,8 +207,10 @@ class Trainer:
                 else:
                     loss_sum += self._forward_backward(inputs, labels, global_tokens, dp_scale)
             self.metrics.count_tokens(full_labels.numel())
-        # (Under CPU offload the norm of host gradients is on the host.)
-        grad_norm = self.optimizers.clip_grad_norm_(self._params, self.config.training.max_norm, self._pp_group).to(self.device)
+        # The container clips (or, stepping in backward, reports the norm its hooks summed); under CPU
+        # offload the gradients, and so their norm, live on the host.
+        max_norm = self.config.training.max_norm
+        grad_norm = self.optimizers.clip_grad_norm_(self._params, max_norm, self._pp_group).to(self.device)
         # CP ranks hold the loss of their sequence shard: the total sums over dp x cp.
         dp_cp = self.parallel_dims.submesh("dp_cp")
         if dp_cp is not None:

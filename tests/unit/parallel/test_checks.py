@@ -125,7 +125,8 @@ def test_stage_layout():
                       (6, 8): [0, 1, 1, 1, 1, 1, 1, 0], (126, 8): [15, 16, 16, 16, 16, 16, 16, 15]}
     assert spread_modules(6, 8)[0] == ["tok_embeddings"] and spread_modules(6, 8)[-1] == ["norm", "output"]
     # torchtitan's first/last_stage_less_layers: 0 counts the ends as nothing, 2 as two layers.
-    assert spread_modules(4, 2, 0, 0) == [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]]
+    assert spread_modules(4, 2, 0, 0) == [["tok_embeddings", "layers.0", "layers.1"],
+                                          ["layers.2", "layers.3", "norm", "output"]]
     assert [len(p) for p in spread_modules(6, 2, 2, 0)] == [3, 6]
     assert num_stages(6, 2, _par("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")) == 4
     assert num_stages(6, 4, _par("--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble")) == 8

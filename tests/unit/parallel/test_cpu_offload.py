@@ -7,7 +7,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.parity import FLAVORS, check, reference, run_layouts
+from tests.helpers.parity import FLAVORS, check, layouts_on_ranks, reference, run_layouts
 from tests.helpers.tiny import extra_flavors, patch_flavors
 
 SHARD2 = ("--parallelism.data_parallel_shard_degree", "2")
@@ -64,3 +64,12 @@ def test_offload_matches_one_process(tmp_path, monkeypatch):
     check([{"fsdp2_offload_clip": r["fsdp2_offload_clip"]} for r in results], clipped)
     early = ("fsdp2_step_in_backward", "fsdp2_offload_step_in_backward", "tp2_step_in_backward")
     check([{k: r[k] for k in early} for r in results], unclipped)
+
+
+@pytest.mark.slow
+def test_offload_with_pipeline_stages_matches_one_process(tmp_path, monkeypatch):
+    """PP 2 x FSDP 2 on 4 ranks: each stage's FSDP shards offloaded, losses as in one process."""
+    patch_flavors(monkeypatch, **FLAVORS)
+    clipped = reference(str(tmp_path / "ref_clip"), *CLIP)
+    layouts = {"pp2_fsdp2_offload": ("--parallelism.pipeline_parallel_degree", "2", *SHARD2, *OFFLOAD, *CLIP)}
+    check(run_distributed(layouts_on_ranks, 4, str(tmp_path), layouts, timeout=900), clipped)
