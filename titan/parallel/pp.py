@@ -213,7 +213,9 @@ def build_schedule(
         try:
             schedule._load_csv(csv)
         except (ValueError, RuntimeError, AssertionError, KeyError) as e:  # the same file on every rank: no hang
-            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            text = str(e).strip()
+            first_line = (f"it names stage {text}, which the run lacks" if isinstance(e, KeyError)
+                          else text.splitlines()[0] if text else type(e).__name__)
             raise TitanError(
                 f"config key 'parallelism.pipeline_parallel_schedule_csv' got {csv!r}, which does not fit"
                 f" {len(stages) * par.pipeline_parallel_degree} stages x {n_microbatches} micro-batches: {first_line}"

@@ -58,6 +58,20 @@ def test_looped_pipeline_counts_embedding_and_output_as_stages():
     assert two.stages == ["layers 0-2 (3) + tok_embeddings", "layers 3-5 (3) + norm, output"]
 
 
+def test_schedule_csv_is_loaded_against_the_stages(tmp_path):
+    """PipelineScheduleMulti runs a CSV order (4 stages, 8 micro-batches); one that does not fit is one line."""
+    rows = [",".join([f"{s}F{m}" for s in (r, r + 2) for m in range(8)]
+                     + [f"{s}B{m}" for s in (r + 2, r) for m in range(8)]) for r in range(2)]
+    good, bad = tmp_path / "good.csv", tmp_path / "bad.csv"
+    good.write_text("\n".join(rows) + "\n")
+    bad.write_text(rows[0].replace("2F7", "5F7") + "\n" + rows[1] + "\n")
+    flags = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+    with pytest.raises(TitanError, match=r"which does not fit 4 stages x 8 micro-batches: it names stage 5,"):
+    assert run_dry_run(_config("debug_model.toml", 2, *flags, str(good))).ok
+    with pytest.raises(TitanError, match=r"bad.csv', which does not fit 4 stages x 8 micro-batches: it names stage 5,"):
+        run_dry_run(_config("debug_model.toml", 2, *flags, str(bad)))
+
+
 def test_hsdp_and_ddp_layouts_count_replicas_once():
     hsdp = run_dry_run(_config("debug_model.toml", 8, "--parallelism.data_parallel_replicate_degree", "2"))
     assert hsdp.degrees["dp_replicate"] == 2 and hsdp.degrees["dp_shard"] == 4
