@@ -66,7 +66,8 @@ def test_schedule_csv_is_loaded_against_the_stages(tmp_path):
     good.write_text("\n".join(rows) + "\n")
     bad.write_text(rows[0].replace("2F7", "5F7") + "\n" + rows[1] + "\n")
     flags = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
-             "PipelineScheduleMulti", "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_schedule_csv")
+             "PipelineScheduleMulti", "--training.local_batch_size", "8",
+             "--parallelism.pipeline_parallel_schedule_csv")
     assert run_dry_run(_config("debug_model.toml", 2, *flags, str(good))).ok
     with pytest.raises(TitanError, match=r"which does not fit 4 stages x 8 micro-batches: it names stage 5,"):
         run_dry_run(_config("debug_model.toml", 2, *flags, str(bad)))
