@@ -58,6 +58,10 @@ def _check_checkpoint(c: JobConfig) -> None:
     require(bool(k.folder.strip()), "checkpoint.folder", k.folder, "a non-empty folder name under job.dump_folder")
     if k.initial_load_in_hf and not k.initial_load_path:
         raise TitanError("config key 'checkpoint.initial_load_in_hf' needs checkpoint.initial_load_path (the HF folder)")
+    if k.last_save_in_hf and not k.last_save_model_only:
+        raise TitanError("config key 'checkpoint.last_save_in_hf' writes the final step-N as a Hugging Face folder"
+                         " (model weights only): also set checkpoint.last_save_model_only (add"
+                         " --checkpoint.last_save_model_only)")
     if k.last_save_in_hf and c.parallelism.pipeline_parallel_degree > 1:
         raise TitanError("config key 'checkpoint.last_save_in_hf' is not supported with pipeline parallelism"
                          " (no rank holds the whole model); export a DCP checkpoint with scripts/convert_hf.py")
