@@ -26,7 +26,6 @@ from titan.parallel.float8 import apply_float8, register_float8_precompute
 from titan.parallel.init import init_model_weights
 from titan.training.lr_scheduler import build_lr_schedulers
 from titan.training.optim import OptimizersContainer, build_optimizers, cast_params_for_optimizer
-from titan.training.validator import check_validation_layout
 
 __all__ = [
     "BuiltModel", "build_loader", "build_model", "build_optimizers_and_schedulers", "build_parallel_dims",
@@ -64,9 +63,7 @@ def grad_accumulation_steps(config: JobConfig, dp_degree: int) -> int:
 def check_run_config(config: JobConfig, dims: ParallelDims) -> int:
     """Checks that need the world size but no process group or model (the config's own checks
     ran in titan.training.checks.validate_job); returns the gradient accumulation steps."""
-    steps = grad_accumulation_steps(config, dims.dp_degree)
-    check_validation_layout(config, dims)
-    return steps
+    return grad_accumulation_steps(config, dims.dp_degree)
 
 
 def model_spec_and_args(config: JobConfig) -> tuple[ModelSpec, Any]:

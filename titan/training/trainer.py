@@ -108,7 +108,8 @@ class Trainer:
         if config.validation.enable:
             self.validator = Validator(config, model_parts=self.model_parts, parallel_dims=self.parallel_dims,
                                        loader=build_loader(config, tokenizer, self.parallel_dims, validation=True),
-                                       device=self.device, metrics=self.metrics, forward_loss_sum=self._eval_loss_sum)
+                                       device=self.device, metrics=self.metrics, forward_loss_sum=self._eval_loss_sum,
+                                       cp_buffers=self._cp_buffers)
         self.train_state = TrainState()  # step and tokens seen: saved and restored with the checkpoint
         self._batches: Iterator | None = None
         # Last in set-up: the manager saves the states above and restores them (auto-resume) if there is a checkpoint.
