@@ -47,7 +47,21 @@ def check_config(c: JobConfig) -> None:
     for key in SHAPE_OVERRIDES:
         value = getattr(c.model, key)
         require(value is None or value >= 1, f"model.{key}", value, "an integer >= 1, or unset for the flavor's value")
+    _check_attention(c)
     _check_checkpoint(c)
+
+
+def _check_attention(c: JobConfig) -> None:
+    m = c.model
+    if m.attn_type == "varlen" and m.attn_mask_type != "block_causal":
+        raise TitanError('config key \'model.attn_type\' = "varlen" attends within each document: it needs'
+                         ' model.attn_mask_type = "block_causal" (for causal attention over the whole window use'
+                         ' sdpa or flex)')
+    if m.attn_mask_type == "block_causal" and c.parallelism.context_parallel_degree > 1:
+        raise TitanError('config key \'model.attn_mask_type\' = "block_causal" does not combine with'
+                         f" parallelism.context_parallel_degree {c.parallelism.context_parallel_degree}: titan's CP"
+                         " paths (SDPA ring attention, flex with the causal mask over the head-tail rearranged rows)"
+                         ' know no document boundaries; use attn_mask_type "causal" with CP')
 
 
 def _check_checkpoint(c: JobConfig) -> None:

@@ -87,6 +87,7 @@ def run_model_args(config: JobConfig, model_args: Any, vocab_size: int | None) -
         model_args.vocab_size = vocab_size
     model_args.max_seq_len = config.training.seq_len
     model_args.attn_type = config.model.attn_type
+    model_args.attn_mask_type = config.model.attn_mask_type
     model_args.depth_init = config.model.depth_init
     return model_args
 

@@ -253,6 +253,7 @@ def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
         pass
     args.max_seq_len = config.training.seq_len
     args.attn_type = config.model.attn_type
+    args.attn_mask_type = config.model.attn_mask_type
     with torch.device("meta"):
         model = spec.model_cls(args)
 
