@@ -75,6 +75,10 @@ def check_run_layout(config: JobConfig, dims: ParallelDims, model_args: Any, dev
     """The layout against the model's shapes, for GPUs of `device_type` (the dry run checks for the
     GPUs it stands in for, on a CPU)."""
     compiled = config.compile.enable and "model" in config.compile.components
+    if config.model.attn_type == "varlen" and device_type == "cuda" and config.training.mixed_precision_param == "float32":
+        raise TitanError('model.attn_type = "varlen" runs torch\'s flash varlen kernel on CUDA, which takes bfloat16 or'
+                         ' float16: set training.mixed_precision_param = "bfloat16", or use sdpa or flex with'
+                         ' attn_mask_type = "block_causal" in float32')
     check_layout(dims, config.parallelism, model_args, config.training.seq_len, device_type,
                  config.model.attn_type, compiled)
 

@@ -13,6 +13,8 @@ from titan.errors import TitanError
 from titan.models.documents import document_ids
 from titan.models.llama.masks import varlen_mask
 from titan.models.llama.model import Transformer
+from titan.parallel.dims import ParallelDims
+from titan.training.build import check_run_layout
 
 BOS, EOS, SEQ = 1, 2, 32
 # Three documents packed into one window, the last one cut by the window's end (no EOS).
@@ -79,5 +81,9 @@ def test_config_refusals():
         load_config(["--model.attn_type", "varlen"])
     with pytest.raises(TitanError, match=r"\"block_causal\" does not combine with parallelism.context_parallel"):
         load_config(["--model.attn_mask_type", "block_causal", "--parallelism.context_parallel_degree", "2"])
-    assert load_config(["--model.attn_type", "varlen", "--model.attn_mask_type", "block_causal"]).model.attn_type \
-        == "varlen"
+    config = load_config(["--model.attn_type", "varlen", "--model.attn_mask_type", "block_causal",
+                          "--training.mixed_precision_param", "float32"])
+    dims = ParallelDims(1, 1, 1, 1, 1, 1)
+    check_run_layout(config, dims, TINY, "cpu")  # SDPA with the document mask on CPU: any dtype
+    with pytest.raises(TitanError, match=r"flash varlen kernel on CUDA, which takes bfloat16"):
+        check_run_layout(config, dims, TINY, "cuda")
