@@ -1,6 +1,9 @@
 """Block-causal attention on CUDA: flash varlen (bf16, its kernel's dtype) and flex (fp32, TF32 off)
 give each packed document the logits it gets alone; and a few training steps run."""
 
+import itertools
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -23,10 +26,9 @@ def test_packed_documents_equal_alone_on_cuda(attn_type):
     window[1, [7, 150]] = EOS
     window = window.cuda()
     torch.manual_seed(0)
-    alone_model = Transformer(TINY.__class__(**{**TINY.__dict__, "max_seq_len": 256})).cuda()
+    alone_model = Transformer(replace(TINY, max_seq_len=256)).cuda()
     alone_model.init_weights()
-    model = Transformer(TINY.__class__(**{**TINY.__dict__, "max_seq_len": 256, "attn_type": attn_type,
-                                          "attn_mask_type": "block_causal"})).cuda()
+    model = Transformer(replace(TINY, max_seq_len=256, attn_type=attn_type, attn_mask_type="block_causal")).cuda()
     model.load_state_dict(alone_model.state_dict())
     tol = 1e-4
     if attn_type == "varlen":
@@ -38,7 +40,7 @@ def test_packed_documents_equal_alone_on_cuda(attn_type):
         packed = model(window, doc_ids=docs)
         for row in range(2):
             bounds = [0, *((window[row] == EOS).nonzero().flatten() + 1).tolist(), 256]
-            for a, b in zip(bounds, bounds[1:]):
+            for a, b in itertools.pairwise(bounds):
                 if b > a:
                     alone = alone_model(window[row:row + 1, a:b])[0]
                     torch.testing.assert_close(packed[row, a:b], alone, atol=tol, rtol=tol)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-__all__ = ["DocumentMasks", "VarlenMask", "VarlenAttention", "block_causal_dense"]
+__all__ = ["DocumentMasks", "VarlenAttention", "VarlenMask", "block_causal_dense"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class DocumentMasks:
         self._create_block_mask: Callable | None = None
 
     def _block_mask(self, doc_ids: torch.Tensor) -> BlockMask:
-        def same_document_causal(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - flex's mask_mod signature
+        def same_document_causal(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
 
         create = create_block_mask
@@ -100,4 +100,5 @@ class VarlenAttention(nn.Module):
         q, k, v = (t.transpose(1, 2).reshape(b * s, -1, d) for t in (q, k, v))
         cu, n = attn_mask.cu_seqlens, attn_mask.max_len
         out = varlen_attn(q, k, v, cu, cu, n, n, window_size=(-1, 0))  # (-1, 0): causal
+        assert isinstance(out, torch.Tensor)  # no return_aux: the output alone
         return out.view(b, s, h, d).transpose(1, 2)
