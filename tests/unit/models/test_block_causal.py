@@ -87,3 +87,19 @@ def test_config_refusals():
     check_run_layout(config, dims, TINY, "cpu")  # SDPA with the document mask on CPU: any dtype
     with pytest.raises(TitanError, match=r"flash varlen kernel on CUDA, which takes bfloat16"):
         check_run_layout(config, dims, TINY, "cuda")
+
+
+@pytest.mark.parametrize("attn_type", ["sdpa", "varlen"])
+def test_generation_with_kv_cache_treats_the_prompt_as_one_document(attn_type):
+    from titan.models.kv_cache import KVCache
+
+    window, spans = _window(0)
+    prompt = window[:, spans[0]]  # one document
+    model = _model(attn_type, "block_causal")
+    with torch.no_grad():
+        cache = KVCache(SEQ)
+        first = model(prompt[:, :5], kv_cache=cache)
+        cache.advance(5)
+        rest = model(prompt[:, 5:], kv_cache=cache)
+        whole = model(prompt, doc_ids=document_ids(prompt, EOS))
+    torch.testing.assert_close(torch.cat([first, rest], 1), whole, atol=2e-5, rtol=1e-5)
