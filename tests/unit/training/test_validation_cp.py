@@ -49,4 +49,5 @@ def test_validation_with_cp_equals_cp1(tmp_path):
     reference = _validation_loss(1, 1, str(tmp_path / "ref"))
     losses = run_distributed(_cp_rank, 2, str(tmp_path / "cp"))
     assert losses[0] == losses[1]
+    print("validation loss cp 1:", reference, "cp 2:", losses)
     assert abs(losses[0] - reference) < 1e-5, (losses, reference)
