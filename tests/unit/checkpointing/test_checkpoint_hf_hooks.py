@@ -32,6 +32,9 @@ def test_export_then_start_from_hf(tmp_path):
     for name, p in second.model_parts[0].named_parameters():
         assert torch.equal(p, trained[name]), name
 
+    with pytest.raises(TitanError, match="not a DCP checkpoint folder but a Hugging Face folder: add --checkpoint"):
+        Trainer(load_config([*TINY, "--job.dump_folder", str(tmp_path / "c"), "--checkpoint.initial_load_path", str(hf)]))
+
     # the same folder again: auto-resume passes over the export (nothing to resume, a fresh start) ...
     again = Trainer(load_config([*TINY, "--job.dump_folder", str(tmp_path / "a"), "--training.steps", "3"]))
     assert again.step == 0
