@@ -18,6 +18,7 @@ from titan.config.job_config import JobConfig
 from titan.config.output import save_config
 from titan.data import build_tokenizer
 from titan.data.datasets import check_dataset
+from titan.models.documents import document_ids
 from titan.training.build import (
     build_loader, build_model, build_optimizers_and_schedulers, build_parallel_dims, check_run_config,
     check_run_layout, init_weights, model_spec_and_args, run_model_args,
@@ -61,6 +62,8 @@ class Trainer:
         spec, model_args = model_spec_and_args(config)
         check_dataset(t.dataset, t.dataset_path)  # a typo'd dataset fails before the model is built
         tokenizer = build_tokenizer(config.model.tokenizer_path)
+        # block_causal: documents end at the tokenizer's EOS (the packer writes BOS ... EOS per document).
+        self._eos_id = tokenizer.eos_id if config.model.attn_mask_type == "block_causal" else None
 
         # Before the device is touched: cuBLAS reads its workspace setting when first created.
         self.determinism = DeterministicMode(t.deterministic).apply()
@@ -108,7 +111,8 @@ class Trainer:
         if config.validation.enable:
             self.validator = Validator(config, model_parts=self.model_parts, parallel_dims=self.parallel_dims,
                                        loader=build_loader(config, tokenizer, self.parallel_dims, validation=True),
-                                       device=self.device, metrics=self.metrics, forward_loss_sum=self._eval_loss_sum)
+                                       device=self.device, metrics=self.metrics, forward_loss_sum=self._eval_loss_sum,
+                                       cp_buffers=self._cp_buffers)
         self.train_state = TrainState()  # step and tokens seen: saved and restored with the checkpoint
         self._batches: Iterator | None = None
         # Last in set-up: the manager saves the states above and restores them (auto-resume) if there is a checkpoint.
@@ -144,6 +148,11 @@ class Trainer:
             self.parallel_dims.submesh("cp"), inputs, labels, self._cp_buffers,
             self.config.parallelism.context_parallel_rotate_method,
         )
+
+    def _doc_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """block_causal: each position's document, once per batch, for the model to build its mask from
+        before its (compiled, checkpointed) blocks; a tensor, so the pipeline schedule splits it too."""
+        return {} if self._eos_id is None else {"doc_ids": document_ids(inputs, self._eos_id)}
 
     def _pp_loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(logits, labels) * self._loss_scale
@@ -227,7 +236,7 @@ class Trainer:
     ) -> torch.Tensor:
         with self._loss_context():
             with self.amp:
-                logits = self.model_parts[0](inputs)
+                logits = self.model_parts[0](inputs, **self._doc_kwargs(inputs))
             local = self.loss_fn(logits, labels) / global_tokens
             del logits
             (local * dp_scale).backward()
@@ -244,7 +253,7 @@ class Trainer:
         """Validation forward (titan/training/validator.py): the batch's summed token loss, on every pp stage."""
         if self.pp_schedule is None:
             with self._loss_context(), self.amp:
-                return _replicated(self.loss_fn(self.model_parts[0](inputs), labels))
+                return _replicated(self.loss_fn(self.model_parts[0](inputs, **self._doc_kwargs(inputs)), labels))
         self._loss_scale = torch.ones((), device=self.device)  # the PP loss function then sums
         return self._pp_run(self.pp_schedule.eval, inputs, labels)
 
@@ -252,11 +261,12 @@ class Trainer:
         """Drive one schedule call (step or eval). The last stage holds the losses; a sum over the
         pp group hands their total to every stage (rank 0 logs it)."""
         targets, losses = (labels, []) if self.pp_has_last else (None, None)
+        docs = self._doc_kwargs(inputs)  # every stage builds its attention mask from them
         with self._loss_context(), self.amp:
             if self.pp_has_first:
-                run(inputs, target=targets, losses=losses)
+                run(inputs, target=targets, losses=losses, **docs)
             else:
-                run(target=targets, losses=losses)
+                run(target=targets, losses=losses, **docs)
         loss = torch.zeros((), device=self.device)
         if self.pp_has_last:
             loss = sum(_replicated(x.detach()).float() for x in losses)
