@@ -12,6 +12,9 @@ scheduler and a user at a terminal need from it.
   root cause rank's own titan line (from its error file) or what happened to it, and the exit
   status is that rank's (2 for a user error).
 - The ranks learn this process's pid (TITAN_LAUNCHER_PID) and stop if it dies (titan.launch.parent).
+- With ``--max-restarts N`` a failed attempt is restarted by torchrun (the ranks resume from the
+  newest checkpoint), except after a titan user error or a signal to the launcher
+  (titan.launch.restarts); once the budget is spent the last cause is the last line.
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ from types import FrameType, MappingProxyType
 
 from titan.launch.check import main as check_config
 from titan.launch.parent import LAUNCHER_PID_ENV
+from titan.launch.restarts import USER_ERROR_STATUS, RestartPolicy, policy_installed
 
 # signal to the launcher -> signal to the ranks (titan's ranks save and stop on SIGTERM / SIGUSR1)
 FORWARD = MappingProxyType({signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGTERM, signal.SIGUSR1: signal.SIGUSR1})
 PEER_LOST_STATUS = 3  # train.py: "another rank failed during a collective"
-USER_ERROR_STATUS = 2  # train.py: a titan error line
 
 
 def child_pids(pid: int) -> list[int]:
@@ -132,6 +135,7 @@ def main(argv: list[str]) -> int:
             return status
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
@@ -141,10 +145,14 @@ def main(argv: list[str]) -> int:
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     forwarder = Forwarder()
     forwarder.install()
+    policy = RestartPolicy(args.max_restarts, lambda failures: failure_line(failures, forwarder.received),
+                           lambda: bool(forwarder.received))
     try:
-        run(args)
+        with policy_installed(policy):
+            run(args)
     except ChildFailedError as e:
         line, status = failure_line(e.failures, forwarder.received)
+        line = policy.final_line(line)
         print(line, file=sys.stderr, flush=True)
         _write_summary(line)
         return status
@@ -152,6 +160,14 @@ def main(argv: list[str]) -> int:
         print(f"titan: stopped by {e.sigval.name} (torchrun sent it to the ranks, if any were running)",
               file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    except RendezvousClosedError:
+        # Another node's launcher ended the run (a titan error there, or its restarts ran out)
+        # while this node was restarting its ranks.
+        line = policy.final_line(f"titan: error: the run ended on another node while this one restarted its ranks"
+                                 f" (this node's last failure: {policy.last_cause}); that node's last line says why")
+        print(line, file=sys.stderr, flush=True)
+        _write_summary(line)
+        return 1
     if forwarder.received:
         print(f"titan launcher: the ranks stopped cleanly after {signal.Signals(forwarder.received[0]).name}",
               file=sys.stderr, flush=True)
