@@ -60,7 +60,7 @@ class RestartPolicy:
     def final_line(self, line: str) -> str:
         """The job's last line once the budget is spent: the last cause, and that restarts ran out."""
         if self.max_restarts > 0 and self.restarts >= self.max_restarts:
-            return f"{line} (gave up after {self.restarts} restarts: --max-restarts {self.max_restarts})"
+            return f"{line} (gave up after {self.restarts} restart(s): --max-restarts {self.max_restarts})"
         return line
 
 

@@ -26,6 +26,7 @@ from types import FrameType, MappingProxyType
 
 from titan.launch.check import main as check_config
 from titan.launch.parent import LAUNCHER_PID_ENV
+from titan.launch.report import PEER_LOST_PHRASE
 from titan.launch.restarts import USER_ERROR_STATUS, RestartPolicy, policy_installed
 
 # signal to the launcher -> signal to the ranks (titan's ranks save and stop on SIGTERM / SIGUSR1)
@@ -101,13 +102,16 @@ def failure_line(failures: dict, received: list[int]) -> tuple[str, int]:
     def titan_line(f) -> bool:  # noqa: ANN001 - torchrun's ProcessFailure
         return isinstance(f.message, str) and f.message.startswith("titan: ")
 
+    def peer_lost(f) -> bool:  # noqa: ANN001 - also when torchrun stopped the rank before it exited 3
+        return f.exitcode == PEER_LOST_STATUS or (titan_line(f) and PEER_LOST_PHRASE in f.message)
+
     def rank_order(item):
         rank, f = item
-        return (f.exitcode == PEER_LOST_STATUS, not titan_line(f), f.exitcode < 0, f.timestamp, rank)
+        return (peer_lost(f), not titan_line(f), f.exitcode < 0, f.timestamp, rank)
 
     rank, f = min(failures.items(), key=rank_order)
     if titan_line(f):
-        return f.message, f.exitcode if f.exitcode > 0 else USER_ERROR_STATUS
+        return f.message, f.exitcode if f.exitcode > 0 else PEER_LOST_STATUS if peer_lost(f) else USER_ERROR_STATUS
     if f.exitcode < 0:
         sig = f.signal_name()
         if received and -f.exitcode == FORWARD.get(signal.Signals(received[0]), received[0]):
@@ -143,6 +147,10 @@ def main(argv: list[str]) -> int:
     ours = {s.name for s in FORWARD}
     args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() not in ours) or "SIGHUP"
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    if args.max_restarts > 0:
+        # The ranks' process group must not share the rendezvous store: a restarted group would read
+        # the previous attempt's addresses there and fail to connect (pytorch/pytorch#135712).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     forwarder = Forwarder()
     forwarder.install()
     policy = RestartPolicy(args.max_restarts, lambda failures: failure_line(failures, forwarder.received),
