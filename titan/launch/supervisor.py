@@ -107,7 +107,8 @@ def failure_line(failures: dict, received: list[int]) -> tuple[str, int]:
 
     def rank_order(item):
         rank, f = item
-        return (peer_lost(f), not titan_line(f), f.exitcode < 0, f.timestamp, rank)
+        # torchrun's SIGTERM to the survivors is a consequence too
+        return (peer_lost(f), not titan_line(f), f.exitcode == -signal.SIGTERM, f.exitcode < 0, f.timestamp, rank)
 
     rank, f = min(failures.items(), key=rank_order)
     if titan_line(f):
