@@ -82,6 +82,7 @@ class Launch:
         self.reader.start()
 
     def _read(self) -> None:
+        assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append((time.time(), line))
             self.log.write(line)
@@ -158,7 +159,7 @@ def faulty(out: Path, steps: int, interval: int, mtbf: float, seed: int) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=240, help="training time of the reference run")
     p.add_argument("--mtbf", type=float, default=60, help="mean seconds between failures")
     p.add_argument("--seed", type=int, default=0)

@@ -68,8 +68,8 @@ def _agent_class(policy: RestartPolicy) -> type:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class TitanAgent(LocalElasticAgent):
-        def _monitor_workers(self, worker_group):  # noqa: ANN001, ANN202 - torchrun's types
-            result = super()._monitor_workers(worker_group)
+        def _monitor_workers(self, worker_group):  # type: ignore[override]  # torchrun's, wrapped by its @prof
+            result = super()._monitor_workers(worker_group)  # type: ignore[call-arg]
             if result.is_failed():
                 self._remaining_restarts = policy.on_failure(result.failures, self._remaining_restarts)
             return result
@@ -83,9 +83,9 @@ def policy_installed(policy: RestartPolicy) -> Iterator[None]:
     agent class; for the length of one ``run`` in this (launcher) process that name is ours."""
     from torch.distributed.launcher import api
 
-    original = api.LocalElasticAgent
-    api.LocalElasticAgent = _agent_class(policy)
+    original = getattr(api, "LocalElasticAgent")  # noqa: B009 - a name the module uses, not one it exports
+    setattr(api, "LocalElasticAgent", _agent_class(policy))  # noqa: B010
     try:
         yield
     finally:
-        api.LocalElasticAgent = original
+        setattr(api, "LocalElasticAgent", original)  # noqa: B010

@@ -117,7 +117,7 @@ class GoodputRecorder:
         self.redo_until = max((a.get("step", 0) for a in earlier), default=0)
         self.run_before = {k: sum(a.get(k, 0.0) for a in earlier) for k in ("wall", *FIGURES)}
         self.start = min(earlier[-1]["time"], started) if continuing and earlier else started
-        self.fig = dict.fromkeys(FIGURES, 0.0)
+        self.fig: dict[str, float] = dict.fromkeys(FIGURES, 0.0)
         self.fig["restart"] = started - self.start
         self._mark = started
         self._pending = 0.0  # checkpoint/validation time inside the current step

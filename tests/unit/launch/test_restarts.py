@@ -65,5 +65,6 @@ def test_the_agent_class_is_ours_for_one_run_only():
     from torch.distributed.launcher import api
 
     with restarts.policy_installed(_policy(1)):
-        assert issubclass(api.LocalElasticAgent, LocalElasticAgent) and api.LocalElasticAgent is not LocalElasticAgent
-    assert api.LocalElasticAgent is LocalElasticAgent
+        ours = getattr(api, "LocalElasticAgent")  # noqa: B009
+        assert issubclass(ours, LocalElasticAgent) and ours is not LocalElasticAgent
+    assert getattr(api, "LocalElasticAgent") is LocalElasticAgent  # noqa: B009
