@@ -71,8 +71,8 @@ class Launch:
 
     def __init__(self, args: list[str], log: Path, **env: str) -> None:
         environ = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", HF_DATASETS_OFFLINE="1",
-                       HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-                       **env)
+                       HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO),
+                       PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", **env)
         environ.pop("TITAN_DEBUG_KILL_AT", None)
         self.lines: list[tuple[float, str]] = []
         self.log = open(log, "w")

@@ -191,7 +191,8 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_uninterrupted_loss
                    TITAN_DEBUG_KILL_AT="step=5@rank1@attempt0")
     out = proc.communicate(timeout=400)[0]
     assert proc.returncode == 0, out[-3000:]
-    assert re.search(r"rank 1 \(pid \d+\) was killed by SIGKILL.*restarting the ranks \(restart 1 of 2\)", out), out[-3000:]
+    killed = r"rank 1 \(pid \d+\) was killed by SIGKILL.*restarting the ranks \(restart 1 of 2\)"
+    assert re.search(killed, out), out[-3000:]
     assert "resumed from" in out and "restart 2 of 2" not in out, out[-3000:]
     logged = _losses(tmp_path / "run")
     assert [s for s, _ in logged] == [1, 2, 3, 4, 5, 5, 6, 7], logged  # step 5 done twice
@@ -215,7 +216,8 @@ def test_a_titan_error_in_the_ranks_is_not_restarted(tmp_path):
                    MAX_RESTARTS="3")
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 2, out[-3000:]
-    assert out.strip().splitlines()[-1] == f"titan: error: dataset path '{missing}' does not exist (training.dataset_path)"
+    line = f"titan: error: dataset path '{missing}' does not exist (training.dataset_path)"
+    assert out.strip().splitlines()[-1] == line, out[-3000:]
     assert "not restarting after a titan error" in out and "restarting the ranks" not in out, out[-3000:]
 
 

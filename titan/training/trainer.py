@@ -342,7 +342,8 @@ class Trainer:
                 break
         profiler.close()
         self._checkpoint_timed(self.checkpointer.finish, self.step, preempted)
-        self.goodput.end(self.step, self.checkpointer.last_saved_step, "stopped after a signal" if preempted else "finished")
+        self.goodput.end(self.step, self.checkpointer.last_saved_step,
+                         "stopped after a signal" if preempted else "finished")
         self.metrics.close()
         logger.info("training done")
         return losses
