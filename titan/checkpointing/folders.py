@@ -154,7 +154,8 @@ class DebugKill:
     Set ``TITAN_DEBUG_KILL_AT`` to ``step=K`` (right after training step K, before its save) or
     ``save:step=K`` (during the save of step K: every rank's files and DCP's ``.metadata`` are
     written, the ``COMPLETE`` marker is not). Every rank that reaches the point kills itself,
-    exactly like ``kill -9``; ``@rankR`` limits it to global rank R. ``error:step=K`` raises a
+    exactly like ``kill -9``; ``@rankR`` limits it to global rank R, ``@attemptA`` to torchrun's
+    restart A (``TORCHELASTIC_RESTART_COUNT``, 0 for the first). ``error:step=K`` raises a
     TitanError after step K instead (a rank failing while the others wait in a collective). Never set it in production; unset, it costs one dict lookup.
     """
 
@@ -162,11 +163,13 @@ class DebugKill:
         spec = os.environ.get("TITAN_DEBUG_KILL_AT", "") if spec is None else spec
         self.point, self.step, self.error = None, -1, False
         if spec:
-            m = re.fullmatch(r"(?:(save|error):)?step=(\d+)(?:@rank(\d+))?", spec.strip())
+            m = re.fullmatch(r"(?:(save|error):)?step=(\d+)(?:@rank(\d+))?(?:@attempt(\d+))?", spec.strip())
             if not m:
-                raise TitanError(f"TITAN_DEBUG_KILL_AT={spec!r}; valid: [save:|error:]step=K[@rankR]")
+                raise TitanError(f"TITAN_DEBUG_KILL_AT={spec!r}; valid: [save:|error:]step=K[@rankR][@attemptA]")
             if m[3] is not None and int(os.environ.get("RANK", "0")) != int(m[3]):
                 return  # another rank is the one that fails
+            if m[4] is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != int(m[4]):
+                return  # another attempt is the one that fails
             self.error = m[1] == "error"
             self.point, self.step = ("step" if m[1] in (None, "error") else m[1]), int(m[2])
 

@@ -24,6 +24,7 @@ from titan.training.build import (
     check_run_layout, init_weights, model_spec_and_args, run_model_args,
 )
 from titan.training.gc_handler import GarbageCollection
+from titan.training.goodput import GoodputRecorder
 from titan.training.checks import validate_job
 from titan.training.loss import IGNORE_INDEX, cross_entropy_sum
 from titan.training.metrics import MetricsProcessor
@@ -123,6 +124,7 @@ class Trainer:
             start=self.run_start,
         )
         self.checkpointer.load()
+        self.goodput = GoodputRecorder(config, rank=self.rank, step=self.step, metrics=self.metrics)
         if self.rank == 0:  # the run is committed to start here (its checkpoint folder checked or resumed)
             log_summary(summary_rows(
                 config, device=self.device, parallel_dims=self.parallel_dims, model_parts=self.model_parts,
@@ -286,6 +288,7 @@ class Trainer:
             return fn(*args)
         finally:
             self.metrics.add_checkpoint_time(time.perf_counter() - t0)
+            self.goodput.add("checkpoint", time.perf_counter() - t0)
 
     def train(self) -> dict[int, float]:
         """Train to training.steps (or until finite data ends); returns {step: loss} of logged steps.
@@ -294,6 +297,9 @@ class Trainer:
         try:
             with GarbageCollection(self.config.training.gc_freq) as self.gc:
                 return self._train()
+        except BaseException as e:
+            self.goodput.failed(self.step, self.checkpointer.last_saved_step, e)
+            raise
         finally:
             self.determinism.restore()  # process-wide settings: in-process runs (tests) must not inherit them
 
@@ -312,6 +318,7 @@ class Trainer:
         preempted = False
         profiler = Profiler(self.config, rank=self.rank, device=self.device, start_step=self.step)
         first_step = True
+        self.goodput.begin()
         while self.step < t.steps:
             microbatches = self.next_microbatches()
             if microbatches is None:
@@ -333,16 +340,20 @@ class Trainer:
                     extra={**values, **self.stability.console()}, extra_scalars=self.stability.scalars(),
                 )
             if self.validator is not None and self.validator.should_validate(self.step):
-                self.validator.validate(self.step)
+                with self.goodput.lost("validation"):
+                    self.validator.validate(self.step)
             profiler.step(self.step)
             if first_step:  # start-up is over: from now on a hang should fail fast
                 set_pg_timeouts(self.config.comm.train_timeout_seconds, self.parallel_dims, self.device)
                 first_step = False
+            self.goodput.step_done(self.step, self.checkpointer.last_saved_step)
             if self._checkpoint_timed(self.checkpointer.after_step, self.step, may_save=True):
                 preempted = True
                 break
         profiler.close()
-        self.checkpointer.finish(self.step, preempted)
+        self._checkpoint_timed(self.checkpointer.finish, self.step, preempted)
+        self.goodput.end(self.step, self.checkpointer.last_saved_step,
+                         "stopped after a signal" if preempted else "finished")
         self.metrics.close()
         logger.info("training done")
         return losses
