@@ -1,0 +1,119 @@
+"""Dropping one optimizer update on the device (``training.nonfinite = skip_step``), with no host read.
+
+The decision to apply a step is a 0-dim bool tensor on the device (see
+``titan.training.stability.StabilityMonitor.check``); the host queues the optimizer step either way
+and the device keeps or drops its result:
+
+- torch's fused Adam / AdamW (``optimizer.implementation = fused``): the kernel's own ``found_inf``
+  input skips the update of the weights, both moments and the step counter. No extra memory or work.
+- every other optimizer (foreach, for-loop, torchao's bf16 stochastic-rounding AdamW): the weights and
+  every optimizer state tensor of the parameters that have a gradient are copied before the step and
+  put back with ``torch.where`` after it when the step is dropped: exact (bit-identical weights,
+  moments and step counters), at the cost of one extra copy of the weights and optimizer state in
+  memory while the step runs and about two more passes over them. Step counters must live on the
+  device for this: on CUDA torch's non-fused Adam / AdamW run ``capturable`` (their bias correction is
+  then computed on the device, in float32) and other optimizers' 0-dim CPU step counters are moved to
+  the device.
+
+With ``training.nonfinite = stop`` nothing is masked (the run stops at the next log step or save,
+before anything is written), so the default policy costs nothing here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["UpdateMask"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor the kernels write (a DTensor's shard), sharing storage with ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t.detach()
+
+
+def _torch_adam(opt: torch.optim.Optimizer) -> bool:
+    return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))
+
+
+class UpdateMask:
+    """``with mask(apply): optimizers.step()`` keeps the step's update where ``apply`` (a 0-dim bool
+    tensor on the device) is true and leaves weights and optimizer state exactly as they were where it
+    is false. ``enabled = False`` (the ``stop`` policy) makes it a no-op."""
+
+    def __init__(self, optimizers: Iterable[torch.optim.Optimizer], device: torch.device, enabled: bool) -> None:
+        self.optimizers = list(optimizers)
+        self.enabled = enabled
+        if not enabled or device.type != "cuda":
+            return
+        for opt in self.optimizers:
+            if _torch_adam(opt):
+                for group in opt.param_groups:
+                    # Before the first step and any checkpoint load: step counters are then created
+                    # (or loaded) on the device, so restoring them needs no host decision.
+                    if not group.get("fused"):
+                        group["capturable"] = True
+
+    @contextlib.contextmanager
+    def __call__(self, apply: torch.Tensor) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        fused = [opt for opt in self.optimizers if _torch_adam(opt) and opt.param_groups[0].get("fused")]
+        others = [opt for opt in self.optimizers if not any(opt is f for f in fused)]
+        skip = (~apply).float()
+        for opt in fused:
+            opt.found_inf = skip  # read by torch's fused Adam/AdamW (also undoes its step-counter increment)
+        saved = [self._snapshot(opt) for opt in others]
+        try:
+            yield
+        finally:
+            for opt in fused:
+                del opt.found_inf
+        for opt, snapshot in zip(others, saved):
+            self._restore(opt, snapshot, apply)
+
+    @staticmethod
+    def _params(opt: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+        return [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+
+    def _to_param_device(self, opt: torch.optim.Optimizer, p: torch.nn.Parameter) -> None:
+        """A 0-dim step counter kept on the CPU for device weights goes to the device (non-blocking)."""
+        state = opt.state.get(p)
+        if not state:
+            return
+        device = _local(p).device
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device != device:
+                state[key] = value.to(device, non_blocking=True)
+
+    @torch.no_grad()
+    def _snapshot(self, opt: torch.optim.Optimizer) -> list[tuple[torch.nn.Parameter, dict[str, torch.Tensor]]]:
+        out = []
+        for p in self._params(opt):
+            self._to_param_device(opt, p)
+            copies = {"": _local(p).clone()}
+            for key, value in opt.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    copies[key] = _local(value).clone()
+            out.append((p, copies))
+        return out
+
+    @torch.no_grad()
+    def _restore(self, opt: torch.optim.Optimizer, snapshot: list, apply: torch.Tensor) -> None:
+        flags: dict[torch.device, torch.Tensor] = {apply.device: apply}
+        for p, copies in snapshot:
+            self._to_param_device(opt, p)
+            live = {"": p, **{k: v for k, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor)}}
+            for key, value in live.items():
+                t = _local(value)
+                # Weights offloaded to the CPU step there: the flag follows them (that step waits for
+                # the device anyway).
+                flag = flags.setdefault(t.device, apply.to(t.device))
+                # State created by this step (the first one) had been zeros: a fresh optimizer's.
+                old = copies.get(key)
+                torch.where(flag, t, old if old is not None else torch.zeros((), dtype=t.dtype, device=t.device),
+                            out=t)
