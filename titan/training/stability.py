@@ -136,7 +136,7 @@ class StabilityMonitor:
         new[_LAST:_LAST + 3] = torch.where(bad, row, state[_LAST:_LAST + 3])
         over = (new[_IN_A_ROW] > self.max_consecutive_skips) & (state[_LIMIT] == 0)
         new[_LIMIT:_LIMIT + 3] = torch.where(over, row, state[_LIMIT:_LIMIT + 3])
-        higher = finite[1] & (x[1] > state[_GN_MAX])
+        higher = ok & (x[1] > state[_GN_MAX])  # skipped steps never reach the spike detectors
         new[_GN_MAX:_GN_MAX + 2] = torch.where(higher, torch.cat([x[1:], row[:1]]), state[_GN_MAX:_GN_MAX + 2])
         state.copy_(new)
         self._unread = True
