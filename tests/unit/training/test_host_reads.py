@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import titan
+from tests.helpers.inject import Inject
 from tests.helpers.runs import trainer as tiny_trainer
 from titan.errors import TitanError
 from titan.training.nonfinite import UpdateMask
@@ -44,28 +45,6 @@ class HostReads:
             return method(tensor, *args, **kwargs)
 
         return counted
-
-
-def _poison(monkeypatch, steps: set[int], *, output: bool = False) -> None:
-    """At ``steps``: NaN gradients (a parameter hook), or with ``output`` a NaN model output (the loss
-    and the gradients are NaN)."""
-    original = Trainer.train_step
-
-    def train_step(trainer, microbatches):
-        if trainer.step not in steps:
-            return original(trainer, microbatches)
-        model = trainer.model_parts[0]
-        if output:
-            handles = [model.register_forward_hook(lambda m, i, out: out * math.nan)]
-        else:
-            handles = [p.register_hook(lambda g: g * math.nan) for p in model.parameters()]
-        try:
-            return original(trainer, microbatches)
-        finally:
-            for h in handles:
-                h.remove()
-
-    monkeypatch.setattr(Trainer, "train_step", train_step)
 
 
 def _state(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -107,7 +86,7 @@ def test_no_host_read_on_steps_that_log_nothing(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("implementation", ["foreach", "fused"])
 def test_skip_step_drops_the_update_on_the_device(tmp_path, monkeypatch, implementation, caplog):
-    _poison(monkeypatch, {3})
+    Inject(monkeypatch, {3}, grad_scale=math.nan)
     snapshots = _record_before_steps(monkeypatch)
     trainer = tiny_trainer(tmp_path, "--training.steps", "6", "--metrics.log_freq", "5", "--training.nonfinite",
                            "skip_step", "--optimizer.implementation", implementation)
@@ -128,7 +107,7 @@ def test_skip_step_drops_the_update_on_the_device(tmp_path, monkeypatch, impleme
 
 
 def test_stop_is_reported_at_the_next_log_step(tmp_path, monkeypatch):
-    _poison(monkeypatch, {2}, output=True)
+    Inject(monkeypatch, {2}, output_nan=True)
     trainer = tiny_trainer(tmp_path, "--training.steps", "8", "--metrics.log_freq", "4")
     reads = HostReads(monkeypatch, trainer)
     with pytest.raises(TitanError, match=r"non-finite loss = nan, grad_norm = nan at step 2 \(training.nonfinite = "
@@ -138,7 +117,7 @@ def test_stop_is_reported_at_the_next_log_step(tmp_path, monkeypatch):
 
 
 def test_stop_is_reported_before_a_checkpoint_save(tmp_path, monkeypatch):
-    _poison(monkeypatch, {2}, output=True)
+    Inject(monkeypatch, {2}, output_nan=True)
     trainer = tiny_trainer(tmp_path, "--training.steps", "8", "--metrics.log_freq", "5", "--checkpoint.enable",
                            "--checkpoint.interval", "3")
     with pytest.raises(TitanError, match=r"at step 2 \(training.nonfinite = stop\).*\(found at step 3\)"):
@@ -147,7 +126,7 @@ def test_stop_is_reported_before_a_checkpoint_save(tmp_path, monkeypatch):
 
 
 def test_too_many_skips_in_a_row_are_reported_at_the_next_log_step(tmp_path, monkeypatch):
-    _poison(monkeypatch, {2, 3, 4})
+    Inject(monkeypatch, {2, 3, 4}, grad_scale=math.nan)
     trainer = tiny_trainer(tmp_path, "--training.steps", "8", "--metrics.log_freq", "5", "--training.nonfinite",
                            "skip_step", "--training.nonfinite_max_consecutive_skips", "2")
     with pytest.raises(TitanError, match=r"grad_norm = nan at step 4: 3 consecutive steps skipped.*"
