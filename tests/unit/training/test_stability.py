@@ -1,7 +1,9 @@
 """Spike detection and the non-finite policy on plain numbers (the trainer runs are in
 tests/unit/training/test_stability_training.py)."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,32 @@ from titan.config import load_config
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.training.stability import SpikeDetector, StabilityMonitor, param_norm, validate_stability_config
+
+
+# Loss and grad norm of every step of the default demo (./run_train.sh: 150 steps of the debug model).
+DEMO = json.loads((Path(__file__).resolve().parents[2] / "fixtures" / "demo_curves.json").read_text())
+
+
+def _default_detector(name: str) -> SpikeDetector:
+    s = JobConfig().stability
+    window, threshold = {"grad_norm": (s.grad_norm_spike_window, s.grad_norm_spike_threshold),
+                         "loss": (s.loss_spike_window, s.loss_spike_threshold)}[name]
+    return SpikeDetector(name, window, threshold, relative=True)
+
+
+@pytest.mark.parametrize("name", ["grad_norm", "loss"])
+def test_defaults_are_quiet_on_the_demo_and_catch_a_10x_spike(name):
+    series = DEMO[name]
+    assert len(series) == 150
+    quiet = _default_detector(name)
+    assert not any(quiet.update(step, v) for step, v in enumerate(series, 1))
+    for at in (25, 90, 140):
+        d = _default_detector(name)
+        flags = [d.update(step, v * 10 if step == at else v) for step, v in enumerate(series, 1)]
+        assert [step for step, spike in enumerate(flags, 1) if spike] == [at]
+    # the former defaults (absolute 0.1 above the grad-norm average, 10% above the loss average) were not quiet
+    old = SpikeDetector(name, 20, 0.1, relative=name == "loss")
+    assert any([old.update(step, v) for step, v in enumerate(series, 1)])
 
 
 def test_grad_norm_spike_counts_events_and_durations():
