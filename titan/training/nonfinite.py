@@ -42,15 +42,23 @@ def _torch_adam(opt: torch.optim.Optimizer) -> bool:
 class UpdateMask:
     """``with mask(apply): optimizers.step()`` keeps the step's update where ``apply`` (a 0-dim bool
     tensor on the device) is true and leaves weights and optimizer state exactly as they were where it
-    is false. ``enabled = False`` (the ``stop`` policy) makes it a no-op."""
+    is false. ``enabled = False`` (the ``stop`` policy) makes it a no-op.
+
+    The masking runs in each optimizer's own step hooks, so whatever runs after the step (the
+    container's post-step hooks, e.g. float8's scale precompute) sees the kept or restored weights.
+    Optimizer steps outside the ``with`` (a checkpoint load initialising the state) are not touched."""
 
     def __init__(self, optimizers: Iterable[torch.optim.Optimizer], device: torch.device, enabled: bool) -> None:
         self.optimizers = list(optimizers)
         self.enabled = enabled
-        if not enabled or device.type != "cuda":
+        self._apply: torch.Tensor | None = None
+        self._saved: dict[int, list] = {}
+        if not enabled:
             return
         for opt in self.optimizers:
-            if _torch_adam(opt):
+            opt.register_step_pre_hook(self._before_step)
+            opt.register_step_post_hook(self._after_step)
+            if device.type == "cuda" and _torch_adam(opt):
                 for group in opt.param_groups:
                     # Before the first step and any checkpoint load: step counters are then created
                     # (or loaded) on the device, so restoring them needs no host decision.
@@ -59,22 +67,35 @@ class UpdateMask:
 
     @contextlib.contextmanager
     def __call__(self, apply: torch.Tensor) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        fused = [opt for opt in self.optimizers if _torch_adam(opt) and opt.param_groups[0].get("fused")]
-        others = [opt for opt in self.optimizers if not any(opt is f for f in fused)]
-        skip = (~apply).float()
-        for opt in fused:
-            opt.found_inf = skip  # read by torch's fused Adam/AdamW (also undoes its step-counter increment)
-        saved = [self._snapshot(opt) for opt in others]
+        self._apply = apply if self.enabled else None
         try:
             yield
         finally:
-            for opt in fused:
-                del opt.found_inf
-        for opt, snapshot in zip(others, saved):
-            self._restore(opt, snapshot, apply)
+            self._apply = None
+            self._saved.clear()
+            for opt in self.optimizers:  # a step that raised leaves no found_inf behind
+                if hasattr(opt, "found_inf"):
+                    del opt.found_inf
+
+    @staticmethod
+    def _fused(opt: torch.optim.Optimizer) -> bool:
+        return _torch_adam(opt) and bool(opt.param_groups[0].get("fused"))
+
+    def _before_step(self, opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        if self._apply is None:
+            return
+        if self._fused(opt):
+            opt.found_inf = (~self._apply).float()  # read by torch's fused Adam/AdamW (also undoes the step count)
+        else:
+            self._saved[id(opt)] = self._snapshot(opt)
+
+    def _after_step(self, opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        if self._apply is None:
+            return
+        if self._fused(opt):
+            del opt.found_inf
+        else:
+            self._restore(opt, self._saved.pop(id(opt)), self._apply)
 
     @staticmethod
     def _params(opt: torch.optim.Optimizer) -> list[torch.nn.Parameter]:

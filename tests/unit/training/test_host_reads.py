@@ -171,3 +171,37 @@ def test_update_mask_keeps_or_drops_exactly(implementation):
     twin(torch.randn(3, 8)).square().sum().backward()
     twin_opt.step()
     assert torch.equal(model.weight, twin.weight) and torch.equal(model.bias, twin.bias)
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "fused"])
+def test_post_step_hooks_see_the_restored_weights(implementation):
+    from titan.training.optim import IMPLEMENTATIONS, OptimizersContainer
+
+    model = torch.nn.Linear(4, 2)
+    optimizers = OptimizersContainer([model], torch.optim.AdamW, {"lr": 0.1, **IMPLEMENTATIONS[implementation]})
+    seen = []
+    optimizers.register_step_post_hook(lambda: seen.append(model.weight.detach().clone()))  # e.g. float8 scales
+    mask = UpdateMask(optimizers, torch.device("cpu"), enabled=True)
+    before = model.weight.detach().clone()
+    model(torch.randn(3, 4)).sum().mul(math.nan).backward()
+    with mask(torch.tensor(False)):
+        optimizers.step()
+    assert torch.equal(seen[-1], before) and torch.equal(model.weight, before)
+
+
+@pytest.mark.slow
+def test_update_mask_with_torchao_bf16_stochastic_rounding():
+    from titan.training.optim import _bf16_sr_adamw
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4, bias=False).to(torch.bfloat16)
+    opt = _bf16_sr_adamw()(model.parameters(), lr=0.1, weight_decay=0.1, bf16_stochastic_round=True)
+    mask = UpdateMask([opt], torch.device("cpu"), enabled=True)
+    for apply in (True, False):
+        before = [model.weight.detach().clone(), *(t.clone() for t in opt.state.get(model.weight, {}).values())]
+        opt.zero_grad()
+        model(torch.randn(3, 8, dtype=torch.bfloat16)).float().square().sum().backward()
+        with mask(torch.tensor(apply)):
+            opt.step()
+        after = [model.weight.detach(), *opt.state[model.weight].values()]
+        assert all(torch.equal(a, b) for a, b in zip(before, after)) != apply
