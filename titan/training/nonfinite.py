@@ -133,7 +133,9 @@ class UpdateMask:
                 t = _local(value)
                 # Weights offloaded to the CPU step there: the flag follows them (that step waits for
                 # the device anyway).
-                flag = flags.setdefault(t.device, apply.to(t.device))
+                flag = flags.get(t.device)
+                if flag is None:
+                    flag = flags[t.device] = apply.to(t.device)
                 # State created by this step (the first one) had been zeros: a fresh optimizer's.
                 old = copies.get(key)
                 torch.where(flag, t, old if old is not None else torch.zeros((), dtype=t.dtype, device=t.device),
