@@ -29,6 +29,8 @@ from torch.distributed.tensor import DTensor
 
 __all__ = ["UpdateMask"]
 
+_FOUND_INF = "found_inf"  # the optimizer attribute torch's Adam/AdamW pass to their fused kernel
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor the kernels write (a DTensor's shard), sharing storage with ``t``."""
@@ -74,8 +76,8 @@ class UpdateMask:
             self._apply = None
             self._saved.clear()
             for opt in self.optimizers:  # a step that raised leaves no found_inf behind
-                if hasattr(opt, "found_inf"):
-                    del opt.found_inf
+                if hasattr(opt, _FOUND_INF):
+                    delattr(opt, _FOUND_INF)
 
     @staticmethod
     def _fused(opt: torch.optim.Optimizer) -> bool:
@@ -85,7 +87,8 @@ class UpdateMask:
         if self._apply is None:
             return
         if self._fused(opt):
-            opt.found_inf = (~self._apply).float()  # read by torch's fused Adam/AdamW (also undoes the step count)
+            # Read by torch's fused Adam/AdamW (which also undo their step-counter increment).
+            setattr(opt, _FOUND_INF, (~self._apply).float())
         else:
             self._saved[id(opt)] = self._snapshot(opt)
 
@@ -93,7 +96,7 @@ class UpdateMask:
         if self._apply is None:
             return
         if self._fused(opt):
-            del opt.found_inf
+            delattr(opt, _FOUND_INF)
         else:
             self._restore(opt, self._saved.pop(id(opt)), self._apply)
 
