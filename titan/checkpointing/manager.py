@@ -94,6 +94,8 @@ class CheckpointManager(Loading):
         self.ctrl_pg = dist.new_group(backend="gloo") if distributed else None
         self.watcher = PreemptionWatcher(self.ctrl_pg) if self.cfg.enable else None
         self.debug_kill = DebugKill()
+        # Called with the step before anything is written (the trainer's non-finite check: it may raise).
+        self.before_save: Callable[[int], None] | None = None
         self._pending: _Pending | None = None
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-ckpt-commit")
         self._stager = None
@@ -150,6 +152,8 @@ class CheckpointManager(Loading):
             raise OSError(*failed)
 
     def save(self, step: int, *, model_only: bool = False, blocking: bool = False, final: bool = False) -> None:
+        if self.before_save is not None:
+            self.before_save(step)
         self.wait()  # one save in flight at a time
         path = step_dir(self.root, step)
         t0 = time.perf_counter()

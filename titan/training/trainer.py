@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -35,6 +36,7 @@ from titan.parallel.fsdp import DTYPES
 from titan.training.determinism import DeterministicMode
 from titan.parallel.utils import clip_grad_norm_, init_distributed, pick_device, set_seed, world_info
 from titan.training.profiling import Profiler
+from titan.training.nonfinite import UpdateMask
 from titan.training.stability import StabilityMonitor, param_norm
 from titan.training.startup import log_summary, summary_rows
 from titan.log import init_logger, logger
@@ -46,6 +48,23 @@ DEFAULT_SEED = 0
 def _replicated(t: torch.Tensor) -> torch.Tensor:
     """A loss computed under loss parallel is a replicated DTensor: take the plain value."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@dataclasses.dataclass
+class StepResult:
+    """One step's logged tensors, still on the device: ``loss`` (summed over the dp x cp ranks on log
+    steps only), ``grad_norm`` (before clipping) and ``extra`` (param_norm on the steps that log it).
+    Unpacks and indexes as the pair ``(loss, grad_norm)``."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    extra: dict[str, torch.Tensor]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter((self.loss, self.grad_norm))
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return (self.loss, self.grad_norm)[index]
 
 
 class Trainer:
@@ -95,6 +114,8 @@ class Trainer:
         self.amp = self._autocast_context(model_args)
 
         self.optimizers, self.lr_schedulers = build_optimizers_and_schedulers(config, self.model_parts, self.parallel_dims)
+        # Before any optimizer state exists (the checkpoint load below creates it).
+        self.update_mask = UpdateMask(self.optimizers, self.device, enabled=t.nonfinite == "skip_step")
         # Fixed from here on (checkpoint loads copy into them): not rebuilt every step.
         self._params = [p for m in self.model_parts for p in m.parameters()]
         pp = self.parallel_dims.submesh("pp")
@@ -123,6 +144,8 @@ class Trainer:
             rank=self.rank, dp_rank=self.dp_rank, dp_degree=self.parallel_dims.dp_degree, num_params=self.num_params,
             start=self.run_start,
         )
+        # Every save first reads the non-finite record: a stopped run writes no checkpoint after a NaN.
+        self.checkpointer.before_save = self.stability.resolve
         self.checkpointer.load()
         self.goodput = GoodputRecorder(config, rank=self.rank, step=self.step, metrics=self.metrics)
         if self.rank == 0:  # the run is committed to start here (its checkpoint folder checked or resumed)
@@ -195,13 +218,13 @@ class Trainer:
         freq = self.config.metrics.param_norm_freq
         return freq > 0 and self.metrics.should_log(step) and (step == 1 or step % freq == 0)
 
-    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """Forward/backward over the micro-batches (moved to the device if they are not there yet),
         clip, optimizer + LR step.
 
-        Returns (global mean token loss, total grad norm) as tensors. One host sync: the
-        non-finite check (titan/training/stability.py) reads both before deciding on the optimizer step;
-        ``self.stability.values`` keeps them (and param_norm on the steps that log it) for logging.
+        No host read: the non-finite policy is decided and applied on the device
+        (titan/training/stability.py, titan/training/nonfinite.py). On log steps the loss is summed
+        over the dp (x cp) ranks and the result carries every logged tensor for the loop's one read.
         """
         microbatches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                         for x, y in microbatches]
@@ -219,19 +242,18 @@ class Trainer:
                     loss_sum += self._forward_backward(inputs, labels, global_tokens, dp_scale)
             self.metrics.count_tokens(full_labels.numel())
         grad_norm = clip_grad_norm_(self._params, self.config.training.max_norm, self._pp_group)
-        # CP ranks hold the loss of their sequence shard: the total sums over dp x cp.
-        dp_cp = self.parallel_dims.submesh("dp_cp")
-        if dp_cp is not None:
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dp_cp.get_group())
-        # A whole-model pass: only on the log steps that show it, read in the check's one sync.
-        extra = {"param_norm": param_norm(self.model_parts, self._pp_group)} if self._param_norm_due(self.step) else None
         # Non-finite policy (training.nonfinite): a skipped step still advances step and LR.
-        if self.stability.check(self.step, loss_sum, grad_norm, extra):
+        apply = self.stability.check(self.step, loss_sum, grad_norm)
+        # A whole-model pass: only on the log steps that show it, on the weights entering the step.
+        extra = {"param_norm": param_norm(self.model_parts, self._pp_group)} if self._param_norm_due(self.step) else {}
+        with self.update_mask(apply):
             self.optimizers.step()
-        else:
-            self.optimizers.zero_grad()
         self.lr_schedulers.step()
-        return loss_sum, grad_norm
+        # CP ranks hold the loss of their sequence shard: the total sums over dp x cp (logged steps only).
+        dp_cp = self.parallel_dims.submesh("dp_cp")
+        if dp_cp is not None and self.metrics.should_log(self.step):
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dp_cp.get_group())
+        return StepResult(loss_sum, grad_norm, extra)
 
     def _forward_backward(
         self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor, dp_scale: int
@@ -328,11 +350,12 @@ class Trainer:
             self.gc.step(self.step)
             # An async save may still be copying the weights.
             self._checkpoint_timed(self.checkpointer.wait_for_staging)
-            self.train_step(microbatches)
+            result = self.train_step(microbatches)
             self.train_state.tokens_seen += sum(lab.numel() for _, lab in microbatches) * self.parallel_dims.dp_degree
             if self.metrics.should_log(self.step):
-                # Host copies from the step's one sync (the non-finite check): no second read.
-                values = dict(self.stability.values)
+                # The step's one host read: logged values and the non-finite record (may raise).
+                values = self.stability.read(self.step, {"loss": result.loss, "grad_norm": result.grad_norm,
+                                                         **result.extra})
                 loss_value, grad_norm_value = values.pop("loss"), values.pop("grad_norm")
                 losses[self.step] = loss_value
                 self.metrics.log(
@@ -340,6 +363,7 @@ class Trainer:
                     extra={**values, **self.stability.console()}, extra_scalars=self.stability.scalars(),
                 )
             if self.validator is not None and self.validator.should_validate(self.step):
+                self.stability.resolve(self.step)  # a stopped run does not validate non-finite weights
                 with self.goodput.lost("validation"):
                     self.validator.validate(self.step)
             profiler.step(self.step)
@@ -351,6 +375,7 @@ class Trainer:
                 preempted = True
                 break
         profiler.close()
+        self.stability.resolve(self.step)  # non-finite steps after the last log step are reported too
         self._checkpoint_timed(self.checkpointer.finish, self.step, preempted)
         self.goodput.end(self.step, self.checkpointer.last_saved_step,
                          "stopped after a signal" if preempted else "finished")
