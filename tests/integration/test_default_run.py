@@ -1,5 +1,6 @@
 """The README's first command, `./run_train.sh` (debug model, train_configs/debug_model.toml, as
-shipped), shows clear learning: the mean loss of its last 5 steps is at most 70% of its first 5."""
+shipped), shows clear learning: the mean loss of its last 5 steps is at most 70% of its first 5; and
+the default spike detection stays quiet on this healthy run."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ def test_default_run_learns(tmp_path):
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
     losses = [r["loss_metrics/global_avg_loss"] for r in rows]
     assert [r["step"] for r in rows] == list(range(1, config.training.steps + 1))
+    assert "spike" not in run.stdout + run.stderr, [line for line in (run.stdout + run.stderr).splitlines()
+                                                    if "spike" in line]
+    assert rows[-1]["stability/grad_norm_spikes"] == rows[-1]["stability/loss_spikes"] == 0
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last <= 0.7 * first, f"mean loss of the first 5 steps {first:.3f}, of the last 5 {last:.3f}" \
                                 f" ({last / first:.1%} > 70%): {[round(x, 2) for x in losses]}"

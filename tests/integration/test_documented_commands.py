@@ -46,6 +46,8 @@ SKIP_PREFIXES = [
     ("python scripts/dcp_to_torch.py", "a 1000-step checkpoint (tests/unit/interop covers the conversion)"),
     ("python scripts/generate.py --checkpoint", "a trained checkpoint (tests/unit/interop covers generation)"),
     ("python scripts/benchmark.py --preset", "a GPU: the 8B-shape preset (1.76B parameters at seq 8192)"),
+    ("python scripts/benchmark_recovery.py", "minutes of 2-rank training with failures by design"
+     " (tests/integration/test_launchers.py covers restarts and goodput)"),
     ("python scripts/benchmark_loader.py --dataset c4 --dataset_path /tmp/c4",
      "the 16 x 10,000-document mirror, minutes to read (tests/unit/data/test_c4_mirror.py runs the benchmark on a small one)"),
 ]

@@ -65,9 +65,13 @@ def offload_init_device(device: torch.device, cpu_offload: bool) -> torch.device
     return torch.device("cpu") if cpu_offload else device
 
 
-def check_cpu_offload(fsdp_enabled: bool, float8) -> None:  # noqa: ANN001 - config.Float8
+def check_cpu_offload(  # noqa: ANN001 - float8: config.Float8
+    fsdp_enabled: bool, float8, nonfinite: str = "stop", device_type: str = "cpu"
+) -> None:
     """CPU offload is FSDP2's offload policy: it needs FSDP, and float8's FSDP all-gather casts and
-    scales the sharded weights where they live, which offload moves off the device."""
+    scales the sharded weights where they live, which offload moves off the device. On GPUs the
+    skip_step decision is a device tensor that masks the optimizer's update in place: the offloaded
+    weights and states are host tensors."""
     if not fsdp_enabled:
         raise TitanError(
             "training.enable_cpu_offload needs FSDP (data_parallel_shard_degree x context_parallel_degree > 1):"
@@ -78,6 +82,11 @@ def check_cpu_offload(fsdp_enabled: bool, float8) -> None:  # noqa: ANN001 - con
         raise TitanError(
             "training.enable_cpu_offload does not combine with float8.enable_fsdp_float8_all_gather /"
             " precompute_float8_dynamic_scale_for_fsdp; turn those off to offload"
+        )
+    if nonfinite == "skip_step" and device_type == "cuda":
+        raise TitanError(
+            "training.enable_cpu_offload does not combine with training.nonfinite = skip_step on GPUs (the skip"
+            " decision stays on the GPU, the offloaded optimizer states on the host); use nonfinite = stop"
         )
 
 

@@ -1,10 +1,10 @@
 """Training stability: non-finite policy, loss / grad-norm spike detection, parameter norm.
 
-The Trainium seed recipe kept a 7B run on track by watching two signals every step: the grad
-norm against its running average (absolute margin) and the loss against its running average
-(relative margin). ``StabilityMonitor`` does both, counts spike *events* and how many steps each
-lasted, and applies the ``training.nonfinite`` policy. It reads one scalar per step from the
-device (the grad norm and loss must be on the host to decide whether to apply the update).
+Two signals are watched against their running averages (relative margins): the grad norm and the
+loss. ``StabilityMonitor`` counts spike *events* and how many steps each lasted, and applies the
+``training.nonfinite`` policy. Steps that log nothing make no host read: the non-finite decision
+and its record stay on the device (the update itself is masked by titan/training/nonfinite.py);
+log steps read the logged values and that record together, once.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ __all__ = ["SpikeDetector", "StabilityMonitor", "param_norm", "validate_stabilit
 
 
 class SpikeDetector:
-    """Spike: value > avg + margin (absolute) or value > avg * (1 + margin) (relative), where avg
-    is the mean of the previous ``window`` finite values (spike steps included, so a lasting shift
-    stops counting as a spike once the average catches up). Needs a full window before judging.
+    """Spike: value > avg * (1 + margin) (relative) or value > avg + margin (absolute), where avg is
+    the mean of the previous ``window`` finite values (spike steps included, so a lasting shift
+    stops counting as a spike once the average catches up). Needs a full window before judging
+    (the warm-up).
 
     ``events``: spikes counted once per run of consecutive spike steps; ``spike_steps``: all steps
     in a spike; ``longest``: longest run; ``durations``: length of every finished event.
@@ -57,7 +58,7 @@ class SpikeDetector:
             if self.current == 0:
                 self.events += 1
                 logger.warning(f"{self.name} spike at step {step}: {value:.4g} > {limit:.4g} (running average"
-                               f" {sum(self.history) / len(self.history):.4g} over {len(self.history)} steps)")
+                               f" {sum(self.history) / len(self.history):.4g} over {len(self.history)} values)")
             self.current += 1
             self.spike_steps += 1
             self.longest = max(self.longest, self.current)
@@ -76,54 +77,119 @@ class SpikeDetector:
         }
 
 
+# Device-side record (float64, exact for step numbers below 2**53): one vector so a log step reads
+# it together with the logged values.
+_SKIPPED, _IN_A_ROW = 0, 1  # steps skipped so far; non-finite steps in a row
+_FIRST, _LAST, _LIMIT = 2, 5, 8  # (step, loss, grad_norm) of the first / latest non-finite step and
+# of the step that went over nonfinite_max_consecutive_skips (step 0: none yet)
+_GN_MAX, _GN_MAX_STEP = 11, 12  # largest finite grad norm since the last log step, and its step
+_STATE_SIZE = 13
+
+
 class StabilityMonitor:
-    """Per-step check for the trainer: ``check(step, loss, grad_norm)`` between clipping and the
-    optimizer step; ``scalars()`` / ``console()`` for the metrics. ``values`` keeps the host copies
-    read by the last check, so logging them costs no second sync."""
+    """The trainer's stability bookkeeping, with no host read on steps that log nothing.
+
+    ``check(step, loss, grad_norm)`` (between clipping and the optimizer step) returns the decision to
+    apply the update as a bool tensor on the device and updates the device-side record (skips, the
+    first non-finite step, the largest grad norm since the last log). ``read(step, values)`` on a log
+    step brings the logged values and that record to the host in one read, then reports (raises for
+    ``stop`` or too many skips in a row, warns about skips) and feeds the spike detectors.
+    ``resolve(step)`` does the same for the record alone (before a checkpoint save, validation and at
+    the end of training), so a stopped run never writes a checkpoint after a non-finite step.
+    """
 
     def __init__(self, config: JobConfig) -> None:
         s, t = config.stability, config.training
         self.policy = t.nonfinite
         self.max_consecutive_skips = t.nonfinite_max_consecutive_skips
-        self.grad_norm = SpikeDetector("grad-norm", s.grad_norm_spike_window, s.grad_norm_spike_threshold, relative=False)
+        self.grad_norm = SpikeDetector("grad-norm", s.grad_norm_spike_window, s.grad_norm_spike_threshold,
+                                       relative=True)
         self.loss = SpikeDetector("loss", s.loss_spike_window, s.loss_spike_threshold, relative=True)
-        self.skipped_steps = 0
-        self.consecutive_skips = 0
-        self.values: dict[str, float] = {}
+        self.skipped_steps = 0  # host copy, as of the last read
+        self._state: torch.Tensor | None = None
+        self._unread = False  # steps checked since the record was last read
 
-    def check(
-        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, extra: dict[str, torch.Tensor] | None = None
-    ) -> bool:
-        """True: apply this step's update. False: skip it (skip_step). Raises TitanError to stop.
-        Finite values feed the spike detectors (``grad_norm`` is the norm before clipping).
+    def _record(self, device: torch.device) -> torch.Tensor:
+        if self._state is None:
+            self._state = torch.zeros(_STATE_SIZE, dtype=torch.float64, device=device)
+            self._state[_GN_MAX] = -math.inf
+        return self._state
 
-        ``loss`` and ``grad_norm`` must be the same on every rank (globally reduced), so all ranks
-        take the same decision without another collective. ``extra`` scalars (e.g. param_norm on a
-        log step) come to the host in the same single read and land in ``values`` too.
-        """
-        extra = extra or {}
-        tensors = [loss, grad_norm, *extra.values()]
-        read = torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist()  # the one host sync
-        self.values = dict(zip(("loss", "grad_norm", *extra), read))
-        values = read[:2]
-        bad = [(name, v) for name, v in zip(("loss", "grad_norm"), values) if not math.isfinite(v)]
-        if not bad:
-            self.consecutive_skips = 0
-            self.loss.update(step, values[0])
-            self.grad_norm.update(step, values[1])
-            return True
-        what = ", ".join(f"{name} = {v}" for name, v in bad)
-        if self.policy == "stop":
-            raise TitanError(f"non-finite {what} at step {step} (training.nonfinite = stop): stopping without"
-                             " saving; restart from the last checkpoint, maybe with a lower lr or skip_step")
-        self.skipped_steps += 1
-        self.consecutive_skips += 1
-        if self.consecutive_skips > self.max_consecutive_skips:
-            raise TitanError(f"non-finite {what} at step {step}: {self.consecutive_skips} consecutive steps skipped,"
-                             f" more than training.nonfinite_max_consecutive_skips = {self.max_consecutive_skips}")
-        logger.warning(f"non-finite {what} at step {step}: optimizer step skipped"
-                       f" ({self.skipped_steps} skipped so far, {self.consecutive_skips} in a row)")
-        return False
+    @torch.no_grad()
+    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """The decision to apply this step's update (a 0-dim bool tensor on the device; no host read).
+
+        ``grad_norm`` (before clipping) is global: the same on every rank. ``loss`` may be this rank's
+        share; a non-finite loss makes that rank's gradients, hence the global grad norm, non-finite,
+        so all ranks decide alike without another collective."""
+        state = self._record(grad_norm.device)
+        x = torch.stack([loss.detach().reshape(()), grad_norm.detach().reshape(())]).to(torch.float64)
+        finite = torch.isfinite(x)
+        ok = finite.all()
+        bad = ~ok
+        row = torch.cat([x.new_full((1,), step), x])  # (step, loss, grad_norm)
+        new = state.clone()
+        new[_SKIPPED] += bad
+        new[_IN_A_ROW] = (state[_IN_A_ROW] + 1) * bad
+        first = bad & (state[_FIRST] == 0)
+        new[_FIRST:_FIRST + 3] = torch.where(first, row, state[_FIRST:_FIRST + 3])
+        new[_LAST:_LAST + 3] = torch.where(bad, row, state[_LAST:_LAST + 3])
+        over = (new[_IN_A_ROW] > self.max_consecutive_skips) & (state[_LIMIT] == 0)
+        new[_LIMIT:_LIMIT + 3] = torch.where(over, row, state[_LIMIT:_LIMIT + 3])
+        higher = ok & (x[1] > state[_GN_MAX])  # skipped steps never reach the spike detectors
+        new[_GN_MAX:_GN_MAX + 2] = torch.where(higher, torch.cat([x[1:], row[:1]]), state[_GN_MAX:_GN_MAX + 2])
+        state.copy_(new)
+        self._unread = True
+        return ok
+
+    def read(self, step: int, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Log step: ``values`` (``loss``, ``grad_norm`` and any other logged scalars, globally reduced)
+        and the device record in one host read. Reports non-finite steps (raises TitanError for
+        ``stop`` or too many skips in a row), feeds the spike detectors and returns the values."""
+        tensors = [v.detach().reshape(()).to(torch.float64) for v in values.values()]
+        state = self._record(tensors[0].device)
+        read = torch.cat([torch.stack(tensors), state]).tolist()  # the one host read of a log step
+        out = dict(zip(values, read[:len(tensors)]))
+        self._unread = False
+        self._report(step, read[len(tensors):])
+        state[_GN_MAX].fill_(-math.inf)  # a new window (fills: no host-to-device copy)
+        state[_GN_MAX_STEP].fill_(0)
+        if math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"]):
+            self.loss.update(step, out["loss"])
+        gn_max, gn_step = read[len(tensors) + _GN_MAX], read[len(tensors) + _GN_MAX_STEP]
+        if math.isfinite(gn_max):  # any finite step since the last log
+            self.grad_norm.update(int(gn_step), gn_max)
+        return out
+
+    def resolve(self, step: int) -> None:
+        """Read the device record alone and report (a save, validation or the end of training is next)."""
+        if self._unread and self._state is not None:
+            self._unread = False
+            self._report(step, self._state.tolist())
+
+    def _report(self, step: int, state: list[float]) -> None:
+        def where(at: int) -> str:  # "loss = nan, grad_norm = nan at step 12"
+            pairs = zip(("loss", "grad_norm"), state[at + 1:at + 3])
+            return (", ".join(f"{name} = {v}" for name, v in pairs if not math.isfinite(v))
+                    + f" at step {int(state[at])}")
+
+        def seen(at: int) -> str:  # a report later than the step itself says when it was read
+            return "" if int(state[at]) == step else f" (found at step {step})"
+
+        if self.policy == "stop" and state[_FIRST]:
+            raise TitanError(f"non-finite {where(_FIRST)} (training.nonfinite = stop): stopping without saving;"
+                             " restart from the last checkpoint, maybe with a lower lr or skip_step" + seen(_FIRST))
+        if state[_LIMIT]:
+            raise TitanError(f"non-finite {where(_LIMIT)}: {self.max_consecutive_skips + 1} consecutive steps skipped,"
+                             " more than training.nonfinite_max_consecutive_skips ="
+                             f" {self.max_consecutive_skips}" + seen(_LIMIT))
+        skipped = int(state[_SKIPPED])
+        if skipped > self.skipped_steps:
+            new = skipped - self.skipped_steps
+            self.skipped_steps = skipped
+            logger.warning(f"non-finite {where(_LAST)}: optimizer step skipped"
+                           + (f" (with {new - 1} earlier step(s) since the last report)" if new > 1 else "")
+                           + f" ({skipped} skipped so far, {int(state[_IN_A_ROW])} in a row)")
 
     def scalars(self) -> dict[str, float]:
         return {
@@ -159,6 +225,7 @@ def validate_stability_config(c: JobConfig) -> None:
     for key in ("grad_norm_spike_window", "loss_spike_window"):
         if getattr(s, key) < 1:
             raise TitanError(f"config key 'stability.{key}' must be >= 1, got {getattr(s, key)}")
+
     for key in ("grad_norm_spike_threshold", "loss_spike_threshold"):
         value = getattr(s, key)
         if not (math.isfinite(value) and value >= 0):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -18,11 +19,13 @@ from titan.config.job_config import JobConfig
 from titan.config.output import save_config
 from titan.data import build_tokenizer
 from titan.data.datasets import check_dataset
+from titan.models.documents import document_ids
 from titan.training.build import (
     build_loader, build_model, build_optimizers_and_schedulers, build_parallel_dims, check_run_config,
     check_run_layout, init_weights, model_spec_and_args, run_model_args,
 )
 from titan.training.gc_handler import GarbageCollection
+from titan.training.goodput import GoodputRecorder
 from titan.training.checks import validate_job
 from titan.training.loss import IGNORE_INDEX, cross_entropy_sum
 from titan.training.metrics import MetricsProcessor
@@ -33,6 +36,7 @@ from titan.parallel.fsdp import DTYPES
 from titan.training.determinism import DeterministicMode
 from titan.parallel.utils import init_distributed, pick_device, set_seed, world_info
 from titan.training.profiling import Profiler
+from titan.training.nonfinite import UpdateMask
 from titan.training.stability import StabilityMonitor, param_norm
 from titan.training.startup import log_summary, summary_rows
 from titan.log import init_logger, logger
@@ -44,6 +48,23 @@ DEFAULT_SEED = 0
 def _replicated(t: torch.Tensor) -> torch.Tensor:
     """A loss computed under loss parallel is a replicated DTensor: take the plain value."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@dataclasses.dataclass
+class StepResult:
+    """One step's logged tensors, still on the device: ``loss`` (summed over the dp x cp ranks on log
+    steps only), ``grad_norm`` (before clipping) and ``extra`` (param_norm on the steps that log it).
+    Unpacks and indexes as the pair ``(loss, grad_norm)``."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    extra: dict[str, torch.Tensor]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter((self.loss, self.grad_norm))
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return (self.loss, self.grad_norm)[index]
 
 
 class Trainer:
@@ -61,6 +82,8 @@ class Trainer:
         spec, model_args = model_spec_and_args(config)
         check_dataset(t.dataset, t.dataset_path)  # a typo'd dataset fails before the model is built
         tokenizer = build_tokenizer(config.model.tokenizer_path)
+        # block_causal: documents end at the tokenizer's EOS (the packer writes BOS ... EOS per document).
+        self._eos_id = tokenizer.eos_id if config.model.attn_mask_type == "block_causal" else None
 
         # Before the device is touched: cuBLAS reads its workspace setting when first created.
         self.determinism = DeterministicMode(t.deterministic).apply()
@@ -91,6 +114,8 @@ class Trainer:
         self.amp = self._autocast_context(model_args)
 
         self.optimizers, self.lr_schedulers = build_optimizers_and_schedulers(config, self.model_parts, self.parallel_dims)
+        # Before any optimizer state exists (the checkpoint load below creates it).
+        self.update_mask = UpdateMask(self.optimizers, self.device, enabled=t.nonfinite == "skip_step")
         # Fixed from here on (checkpoint loads copy into them): not rebuilt every step.
         self._params = [p for m in self.model_parts for p in m.parameters()]
         pp = self.parallel_dims.submesh("pp")
@@ -108,7 +133,8 @@ class Trainer:
         if config.validation.enable:
             self.validator = Validator(config, model_parts=self.model_parts, parallel_dims=self.parallel_dims,
                                        loader=build_loader(config, tokenizer, self.parallel_dims, validation=True),
-                                       device=self.device, metrics=self.metrics, forward_loss_sum=self._eval_loss_sum)
+                                       device=self.device, metrics=self.metrics, forward_loss_sum=self._eval_loss_sum,
+                                       cp_buffers=self._cp_buffers)
         self.train_state = TrainState()  # step and tokens seen: saved and restored with the checkpoint
         self._batches: Iterator | None = None
         # Last in set-up: the manager saves the states above and restores them (auto-resume) if there is a checkpoint.
@@ -118,7 +144,10 @@ class Trainer:
             rank=self.rank, dp_rank=self.dp_rank, dp_degree=self.parallel_dims.dp_degree, num_params=self.num_params,
             start=self.run_start,
         )
+        # Every save first reads the non-finite record: a stopped run writes no checkpoint after a NaN.
+        self.checkpointer.before_save = self.stability.resolve
         self.checkpointer.load()
+        self.goodput = GoodputRecorder(config, rank=self.rank, step=self.step, metrics=self.metrics)
         if self.rank == 0:  # the run is committed to start here (its checkpoint folder checked or resumed)
             log_summary(summary_rows(
                 config, device=self.device, parallel_dims=self.parallel_dims, model_parts=self.model_parts,
@@ -144,6 +173,11 @@ class Trainer:
             self.parallel_dims.submesh("cp"), inputs, labels, self._cp_buffers,
             self.config.parallelism.context_parallel_rotate_method,
         )
+
+    def _doc_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """block_causal: each position's document, once per batch, for the model to build its mask from
+        before its (compiled, checkpointed) blocks; a tensor, so the pipeline schedule splits it too."""
+        return {} if self._eos_id is None else {"doc_ids": document_ids(inputs, self._eos_id)}
 
     def _pp_loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(logits, labels) * self._loss_scale
@@ -184,13 +218,13 @@ class Trainer:
         freq = self.config.metrics.param_norm_freq
         return freq > 0 and self.metrics.should_log(step) and (step == 1 or step % freq == 0)
 
-    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """Forward/backward over the micro-batches (moved to the device if they are not there yet),
         clip, optimizer + LR step.
 
-        Returns (global mean token loss, total grad norm) as tensors. One host sync: the
-        non-finite check (titan/training/stability.py) reads both before deciding on the optimizer step;
-        ``self.stability.values`` keeps them (and param_norm on the steps that log it) for logging.
+        No host read: the non-finite policy is decided and applied on the device
+        (titan/training/stability.py, titan/training/nonfinite.py). On log steps the loss is summed
+        over the dp (x cp) ranks and the result carries every logged tensor for the loop's one read.
         """
         microbatches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                         for x, y in microbatches]
@@ -211,26 +245,25 @@ class Trainer:
         # offload the gradients, and so their norm, live on the host.
         max_norm = self.config.training.max_norm
         grad_norm = self.optimizers.clip_grad_norm_(self._params, max_norm, self._pp_group).to(self.device)
-        # CP ranks hold the loss of their sequence shard: the total sums over dp x cp.
-        dp_cp = self.parallel_dims.submesh("dp_cp")
-        if dp_cp is not None:
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dp_cp.get_group())
-        # A whole-model pass: only on the log steps that show it, read in the check's one sync.
-        extra = {"param_norm": param_norm(self.model_parts, self._pp_group)} if self._param_norm_due(self.step) else None
         # Non-finite policy (training.nonfinite): a skipped step still advances step and LR.
-        if self.stability.check(self.step, loss_sum, grad_norm, extra):
+        apply = self.stability.check(self.step, loss_sum, grad_norm)
+        # A whole-model pass: only on the log steps that show it, on the weights entering the step.
+        extra = {"param_norm": param_norm(self.model_parts, self._pp_group)} if self._param_norm_due(self.step) else {}
+        with self.update_mask(apply):
             self.optimizers.step()
-        else:
-            self.optimizers.zero_grad()
         self.lr_schedulers.step()
-        return loss_sum, grad_norm
+        # CP ranks hold the loss of their sequence shard: the total sums over dp x cp (logged steps only).
+        dp_cp = self.parallel_dims.submesh("dp_cp")
+        if dp_cp is not None and self.metrics.should_log(self.step):
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dp_cp.get_group())
+        return StepResult(loss_sum, grad_norm, extra)
 
     def _forward_backward(
         self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor, dp_scale: int
     ) -> torch.Tensor:
         with self._loss_context():
             with self.amp:
-                logits = self.model_parts[0](inputs)
+                logits = self.model_parts[0](inputs, **self._doc_kwargs(inputs))
             local = self.loss_fn(logits, labels) / global_tokens
             del logits
             (local * dp_scale).backward()
@@ -247,7 +280,7 @@ class Trainer:
         """Validation forward (titan/training/validator.py): the batch's summed token loss, on every pp stage."""
         if self.pp_schedule is None:
             with self._loss_context(), self.amp:
-                return _replicated(self.loss_fn(self.model_parts[0](inputs), labels))
+                return _replicated(self.loss_fn(self.model_parts[0](inputs, **self._doc_kwargs(inputs)), labels))
         self._loss_scale = torch.ones((), device=self.device)  # the PP loss function then sums
         return self._pp_run(self.pp_schedule.eval, inputs, labels)
 
@@ -255,11 +288,12 @@ class Trainer:
         """Drive one schedule call (step or eval). The last stage holds the losses; a sum over the
         pp group hands their total to every stage (rank 0 logs it)."""
         targets, losses = (labels, []) if self.pp_has_last else (None, None)
+        docs = self._doc_kwargs(inputs)  # every stage builds its attention mask from them
         with self._loss_context(), self.amp:
             if self.pp_has_first:
-                run(inputs, target=targets, losses=losses)
+                run(inputs, target=targets, losses=losses, **docs)
             else:
-                run(target=targets, losses=losses)
+                run(target=targets, losses=losses, **docs)
         loss = torch.zeros((), device=self.device)
         if self.pp_has_last:
             loss = sum(_replicated(x.detach()).float() for x in losses)
@@ -279,6 +313,7 @@ class Trainer:
             return fn(*args)
         finally:
             self.metrics.add_checkpoint_time(time.perf_counter() - t0)
+            self.goodput.add("checkpoint", time.perf_counter() - t0)
 
     def train(self) -> dict[int, float]:
         """Train to training.steps (or until finite data ends); returns {step: loss} of logged steps.
@@ -287,6 +322,9 @@ class Trainer:
         try:
             with GarbageCollection(self.config.training.gc_freq) as self.gc:
                 return self._train()
+        except BaseException as e:
+            self.goodput.failed(self.step, self.checkpointer.last_saved_step, e)
+            raise
         finally:
             self.determinism.restore()  # process-wide settings: in-process runs (tests) must not inherit them
 
@@ -305,6 +343,7 @@ class Trainer:
         preempted = False
         profiler = Profiler(self.config, rank=self.rank, device=self.device, start_step=self.step)
         first_step = True
+        self.goodput.begin()
         while self.step < t.steps:
             microbatches = self.next_microbatches()
             if microbatches is None:
@@ -314,11 +353,12 @@ class Trainer:
             self.gc.step(self.step)
             # An async save may still be copying the weights.
             self._checkpoint_timed(self.checkpointer.wait_for_staging)
-            self.train_step(microbatches)
+            result = self.train_step(microbatches)
             self.train_state.tokens_seen += sum(lab.numel() for _, lab in microbatches) * self.parallel_dims.dp_degree
             if self.metrics.should_log(self.step):
-                # Host copies from the step's one sync (the non-finite check): no second read.
-                values = dict(self.stability.values)
+                # The step's one host read: logged values and the non-finite record (may raise).
+                values = self.stability.read(self.step, {"loss": result.loss, "grad_norm": result.grad_norm,
+                                                         **result.extra})
                 loss_value, grad_norm_value = values.pop("loss"), values.pop("grad_norm")
                 losses[self.step] = loss_value
                 self.metrics.log(
@@ -326,16 +366,22 @@ class Trainer:
                     extra={**values, **self.stability.console()}, extra_scalars=self.stability.scalars(),
                 )
             if self.validator is not None and self.validator.should_validate(self.step):
-                self.validator.validate(self.step)
+                self.stability.resolve(self.step)  # a stopped run does not validate non-finite weights
+                with self.goodput.lost("validation"):
+                    self.validator.validate(self.step)
             profiler.step(self.step)
             if first_step:  # start-up is over: from now on a hang should fail fast
                 set_pg_timeouts(self.config.comm.train_timeout_seconds, self.parallel_dims, self.device)
                 first_step = False
+            self.goodput.step_done(self.step, self.checkpointer.last_saved_step)
             if self._checkpoint_timed(self.checkpointer.after_step, self.step, may_save=True):
                 preempted = True
                 break
         profiler.close()
-        self.checkpointer.finish(self.step, preempted)
+        self.stability.resolve(self.step)  # non-finite steps after the last log step are reported too
+        self._checkpoint_timed(self.checkpointer.finish, self.step, preempted)
+        self.goodput.end(self.step, self.checkpointer.last_saved_step,
+                         "stopped after a signal" if preempted else "finished")
         self.metrics.close()
         logger.info("training done")
         return losses

@@ -29,20 +29,26 @@ EARLY = ("--optimizer.early_step_in_backward", "true", "--training.max_norm", "0
     (2, ("--training.enable_cpu_offload", "--parallelism.data_parallel_replicate_degree", "2"), ["needs FSDP"]),
     (2, ("--training.enable_cpu_offload", "--float8.enable_float8_linear", "--float8.emulate",
          "--float8.enable_fsdp_float8_all_gather"), ["does not combine with float8.enable_fsdp_float8_all_gather"]),
+    (2, ("--training.enable_cpu_offload", "--training.nonfinite", "skip_step"), []),  # CPU ranks: host tensors only
     (2, (*EARLY, "--training.enable_cpu_offload"), []),  # FSDP over 2 ranks: both run, together too
     (1, EARLY, []),
 ])
-def test_refused_in_one_line(world, flags, needles):
+def test_refused_in_one_line(world, flags, needles, device="cpu"):
     config = load_config(["--training.seq_len", "32", *flags])
     dims = build_parallel_dims(config, world)
     _, model_args = model_spec_and_args(config)
     if not needles:
-        check_run_layout(config, dims, model_args, "cpu")
+        check_run_layout(config, dims, model_args, device)
         return
     with pytest.raises(TitanError) as info:
-        check_run_layout(config, dims, model_args, "cpu")
+        check_run_layout(config, dims, model_args, device)
     line = str(info.value)
     assert "\n" not in line and all(n in line for n in needles), line
+
+
+def test_offload_with_skip_step_refused_on_gpus():
+    test_refused_in_one_line(2, ("--training.enable_cpu_offload", "--training.nonfinite", "skip_step"),
+                             ["does not combine with training.nonfinite = skip_step on GPUs"], device="cuda")
 
 
 def test_step_in_backward_equals_the_ordinary_step(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import train as train_entry
+from tests.helpers.inject import Inject
 from titan.config import load_config
 from titan.errors import TitanError
 from titan.training.trainer import Trainer
@@ -32,39 +33,13 @@ def _config(dump: Path, *extra: str):
     return load_config(_args(dump, *extra))
 
 
-class _Inject:
-    """Wraps Trainer.train_step: at the chosen steps, scale every gradient (a parameter hook) or
-    poison the model output."""
-
-    def __init__(self, monkeypatch, steps: set[int], *, grad_scale: float | None = None, output_nan: bool = False):
-        self.steps, self.grad_scale, self.output_nan = steps, grad_scale, output_nan
-        original = Trainer.train_step
-        inject = self
-
-        def train_step(trainer, microbatches):
-            if trainer.step not in inject.steps:
-                return original(trainer, microbatches)
-            model = trainer.model_parts[0]
-            if inject.output_nan:
-                handles = [model.register_forward_hook(lambda m, i, out: out * math.nan)]
-            else:
-                handles = [p.register_hook(lambda g: g * inject.grad_scale) for p in model.parameters()]
-            try:
-                return original(trainer, microbatches)
-            finally:
-                for h in handles:
-                    h.remove()
-
-        monkeypatch.setattr(Trainer, "train_step", train_step)
-
-
 def _full(trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model_parts[0].named_parameters()}
 
 
 @pytest.mark.slow
 def test_spike_validation_profiler_and_metric_files(tmp_path, monkeypatch):
-    _Inject(monkeypatch, {9}, grad_scale=100.0)
+    Inject(monkeypatch, {9}, grad_scale=100.0)
     config = _config(
         tmp_path, "--training.steps", "12", "--training.dataset", "pydoc_train",
         "--stability.grad_norm_spike_window", "4", "--stability.grad_norm_spike_threshold", "5",
@@ -138,7 +113,7 @@ def test_spike_validation_profiler_and_metric_files(tmp_path, monkeypatch):
 
 
 def test_nan_stop_exits_nonzero_with_step_and_metric(tmp_path, monkeypatch, capsys):
-    _Inject(monkeypatch, {3}, output_nan=True)
+    Inject(monkeypatch, {3}, output_nan=True)
     code = train_entry.main(_args(tmp_path, "--training.steps", "5", "--training.nonfinite", "stop"))
     err = capsys.readouterr().err
     assert code == 2
@@ -149,7 +124,7 @@ def test_nan_stop_exits_nonzero_with_step_and_metric(tmp_path, monkeypatch, caps
 
 
 def test_nan_skip_step_leaves_weights_and_advances_lr(tmp_path, monkeypatch):
-    _Inject(monkeypatch, {3}, grad_scale=math.nan)
+    Inject(monkeypatch, {3}, grad_scale=math.nan)
     trainer = Trainer(_config(tmp_path, "--training.steps", "5", "--training.nonfinite", "skip_step"))
     snapshots = {}
     original = Trainer.train_step  # the injecting wrapper
@@ -171,7 +146,7 @@ def test_nan_skip_step_leaves_weights_and_advances_lr(tmp_path, monkeypatch):
 
 
 def test_too_many_consecutive_skips_stop(tmp_path, monkeypatch):
-    _Inject(monkeypatch, {2, 3, 4}, grad_scale=math.nan)
+    Inject(monkeypatch, {2, 3, 4}, grad_scale=math.nan)
     trainer = Trainer(_config(tmp_path, "--training.steps", "5", "--training.nonfinite", "skip_step",
                               "--training.nonfinite_max_consecutive_skips", "2"))
     with pytest.raises(TitanError, match="grad_norm = nan at step 4: 3 consecutive steps skipped"):

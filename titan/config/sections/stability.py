@@ -8,10 +8,12 @@ from dataclasses import dataclass
 @dataclass
 class Stability:
     grad_norm_spike_window: int = 20
-    """Steps in the running average the grad norm is compared with."""
-    grad_norm_spike_threshold: float = 0.1
-    """Absolute margin: a grad-norm spike is grad_norm > running average + this."""
+    """Log steps in the running average the grad norm is compared with (each brings the largest grad
+    norm of the steps since the previous log step)."""
+    grad_norm_spike_threshold: float = 2.0
+    """Relative margin: a grad-norm spike is grad_norm > running average * (1 + this); 2.0 flags three
+    times the running level."""
     loss_spike_window: int = 20
-    """Steps in the running average the loss is compared with."""
-    loss_spike_threshold: float = 0.1
+    """Log steps in the running average the loss is compared with."""
+    loss_spike_threshold: float = 0.5
     """Relative margin: a loss spike is loss > running average * (1 + this)."""
