@@ -16,8 +16,7 @@ from titan.checkpointing.resume import prepare_run
 from titan.checkpointing.states import ModelParts, TrainState
 from titan.config.job_config import JobConfig
 from titan.config.output import save_config
-from titan.data import build_tokenizer
-from titan.data.datasets import check_dataset
+from titan.data import build_tokenizer, check_data
 from titan.training.build import (
     build_loader, build_model, build_optimizers_and_schedulers, build_parallel_dims, check_run_config,
     check_run_layout, init_weights, model_spec_and_args, run_model_args,
@@ -59,8 +58,8 @@ class Trainer:
         self.grad_accum_steps = check_run_config(config, self.parallel_dims)
         self.stability = StabilityMonitor(config)
         spec, model_args = model_spec_and_args(config)
-        check_dataset(t.dataset, t.dataset_path)  # a typo'd dataset fails before the model is built
         tokenizer = build_tokenizer(config.model.tokenizer_path)
+        check_data(config, tokenizer)  # a typo'd dataset or a store of another tokenizer fails before the model
 
         # Before the device is touched: cuBLAS reads its workspace setting when first created.
         self.determinism = DeterministicMode(t.deterministic).apply()
@@ -320,7 +319,8 @@ class Trainer:
                 losses[self.step] = loss_value
                 self.metrics.log(
                     self.step, loss=loss_value, grad_norm=grad_norm_value, lr=self.lr_schedulers.get_last_lr(),
-                    extra={**values, **self.stability.console()}, extra_scalars=self.stability.scalars(),
+                    extra={**values, **self.stability.console()},
+                    extra_scalars={**self.stability.scalars(), **self.dataloader.scalars()},
                 )
             if self.validator is not None and self.validator.should_validate(self.step):
                 self.validator.validate(self.step)
