@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import queue
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,15 @@ from titan.progress import progress
 
 from .datasets import build_source
 from .token_store import (
-    FORMAT, MANIFEST, VERSION, shard_entry, shard_intact, token_dtype, tokenizer_fingerprint, write_atomic, write_shard,
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    shard_entry,
+    shard_intact,
+    token_dtype,
+    tokenizer_fingerprint,
+    write_atomic,
+    write_shard,
 )
 
 __all__ = ["tokenize_to_store"]
@@ -44,11 +53,70 @@ def _encode_shard(tokenizer: Any, folder: str, index: int, texts: list[str], dty
     return write_shard(Path(folder), _shard_name(index), docs, np.dtype(dtype_name), text_bytes)
 
 
-def _worker_shard(tokenizer_path: str, folder: str, index: int, texts: list[str], dtype_name: str) -> dict:
+def _worker_loop(tokenizer_path: str, folder: str, dtype_name: str, tasks, results) -> None:
+    """A tokenizer process: builds the tokenizer once, then writes the shards it is handed until None."""
     from .tokenizer import build_tokenizer
 
-    # built per shard (a shard is seconds of work): no per-process state to keep
-    return _encode_shard(build_tokenizer(tokenizer_path), folder, index, texts, dtype_name)
+    tokenizer = build_tokenizer(tokenizer_path)
+    while (task := tasks.get()) is not None:
+        index, texts = task
+        try:
+            results.put((index, _encode_shard(tokenizer, folder, index, texts, dtype_name), ""))
+        except Exception as e:  # handed back as one line, raised by the main process
+            results.put((index, None, f"{type(e).__name__}: {e}".splitlines()[0]))
+
+
+class _Workers:
+    """``n`` tokenizer processes fed through a bounded queue: at most 2 shards of text per worker
+    wait in memory, so reading never runs far ahead of tokenizing."""
+
+    def __init__(self, n: int, tokenizer_path: str, folder: str, dtype_name: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.tasks, self.results = ctx.Queue(maxsize=2 * n), ctx.Queue()
+        self.procs = [ctx.Process(target=_worker_loop, args=(tokenizer_path, folder, dtype_name, self.tasks,
+                                                              self.results), daemon=True) for _ in range(n)]
+        for p in self.procs:
+            p.start()
+        self.pending = 0
+
+    def _check_alive(self) -> None:
+        dead = [p.exitcode for p in self.procs if not p.is_alive() and p.exitcode not in (0, None)]
+        if dead:
+            raise TitanError(f"a tokenizer process died (exit code {dead[0]}); finished shards are kept, re-run")
+
+    def submit(self, index: int, texts: list[str]) -> list[tuple[int, dict]]:
+        """Queue one shard; returns the shards finished meanwhile."""
+        done = []
+        while True:
+            try:
+                self.tasks.put((index, texts), timeout=1.0)
+                self.pending += 1
+                return done + self.finished(block=False)
+            except queue.Full:
+                done += self.finished(block=False)
+                self._check_alive()
+
+    def finished(self, block: bool) -> list[tuple[int, dict]]:
+        out = []
+        while self.pending:
+            try:
+                index, entry, error = self.results.get(timeout=1.0 if block else 0.01)
+            except queue.Empty:
+                if not block:
+                    return out
+                self._check_alive()
+                continue
+            self.pending -= 1
+            if error:
+                raise TitanError(f"tokenizing shard {index} failed: {error}")
+            out.append((index, entry))
+        return out
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+            p.join()
 
 
 def _chunks(docs: Iterator[str], shard_bytes: int) -> Iterator[list[str]]:
@@ -105,35 +173,29 @@ def tokenize_to_store(*, dataset: str, dataset_path: str, tokenizer_path: str, o
         (folder / MANIFEST).unlink()  # rewritten when every shard is verified again
     entries: dict[int, dict] = {}
     kept = 0
-    pool = mp.get_context("spawn").Pool(workers) if workers > 0 else None
-    inflight: list[tuple[int, Any]] = []
+    pool = _Workers(workers, tokenizer_path, str(folder), dtype.name) if workers > 0 else None
     bar = progress(desc="tokenizing", unit="MB")
+
+    def record(done: list[tuple[int, dict]]) -> None:
+        for i, entry in done:
+            entries[i] = entry
+            bar.update(entry["text_bytes"] / 1e6)
+
     try:
         for index, texts in enumerate(_chunks(source.iter_docs(0), int(shard_mb * 1e6))):
-            mb = sum(len(t) for t in texts) / 1e6
             old = shard_entry(folder, _shard_name(index))
             if old is not None and shard_intact(folder, old, dtype.itemsize):
-                entries[index], kept = old, kept + 1
-                bar.update(mb)
-                continue
-            if pool is None:
-                entries[index] = _encode_shard(tokenizer, str(folder), index, texts, dtype.name)
-                bar.update(mb)
-                continue
-            inflight.append((index, pool.apply_async(_worker_shard, (tokenizer_path, str(folder), index, texts, dtype.name))))
-            while len(inflight) >= 2 * workers:  # bounded: the text of at most 2 shards per worker in memory
-                i, result = inflight.pop(0)
-                entries[i] = result.get()
-                bar.update(entries[i]["text_bytes"] / 1e6)
-        for i, result in inflight:
-            entries[i] = result.get()
-            bar.update(entries[i]["text_bytes"] / 1e6)
+                kept += 1
+                record([(index, old)])
+            elif pool is None:
+                record([(index, _encode_shard(tokenizer, str(folder), index, texts, dtype.name))])
+            else:
+                record(pool.submit(index, texts))
         if pool is not None:
-            pool.close()
-            pool.join()
+            record(pool.finished(block=True))
     finally:
         if pool is not None:
-            pool.terminate()
+            pool.close()
         bar.close()
     if not entries or sum(e["tokens"] for e in entries.values()) == 0:
         raise TitanError(f"dataset {dataset_path or dataset!r} yielded no documents; nothing to tokenize")

@@ -14,7 +14,13 @@ from titan.config import load_config
 from titan.config.sections.training import MixtureSource
 from titan.data import build_dataloader
 from titan.data.mixture import schedule_source
-from titan.data.token_store import FORMAT, MANIFEST, VERSION, tokenizer_fingerprint, write_shard
+from titan.data.token_store import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    tokenizer_fingerprint,
+    write_shard,
+)
 from titan.errors import TitanError
 
 SEQ = 7

@@ -8,7 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from titan.data.token_store import FORMAT, MANIFEST, VERSION, TokenStore, tokenizer_fingerprint, write_shard
+from titan.data.token_store import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    TokenStore,
+    tokenizer_fingerprint,
+    write_shard,
+)
 from titan.data.windows import StoreDataLoader, permute
 from titan.errors import TitanError
 

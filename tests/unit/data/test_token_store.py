@@ -14,11 +14,17 @@ import torch
 
 from titan.data import build_dataloader, build_tokenizer
 from titan.data.loader import build_dataloader as text_loader
-from titan.data.token_store import FORMAT, MANIFEST, VERSION, TokenStore, tokenizer_fingerprint
+from titan.data.token_store import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    TokenStore,
+    tokenizer_fingerprint,
+)
 from titan.data.tokenize import tokenize_to_store
 from titan.errors import TitanError
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
 
 
 def write_docs(path: Path, n: int = 60, seed: int = 0) -> list[str]:
