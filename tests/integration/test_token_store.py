@@ -130,3 +130,45 @@ def test_empty_source(store, tmp_path, capsys):
     fail(capsys, tmp_path / "run",
          ["--training.mixture", f'[{{path = "{store}", weight = 1}}, {{path = "{tmp_path / "empty.jsonl"}"}}]'],
          "empty")
+
+
+def test_tokenize_script_interrupted_then_finished(tmp_path):
+    """SIGINT mid-run: exit 130, no manifest, only whole shards; the same command again keeps them
+    and ends with the JSON line; the store equals one made in a single run."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers.distributed import cpu_env
+    from titan.data.token_store import TokenStore
+
+    words = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor".split()
+    docs = [" ".join(words[(i + j) % len(words)] for j in range(300 + i % 50)) for i in range(4000)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    out = tmp_path / "store"
+    cmd = [sys.executable, "scripts/tokenize_dataset.py", "--dataset_path", str(tmp_path / "docs.jsonl"), "--out",
+           str(out), "--workers", "2", "--shard_mb", "0.05"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not list(out.glob("[0-9]*.json")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr and "interrupted; finished shards are kept" in stderr
+    assert not (out / MANIFEST).exists()
+    finished = {p.stem for p in out.glob("[0-9]*.json")}
+    assert finished
+    again = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    result = json.loads(again.stdout.strip().splitlines()[-1])
+    assert set(result) == {"text_bytes", "documents", "tokens", "seconds"} and result["documents"] == len(docs)
+    assert f"({len(finished)} kept from an earlier run)" in again.stderr
+    whole = tmp_path / "whole"
+    tokenize_to_store(dataset="", dataset_path=str(tmp_path / "docs.jsonl"), tokenizer_path="", out=str(whole),
+                      workers=0, shard_mb=0.05)
+    a, b = TokenStore(str(out)), TokenStore(str(whole))
+    assert a.num_tokens == b.num_tokens == result["tokens"]
+    assert (a.read(0, a.num_tokens) == b.read(0, b.num_tokens)).all()
+    assert os.listdir(out) == [p.name for p in out.iterdir()] and not list(out.glob("*.tmp"))

@@ -206,6 +206,10 @@ class TitanDataLoader:
     def _check(self, state: dict) -> dict | None:
         """A saved state in the current format; None when it belongs to another dataset (then
         start fresh). A state dealt another way (shards vs documents) cannot be continued."""
+        if isinstance(state, dict) and state.get("kind") == "mixture":
+            logger.warning(f"checkpoint's data loader state is a mixture's, this run reads {self.source.name!r}: "
+                           f"starting {self.source.name!r} from its beginning")
+            return None
         if isinstance(state, dict) and state.get("version") == 1:
             state = _upgrade_v1(state)
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import queue
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,6 +58,8 @@ def _worker_loop(tokenizer_path: str, folder: str, dtype_name: str, tasks, resul
     """A tokenizer process: builds the tokenizer once, then writes the shards it is handed until None."""
     from .tokenizer import build_tokenizer
 
+    # Ctrl-C on a terminal reaches every process of the group: the main process stops the workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     tokenizer = build_tokenizer(tokenizer_path)
     while (task := tasks.get()) is not None:
         index, texts = task
@@ -75,9 +78,11 @@ class _Workers:
         self.tasks, self.results = ctx.Queue(maxsize=2 * n), ctx.Queue()
         self.procs = [ctx.Process(target=_worker_loop, args=(tokenizer_path, folder, dtype_name, self.tasks,
                                                               self.results), daemon=True) for _ in range(n)]
+        self.pending = 0
+
+    def start(self) -> None:
         for p in self.procs:
             p.start()
-        self.pending = 0
 
     def _check_alive(self) -> None:
         dead = [p.exitcode for p in self.procs if not p.is_alive() and p.exitcode not in (0, None)]
@@ -114,6 +119,8 @@ class _Workers:
 
     def close(self) -> None:
         for p in self.procs:
+            if p.pid is None:  # never started (interrupted while starting the others)
+                continue
             if p.is_alive():
                 p.terminate()
             p.join()
@@ -182,6 +189,8 @@ def tokenize_to_store(*, dataset: str, dataset_path: str, tokenizer_path: str, o
             bar.update(entry["text_bytes"] / 1e6)
 
     try:
+        if pool is not None:
+            pool.start()
         for index, texts in enumerate(_chunks(source.iter_docs(0), int(shard_mb * 1e6))):
             old = shard_entry(folder, _shard_name(index))
             if old is not None and shard_intact(folder, old, dtype.itemsize):

@@ -156,3 +156,15 @@ def test_state_of_a_text_dataset_restarts_the_store(store, caplog):
     loader = make(store, batch=1)
     loader.load_state_dict(text.state_dict())  # another dataset: warned, started from the beginning
     assert take(loader, 1) == [[0]]
+
+
+def test_state_of_a_mixture_restarts_a_single_source(store, tmp_path):
+    from titan.config.sections.training import MixtureSource
+    from titan.data import build_dataloader
+
+    mixture = build_dataloader(dataset="", dataset_path="", text_field="text", tokenizer=Tok(), seq_len=SEQ,
+                               local_batch_size=1, dp_rank=0, dp_world_size=1,
+                               mixture=[MixtureSource(path=store.path), MixtureSource(path=store.path)])
+    loader = make(store, batch=1)
+    loader.load_state_dict(mixture.state_dict())  # another kind of state: warned, started from the beginning
+    assert take(loader, 1) == [[0]]
