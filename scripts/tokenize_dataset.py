@@ -34,7 +34,7 @@ from titan.log import init_logger  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     t, m = Training(), Model()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--dataset", default=t.dataset, help="registry name or local path (training.dataset)")
     p.add_argument("--dataset_path", default=t.dataset_path, help="local copy to read (training.dataset_path)")
     p.add_argument("--dataset_text_field", default=t.dataset_text_field)

@@ -51,7 +51,8 @@ def test_train_from_a_store(store, tmp_path, capsys):
 def test_train_from_a_mixture_with_validation(store, tmp_path, capsys):
     config = tmp_path / "mix.toml"
     config.write_text(
-        f'[[training.mixture]]\npath = "{store}"\nweight = 0.7\n\n[[training.mixture]]\ndataset = "pydoc"\nweight = 0.3\n\n'
+        f'[[training.mixture]]\npath = "{store}"\nweight = 0.7\n\n'
+        '[[training.mixture]]\ndataset = "pydoc"\nweight = 0.3\n\n'
         f'[validation]\nenable = true\nfreq = 3\nsteps = 2\n\n[[validation.mixture]]\npath = "{store}"\n\n'
         '[[validation.mixture]]\ndataset = "pydoc_validation"\n')
     dump = tmp_path / "run"

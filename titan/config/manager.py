@@ -169,7 +169,8 @@ def _convert(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
         for name in value:
             if name not in fields:
                 raise TitanError(f"config key '{key}' has unknown field '{name}'; valid: {', '.join(fields)}")
-        return tp(**{name: _convert(f"{key}.{name}", v, fields[name], from_cli=from_cli) for name, v in value.items()})
+        kwargs = {name: _convert(f"{key}.{name}", v, fields[name], from_cli=from_cli) for name, v in value.items()}
+        return typing.cast(Any, tp)(**kwargs)
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -133,12 +133,12 @@ class MixtureLoader:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        state = self._check(state)
-        if state is None:
+        checked = self._check(state)
+        if checked is None:
             return
-        for loader, st in zip(self.loaders, state["sources"]):
+        for loader, st in zip(self.loaders, checked["sources"]):
             loader.load_state_dict(st)
-        self.t, self.tokens = state["t"], list(state["tokens"])
+        self.t, self.tokens = checked["t"], list(checked["tokens"])
 
     def load_resharded(self, states: list[dict]) -> None:
         """All old dp ranks' states: each source reshards on its own; the schedule counter goes on

@@ -203,7 +203,8 @@ class TokenStore:
                 try:
                     got = f.stat().st_size
                 except OSError:
-                    raise TitanError(f"token store {self.path!r}: shard file {f.name} is missing; {_RETOKENIZE}") from None
+                    raise TitanError(f"token store {self.path!r}: shard file {f.name} is missing; "
+                                     f"{_RETOKENIZE}") from None
                 if got != want:
                     raise TitanError(f"token store {self.path!r}: shard file {f.name} has {got} bytes, the manifest "
                                      f"says {want} (truncated or overwritten); {_RETOKENIZE}")
@@ -230,7 +231,9 @@ class TokenStore:
         if m is None:
             s = self.shards[shard]
             f = self.folder / f"{s['name']}.tokens"
-            m = np.memmap(f, dtype=self.dtype, mode="r", shape=(s["tokens"],)) if s["tokens"] else np.zeros(0, self.dtype)
+            # a zero-length file cannot be memory-mapped
+            m = np.memmap(f, dtype=self.dtype, mode="r", shape=(s["tokens"],)) if s["tokens"] else \
+                np.zeros(0, self.dtype)
             self._maps[shard] = m
         return m
 

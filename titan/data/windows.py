@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -90,12 +91,12 @@ class WindowDataset(PackedDataset):
 
     def __init__(self, store: TokenStore, states: list[dict], *, seq_len: int, batch_size: int, infinite: bool,
                  shuffle_seed: int | None, dp_rank: int = 0) -> None:
-        super().__init__(store, None, states, layout="windows", seq_len=seq_len, batch_size=batch_size,
+        super().__init__(cast(Any, store), None, states, layout="windows", seq_len=seq_len, batch_size=batch_size,
                          infinite=infinite, dp_rank=dp_rank)
-        self.shuffle_seed = shuffle_seed
+        self.store, self.shuffle_seed = store, shuffle_seed
 
     def _stream(self, state: dict, label: str) -> Iterator[tuple[torch.Tensor | None, dict, list[int]]]:
-        return window_stream(self.source, state, seq_len=self.seq_len, batch_size=self.batch_size,
+        return window_stream(self.store, state, seq_len=self.seq_len, batch_size=self.batch_size,
                              infinite=self.infinite, shuffle_seed=self.shuffle_seed, label=label)
 
 
@@ -141,9 +142,10 @@ class StoreDataLoader(TitanDataLoader):
         return {**super().state_dict(), "num_windows": self.num_windows, "shuffle_seed": self.shuffle_seed}
 
     def _check(self, state: dict) -> dict | None:
-        state = super()._check(state)
-        if state is None:
+        checked = super()._check(state)
+        if checked is None:
             return None
+        state = checked
         if (state.get("num_windows"), state.get("shuffle_seed")) != (self.num_windows, self.shuffle_seed):
             raise TitanError(
                 f"data loader state for token store {self.source.path!r} was saved with {state.get('num_windows')} "

@@ -151,13 +151,15 @@ def test_shuffle_seed_needs_a_store(tmp_path):
 
 def test_toml_and_cli_forms(tmp_path):
     toml = tmp_path / "mix.toml"
-    toml.write_text('[training]\nmixture_exhausted = "stop"\n\n[[training.mixture]]\npath = "/data/web"\nweight = 0.7\n\n'
+    toml.write_text('[training]\nmixture_exhausted = "stop"\n\n'
+                    '[[training.mixture]]\npath = "/data/web"\nweight = 0.7\n\n'
                     '[[training.mixture]]\ndataset = "pydoc"\nweight = 0.3\n')
     c = load_config(["--job.config_file", str(toml)])
-    assert c.training.mixture == [MixtureSource(path="/data/web", weight=0.7), MixtureSource(dataset="pydoc", weight=0.3)]
+    web = MixtureSource(path="/data/web", weight=0.7)
+    assert c.training.mixture == [web, MixtureSource(dataset="pydoc", weight=0.3)]
     assert c.training.mixture_exhausted == "stop"
     c = load_config(["--training.mixture", '[{path = "/data/web", weight = 0.7}, {dataset = "pydoc", weight = 3}]'])
-    assert c.training.mixture == [MixtureSource(path="/data/web", weight=0.7), MixtureSource(dataset="pydoc", weight=3.0)]
+    assert c.training.mixture == [web, MixtureSource(dataset="pydoc", weight=3.0)]
 
 
 @pytest.mark.parametrize("value, needle", [

@@ -159,8 +159,8 @@ def test_store_of_another_tokenizer_is_refused(tmp_path):
         vocab_size, bos_id, eos_id, path = 258, 256, 257, ""
 
     theirs = json.loads((store / MANIFEST).read_text())["tokenizer"]["fingerprint"]
-    one_line_error(lambda: store_loader(store, tokenizer=Other()), theirs, tokenizer_fingerprint(Other())["fingerprint"],
-                   "model.tokenizer_path")
+    mine = tokenizer_fingerprint(Other())["fingerprint"]
+    one_line_error(lambda: store_loader(store, tokenizer=Other()), theirs, mine, "model.tokenizer_path")
 
 
 def test_fingerprint_follows_the_tokenizer_file(tmp_path):
