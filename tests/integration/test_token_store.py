@@ -173,3 +173,41 @@ def test_tokenize_script_interrupted_then_finished(tmp_path):
     assert a.num_tokens == b.num_tokens == result["tokens"]
     assert (a.read(0, a.num_tokens) == b.read(0, b.num_tokens)).all()
     assert os.listdir(out) == [p.name for p in out.iterdir()] and not list(out.glob("*.tmp"))
+
+
+def _losses(err: str) -> dict[int, str]:
+    import re
+
+    return {int(m[1]): m[2] for m in re.finditer(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)", err)}
+
+
+def test_resume_mid_mixture_continues_the_same_run(store, tmp_path, capsys):
+    """A mixture run stopped at step 2 and resumed from its checkpoint logs the losses of the run
+    that was not stopped (store windows shuffled, pydoc tokenized online)."""
+    mix = ["--training.mixture", f'[{{path = "{store}", weight = 0.6}}, {{dataset = "pydoc", weight = 0.4}}]',
+           "--training.dataset_shuffle_seed", "3", "--checkpoint.enable", "--checkpoint.interval", "2",
+           # an lr schedule that does not depend on training.steps: the cut run trains 2 of the 4 steps
+           "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0", "--training.steps", "4"]
+    assert _main([*TINY, "--job.dump_folder", str(tmp_path / "whole"), *mix]) == 0
+    whole = _losses(capsys.readouterr().err)
+    assert _main([*TINY, "--job.dump_folder", str(tmp_path / "cut"), *mix[:-1], "2"]) == 0
+    capsys.readouterr()
+    assert _main([*TINY, "--job.dump_folder", str(tmp_path / "cut"), *mix]) == 0
+    resumed = _losses(capsys.readouterr().err)
+    assert sorted(resumed) == [3, 4] and all(resumed[s] == whole[s] for s in (3, 4)), (whole, resumed)
+
+
+def test_benchmark_reads_a_store_and_a_mixture(store):
+    import subprocess
+
+    from tests.helpers.distributed import cpu_env
+
+    for args in (["--dataset_path", str(store), "--dp", "2", "--resume_at", "3,20"],
+                 ["--mixture", f'[{{path = "{store}", weight = 0.5}}, {{dataset = "pydoc", weight = 0.5}}]',
+                  "--resume_at", "5", "--max_docs", "50"]):
+        proc = subprocess.run([sys.executable, "scripts/benchmark_loader.py", "--seq_len", "64", "--batch_size", "2",
+                               *args], cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["unit"] == "windows" and result["tokens_per_s"] > 0 and set(result["resume_s"]) == set(
+            args[-3 if args[0] == "--mixture" else -1].split(","))
