@@ -66,6 +66,8 @@ def build_dataloader(*, dataset: str, dataset_path: str, text_field: str, tokeni
     if shuffle_seed is not None and not any(_store_path(s.dataset, s.path) for s in mixture):
         raise TitanError(f"training.dataset_shuffle_seed ({shuffle_seed}) shuffles token-store windows; no "
                          "source of training.mixture is a token store (scripts/tokenize_dataset.py)")
+    if not infinite:  # training.dataset_infinite = false: the mixture ends with its first exhausted source
+        mixture_exhausted = "stop"
     loaders = [_single(src.dataset, src.path, local_batch_size=local_batch_size if validation else 1,
                        infinite=False if validation else mixture_exhausted == "restart", shuffle_seed=shuffle_seed,
                        **common) for src in mixture]

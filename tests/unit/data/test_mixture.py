@@ -174,3 +174,11 @@ def test_bad_mixture_config_is_one_line(value, needle):
     with pytest.raises(TitanError) as e:
         load_config(["--training.mixture", value])
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_finite_mixture_stops_at_the_first_exhausted_source(tmp_path):
+    mixture = [MixtureSource(path=str(store(tmp_path / "big", 10_000, 8 * 100)), weight=1),
+               MixtureSource(path=str(store(tmp_path / "small", 20_000, 8 * 3)), weight=1)]
+    finite = build_dataloader(dataset="", dataset_path="", text_field="text", tokenizer=Tok(), seq_len=SEQ,
+                              local_batch_size=2, dp_rank=0, dp_world_size=1, infinite=False, mixture=mixture)
+    assert len(list(finite)) < 4

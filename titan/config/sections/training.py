@@ -61,14 +61,15 @@ class Training:
     "skip" (drop it, log a count and the first few file:line)."""
     dataset_shuffle_seed: int | None = None
     """Token stores: read the windows of each epoch in a shuffled order drawn from this seed
-    (reproducible, resumable, O(1) memory). None: in order. Text sources are always read in order."""
+    (reproducible, resumable, O(1) memory). None: in order. Text sources and validation data are
+    always read in order."""
     mixture: list[MixtureSource] = field(default_factory=list)
     """Train on several sources by weight instead of `dataset`: [[training.mixture]] tables with
     `path` or `dataset`, and `weight` (docs/datasets.md). CLI: --training.mixture
     '[{path = "/data/web", weight = 0.7}, {dataset = "pydoc", weight = 0.3}]'."""
     mixture_exhausted: MixtureExhausted = "restart"
     """What a mixture source that runs out does: restart (read it again, next epoch) or stop
-    (training stops cleanly)."""
+    (training stops cleanly; also what dataset_infinite = false means for a mixture)."""
     dataloader_num_workers: int = 0
     """Worker processes that prefetch batches (0: load in the training process)."""
     gc_freq: int = 50
