@@ -118,6 +118,10 @@ class _Workers:
         return out
 
     def close(self) -> None:
+        # text still buffered for the pipe (an interrupted run) is dropped: the workers are stopped, and
+        # waiting to flush it at exit would hang
+        self.tasks.cancel_join_thread()
+        self.results.cancel_join_thread()
         for p in self.procs:
             if p.pid is None:  # never started (interrupted while starting the others)
                 continue
