@@ -6,6 +6,9 @@
 # (comma-separated, default 0). Extra arguments are passed to train.py as config overrides.
 # Signals: kill -TERM / -USR1 <pid> or Ctrl-C: every rank finishes its step, saves a checkpoint
 # (with checkpoint.enable) and stops; exit 0. A second Ctrl-C kills the ranks.
+# MAX_RESTARTS: restarts of the ranks after a failure (default 0: a local debug run stops at its
+# first error, with its line); each restart resumes from the newest checkpoint (--checkpoint.enable).
+# A titan error (config, data, checkpoint) and a signal to the launcher are never restarted.
 # COMM_MODE=fake_backend: no training; one CPU process dry-runs the layout for NGPU ranks
 # (mesh, per-stage layers, per-rank parameters and memory), e.g.
 #   NGPU=512 COMM_MODE=fake_backend CONFIG_FILE=train_configs/llama3_405b.toml ./run_train.sh
@@ -17,6 +20,7 @@ if [ -z "${NGPU:-}" ]; then
 fi
 CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
 LOG_RANK=${LOG_RANK:-0}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
 # Expandable segments reduce fragmentation with FSDP's varying all-gather buffer sizes.
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 export TORCHAO_FORCE_SKIP_LOADING_SO_FILES=${TORCHAO_FORCE_SKIP_LOADING_SO_FILES:-1}
@@ -29,7 +33,9 @@ fi
 # python -m titan.launch is torchrun (same options) that checks the config before any rank starts
 # (a bad key: titan's line, exit 2, no traceback), passes SIGTERM / SIGINT / SIGUSR1 on to the ranks
 # (each saves a checkpoint and stops; exit 0) and ends a failed run with the cause's line.
-# The ranks stop if this process dies, even by kill -9.
+# The ranks stop if this process dies, even by kill -9. --max-restarts: torchrun's restarts, minus
+# those that would fail again (a titan error) or were not wanted (a signal).
 exec python -m titan.launch --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+  --max-restarts "${MAX_RESTARTS}" \
   --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
   train.py --job.config_file "${CONFIG_FILE}" "$@"

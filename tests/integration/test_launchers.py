@@ -1,7 +1,10 @@
 """Launch scripts: syntax, shellcheck, the dry run through run_train.sh as a user runs it, user errors
-(one line, exit 2, no torchrun traceback), signals to the launcher (save, exit 0, resume) and
-kill -9 of the launcher (the ranks stop)."""
+(one line, exit 2, no torchrun traceback), signals to the launcher (save, exit 0, resume, no restart),
+kill -9 of the launcher (the ranks stop), and restarts inside the job (MAX_RESTARTS): a killed rank
+is restarted and the run ends with the uninterrupted losses and goodput records that add up; a
+titan error is not restarted; a spent budget ends with the last cause."""
 
+import json
 import os
 import re
 import shutil
@@ -106,7 +109,8 @@ def _until_step(proc: subprocess.Popen, step: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["USR1", "TERM"])
 def test_signal_to_run_train_sh_saves_exits_0_and_resumes(sig, tmp_path):
-    proc = _launch(*TINY, "--training.steps", "500", "--job.dump_folder", str(tmp_path), NGPU="2")
+    # with restarts on: a signal is a request to stop, never a failure to restart from
+    proc = _launch(*TINY, "--training.steps", "500", "--job.dump_folder", str(tmp_path), NGPU="2", MAX_RESTARTS="2")
     try:
         lines = _until_step(proc, 3)
         proc.send_signal(sig)
@@ -116,7 +120,7 @@ def test_signal_to_run_train_sh_saves_exits_0_and_resumes(sig, tmp_path):
     assert proc.returncode == 0, out[-3000:]
     saved = re.findall(r"checkpoint step (\d+) saved after a signal", out)
     assert saved and (tmp_path / "checkpoint" / f"step-{saved[0]}").is_dir(), out[-3000:]
-    assert f"received {sig.name}" in out and "Traceback" not in out, out[-3000:]
+    assert f"received {sig.name}" in out and "Traceback" not in out and "restarting" not in out, out[-3000:]
     if sig == signal.SIGUSR1:  # and the next launch resumes from it
         step = int(saved[0])
         proc = _launch(*TINY, "--training.steps", str(step + 1), "--job.dump_folder", str(tmp_path), NGPU="2")
@@ -156,3 +160,82 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# ---------------------------------------------------------------- restarts inside the job
+def _losses(dump: Path) -> list[tuple[int, float]]:
+    """Every loss the run logged, at full precision (the metrics JSONL of every attempt)."""
+    rows = [json.loads(line) for p in sorted((dump / "metrics").glob("*.jsonl")) for line in p.read_text().splitlines()]
+    return [(r["step"], r["loss_metrics/global_avg_loss"]) for r in rows if "loss_metrics/global_avg_loss" in r]
+
+
+def _adds_up(record: dict) -> bool:
+    from titan.training.goodput import FIGURES
+
+    return abs(sum(record[k] for k in FIGURES) - record["wall"]) <= 0.01 * record["wall"]
+
+
+RESTART_RUN = [*TINY, "--metrics.enable_jsonl", "--checkpoint.interval", "2", "--training.steps", "7"]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_uninterrupted_losses(tmp_path):
+    ref = _launch(*RESTART_RUN, "--job.dump_folder", str(tmp_path / "ref"), NGPU="2")
+    out = ref.communicate(timeout=300)[0]
+    assert ref.returncode == 0, out[-3000:]
+    reference = dict(_losses(tmp_path / "ref"))
+    assert sorted(reference) == list(range(1, 8))
+
+    # rank 1 is SIGKILLed after step 5 of the first attempt only (step 4 is the newest checkpoint)
+    proc = _launch(*RESTART_RUN, "--job.dump_folder", str(tmp_path / "run"), NGPU="2", MAX_RESTARTS="2",
+                   TITAN_DEBUG_KILL_AT="step=5@rank1@attempt0")
+    out = proc.communicate(timeout=400)[0]
+    assert proc.returncode == 0, out[-3000:]
+    killed = r"rank 1 \(pid \d+\) was killed by SIGKILL.*restarting the ranks \(restart 1 of 2\)"
+    assert re.search(killed, out), out[-3000:]
+    assert "resumed from" in out and "restart 2 of 2" not in out, out[-3000:]
+    logged = _losses(tmp_path / "run")
+    assert [s for s, _ in logged] == [1, 2, 3, 4, 5, 5, 6, 7], logged  # step 5 done twice
+    assert all(v == reference[s] for s, v in logged), (logged, reference)
+
+    from titan.training.goodput import read_attempts
+
+    first, second = read_attempts(str(tmp_path / "run" / "goodput.jsonl"))
+    assert (first["run"], first["attempt"], second["run"], second["attempt"]) == (1, 1, 1, 2)
+    assert first["kind"] == second["kind"] == "end" and second["cause"] == "finished", (first, second)
+    assert first["committed"] == 4 and second["restart_cause"].startswith("titan: error: rank 1"), (first, second)
+    assert second["recomputed"] > 0 and second["restart"] > 0 and second["startup"] > 0, second
+    assert _adds_up(first) and _adds_up(second), (first, second)
+    assert "goodput: run so far (2 attempts)" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_titan_error_in_the_ranks_is_not_restarted(tmp_path):
+    missing = tmp_path / "missing"
+    proc = _launch("--training.dataset_path", str(missing), "--job.dump_folder", str(tmp_path), NGPU="2",
+                   MAX_RESTARTS="3")
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 2, out[-3000:]
+    line = f"titan: error: dataset path '{missing}' does not exist (training.dataset_path)"
+    assert out.strip().splitlines()[-1] == line, out[-3000:]
+    assert "not restarting after a titan error" in out and "restarting the ranks" not in out, out[-3000:]
+
+
+def test_a_config_error_is_not_restarted():
+    proc = _launch("--training.stepz", "3", NGPU="2", MAX_RESTARTS="3")
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 2 and out.strip().splitlines() == [
+        "titan: error: unknown config key 'training.stepz'; did you mean 'training.steps'?"], out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_spent_restart_budget_ends_with_the_last_cause(tmp_path):
+    # rank 1 dies after step 2 on every attempt: one restart, then the end
+    proc = _launch(*TINY, "--training.steps", "4", "--job.dump_folder", str(tmp_path), NGPU="2", MAX_RESTARTS="1",
+                   TITAN_DEBUG_KILL_AT="step=2@rank1")
+    out = proc.communicate(timeout=400)[0]
+    assert proc.returncode == 128 + signal.SIGKILL, out[-3000:]
+    assert "restarting the ranks (restart 1 of 1)" in out, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(r"titan: error: rank 1 \(pid \d+\) was killed by SIGKILL; .*"
+                        r" \(gave up after 1 restart\(s\): --max-restarts 1\)", last), last

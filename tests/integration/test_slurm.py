@@ -113,6 +113,20 @@ def test_sbatch_trains_to_the_end(reference):
     assert reference["info"]["JobState"] == "COMPLETED", reference["log"][-3000:]
     assert sorted(reference["losses"]) == list(range(1, STEPS + 1)), reference["log"][-3000:]
     assert "head node: " in reference["log"] and "1 x 2 ranks, restart 0" in reference["log"]
+    assert "in-job restarts up to 3" in reference["log"], reference["log"][-3000:]
+
+
+def test_a_killed_rank_is_restarted_inside_the_job(reference, tmp_path):
+    """MAX_RESTARTS (3 by default) reaches the launcher: rank 1 killed once, the job goes on
+    without a requeue and ends with the reference's losses."""
+    job = _submit(tmp_path, *TINY, "--checkpoint.interval", "2", TITAN_DEBUG_KILL_AT="step=5@rank1@attempt0")
+    info = _wait(job, tmp_path)
+    log = _log(tmp_path)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", f"{info}\n{log[-3000:]}"
+    assert "restarting the ranks (restart 1 of 3)" in log, log[-3000:]
+    losses = STEP_RE.findall(log)
+    assert [int(s) for s, _ in losses] == [1, 2, 3, 4, 5, *range(5, STEPS + 1)], log[-3000:]
+    assert all(reference["losses"][int(s)] == v for s, v in losses)
 
 
 def _interrupt_and_resume(tmp: Path, reference: dict, interrupt: list[str]) -> str:
@@ -157,4 +171,4 @@ def test_user_error_fails_the_job_with_titans_line_last(slurm, tmp_path, where):
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
     err = (tmp_path / "job.err").read_text().strip().splitlines()
     assert err[-1] == line, err[-10:]
-    assert "Traceback" not in "\n".join(err)
+    assert "Traceback" not in "\n".join(err) and "restarting the ranks" not in _log(tmp_path)

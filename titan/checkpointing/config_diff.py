@@ -12,11 +12,17 @@ parallel layout is not (DCP reshards the weights and optimizer state, the data l
 documents), except through the global batch, which is compared as ``effective.global_batch``.
 Everything else (steps, logging, checkpoint interval and folder, profiling, compile, ...) may
 change freely between restarts.
+
+Only what is loaded is compared: each key belongs to the checkpoint part it shapes (the batch shape
+and the data keys to the data loader's state, the optimizer keys and clipping to the optimizer's,
+the seed to the train state's RNG, ...), and a part in ``checkpoint.exclude_from_loading`` starts
+from today's config, so its keys may differ (e.g. a new layout whose global batch differs, resumed
+without the data loader state).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 import dataclasses
 import json
 import os
@@ -38,6 +44,12 @@ _RELEVANT: Mapping[str, tuple[str, ...] | None] = MappingProxyType({
                  "dataset_infinite"),
     "float8": ("enable_float8_linear", "recipe"),
     "effective": None,
+})
+# The checkpoint part whose loaded state a key shapes (default: its section's name).
+_PART = MappingProxyType({
+    "model": "model", "float8": "model", "training.mixed_precision_param": "model",
+    "training.mixed_precision_reduce": "model", "training.max_norm": "optimizer", "training.seed": "train_state",
+    "training": "dataloader", "effective": "dataloader",
 })
 # Kernel choices that give the same optimizer math.
 _FREE = MappingProxyType({"optimizer": ("implementation",)})
@@ -68,13 +80,22 @@ def read_config(folder: str) -> dict[str, Any] | None:
         return None
 
 
-def differences(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """'section.key' -> (checkpoint's value, this run's value) for the training-relevant keys."""
+def part_of(key: str) -> str:
+    """The checkpoint part ('model', 'optimizer', ...) whose loaded state the 'section.key' shapes."""
+    return _PART.get(key) or _PART.get(key.split(".", 1)[0]) or key.split(".", 1)[0]
+
+
+def differences(saved: dict[str, Any], current: dict[str, Any],
+                excluded: Collection[str] = ()) -> dict[str, tuple[Any, Any]]:
+    """'section.key' -> (checkpoint's value, this run's value) for the training-relevant keys of the
+    parts that are loaded (those of ``excluded`` parts start from this run's config)."""
     out = {}
     for section, keys in _RELEVANT.items():
         old, new = saved.get(section, {}), current.get(section, {})
         for key in keys if keys is not None else sorted(set(old) | set(new)):
             if key in _FREE.get(section, ()) or key not in old:  # not recorded: an older titan
+                continue
+            if part_of(f"{section}.{key}") in excluded:
                 continue
             if _norm(old.get(key)) != _norm(new.get(key)):
                 out[f"{section}.{key}"] = (old.get(key), new.get(key))
@@ -85,11 +106,13 @@ def _norm(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))  # tuples vs lists, as JSON stores them
 
 
-def resolve(folder: str, current: dict[str, Any], policy: str) -> dict[str, tuple[Any, Any]]:
-    """The differences between ``folder``'s config and ``current`` that ``policy`` settles (logged);
-    raises with policy ``error``, or when ``use_checkpoint`` cannot restore a key."""
+def resolve(folder: str, current: dict[str, Any], policy: str,
+            excluded: Collection[str] = ()) -> dict[str, tuple[Any, Any]]:
+    """The differences between ``folder``'s config and ``current`` that ``policy`` settles (logged),
+    over the parts not in ``excluded``; raises with policy ``error``, or when ``use_checkpoint``
+    cannot restore a key."""
     saved = read_config(folder)
-    diff = differences(saved, current) if saved is not None else {}
+    diff = differences(saved, current, excluded) if saved is not None else {}
     if not diff:
         return {}
     listing = ", ".join(f"{k} = {old!r} there, {new!r} now" for k, (old, new) in diff.items())

@@ -5,7 +5,9 @@ rank plus DCP's ``.metadata``). A save is *committed* only when rank 0 writes ``
 it, after DCP reported that every rank finished writing; the marker itself is written to a
 temporary name and renamed, so it is never seen half-written. A ``step-N`` folder without the
 marker is *torn* (a crash or kill during the save): loading skips it with a warning and the next
-save to that step replaces it. DCP's own ``.metadata`` is not enough as a marker: it can exist
+save to that step replaces it. The final save of a run with ``checkpoint.last_save_in_hf`` is a
+Hugging Face folder at ``step-N`` (where a torchtitan user loads it back from), committed the same
+way with ``"format": "hf"`` in its marker: auto-resume passes over it like any model-only export. DCP's own ``.metadata`` is not enough as a marker: it can exist
 while the run dies before the save is acknowledged (see the debug kill hook below).
 """
 
@@ -36,11 +38,14 @@ class Found:
     path: str
     complete: bool
     model_only: bool = False
+    hf: bool = False
+    """A Hugging Face export (config.json + safetensors), not a DCP checkpoint."""
 
 
-def write_marker(path: str, step: int, *, model_only: bool, world_size: int, dp_degree: int) -> None:
+def write_marker(path: str, step: int, *, model_only: bool, world_size: int, dp_degree: int,
+                 fmt: str = "dcp") -> None:
     info = {"step": step, "model_only": model_only, "world_size": world_size, "dp_degree": dp_degree,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "format": fmt, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     tmp = os.path.join(path, MARKER + ".tmp")
     with open(tmp, "w") as f:
         json.dump(info, f)
@@ -67,7 +72,8 @@ def scan(root: str) -> list[Found]:
         path = os.path.join(root, name)
         if m and os.path.isdir(path):
             info = read_marker(path)
-            found.append(Found(int(m[1]), path, info is not None, bool(info and info.get("model_only"))))
+            found.append(Found(int(m[1]), path, info is not None, bool(info and info.get("model_only")),
+                               bool(info and info.get("format") == "hf")))
     return sorted(found, key=lambda f: f.step)
 
 
@@ -89,6 +95,10 @@ def resume_candidates(root: str, load_step: int) -> list[Found]:
             steps = [f.step for f in found if f.complete]
             raise TitanError(f"checkpoint.load_step {load_step}: no complete checkpoint step-{load_step} in {root}"
                              f" (complete steps: {steps or 'none'})")
+        if match[0].hf:
+            raise TitanError(f"checkpoint.load_step {load_step}: {match[0].path} is a Hugging Face export (model"
+                             " weights only), not a checkpoint to resume; start a new run from it with"
+                             f" --checkpoint.initial_load_path {match[0].path} --checkpoint.initial_load_in_hf")
         return match
     usable = [f for f in found if f.complete and (not f.model_only or f.step == 0)]
     for f in found:
@@ -144,7 +154,8 @@ class DebugKill:
     Set ``TITAN_DEBUG_KILL_AT`` to ``step=K`` (right after training step K, before its save) or
     ``save:step=K`` (during the save of step K: every rank's files and DCP's ``.metadata`` are
     written, the ``COMPLETE`` marker is not). Every rank that reaches the point kills itself,
-    exactly like ``kill -9``; ``@rankR`` limits it to global rank R. ``error:step=K`` raises a
+    exactly like ``kill -9``; ``@rankR`` limits it to global rank R, ``@attemptA`` to torchrun's
+    restart A (``TORCHELASTIC_RESTART_COUNT``, 0 for the first). ``error:step=K`` raises a
     TitanError after step K instead (a rank failing while the others wait in a collective). Never set it in production; unset, it costs one dict lookup.
     """
 
@@ -152,11 +163,13 @@ class DebugKill:
         spec = os.environ.get("TITAN_DEBUG_KILL_AT", "") if spec is None else spec
         self.point, self.step, self.error = None, -1, False
         if spec:
-            m = re.fullmatch(r"(?:(save|error):)?step=(\d+)(?:@rank(\d+))?", spec.strip())
+            m = re.fullmatch(r"(?:(save|error):)?step=(\d+)(?:@rank(\d+))?(?:@attempt(\d+))?", spec.strip())
             if not m:
-                raise TitanError(f"TITAN_DEBUG_KILL_AT={spec!r}; valid: [save:|error:]step=K[@rankR]")
+                raise TitanError(f"TITAN_DEBUG_KILL_AT={spec!r}; valid: [save:|error:]step=K[@rankR][@attemptA]")
             if m[3] is not None and int(os.environ.get("RANK", "0")) != int(m[3]):
                 return  # another rank is the one that fails
+            if m[4] is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != int(m[4]):
+                return  # another attempt is the one that fails
             self.error = m[1] == "error"
             self.point, self.step = ("step" if m[1] in (None, "error") else m[1]), int(m[2])
 

@@ -173,4 +173,9 @@ class Loading:
 
 
 def _raise_missing(path: str) -> bool:
+    from titan.checkpointing.hf import INDEX_FILE
+
+    if os.path.isfile(os.path.join(path, INDEX_FILE)):
+        raise TitanError(f"checkpoint.initial_load_path {path!r} is not a DCP checkpoint folder but a Hugging Face"
+                         " folder: add --checkpoint.initial_load_in_hf")
     raise TitanError(f"checkpoint.initial_load_path {path!r} is not a DCP checkpoint folder (no .metadata in it)")

@@ -263,10 +263,11 @@ class CheckpointManager(Loading):
     def finish(self, step: int, preempted: bool) -> None:
         """At the end of training: the final save (model-only if configured), flush, clean up."""
         try:
-            if self.cfg.enable and not preempted and step > 0 and step != self.last_saved_step:
+            final_save = self.cfg.enable and not preempted and step > 0 and step != self.last_saved_step
+            if final_save and not self.cfg.last_save_in_hf:
                 self.save(step, model_only=self.cfg.last_save_model_only, final=True)
             self.wait(final=True)
-            if self.cfg.enable and self.cfg.last_save_in_hf and not preempted and step > 0:
+            if final_save and self.cfg.last_save_in_hf:
                 self._export_hf(step)
         finally:
             if self.watcher is not None:
@@ -278,11 +279,27 @@ class CheckpointManager(Loading):
             self.start.release()
 
     def _export_hf(self, step: int) -> None:
+        """The final save as a Hugging Face folder at step-N (the path torchtitan's
+        initial_load_in_hf users load back), committed like a DCP save: manifest, then marker."""
         from titan.checkpointing.hf import save_model_hf
 
-        out = step_dir(self.root, step) + "-hf"
+        out = step_dir(self.root, step)
+        t0 = time.perf_counter()
+
+        def prepare() -> None:
+            if os.path.exists(out):
+                logger.info(f"replacing existing {out}")
+                delete(out, ignore_errors=False)
+
+        self._agree(prepare)
         save_model_hf(self.model.parts, out, dtype=DTYPES[self.cfg.export_dtype])
-        logger.info(f"Hugging Face export of step {step} written to {out}")
+        if self.rank == 0:
+            write_manifest(out)
+            write_marker(out, step, model_only=True, world_size=self.world_size, dp_degree=self.dp_degree, fmt="hf")
+            prune(self.root, self.cfg.keep_latest_k)
+        self.last_saved_step = step
+        logger.info(f"Hugging Face export of step {step} ({self.cfg.export_dtype}) written to {out} in"
+                    f" {time.perf_counter() - t0:.2f} s")
 
     def create_seed_checkpoint(self) -> None:
         self.save(0, model_only=True, blocking=True, final=True)

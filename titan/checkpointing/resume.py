@@ -87,7 +87,8 @@ def prepare_run(config: Any, rank: int, world_size: int, dp_degree: int) -> RunS
             found = choose_intact(root, k.load_step) if resuming else None
             diff = {}
             if found is not None and not found.model_only:
-                diff = config_diff.resolve(found.path, config_diff.snapshot(config, dp_degree), k.config_mismatch)
+                diff = config_diff.resolve(found.path, config_diff.snapshot(config, dp_degree), k.config_mismatch,
+                                           k.exclude_from_loading)
         except BaseException:
             lock.release()
             raise

@@ -51,7 +51,21 @@ def check_config(c: JobConfig) -> None:
     for key in SHAPE_OVERRIDES:
         value = getattr(c.model, key)
         require(value is None or value >= 1, f"model.{key}", value, "an integer >= 1, or unset for the flavor's value")
+    _check_attention(c)
     _check_checkpoint(c)
+
+
+def _check_attention(c: JobConfig) -> None:
+    m = c.model
+    if m.attn_type == "varlen" and m.attn_mask_type != "block_causal":
+        raise TitanError('config key \'model.attn_type\' = "varlen" attends within each document: it needs'
+                         ' model.attn_mask_type = "block_causal" (for causal attention over the whole window use'
+                         ' sdpa or flex)')
+    if m.attn_mask_type == "block_causal" and c.parallelism.context_parallel_degree > 1:
+        raise TitanError('config key \'model.attn_mask_type\' = "block_causal" does not combine with'
+                         f" parallelism.context_parallel_degree {c.parallelism.context_parallel_degree}: titan's CP"
+                         " paths (SDPA ring attention, flex with the causal mask over the head-tail rearranged rows)"
+                         ' know no document boundaries; use attn_mask_type "causal" with CP')
 
 
 def _check_checkpoint(c: JobConfig) -> None:
@@ -62,6 +76,10 @@ def _check_checkpoint(c: JobConfig) -> None:
     require(bool(k.folder.strip()), "checkpoint.folder", k.folder, "a non-empty folder name under job.dump_folder")
     if k.initial_load_in_hf and not k.initial_load_path:
         raise TitanError("config key 'checkpoint.initial_load_in_hf' needs checkpoint.initial_load_path (the HF folder)")
+    if k.last_save_in_hf and not k.last_save_model_only:
+        raise TitanError("config key 'checkpoint.last_save_in_hf' writes the final step-N as a Hugging Face folder"
+                         " (model weights only): also set checkpoint.last_save_model_only (add"
+                         " --checkpoint.last_save_model_only)")
     if k.last_save_in_hf and c.parallelism.pipeline_parallel_degree > 1:
         raise TitanError("config key 'checkpoint.last_save_in_hf' is not supported with pipeline parallelism"
                          " (no rank holds the whole model); export a DCP checkpoint with scripts/convert_hf.py")

@@ -11,7 +11,7 @@ import sys
 
 from titan.errors import TitanError
 from titan.launch.check import debug_requested
-from titan.launch.report import report as _report, write_error_file
+from titan.launch.report import PEER_LOST_PHRASE, report as _report, write_error_file
 
 
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "communicator was aborted",
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         # torchrun's "Root Cause") has the real message; this one only says why it stops too.
         if debug or not (dist.is_initialized() and _peer_lost(e)):
             raise
-        line = (f"titan: error on rank {os.environ.get('RANK', '0')}: another rank failed during a collective"
+        line = (f"titan: error on rank {os.environ.get('RANK', '0')}: {PEER_LOST_PHRASE}"
                 f" ({_peer_lost_cause(e)}); that rank's message (the launcher's last line, or torchrun's 'Root Cause')"
                 " says why")
         print(line, file=sys.stderr)

@@ -10,6 +10,9 @@ import time
 
 from titan.errors import TitanError
 
+# A rank's line when only its peer failed (train.py exits 3): the launcher never takes it for the cause.
+PEER_LOST_PHRASE = "another rank failed during a collective"
+
 
 def write_error_file(line: str) -> None:
     """torchrun gives each rank a file (TORCHELASTIC_ERROR_FILE) whose message it reports as the

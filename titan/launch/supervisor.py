@@ -12,6 +12,9 @@ scheduler and a user at a terminal need from it.
   root cause rank's own titan line (from its error file) or what happened to it, and the exit
   status is that rank's (2 for a user error).
 - The ranks learn this process's pid (TITAN_LAUNCHER_PID) and stop if it dies (titan.launch.parent).
+- With ``--max-restarts N`` a failed attempt is restarted by torchrun (the ranks resume from the
+  newest checkpoint), except after a titan user error or a signal to the launcher
+  (titan.launch.restarts); once the budget is spent the last cause is the last line.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from types import FrameType, MappingProxyType
 
 from titan.launch.check import main as check_config
 from titan.launch.parent import LAUNCHER_PID_ENV
+from titan.launch.report import PEER_LOST_PHRASE
+from titan.launch.restarts import USER_ERROR_STATUS, RestartPolicy, policy_installed
 
 # signal to the launcher -> signal to the ranks (titan's ranks save and stop on SIGTERM / SIGUSR1)
 FORWARD = MappingProxyType({signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGTERM, signal.SIGUSR1: signal.SIGUSR1})
 PEER_LOST_STATUS = 3  # train.py: "another rank failed during a collective"
-USER_ERROR_STATUS = 2  # train.py: a titan error line
 
 
 def child_pids(pid: int) -> list[int]:
@@ -98,13 +102,17 @@ def failure_line(failures: dict, received: list[int]) -> tuple[str, int]:
     def titan_line(f) -> bool:  # noqa: ANN001 - torchrun's ProcessFailure
         return isinstance(f.message, str) and f.message.startswith("titan: ")
 
+    def peer_lost(f) -> bool:  # noqa: ANN001 - also when torchrun stopped the rank before it exited 3
+        return f.exitcode == PEER_LOST_STATUS or (titan_line(f) and PEER_LOST_PHRASE in f.message)
+
     def rank_order(item):
         rank, f = item
-        return (f.exitcode == PEER_LOST_STATUS, not titan_line(f), f.exitcode < 0, f.timestamp, rank)
+        # torchrun's SIGTERM to the survivors is a consequence too
+        return (peer_lost(f), not titan_line(f), f.exitcode == -signal.SIGTERM, f.exitcode < 0, f.timestamp, rank)
 
     rank, f = min(failures.items(), key=rank_order)
     if titan_line(f):
-        return f.message, f.exitcode if f.exitcode > 0 else USER_ERROR_STATUS
+        return f.message, f.exitcode if f.exitcode > 0 else PEER_LOST_STATUS if peer_lost(f) else USER_ERROR_STATUS
     if f.exitcode < 0:
         sig = f.signal_name()
         if received and -f.exitcode == FORWARD.get(signal.Signals(received[0]), received[0]):
@@ -132,6 +140,7 @@ def main(argv: list[str]) -> int:
             return status
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
@@ -139,12 +148,20 @@ def main(argv: list[str]) -> int:
     ours = {s.name for s in FORWARD}
     args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() not in ours) or "SIGHUP"
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    if args.max_restarts > 0:
+        # The ranks' process group must not share the rendezvous store: a restarted group would read
+        # the previous attempt's addresses there and fail to connect (pytorch/pytorch#135712).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     forwarder = Forwarder()
     forwarder.install()
+    policy = RestartPolicy(args.max_restarts, lambda failures: failure_line(failures, forwarder.received),
+                           lambda: bool(forwarder.received))
     try:
-        run(args)
+        with policy_installed(policy):
+            run(args)
     except ChildFailedError as e:
         line, status = failure_line(e.failures, forwarder.received)
+        line = policy.final_line(line)
         print(line, file=sys.stderr, flush=True)
         _write_summary(line)
         return status
@@ -152,6 +169,14 @@ def main(argv: list[str]) -> int:
         print(f"titan: stopped by {e.sigval.name} (torchrun sent it to the ranks, if any were running)",
               file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    except RendezvousClosedError:
+        # Another node's launcher ended the run (a titan error there, or its restarts ran out)
+        # while this node was restarting its ranks.
+        line = policy.final_line(f"titan: error: the run ended on another node while this one restarted its ranks"
+                                 f" (this node's last failure: {policy.last_cause}); that node's last line says why")
+        print(line, file=sys.stderr, flush=True)
+        _write_summary(line)
+        return 1
     if forwarder.received:
         print(f"titan launcher: the ranks stopped cleanly after {signal.Signals(forwarder.received[0]).name}",
               file=sys.stderr, flush=True)

@@ -23,8 +23,9 @@ class ModelSpec:
     model_cls: type
     """model_cls(args), built on the meta device. The instance keeps `model_args`, has
     init_weights(buffer_device) (after to_empty) and init_buffers(device) (derived buffers only,
-    before loading weights), and forward(tokens, kv_cache=None): an optional
-    titan.models.kv_cache.KVCache for generation. It builds its own attention masks."""
+    before loading weights), and forward(tokens, kv_cache=None, doc_ids=None): an optional
+    titan.models.kv_cache.KVCache for generation, and with attn_mask_type block_causal the batch's
+    document ids (titan.models.documents.document_ids). It builds its own attention masks."""
     args_cls: type
     """The args dataclass (flavors, model_args.json in DCP folders)."""
     flavors: Mapping[str, Any]

@@ -26,7 +26,6 @@ from titan.parallel.float8 import apply_float8, register_float8_precompute
 from titan.parallel.init import init_model_weights
 from titan.training.lr_scheduler import build_lr_schedulers
 from titan.training.optim import OptimizersContainer, build_optimizers, cast_params_for_optimizer
-from titan.training.validator import check_validation_layout
 
 __all__ = [
     "BuiltModel", "build_loader", "build_model", "build_optimizers_and_schedulers", "build_parallel_dims",
@@ -64,9 +63,7 @@ def grad_accumulation_steps(config: JobConfig, dp_degree: int) -> int:
 def check_run_config(config: JobConfig, dims: ParallelDims) -> int:
     """Checks that need the world size but no process group or model (the config's own checks
     ran in titan.training.checks.validate_job); returns the gradient accumulation steps."""
-    steps = grad_accumulation_steps(config, dims.dp_degree)
-    check_validation_layout(config, dims)
-    return steps
+    return grad_accumulation_steps(config, dims.dp_degree)
 
 
 def model_spec_and_args(config: JobConfig) -> tuple[ModelSpec, Any]:
@@ -78,6 +75,10 @@ def check_run_layout(config: JobConfig, dims: ParallelDims, model_args: Any, dev
     """The layout against the model's shapes, for GPUs of `device_type` (the dry run checks for the
     GPUs it stands in for, on a CPU)."""
     compiled = config.compile.enable and "model" in config.compile.components
+    if config.model.attn_type == "varlen" and device_type == "cuda" and config.training.mixed_precision_param == "float32":
+        raise TitanError('model.attn_type = "varlen" runs torch\'s flash varlen kernel on CUDA, which takes bfloat16 or'
+                         ' float16: set training.mixed_precision_param = "bfloat16", or use sdpa or flex with'
+                         ' attn_mask_type = "block_causal" in float32')
     check_layout(dims, config.parallelism, model_args, config.training.seq_len, device_type,
                  config.model.attn_type, compiled)
 
@@ -90,6 +91,7 @@ def run_model_args(config: JobConfig, model_args: Any, vocab_size: int | None) -
         model_args.vocab_size = vocab_size
     model_args.max_seq_len = config.training.seq_len
     model_args.attn_type = config.model.attn_type
+    model_args.attn_mask_type = config.model.attn_mask_type
     model_args.depth_init = config.model.depth_init
     return model_args
 

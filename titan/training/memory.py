@@ -184,13 +184,16 @@ def _fake_forward_backward_peak(model_cls: type, model_args, config: JobConfig, 
             p.register_post_accumulate_grad_hook(shard_grad)
         tokens = torch.randint(0, model_args.vocab_size, (t.local_batch_size, t.seq_len + 1))
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        # block_causal: one document per row (the trainer's document ids are as large whatever they hold)
+        docs = {"doc_ids": torch.zeros_like(inputs, dtype=torch.int32)} \
+            if getattr(model_args, "attn_mask_type", "causal") == "block_causal" else {}
         tracker = LiveBytes()
-        tracker.ignore([*model.parameters(), *model.buffers(), tokens])
+        tracker.ignore([*model.parameters(), *model.buffers(), tokens, *docs.values()])
         with tracker:
             # The trainer's order: forward under autocast, the loss outside it, logits dropped
             # before backward (the loss keeps only what it saved).
             with torch.autocast("cpu", dtype=compute, enabled=autocast):
-                logits = model(inputs)
+                logits = model(inputs, **docs)
             loss = cross_entropy_sum(logits, labels)
             del logits
             loss.backward()
@@ -253,6 +256,7 @@ def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
         pass
     args.max_seq_len = config.training.seq_len
     args.attn_type = config.model.attn_type
+    args.attn_mask_type = config.model.attn_mask_type
     with torch.device("meta"):
         model = spec.model_cls(args)
 

@@ -17,11 +17,13 @@ from titan.checkpointing.states import ModelParts, TrainState
 from titan.config.job_config import JobConfig
 from titan.config.output import save_config
 from titan.data import build_tokenizer, check_data
+from titan.models.documents import document_ids
 from titan.training.build import (
     build_loader, build_model, build_optimizers_and_schedulers, build_parallel_dims, check_run_config,
     check_run_layout, init_weights, model_spec_and_args, run_model_args,
 )
 from titan.training.gc_handler import GarbageCollection
+from titan.training.goodput import GoodputRecorder
 from titan.training.checks import validate_job
 from titan.training.loss import IGNORE_INDEX, cross_entropy_sum
 from titan.training.metrics import MetricsProcessor
@@ -60,6 +62,8 @@ class Trainer:
         spec, model_args = model_spec_and_args(config)
         tokenizer = build_tokenizer(config.model.tokenizer_path)
         check_data(config, tokenizer)  # a typo'd dataset or a store of another tokenizer fails before the model
+        # block_causal: documents end at the tokenizer's EOS (the packer writes BOS ... EOS per document).
+        self._eos_id = tokenizer.eos_id if config.model.attn_mask_type == "block_causal" else None
 
         # Before the device is touched: cuBLAS reads its workspace setting when first created.
         self.determinism = DeterministicMode(t.deterministic).apply()
@@ -107,7 +111,8 @@ class Trainer:
         if config.validation.enable:
             self.validator = Validator(config, model_parts=self.model_parts, parallel_dims=self.parallel_dims,
                                        loader=build_loader(config, tokenizer, self.parallel_dims, validation=True),
-                                       device=self.device, metrics=self.metrics, forward_loss_sum=self._eval_loss_sum)
+                                       device=self.device, metrics=self.metrics, forward_loss_sum=self._eval_loss_sum,
+                                       cp_buffers=self._cp_buffers)
         self.train_state = TrainState()  # step and tokens seen: saved and restored with the checkpoint
         self._batches: Iterator | None = None
         # Last in set-up: the manager saves the states above and restores them (auto-resume) if there is a checkpoint.
@@ -118,6 +123,7 @@ class Trainer:
             start=self.run_start,
         )
         self.checkpointer.load()
+        self.goodput = GoodputRecorder(config, rank=self.rank, step=self.step, metrics=self.metrics)
         if self.rank == 0:  # the run is committed to start here (its checkpoint folder checked or resumed)
             log_summary(summary_rows(
                 config, device=self.device, parallel_dims=self.parallel_dims, model_parts=self.model_parts,
@@ -143,6 +149,11 @@ class Trainer:
             self.parallel_dims.submesh("cp"), inputs, labels, self._cp_buffers,
             self.config.parallelism.context_parallel_rotate_method,
         )
+
+    def _doc_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """block_causal: each position's document, once per batch, for the model to build its mask from
+        before its (compiled, checkpointed) blocks; a tensor, so the pipeline schedule splits it too."""
+        return {} if self._eos_id is None else {"doc_ids": document_ids(inputs, self._eos_id)}
 
     def _pp_loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(logits, labels) * self._loss_scale
@@ -226,7 +237,7 @@ class Trainer:
     ) -> torch.Tensor:
         with self._loss_context():
             with self.amp:
-                logits = self.model_parts[0](inputs)
+                logits = self.model_parts[0](inputs, **self._doc_kwargs(inputs))
             local = self.loss_fn(logits, labels) / global_tokens
             del logits
             (local * dp_scale).backward()
@@ -243,7 +254,7 @@ class Trainer:
         """Validation forward (titan/training/validator.py): the batch's summed token loss, on every pp stage."""
         if self.pp_schedule is None:
             with self._loss_context(), self.amp:
-                return _replicated(self.loss_fn(self.model_parts[0](inputs), labels))
+                return _replicated(self.loss_fn(self.model_parts[0](inputs, **self._doc_kwargs(inputs)), labels))
         self._loss_scale = torch.ones((), device=self.device)  # the PP loss function then sums
         return self._pp_run(self.pp_schedule.eval, inputs, labels)
 
@@ -251,11 +262,12 @@ class Trainer:
         """Drive one schedule call (step or eval). The last stage holds the losses; a sum over the
         pp group hands their total to every stage (rank 0 logs it)."""
         targets, losses = (labels, []) if self.pp_has_last else (None, None)
+        docs = self._doc_kwargs(inputs)  # every stage builds its attention mask from them
         with self._loss_context(), self.amp:
             if self.pp_has_first:
-                run(inputs, target=targets, losses=losses)
+                run(inputs, target=targets, losses=losses, **docs)
             else:
-                run(target=targets, losses=losses)
+                run(target=targets, losses=losses, **docs)
         loss = torch.zeros((), device=self.device)
         if self.pp_has_last:
             loss = sum(_replicated(x.detach()).float() for x in losses)
@@ -275,6 +287,7 @@ class Trainer:
             return fn(*args)
         finally:
             self.metrics.add_checkpoint_time(time.perf_counter() - t0)
+            self.goodput.add("checkpoint", time.perf_counter() - t0)
 
     def train(self) -> dict[int, float]:
         """Train to training.steps (or until finite data ends); returns {step: loss} of logged steps.
@@ -283,6 +296,9 @@ class Trainer:
         try:
             with GarbageCollection(self.config.training.gc_freq) as self.gc:
                 return self._train()
+        except BaseException as e:
+            self.goodput.failed(self.step, self.checkpointer.last_saved_step, e)
+            raise
         finally:
             self.determinism.restore()  # process-wide settings: in-process runs (tests) must not inherit them
 
@@ -301,6 +317,7 @@ class Trainer:
         preempted = False
         profiler = Profiler(self.config, rank=self.rank, device=self.device, start_step=self.step)
         first_step = True
+        self.goodput.begin()
         while self.step < t.steps:
             microbatches = self.next_microbatches()
             if microbatches is None:
@@ -323,16 +340,20 @@ class Trainer:
                     extra_scalars={**self.stability.scalars(), **self.dataloader.scalars()},
                 )
             if self.validator is not None and self.validator.should_validate(self.step):
-                self.validator.validate(self.step)
+                with self.goodput.lost("validation"):
+                    self.validator.validate(self.step)
             profiler.step(self.step)
             if first_step:  # start-up is over: from now on a hang should fail fast
                 set_pg_timeouts(self.config.comm.train_timeout_seconds, self.parallel_dims, self.device)
                 first_step = False
+            self.goodput.step_done(self.step, self.checkpointer.last_saved_step)
             if self._checkpoint_timed(self.checkpointer.after_step, self.step, may_save=True):
                 preempted = True
                 break
         profiler.close()
-        self.checkpointer.finish(self.step, preempted)
+        self._checkpoint_timed(self.checkpointer.finish, self.step, preempted)
+        self.goodput.end(self.step, self.checkpointer.last_saved_step,
+                         "stopped after a signal" if preempted else "finished")
         self.metrics.close()
         logger.info("training done")
         return losses

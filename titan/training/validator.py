@@ -6,6 +6,11 @@ rank reads its own shard; the loss is the global mean over all non-ignored token
 losses and token count reduced over dp). TP / PP / FSDP do not change it; a different dp degree
 packs the documents into different windows, so the number moves slightly.
 
+With context parallelism every cp rank of a dp rank reads the same batches and evaluates its
+sequence shard (titan/parallel/cp.py's head-tail sharding of inputs, labels and the model's
+position-indexed buffers, as in training); the sums are then reduced over dp x cp, so the loss is
+that of cp 1. The forward is all validation needs, so with flex attention it runs on CPU too.
+
 Forward passes are dp-collective under FSDP, so all ranks must run the same number of batches:
 before each batch the ranks agree (all_reduce MIN) that every one of them still has data.
 
@@ -19,9 +24,10 @@ trainer (tests, tools) the plain single-module forward is used.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,10 +39,11 @@ from titan.data import TitanDataLoader
 from titan.errors import TitanError
 from titan.training.loss import IGNORE_INDEX, cross_entropy_sum
 from titan.training.metrics import MetricsProcessor
+from titan.parallel.cp import SeqBuffer, cp_shard_batch
 from titan.parallel.dims import ParallelDims
 from titan.log import logger
 
-__all__ = ["Validator", "check_validation_layout", "validate_validation_config"]
+__all__ = ["Validator", "validate_validation_config"]
 
 
 def validate_validation_config(c: JobConfig) -> None:
@@ -51,13 +58,6 @@ def validate_validation_config(c: JobConfig) -> None:
         raise TitanError(f"config key 'validation.local_batch_size' must be -1 or >= 1, got {v.local_batch_size}")
 
 
-def check_validation_layout(c: JobConfig, dims: ParallelDims) -> None:
-    """Before any loader or model is built."""
-    if c.validation.enable and dims.cp_enabled:
-        raise TitanError("validation.enable with context parallelism is not supported yet (each cp rank would"
-                         " need its sequence shard); set validation.enable = false")
-
-
 class Validator:
     def __init__(
         self,
@@ -69,9 +69,10 @@ class Validator:
         device: torch.device,
         metrics: MetricsProcessor,
         forward_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        cp_buffers: Sequence[SeqBuffer] = (),
     ) -> None:
-        # config has passed validate_validation_config (titan.training.checks.validate_job, and with the
-        # layout: check_validation_layout, from titan.training.build.check_run_config)
+        # config has passed validate_validation_config (titan.training.checks.validate_job) and the layout
+        # checks (CP: the sequence length splits into 2 x cp chunks, titan.parallel.dims.check_layout)
         v = config.validation
         self.freq, self.steps, self.last_step = v.freq, v.steps, config.training.steps
         self.model_parts = model_parts
@@ -80,6 +81,8 @@ class Validator:
         self.metrics = metrics
         if forward_loss_sum is not None:
             self.forward_loss_sum = forward_loss_sum  # type: ignore[method-assign]
+        # Context parallel: the model's position-indexed buffers that follow each batch's sequence shard.
+        self.cp_buffers, self.rotate_method = list(cp_buffers), config.parallelism.context_parallel_rotate_method
         self.loader = loader  # one pass over the held-out set (titan/training/build.py: build_loader)
         self._start = self.loader.state_dict()
         self.history: dict[int, float] = {}
@@ -87,9 +90,15 @@ class Validator:
     def should_validate(self, step: int) -> bool:
         return step % self.freq == 0 or step == self.last_step
 
-    def _dp_group(self) -> dist.ProcessGroup | None:
-        dp = self.parallel_dims.submesh("dp")
+    def _dp_group(self, with_cp: bool = False) -> dist.ProcessGroup | None:
+        dp = self.parallel_dims.submesh("dp_cp" if with_cp else "dp")
         return dp.get_group() if dp is not None else None
+
+    def _shard_context(self, inputs: torch.Tensor, labels: torch.Tensor) -> contextlib.AbstractContextManager:
+        """This cp rank's sequence shard of the batch (the whole batch without CP)."""
+        if not self.parallel_dims.cp_enabled:
+            return contextlib.nullcontext((inputs, labels))
+        return cp_shard_batch(self.parallel_dims.submesh("cp"), inputs, labels, self.cp_buffers, self.rotate_method)
 
     def _all_have_batch(self, has: bool) -> bool:
         group = self._dp_group()
@@ -127,9 +136,10 @@ class Validator:
         names = getattr(self.loader, "names", [""])
         per_source = torch.zeros(len(names), 2, dtype=torch.float64, device=self.device)
         try:
-            for inputs, labels, source in self._batches():
-                per_source[source, 0] += self.forward_loss_sum(inputs, labels).double()
-                per_source[source, 1] += (labels != IGNORE_INDEX).sum()
+            for full_inputs, full_labels, source in self._batches():
+                with self._shard_context(full_inputs, full_labels) as (inputs, labels):
+                    per_source[source, 0] += self.forward_loss_sum(inputs, labels).double()
+                    per_source[source, 1] += (labels != IGNORE_INDEX).sum()
         finally:
             for m in self.model_parts:
                 m.train()
@@ -139,7 +149,7 @@ class Validator:
                 for module in m.modules():
                     if isinstance(module, FSDPModule):
                         module.reshard()
-        group = self._dp_group()
+        group = self._dp_group(with_cp=True)  # cp ranks hold the sums of their sequence shards
         if group is not None:
             dist.all_reduce(per_source, op=dist.ReduceOp.SUM, group=group)
         loss_sum, tokens = per_source.sum(0).tolist()

@@ -90,6 +90,16 @@ def test_debug_kill_hook():
     assert out.returncode == -signal.SIGKILL and "alive" not in out.stdout
 
 
+def test_debug_kill_at_one_attempt_only(monkeypatch):
+    """``@attemptA``: only torchrun's restart A fails, so a restarted run can get past the point."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert DebugKill("error:step=3@attempt0").point is None
+    with pytest.raises(TitanError, match="injected failure after step 3"):
+        DebugKill("error:step=3@attempt1")("step", 3)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")  # not under torchrun: the first attempt
+    assert DebugKill("step=3@rank0@attempt0").point == "step"
+
+
 def test_signal_sets_flag_and_handlers_are_restored():
     before = signal.getsignal(signal.SIGUSR1)
     watcher = PreemptionWatcher(group=None)

@@ -145,7 +145,7 @@ def test_help_and_reference_show_the_choices():
     assert "--activation_checkpoint.mode ('none' | 'full' | 'selective', default: 'none')" in format_help()
     assert "--compile.components (list['model' | 'loss'], default: ['model', 'loss'])" in format_help("compile")
     reference = (REPO / "docs" / "config_reference.md").read_text()
-    assert "| `model.attn_type` | `'sdpa' \\| 'flex'` | `'sdpa'` |" in reference
+    assert "| `model.attn_type` | `'sdpa' \\| 'flex' \\| 'varlen'` | `'sdpa'` |" in reference
 
 
 def test_literal_choices_load_from_cli_and_toml(tmp_path):

@@ -144,7 +144,7 @@ def test_gqa_attention_matches_naive(attn_type: str) -> None:
     mask = causal_block_mask(16, "cpu") if attn_type == "flex" else None
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager flex on CPU warns it is unfused
-        torch.testing.assert_close(attn(x, freqs, block_mask=mask), naive_attention(attn, x, freqs),
+        torch.testing.assert_close(attn(x, freqs, attn_mask=mask), naive_attention(attn, x, freqs),
                                    atol=1e-5, rtol=1e-5)
 
 

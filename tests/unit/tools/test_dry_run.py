@@ -102,9 +102,14 @@ def test_settings_the_estimator_does_not_model_leave_the_plan_valid():
     assert "not optimizer.bf16_stochastic_round" in report.memory_note
 
 
-def test_validation_with_context_parallel_fails_in_the_plan_too():
-    # The check runs with the other build-time checks, before any loader or model exists.
-    with pytest.raises(TitanError, match="validation.enable with context parallelism"):
+def test_validation_with_context_parallel_plans():
+    # each cp rank evaluates its sequence shard: the layout is valid with validation on
+    report = run_dry_run(_config("debug_model.toml", 2, "--parallelism.context_parallel_degree", "2",
+                                 "--validation.enable", "true"))
+    assert report.degrees["cp"] == 2
+    assert not dist.is_initialized()
+    # document-masked attention does not combine with CP: refused before any group exists
+    with pytest.raises(TitanError, match="block_causal\" does not combine with parallelism.context_parallel_degree"):
         run_dry_run(_config("debug_model.toml", 2, "--parallelism.context_parallel_degree", "2",
-                            "--validation.enable", "true"))
+                            "--model.attn_mask_type", "block_causal"))
     assert not dist.is_initialized()

@@ -43,8 +43,10 @@ class Checkpoint:
     """initial_load_path is a Hugging Face folder (config.json + *.safetensors), not DCP; model
     weights only. Convert other formats with scripts/convert_hf.py or convert_llama_to_dcp.py."""
     last_save_in_hf: bool = False
-    """At the end of training also write the model as a Hugging Face folder (config.json +
-    sharded safetensors, in export_dtype) to <folder>/step-N-hf. Not with pipeline parallelism."""
+    """Write the final save (at training.steps) as a Hugging Face folder (config.json + sharded
+    safetensors, in export_dtype) at <folder>/step-N, where torchtitan puts it: load it back with
+    initial_load_path <dump_folder>/<folder>/step-N and initial_load_in_hf. Needs
+    last_save_model_only; auto-resume passes over it. Not with pipeline parallelism."""
     on_save_error: OnSaveError = "stop"
     """What a failed save (disk full, read-only, permission, any rank) does after its partial
     folder is removed: stop (exit with one line naming the cause) or retry (warn, keep training and

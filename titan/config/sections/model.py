@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan.config.choices import AttnType
+from titan.config.choices import AttnMaskType, AttnType
 
 
 @dataclass
@@ -17,8 +17,14 @@ class Model:
     """Tokenizer file (tiktoken `tokenizer.model`, sentencepiece `.model` or HF `tokenizer.json`).
     Empty: the small tokenizer shipped in titan/data/assets."""
     attn_type: AttnType = "sdpa"
-    """Attention backend: sdpa (torch scaled_dot_product_attention) or flex (flex_attention with a
-    causal block mask; CUDA only for training, as torch's flex_attention has no CPU backward)."""
+    """Attention backend: sdpa (torch scaled_dot_product_attention), flex (flex_attention with a
+    block mask; CUDA only for training, as torch's flex_attention has no CPU backward) or varlen
+    (per-document attention with torch's flash varlen kernel on CUDA, SDPA with the block-causal
+    mask on CPU; needs attn_mask_type block_causal)."""
+    attn_mask_type: AttnMaskType = "causal"
+    """causal: every token attends to all earlier tokens of its packed window. block_causal: only to
+    the earlier tokens of its own document (documents end at the tokenizer's EOS token), as if each
+    document were run alone. Not with context parallelism."""
     n_layers: int | None = None
     """Override the flavor's number of transformer blocks (unset: the flavor's value), e.g. the 8B
     shape cut to 8 layers to fit one GPU for benchmarking and debugging."""

@@ -10,7 +10,8 @@ from torch import nn
 
 from titan.errors import TitanError
 
-_ATTN_TYPES = ("sdpa", "flex")
+_ATTN_TYPES = ("sdpa", "flex", "varlen")
+_ATTN_MASK_TYPES = ("causal", "block_causal")
 
 
 @dataclass
@@ -38,7 +39,10 @@ class TransformerModelArgs:
     """Scale output-projection init by layer depth (see Transformer.init_weights)."""
     tie_embeddings: bool = False
     attn_type: str = "sdpa"
-    """sdpa (F.scaled_dot_product_attention) or flex (flex_attention with a causal BlockMask)."""
+    """sdpa (F.scaled_dot_product_attention), flex (flex_attention with a BlockMask) or varlen
+    (per-document attention: torch's flash varlen kernel on CUDA; needs block_causal)."""
+    attn_mask_type: str = "causal"
+    """causal (the whole window) or block_causal (each packed document attends only to itself)."""
 
     @property
     def head_dim(self) -> int:
@@ -97,6 +101,11 @@ class TransformerModelArgs:
             raise TitanError(
                 f"model.attn_type must be one of {', '.join(_ATTN_TYPES)}, got {self.attn_type!r}"
             )
+        if self.attn_mask_type not in _ATTN_MASK_TYPES:
+            raise TitanError(f"model.attn_mask_type must be one of {', '.join(_ATTN_MASK_TYPES)},"
+                             f" got {self.attn_mask_type!r}")
+        if self.attn_type == "varlen" and self.attn_mask_type != "block_causal":
+            raise TitanError('model.attn_type = "varlen" needs model.attn_mask_type = "block_causal"')
 
 
 # Published Llama 3.1 shapes (Meta's params.json). The large flavors keep the 3.1 context

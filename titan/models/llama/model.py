@@ -20,6 +20,11 @@ from titan.errors import TitanError
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.kv_cache import KVCache
 from titan.models.llama.flex import BlockMaskCache, FlexKernel
+from titan.models.llama.masks import DocumentMasks, VarlenAttention, VarlenMask
+
+AttnMask = BlockMask | VarlenMask | torch.Tensor | None
+"""What the blocks get from Transformer.forward: flex's BlockMask, varlen's document boundaries, a
+boolean block-causal mask (sdpa, or varlen on CPU), or None (sdpa's plain causal attention)."""
 
 
 def _scale_rope_freqs(freqs: torch.Tensor, args: TransformerModelArgs) -> torch.Tensor:
@@ -95,10 +100,14 @@ class RMSNorm(nn.Module):
 
 
 class SDPAttention(nn.Module):
-    """Causal SDPA as a parameter-free module: context parallelism hooks its inputs/outputs."""
+    """Causal SDPA as a parameter-free module: context parallelism hooks its inputs/outputs.
+    With a boolean ``attn_mask`` (block-causal) that mask replaces the plain causal one."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if attn_mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
 
 
 class FlexAttention(nn.Module):
@@ -126,10 +135,11 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.inner_attention = FlexAttention(flex_kernel) if args.attn_type == "flex" else SDPAttention()
+        kernels = {"flex": lambda: FlexAttention(flex_kernel), "varlen": VarlenAttention}
+        self.inner_attention = kernels.get(args.attn_type, SDPAttention)()
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, block_mask: BlockMask | None = None,
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, attn_mask: AttnMask = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
@@ -144,16 +154,17 @@ class Attention(nn.Module):
         if kv_cache is not None:
             out = self._cached_attention(xq, xk, xv, kv_cache)
         elif self.attn_type == "flex":
-            if block_mask is None:
+            if attn_mask is None:
                 raise TitanError("flex attention needs the BlockMask built by Transformer.forward")
             # flex reads kv head h // n_rep for query head h itself (enable_gqa): no k/v copies.
             q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # [B, H, S, Dh]
-            out = self.inner_attention(q, k, v, block_mask=block_mask)
+            out = self.inner_attention(q, k, v, block_mask=attn_mask)
         else:
             n_rep = self.n_heads // self.n_kv_heads
             xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
             q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # [B, H, S, Dh]
-            out = self.inner_attention(q, k, v)
+            # Context parallelism hooks the kernel's (q, k, v) call: the mask goes only where there is one.
+            out = self.inner_attention(q, k, v) if attn_mask is None else self.inner_attention(q, k, v, attn_mask)
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
         return self.wo(out)
 
@@ -205,10 +216,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, block_mask: BlockMask | None = None,
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, attn_mask: AttnMask = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, block_mask=block_mask, kv_cache=kv_cache)
+        h = x + self.attention(self.attention_norm(x), freqs_cis, attn_mask=attn_mask, kv_cache=kv_cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -236,6 +247,8 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
         # flex: one mask cache and one compiled kernel per model object (never module-global).
         self.block_masks = BlockMaskCache() if model_args.attn_type == "flex" else None
+        block_causal = model_args.attn_mask_type == "block_causal"
+        self.document_masks = DocumentMasks(model_args.attn_type) if block_causal else None
         flex_kernel = FlexKernel() if model_args.attn_type == "flex" else None
         # Sequence parallelism (set by tensor parallel) hands each block a 1/N sequence shard;
         # attention itself runs on the gathered sequence, N times longer.
@@ -297,12 +310,16 @@ class Transformer(nn.Module):
             std = dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, kv_cache: KVCache | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] int64 -> logits [B, S, vocab] in the parameter dtype.
 
         Pipeline stages: without tok_embeddings the input is already hidden states [B, S, dim];
         without norm/output the hidden states are returned. With a ``kv_cache`` (generation) the
-        tokens continue the cached ones at position ``kv_cache.pos``; the caller advances it.
+        tokens continue the cached ones at position ``kv_cache.pos``; the caller advances it, and
+        the prompt is one document. ``doc_ids`` [B, S] (titan.models.documents.document_ids of the
+        whole, unsharded window): the document of each position, needed with attn_mask_type
+        block_causal.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seqlen = h.shape[1]
@@ -313,13 +330,18 @@ class Transformer(nn.Module):
                 "raise model max_seq_len or lower training.seq_len"
             )
         # The full RoPE table: attention slices it for the length it sees (h may be a TP/SP
-        # sequence shard). The flex mask is built here, once per batch (cached per length), not
-        # inside the compiled and checkpointed blocks.
-        block_mask = None
-        if self.block_masks is not None and kv_cache is None:
-            block_mask = self.block_masks.get(seqlen * self.seq_shards, h.device)
+        # sequence shard). The attention mask is built here, once per batch (the causal flex mask
+        # cached per length), not inside the compiled and checkpointed blocks.
+        attn_mask: AttnMask = None
+        if kv_cache is None and self.document_masks is not None:
+            if doc_ids is None:
+                raise TitanError('model.attn_mask_type = "block_causal" needs the batch\'s document ids: call the'
+                                 " model with doc_ids=titan.models.documents.document_ids(tokens, eos_id)")
+            attn_mask = self.document_masks.build(doc_ids)
+        elif kv_cache is None and self.block_masks is not None:
+            attn_mask = self.block_masks.get(seqlen * self.seq_shards, h.device)
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis, block_mask, kv_cache=kv_cache)
+            h = layer(h, self.freqs_cis, attn_mask, kv_cache=kv_cache)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

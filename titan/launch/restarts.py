@@ -1,0 +1,91 @@
+"""Restarts inside the job: torchrun's elastic restarts (``--max-restarts N``), minus the ones that
+cannot help.
+
+torchrun restarts the whole worker group whenever a worker fails, whatever the reason. A titan
+user error (exit status 2: a bad dataset path, a damaged checkpoint, a setting the model rejects)
+fails again on every attempt, and a run the launcher was asked to stop (SIGTERM / SIGUSR1 /
+SIGINT) must stop. So the launcher runs torchrun's own agent with one decision added where the
+agent looks at its workers: on such a failure it spends the rest of the restart budget at once
+(the agent then stops the ranks and returns, exactly as when the budget is used up), the same
+switch torchrun itself flips for a worker stuck in the kernel. Everything else (rendezvous, the
+stop of the surviving ranks, the new worker group, multi-node agreement) stays torchrun's.
+
+Before each restart the cause goes to the ranks of the next attempt (``TITAN_RESTART_CAUSE``), so
+the run's goodput record names why the previous attempt ended even when its rank 0 was killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+
+RESTART_CAUSE_ENV = "TITAN_RESTART_CAUSE"
+USER_ERROR_STATUS = 2  # train.py: a titan error line
+
+
+class RestartPolicy:
+    """Decides, per failed attempt, whether torchrun may restart the ranks. ``explain`` turns
+    torchrun's failures (by global rank) into (titan's one line, exit status); ``stopping``
+    says whether the launcher was asked to stop."""
+
+    def __init__(self, max_restarts: int, explain: Callable[[dict], tuple[str, int]],
+                 stopping: Callable[[], bool]) -> None:
+        self.max_restarts = max_restarts
+        self.explain = explain
+        self.stopping = stopping
+        self.restarts = 0
+        self.last_cause: str | None = None
+
+    def on_failure(self, failures: dict, remaining: int) -> int:
+        """Called with a failed attempt's failures and the restarts left; returns the restarts
+        the agent may still do (0: end the job with this failure)."""
+        line, status = self.explain(failures)
+        self.last_cause = line
+        if remaining <= 0:
+            return 0
+        if status == USER_ERROR_STATUS:
+            print("titan launcher: not restarting after a titan error (it would fail again on every attempt)",
+                  file=sys.stderr, flush=True)
+            return 0
+        if self.stopping():
+            return 0
+        self.restarts += 1
+        print(f"titan launcher: {line}; restarting the ranks (restart {self.restarts} of {self.max_restarts});"
+              " they resume from the newest intact checkpoint", file=sys.stderr, flush=True)
+        os.environ[RESTART_CAUSE_ENV] = line  # the next ranks' environment is a copy of ours
+        return remaining
+
+    def final_line(self, line: str) -> str:
+        """The job's last line once the budget is spent: the last cause, and that restarts ran out."""
+        if self.max_restarts > 0 and self.restarts >= self.max_restarts:
+            return f"{line} (gave up after {self.restarts} restart(s): --max-restarts {self.max_restarts})"
+        return line
+
+
+def _agent_class(policy: RestartPolicy) -> type:
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class TitanAgent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group):  # type: ignore[override]  # torchrun's, wrapped by its @prof
+            result = super()._monitor_workers(worker_group)  # type: ignore[call-arg]
+            if result.is_failed():
+                self._remaining_restarts = policy.on_failure(result.failures, self._remaining_restarts)
+            return result
+
+    return TitanAgent
+
+
+@contextlib.contextmanager
+def policy_installed(policy: RestartPolicy) -> Iterator[None]:
+    """torchrun's ``launch_agent`` builds its agent from a name in its own module and takes no
+    agent class; for the length of one ``run`` in this (launcher) process that name is ours."""
+    from torch.distributed.launcher import api
+
+    original = getattr(api, "LocalElasticAgent")  # noqa: B009 - a name the module uses, not one it exports
+    setattr(api, "LocalElasticAgent", _agent_class(policy))  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(api, "LocalElasticAgent", original)  # noqa: B010
