@@ -35,6 +35,9 @@ SKIP = {
     "python scripts/convert_llama_to_dcp.py Meta-Llama-3.1-70B/original ckpt/llama3_70b":
         "Meta's 70B weights (a hub download)",
     "python scripts/convert_hf.py from_hf meta-llama/Llama-3.1-8B-local-copy dcp_out": "Llama 3.1 8B weights",
+    "./run_train.sh --training.dataset_path /tmp/pydoc_tokens":
+        "the store the tokenize_dataset.py command writes, run at the same time (tests/integration/test_token_store.py "
+        "trains from a store)",
 }
 SKIP_PREFIXES = [
     # (command prefix, reason): families of commands that need what this machine lacks
@@ -46,6 +49,10 @@ SKIP_PREFIXES = [
     ("python scripts/dcp_to_torch.py", "a 1000-step checkpoint (tests/unit/interop covers the conversion)"),
     ("python scripts/generate.py --checkpoint", "a trained checkpoint (tests/unit/interop covers generation)"),
     ("python scripts/benchmark.py --preset", "a GPU: the 8B-shape preset (1.76B parameters at seq 8192)"),
+    ("python scripts/tokenize_dataset.py --dataset c4", "a C4 mirror (tests/unit/data/test_token_store.py and "
+     "tests/integration/test_token_store.py tokenize generated files)"),
+    ("python scripts/benchmark_loader.py --dataset_path /tmp/tk_store", "the token store the command above writes"),
+    ("python scripts/benchmark_loader.py --mixture", "the token store and mirror the commands above write"),
     ("python scripts/benchmark_recovery.py", "minutes of 2-rank training with failures by design"
      " (tests/integration/test_launchers.py covers restarts and goodput)"),
     ("python scripts/benchmark_loader.py --dataset c4 --dataset_path /tmp/c4",

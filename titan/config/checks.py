@@ -27,6 +27,10 @@ def check_config(c: JobConfig) -> None:
     require(t.seq_len >= 2, "training.seq_len", t.seq_len, "an integer >= 2")
     require(t.dataloader_num_workers >= 0, "training.dataloader_num_workers", t.dataloader_num_workers, "an integer >= 0")
     require(t.gc_freq >= 1, "training.gc_freq", t.gc_freq, "an integer >= 1")
+    for section, mixture in (("training", t.mixture), ("validation", c.validation.mixture)):
+        for i, src in enumerate(mixture):
+            require(src.weight > 0, f"{section}.mixture[{i}].weight", src.weight, "a number > 0")
+            require(bool(src.path or src.dataset), f"{section}.mixture[{i}]", src, "a table with path or dataset set")
 
     p = c.parallelism
     require(p.data_parallel_replicate_degree >= 1, "parallelism.data_parallel_replicate_degree",

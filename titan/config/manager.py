@@ -162,6 +162,15 @@ def _convert(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
         if not isinstance(value, list):
             raise bad()
         return [_convert(key, v, inner, from_cli=from_cli) for v in value]
+    if dataclasses.is_dataclass(tp):  # one table of an array of tables ([[training.mixture]])
+        if not isinstance(value, dict):
+            raise bad()
+        fields = section_fields(tp)
+        for name in value:
+            if name not in fields:
+                raise TitanError(f"config key '{key}' has unknown field '{name}'; valid: {', '.join(fields)}")
+        kwargs = {name: _convert(f"{key}.{name}", v, fields[name], from_cli=from_cli) for name, v in value.items()}
+        return typing.cast(Any, tp)(**kwargs)
     if tp is bool:
         if isinstance(value, bool):
             return value

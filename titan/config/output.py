@@ -71,7 +71,9 @@ def _toml_sections(config: JobConfig) -> dict[str, dict[str, Any]]:
             # (every option that can be None defaults to None; a test keeps it so).
             if value is None or (f.name, name) == ("job", "config_file"):
                 continue  # config_file is where the options came from, read from the command line only
-            body[name] = value
+            # a list of tables ([[training.mixture]]) is written as TOML's array of tables
+            body[name] = [dataclasses.asdict(v) for v in value] if isinstance(value, list) and value and \
+                dataclasses.is_dataclass(value[0]) else value
         out[f.name] = body
     return out
 

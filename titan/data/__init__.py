@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from .build import build_dataloader, check_data
 from .datasets import DATASETS, DocumentSource, build_source
-from .loader import TitanDataLoader, build_dataloader
+from .loader import TitanDataLoader
+from .mixture import MixtureLoader
 
 __all__ = [
     "DATASETS",
     "DocumentSource",
+    "MixtureLoader",
     "TitanDataLoader",
     "Tokenizer",
     "build_dataloader",
     "build_source",
+    "check_data",
     "build_tokenizer",
 ]
 

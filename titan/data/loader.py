@@ -80,9 +80,7 @@ class PackedDataset(IterableDataset):
         if n != len(self.states):
             raise RuntimeError(f"PackedDataset has {len(self.states)} stream states for {n} workers")
         self._live = self.states[k]
-        label = f" (dp rank {self.dp_rank}, stream {self._live['slot']})"
-        stream = pack_stream(self.source, self.tokenizer, self._live, layout=self.layout, seq_len=self.seq_len,
-                             batch_size=self.batch_size, infinite=self.infinite, label=label)
+        stream = self._stream(self._live, f" (dp rank {self.dp_rank}, stream {self._live['slot']})")
         try:
             for windows, state, opened in stream:
                 self._live = state
@@ -96,6 +94,10 @@ class PackedDataset(IterableDataset):
             # from a worker process the DataLoader would re-raise it with the worker's traceback
             # folded into the message; hand the one line over as an item instead
             yield "error", str(e), k, None, []
+
+    def _stream(self, state: dict, label: str) -> Iterator[tuple[torch.Tensor | None, dict, list[int]]]:
+        return pack_stream(self.source, self.tokenizer, state, layout=self.layout, seq_len=self.seq_len,
+                           batch_size=self.batch_size, infinite=self.infinite, label=label)
 
     def state_dict(self) -> dict:
         return {"stream": copy.deepcopy(self._live if self._live is not None else self.states[0])}
@@ -159,9 +161,7 @@ class TitanDataLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         self._states, self._last = self._ordered(), -1
-        dataset = PackedDataset(self.source, self.tokenizer, copy.deepcopy(self._states), layout=self.layout,
-                                seq_len=self.seq_len, batch_size=self.local_batch_size, infinite=self.infinite,
-                                dp_rank=self.dp_rank)
+        dataset = self._dataset(copy.deepcopy(self._states))
         with warnings.catch_warnings():  # torchdata calls the deprecated torch.set_vital
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             loader = StatefulDataLoader(dataset, batch_size=None, num_workers=self.num_workers,
@@ -173,6 +173,14 @@ class TitanDataLoader:
             self._states[k], self._last = state, k
             if inputs is not None:
                 yield inputs, labels
+
+    def _dataset(self, states: list[dict]) -> IterableDataset:
+        return PackedDataset(self.source, self.tokenizer, states, layout=self.layout, seq_len=self.seq_len,
+                             batch_size=self.local_batch_size, infinite=self.infinite, dp_rank=self.dp_rank)
+
+    def scalars(self) -> dict[str, float]:
+        """Extra metrics of the data (a mixture's tokens per source); none for one source."""
+        return {}
 
     def read_stats(self) -> dict:
         """Shards this rank started reading (each time) and the on-disk bytes of those files; a pass
@@ -198,6 +206,10 @@ class TitanDataLoader:
     def _check(self, state: dict) -> dict | None:
         """A saved state in the current format; None when it belongs to another dataset (then
         start fresh). A state dealt another way (shards vs documents) cannot be continued."""
+        if isinstance(state, dict) and state.get("kind") == "mixture":
+            logger.warning(f"checkpoint's data loader state is a mixture's, this run reads {self.source.name!r}: "
+                           f"starting {self.source.name!r} from its beginning")
+            return None
         if isinstance(state, dict) and state.get("version") == 1:
             state = _upgrade_v1(state)
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:

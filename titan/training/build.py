@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from titan.config.job_config import JobConfig
-from titan.data import TitanDataLoader, build_dataloader
+from titan.data import MixtureLoader, TitanDataLoader, build_dataloader
 from titan.errors import TitanError
 from titan.log import logger
 from titan.models import ModelSpec, get_model_spec, model_args_from_config
@@ -158,7 +158,8 @@ def build_optimizers_and_schedulers(config: JobConfig, parts: list[nn.Module], d
     return optimizers, build_lr_schedulers(optimizers, config.lr_scheduler, config.training.steps)
 
 
-def build_loader(config: JobConfig, tokenizer: Any, dims: ParallelDims, *, validation: bool = False) -> TitanDataLoader:
+def build_loader(config: JobConfig, tokenizer: Any, dims: ParallelDims, *,
+                 validation: bool = False) -> TitanDataLoader | MixtureLoader:
     """This dp rank's loader: the training data (endless if training.dataset_infinite), or the
     held-out set (one pass, rewound by the validator; no worker processes to restart each time)."""
     t, v = config.training, config.validation
@@ -175,4 +176,8 @@ def build_loader(config: JobConfig, tokenizer: Any, dims: ParallelDims, *, valid
         dp_world_size=dims.dp_degree,
         num_workers=0 if validation else t.dataloader_num_workers,
         infinite=False if validation else t.dataset_infinite,
+        shuffle_seed=None if validation else t.dataset_shuffle_seed,
+        mixture=v.mixture if validation else t.mixture,
+        mixture_exhausted=t.mixture_exhausted,
+        validation=validation,
     )

@@ -17,8 +17,7 @@ from titan.checkpointing.resume import prepare_run
 from titan.checkpointing.states import ModelParts, TrainState
 from titan.config.job_config import JobConfig
 from titan.config.output import save_config
-from titan.data import build_tokenizer
-from titan.data.datasets import check_dataset
+from titan.data import build_tokenizer, check_data
 from titan.models.documents import document_ids
 from titan.training.build import (
     build_loader, build_model, build_optimizers_and_schedulers, build_parallel_dims, check_run_config,
@@ -80,8 +79,8 @@ class Trainer:
         self.grad_accum_steps = check_run_config(config, self.parallel_dims)
         self.stability = StabilityMonitor(config)
         spec, model_args = model_spec_and_args(config)
-        check_dataset(t.dataset, t.dataset_path)  # a typo'd dataset fails before the model is built
         tokenizer = build_tokenizer(config.model.tokenizer_path)
+        check_data(config, tokenizer)  # a typo'd dataset or a store of another tokenizer fails before the model
         # block_causal: documents end at the tokenizer's EOS (the packer writes BOS ... EOS per document).
         self._eos_id = tokenizer.eos_id if config.model.attn_mask_type == "block_causal" else None
 
@@ -363,7 +362,8 @@ class Trainer:
                 losses[self.step] = loss_value
                 self.metrics.log(
                     self.step, loss=loss_value, grad_norm=grad_norm_value, lr=self.lr_schedulers.get_last_lr(),
-                    extra={**values, **self.stability.console()}, extra_scalars=self.stability.scalars(),
+                    extra={**values, **self.stability.console()},
+                    extra_scalars={**self.stability.scalars(), **self.dataloader.scalars()},
                 )
             if self.validator is not None and self.validator.should_validate(self.step):
                 self.stability.resolve(self.step)  # a stopped run does not validate non-finite weights

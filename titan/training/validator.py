@@ -112,7 +112,7 @@ class Validator:
         """Sum of the token losses of one batch (fp32); single module, no TP/PP."""
         return cross_entropy_sum(self.model_parts[0](inputs), labels)
 
-    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
         self.loader.load_state_dict(self._start)
         it = iter(self.loader)
         n = 0
@@ -122,7 +122,9 @@ class Validator:
                 return
             assert batch is not None
             n += 1
-            yield batch[0].to(self.device, non_blocking=True), batch[1].to(self.device, non_blocking=True)
+            # a validation mixture says which source the batch came from (a loss per source)
+            yield (batch[0].to(self.device, non_blocking=True), batch[1].to(self.device, non_blocking=True),
+                   getattr(self.loader, "last_source", 0))
 
     @torch.no_grad()
     def validate(self, step: int) -> float:
@@ -130,13 +132,14 @@ class Validator:
         t0 = time.perf_counter()
         for m in self.model_parts:
             m.eval()
-        # [loss sum, token count] in float64: token counts stay exact far beyond 2**24.
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        # [loss sum, token count] per source in float64: token counts stay exact far beyond 2**24.
+        names = getattr(self.loader, "names", [""])
+        per_source = torch.zeros(len(names), 2, dtype=torch.float64, device=self.device)
         try:
-            for full_inputs, full_labels in self._batches():
+            for full_inputs, full_labels, source in self._batches():
                 with self._shard_context(full_inputs, full_labels) as (inputs, labels):
-                    totals[0] += self.forward_loss_sum(inputs, labels).double()
-                    totals[1] += (labels != IGNORE_INDEX).sum()
+                    per_source[source, 0] += self.forward_loss_sum(inputs, labels).double()
+                    per_source[source, 1] += (labels != IGNORE_INDEX).sum()
         finally:
             for m in self.model_parts:
                 m.train()
@@ -148,8 +151,8 @@ class Validator:
                         module.reshard()
         group = self._dp_group(with_cp=True)  # cp ranks hold the sums of their sequence shards
         if group is not None:
-            dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
-        loss_sum, tokens = totals.tolist()
+            dist.all_reduce(per_source, op=dist.ReduceOp.SUM, group=group)
+        loss_sum, tokens = per_source.sum(0).tolist()
         if tokens == 0:
             raise TitanError("validation data yielded no batch: the held-out set is smaller than one batch per dp"
                              " rank (validation.dataset / local_batch_size / training.seq_len)")
@@ -158,6 +161,11 @@ class Validator:
         self.history[step] = loss
         self.metrics.log_validation(step, loss=loss, perplexity=math.exp(min(loss, 700.0)),
                                     tokens=int(tokens), seconds=seconds)
+        if len(names) > 1:
+            losses = {name: ls / n for name, (ls, n) in zip(names, per_source.tolist()) if n > 0}
+            if self.metrics.log_this_rank:
+                logger.info("validation loss per source: " + ", ".join(f"{k} {v:.4f}" for k, v in losses.items()))
+            self.metrics.write(step, {f"validation/loss/{k}": v for k, v in losses.items()})
         self.metrics.exclude_time(seconds)
         if not math.isfinite(loss):
             logger.warning(f"validation loss at step {step} is not finite ({loss})")

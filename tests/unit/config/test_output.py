@@ -36,6 +36,11 @@ def _other_value(tp, default):  # noqa: ANN001, ANN202
             return list(reversed(typing.get_args(inner)))
         if typing.get_origin(inner) is list:
             return [_other_value(inner, []), ["y"]]
+        if dataclasses.is_dataclass(inner):  # an array of tables: two tables, every field set
+            hints = typing.get_type_hints(inner)
+            fields = dataclasses.fields(inner)
+            one = inner(**{f.name: _other_value(hints[f.name], getattr(inner(), f.name)) for f in fields})
+            return [one, inner()]
         return [AWKWARD, "", "x,y"]
     if tp is bool:
         return not default

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from titan.config.choices import BadLines, MixedPrecisionDType, NonFinite, TxtSplit
+from titan.config.choices import BadLines, MixedPrecisionDType, MixtureExhausted, NonFinite, TxtSplit
+
+
+@dataclass
+class MixtureSource:
+    """One source of a data mixture: a ``[[training.mixture]]`` (or ``[[validation.mixture]]``) table."""
+
+    path: str = ""
+    """A token store folder (scripts/tokenize_dataset.py) or a local text file/folder."""
+    dataset: str = ""
+    """A registry name (pydoc, c4, ...) instead of `path`; with `path` too, `path` is its local copy."""
+    weight: float = 1.0
+    """Share of the windows drawn from this source, relative to the other weights (> 0)."""
 
 
 @dataclass
@@ -52,6 +64,17 @@ class Training:
     dataset_bad_lines: BadLines = "fail"
     """A .jsonl line that is not a JSON object or not UTF-8: "fail" (stop naming file:line) or
     "skip" (drop it, log a count and the first few file:line)."""
+    dataset_shuffle_seed: int | None = None
+    """Token stores: read the windows of each epoch in a shuffled order drawn from this seed
+    (reproducible, resumable, O(1) memory). None: in order. Text sources and validation data are
+    always read in order."""
+    mixture: list[MixtureSource] = field(default_factory=list)
+    """Train on several sources by weight instead of `dataset`: [[training.mixture]] tables with
+    `path` or `dataset`, and `weight` (docs/datasets.md). CLI: --training.mixture
+    '[{path = "/data/web", weight = 0.7}, {dataset = "pydoc", weight = 0.3}]'."""
+    mixture_exhausted: MixtureExhausted = "restart"
+    """What a mixture source that runs out does: restart (read it again, next epoch) or stop
+    (training stops cleanly; also what dataset_infinite = false means for a mixture)."""
     dataloader_num_workers: int = 0
     """Worker processes that prefetch batches (0: load in the training process)."""
     gc_freq: int = 50

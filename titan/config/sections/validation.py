@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from titan.config.sections.training import MixtureSource
 
 
 @dataclass
@@ -15,6 +17,10 @@ class Validation:
     dataset_path: str = ""
     """Local file or folder to read instead of the registry source; for c4_validation, a mirror in
     allenai/c4's layout (en/c4-validation.*.json.gz)."""
+    mixture: list[MixtureSource] = field(default_factory=list)
+    """Validate on several sources ([[validation.mixture]] tables with `path` or `dataset`): each
+    source's loss is logged (validation/loss/NAME) next to the loss over all their tokens; the
+    weights are not used. Empty: `dataset` alone."""
     freq: int = 100
     """Validate every N training steps."""
     steps: int = -1

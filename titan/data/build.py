@@ -1,0 +1,106 @@
+"""The loader a run reads: one text source, a token store, or a weighted mixture of them.
+
+A path is a token store when it holds a store manifest (scripts/tokenize_dataset.py); any other
+path or name goes to the text loader (titan/data/loader.py). ``check_data`` runs the cheap checks
+of all of it (names, paths, store manifests and shard sizes, the tokenizer a store was made with,
+empty local sources) before a run writes anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from titan.errors import TitanError
+
+from .datasets import _looks_like_path, build_source, check_dataset
+from .loader import TitanDataLoader
+from .loader import build_dataloader as build_text_loader
+from .mixture import MixtureLoader
+from .token_store import TokenStore, is_token_store
+from .windows import StoreDataLoader
+
+__all__ = ["build_dataloader", "check_data", "mixture_names"]
+
+
+def _store_path(dataset: str, dataset_path: str) -> str:
+    path = dataset_path or (dataset if _looks_like_path(dataset) else "")
+    return path if is_token_store(path) else ""
+
+
+def mixture_names(mixture: list) -> list[str]:
+    """A name per mixture source (metrics, state): its dataset name or its folder/file name."""
+    names = [src.dataset if src.dataset and not src.path else (Path(src.path).name or src.path) for src in mixture]
+    return [f"{n}_{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+
+
+def _single(dataset: str, dataset_path: str, *, tokenizer: Any, seq_len: int, local_batch_size: int, dp_rank: int,
+            dp_world_size: int, num_workers: int, infinite: bool, shuffle_seed: int | None,
+            **text: Any) -> TitanDataLoader:
+    store = _store_path(dataset, dataset_path)
+    if store:
+        return StoreDataLoader(TokenStore(store), tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
+                               dp_rank=dp_rank, dp_world_size=dp_world_size, num_workers=num_workers,
+                               infinite=infinite, shuffle_seed=shuffle_seed)
+    return build_text_loader(dataset=dataset, dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len,
+                             local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                             num_workers=num_workers, infinite=infinite, **text)
+
+
+def build_dataloader(*, dataset: str, dataset_path: str, text_field: str, tokenizer: Any, seq_len: int,
+                     local_batch_size: int, dp_rank: int, dp_world_size: int, num_workers: int = 0,
+                     infinite: bool = True, txt_split: str = "paragraph", bad_lines: str = "fail",
+                     shuffle_seed: int | None = None, mixture: list | None = None,
+                     mixture_exhausted: str = "restart", validation: bool = False) -> TitanDataLoader | MixtureLoader:
+    """This dp rank's loader. ``mixture`` (MixtureSource entries) replaces dataset/dataset_path;
+    ``validation`` makes a mixture read each source once, for a loss per source."""
+    text = {"text_field": text_field, "txt_split": txt_split, "bad_lines": bad_lines}
+    common = {"tokenizer": tokenizer, "seq_len": seq_len, "dp_rank": dp_rank, "dp_world_size": dp_world_size,
+              "num_workers": num_workers, **text}
+    if not mixture:
+        if shuffle_seed is not None and not _store_path(dataset, dataset_path):
+            raise TitanError(f"training.dataset_shuffle_seed ({shuffle_seed}) shuffles token-store windows; "
+                             f"{dataset_path or dataset!r} is not a token store (scripts/tokenize_dataset.py)")
+        return _single(dataset, dataset_path, local_batch_size=local_batch_size, infinite=infinite,
+                       shuffle_seed=shuffle_seed, **common)
+    if shuffle_seed is not None and not any(_store_path(s.dataset, s.path) for s in mixture):
+        raise TitanError(f"training.dataset_shuffle_seed ({shuffle_seed}) shuffles token-store windows; no "
+                         "source of training.mixture is a token store (scripts/tokenize_dataset.py)")
+    if not infinite:  # training.dataset_infinite = false: the mixture ends with its first exhausted source
+        mixture_exhausted = "stop"
+    loaders = [_single(src.dataset, src.path, local_batch_size=local_batch_size if validation else 1,
+                       infinite=False if validation else mixture_exhausted == "restart", shuffle_seed=shuffle_seed,
+                       **common) for src in mixture]
+    return MixtureLoader(mixture_names(mixture), loaders, [src.weight for src in mixture],
+                         local_batch_size=local_batch_size, seq_len=seq_len, dp_rank=dp_rank,
+                         dp_world_size=dp_world_size, exhausted=mixture_exhausted, validation=validation)
+
+
+def _check_one(dataset: str, dataset_path: str, tokenizer: Any, seq_len: int, key: str) -> None:
+    store = _store_path(dataset, dataset_path)
+    if store:
+        s = TokenStore(store)
+        s.check_tokenizer(tokenizer)
+        if s.num_windows(seq_len) < 1:
+            raise TitanError(f"token store {store!r} ({key}) holds {s.num_tokens} tokens, fewer than one window of "
+                             f"training.seq_len + 1 = {seq_len + 1}")
+        return
+    check_dataset(dataset, dataset_path)
+
+
+def check_data(config: Any, tokenizer: Any) -> None:
+    """Every training (and, when enabled, validation) source: named right, present, a store made
+    with this tokenizer, a local mixture source not empty. Reads no more than a first row."""
+    t, v = config.training, config.validation
+    text = {"text_field": t.dataset_text_field, "txt_split": t.dataset_txt_split, "bad_lines": t.dataset_bad_lines}
+    groups = [("training", t.mixture, t.dataset, t.dataset_path)]
+    if v.enable:
+        groups.append(("validation", v.mixture, v.dataset, v.dataset_path))
+    for section, mixture, dataset, dataset_path in groups:
+        if not mixture:
+            _check_one(dataset, dataset_path, tokenizer, t.seq_len, f"{section}.dataset_path")
+            continue
+        for i, src in enumerate(mixture):
+            _check_one(src.dataset, src.path, tokenizer, t.seq_len, f"{section}.mixture[{i}]")
+            if src.path and not _store_path(src.dataset, src.path) and src.dataset in ("", None):
+                build_source("", src.path, **text)  # an empty or unreadable local source fails here
