@@ -154,7 +154,7 @@ def check_layout(  # noqa: ANN001
     """Checks that need the degrees, the model shape and the device, but no process group: run
     on every rank before init_distributed so a bad layout fails at once instead of hanging."""
     from titan.parallel.cp import check_cp_seq_len
-    from titan.parallel.pp import num_stages
+    from titan.parallel.pp import split_modules
     from titan.parallel.tp import check_tp_shapes
 
     if attn_type == "flex" and device_type == "cpu":
@@ -181,7 +181,7 @@ def check_layout(  # noqa: ANN001
                 " also set compile.enable (with 'model' in compile.components)"
             )
     if dims.pp_enabled:
-        num_stages(model_args.n_layers, dims.pp, par)
+        split_modules(model_args.n_layers, dims.pp, par)
         if model_args.tie_embeddings:
             raise TitanError("model tie_embeddings cannot be split across pipeline stages; untie it or set pipeline_parallel_degree 1")
     if dims.cp_enabled:

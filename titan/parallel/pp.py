@@ -6,6 +6,7 @@ this file knows only layer counts, ranks and torch.distributed.pipelining.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 
@@ -21,9 +22,16 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from titan.errors import TitanError
+from titan.errors import TitanError, require
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+SCHEDULES = (
+    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV",
+    "PipelineScheduleSingle", "PipelineScheduleMulti",
+)
+# Base classes: they carry no order of their own, only the one a CSV file gives them.
+CSV_ONLY = ("PipelineScheduleSingle", "PipelineScheduleMulti")
+# The modules of a pipeline split besides the layers, in forward order around them.
+FIRST_MODULES, LAST_MODULES = ("tok_embeddings",), ("norm", "output")
 
 
 def schedule_class(name: str) -> type[_PipelineSchedule]:
@@ -38,6 +46,13 @@ def check_schedule_config(par, local_batch_size: int) -> None:  # noqa: ANN001 -
     csv = par.pipeline_parallel_schedule_csv
     if csv and not os.path.isfile(csv):
         raise TitanError(f"config key 'parallelism.pipeline_parallel_schedule_csv' got {csv!r}: no such file")
+    if not csv and par.pipeline_parallel_schedule.lower() in {s.lower() for s in CSV_ONLY}:
+        raise TitanError(
+            f"config key 'parallelism.pipeline_parallel_schedule' got {par.pipeline_parallel_schedule!r}, which runs"
+            " the order of a CSV file: set parallelism.pipeline_parallel_schedule_csv, or name a schedule"
+        )
+    for key in ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers"):
+        require(getattr(par, key) >= 0, f"parallelism.{key}", getattr(par, key), "an integer >= 0")
     mbs = par.pipeline_parallel_microbatch_size
     if par.pipeline_parallel_degree > 1 and local_batch_size % mbs:
         raise TitanError(
@@ -47,9 +62,8 @@ def check_schedule_config(par, local_batch_size: int) -> None:  # noqa: ANN001 -
 
 
 def is_multi_stage(par) -> bool:  # noqa: ANN001
-    """Multi-stage (looped) schedules run several stages per rank; CSV schedules always are."""
-    if par.pipeline_parallel_schedule_csv:
-        return True
+    """Multi-stage (looped) schedules run several stages per rank. As in torchtitan, the schedule's
+    name decides, also when a CSV file gives the order (PipelineScheduleMulti with a CSV)."""
     return issubclass(schedule_class(par.pipeline_parallel_schedule), PipelineScheduleMulti)
 
 
@@ -58,36 +72,86 @@ def is_v_schedule(name: str) -> bool:
 
 
 def num_stages(n_layers: int, pp: int, par) -> int:  # noqa: ANN001
-    """Total stages over all ranks, from layers_per_stage (or the default); checked to fit."""
+    """Total (virtual) stages over all ranks: one per module_fqns_per_model_part entry; else from
+    layers_per_stage, counting the embedding and the output as first/last_stage_less_layers layers
+    (ceil((n_layers + first + last) / layers_per_stage)); else one stage per rank, two for looped schedules."""
     multi = is_multi_stage(par)
     lps = par.pipeline_parallel_layers_per_stage
-    if lps == -1:
-        stages = pp * (2 if multi else 1)
-        if stages > n_layers:
-            raise TitanError(
-                f"model n_layers ({n_layers}) cannot be split into {stages} pipeline stages"
-                f" (pipeline_parallel_degree {pp}{' x 2 stages per rank' if multi else ''}): every stage"
-                " needs at least one layer; lower parallelism.pipeline_parallel_degree, or set"
-                " parallelism.pipeline_parallel_layers_per_stage"
-            )
-        return stages
-    if n_layers % lps:
-        raise TitanError(
-            f"parallelism.pipeline_parallel_layers_per_stage ({lps}) must divide model n_layers ({n_layers})"
-        )
-    stages = n_layers // lps
+    if par.module_fqns_per_model_part:
+        stages, why = len(par.module_fqns_per_model_part), "parallelism.module_fqns_per_model_part has"
+    elif lps != -1:
+        units = n_layers + par.pipeline_parallel_first_stage_less_layers + par.pipeline_parallel_last_stage_less_layers
+        stages = math.ceil(units / lps)
+        why = (f"{n_layers} layers + embedding and output counted as {units - n_layers} at"
+               f" pipeline_parallel_layers_per_stage {lps} make")
+    else:
+        return pp * (2 if multi else 1)
     if stages % pp:
+        raise TitanError(f"{why} {stages} pipeline stages, not a multiple of pipeline_parallel_degree {pp}")
+    per_rank = stages // pp
+    if not multi and per_rank != 1:
         raise TitanError(
-            f"{n_layers} layers at {lps} per stage make {stages} stages, not a multiple of"
-            f" pipeline_parallel_degree {pp}; change pipeline_parallel_layers_per_stage"
+            f"{why} {stages} pipeline stages, {per_rank} per rank, but schedule {par.pipeline_parallel_schedule}"
+            " runs one stage per rank; use a looped schedule (Interleaved1F1B, ...) or fewer stages"
         )
-    if not multi and stages != pp:
+    if is_v_schedule(par.pipeline_parallel_schedule) and per_rank != 2:
         raise TitanError(
-            f"schedule {par.pipeline_parallel_schedule} runs one stage per rank but"
-            f" {n_layers} layers at {lps} per stage make {stages} stages for {pp} ranks;"
-            " use a looped schedule (Interleaved1F1B, ...) or fewer layers per stage"
+            f"{why} {stages} pipeline stages, {per_rank} per rank, but the V-shaped schedule"
+            f" {par.pipeline_parallel_schedule} runs exactly 2 per rank"
+        )
+    if multi and per_rank < 2:
+        raise TitanError(
+            f"{why} {stages} pipeline stages, 1 per rank, but schedule {par.pipeline_parallel_schedule} runs"
+            " at least 2 per rank; use a single-stage schedule (1F1B, GPipe) or more stages"
         )
     return stages
+
+
+def split_modules(n_layers: int, pp: int, par) -> list[list[str]]:  # noqa: ANN001
+    """The module names of every stage (``layers.<i>``, tok_embeddings, norm, output): the given
+    module_fqns_per_model_part, checked, or spread as torchtitan spreads them."""
+    stages = num_stages(n_layers, pp, par)
+    if par.module_fqns_per_model_part:
+        return check_module_split(par.module_fqns_per_model_part, n_layers)
+    return spread_modules(n_layers, stages, par.pipeline_parallel_first_stage_less_layers,
+                          par.pipeline_parallel_last_stage_less_layers)
+
+
+def spread_modules(n_layers: int, stages: int, first_less: int = 1, last_less: int = 1) -> list[list[str]]:
+    """Stages of (nearly) equal units: the embedding counts as `first_less` layers and norm +
+    output as `last_less`, so the first and last stage hold that many layers fewer; the remainder
+    goes one unit each to the first stages. 6 layers over 8 stages: the embedding alone, one layer
+    each, then norm + output alone."""
+    units = n_layers + first_less + last_less
+    base, extra = divmod(units, stages)
+    if base == 0 or first_less > base or last_less > base:
+        raise TitanError(
+            f"model n_layers ({n_layers}) cannot be split into {stages} pipeline stages: with the embedding"
+            f" counted as {first_less} layer(s) and the output as {last_less} (parallelism.pipeline_parallel_first/"
+            f"last_stage_less_layers) a stage gets {base} unit(s) or {base + 1}, and the first and last stages"
+            " need at least their own modules' count; lower parallelism.pipeline_parallel_degree (or raise"
+            " pipeline_parallel_layers_per_stage)"
+        )
+    parts, layer = [], 0
+    for s in range(stages):
+        count = base + (s < extra) - (first_less if s == 0 else 0) - (last_less if s == stages - 1 else 0)
+        names = [f"layers.{i}" for i in range(layer, layer + count)]
+        layer += count
+        parts.append([*FIRST_MODULES, *names] if s == 0 else [*names, *LAST_MODULES] if s == stages - 1 else names)
+    return parts
+
+
+def check_module_split(parts: list[list[str]], n_layers: int) -> list[list[str]]:
+    """Stages run one after another, so the parts concatenated must be the model's modules in
+    forward order, each once: tok_embeddings, layers.0 .. layers.<n-1>, norm, output."""
+    order = [*FIRST_MODULES, *(f"layers.{i}" for i in range(n_layers)), *LAST_MODULES]
+    flat = [name for part in parts for name in part]
+    if flat != order or not all(parts):
+        raise TitanError(
+            f"config key 'parallelism.module_fqns_per_model_part' got {parts!r}; valid: non-empty lists that"
+            f" together name tok_embeddings, layers.0 .. layers.{n_layers - 1}, norm, output once each, in that order"
+        )
+    return [list(part) for part in parts]
 
 
 def stage_ids_this_rank(pp_rank: int, pp: int, stages: int, v_style: bool) -> list[int]:
@@ -101,59 +165,62 @@ def stage_ids_this_rank(pp_rank: int, pp: int, stages: int, v_style: bool) -> li
     return [pp_rank + i * pp for i in range(per_rank)]
 
 
-def stage_layer_counts(n_layers: int, stages: int) -> list[int]:
-    """Layers per stage, as even as possible: n_layers // stages each, and the remainder one
-    layer at a time to the middle stages first, as they hold neither the embedding nor the output
-    projection + loss. Among them the later ones come first: under 1F1B-style schedules stage s
-    keeps about (stages - s) micro-batches of activations in flight, so a layer more costs less
-    memory late in the pipeline. Only when every middle stage has one does the first stage get
-    one: its embedding is a lookup, while the last stage's output projection over the vocabulary
-    and the loss cost more than a layer. So the last stage never holds more layers than any other."""
-    base, extra = divmod(n_layers, stages)
-    counts = [base] * stages
-    for s in [*range(stages - 2, 0, -1), 0][:extra]:
-        counts[s] += 1
-    return counts
+def describe_stage(names: list[str]) -> str:
+    """'layers 0-2 + embedding', 'layer 5 + output+loss', 'embedding', ..."""
+    layers = [int(n.split(".", 1)[1]) for n in names if n.startswith("layers.")]
+    pieces = []
+    if layers:
+        pieces.append(f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}")
+    if "tok_embeddings" in names:
+        pieces.append("embedding")
+    if "output" in names:
+        pieces.append("output+loss")
+    elif "norm" in names:
+        pieces.append("norm")
+    return " + ".join(pieces)
 
 
-def layers_of_stage(stage: int, stages: int, n_layers: int) -> list[int]:
-    counts = stage_layer_counts(n_layers, stages)
-    start = sum(counts[:stage])
-    return list(range(start, start + counts[stage]))
-
-
-def describe_split(n_layers: int, stages: int) -> str:
-    """One line naming the layers of every stage (logged at start-up)."""
-    parts = []
-    for s in range(stages):
-        layers = layers_of_stage(s, stages, n_layers)
-        span = str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
-        ends = [e for e, on in (("embedding", s == 0), ("output+loss", s == stages - 1)) if on]
-        parts.append(f"stage {s}: layers {span}" + "".join(f" + {e}" for e in ends))
-    return f"pipeline split of {n_layers} layers into {stages} stages: " + "; ".join(parts)
+def describe_split(n_layers: int, parts: list[list[str]]) -> str:
+    """One line naming the modules of every stage (logged at start-up)."""
+    stages = "; ".join(f"stage {s}: {describe_stage(names)}" for s, names in enumerate(parts))
+    return f"pipeline split of {n_layers} layers into {len(parts)} stages: {stages}"
 
 
 def build_schedule(
     stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, par  # noqa: ANN001
 ) -> _PipelineSchedule:
-    """The schedule by name, or the CSV runtime; gradients are *not* scaled by the schedule:
-    the loss function already normalises by the global token count."""
-    name = par.pipeline_parallel_schedule_csv or par.pipeline_parallel_schedule
+    """The schedule by name, or with a CSV file torch's runtime running the file's order (any
+    schedule name then only sets the stages per rank, as in torchtitan); gradients are *not*
+    scaled by the schedule: the loss function already normalises by the global token count."""
+    csv = par.pipeline_parallel_schedule_csv
+    name = csv or par.pipeline_parallel_schedule
     try:
-        if par.pipeline_parallel_schedule_csv:
-            schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-            schedule._load_csv(par.pipeline_parallel_schedule_csv)
-            return schedule
-        cls = schedule_class(par.pipeline_parallel_schedule)
-        if issubclass(cls, PipelineScheduleSingle):
-            return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        if csv:
+            schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
+                                                scale_grads=False)
+        else:
+            cls = schedule_class(par.pipeline_parallel_schedule)
+            first = issubclass(cls, PipelineScheduleSingle)
+            schedule = cls(stages[0] if first else stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
+                           scale_grads=False)
     except ValueError as e:
         # Raised identically on every rank before any pipeline communication: no hang.
         raise TitanError(
             f"pipeline schedule {name} rejects {n_microbatches} micro-batches (training.local_batch_size /"
             f" parallelism.pipeline_parallel_microbatch_size) for {len(stages)} local stage(s): {e}"
         ) from e
+    if csv:
+        try:
+            schedule._load_csv(csv)
+        except (ValueError, RuntimeError, AssertionError, KeyError) as e:  # the same file on every rank: no hang
+            text = str(e).strip()
+            first_line = (f"it names stage {text}, which the run lacks" if isinstance(e, KeyError)
+                          else text.splitlines()[0] if text else type(e).__name__)
+            raise TitanError(
+                f"config key 'parallelism.pipeline_parallel_schedule_csv' got {csv!r}, which does not fit"
+                f" {len(stages) * par.pipeline_parallel_degree} stages x {n_microbatches} micro-batches: {first_line}"
+            ) from e
+    return schedule
 
 
 def make_stages(

@@ -23,9 +23,11 @@ from titan.log import logger
 from titan.models import ModelSpec, get_model_spec, model_args_from_config
 from titan.parallel.dims import ParallelDims, check_layout
 from titan.parallel.float8 import apply_float8, register_float8_precompute
+from titan.parallel.fsdp import check_cpu_offload, offload_init_device
 from titan.parallel.init import init_model_weights
 from titan.training.lr_scheduler import build_lr_schedulers
 from titan.training.optim import OptimizersContainer, build_optimizers, cast_params_for_optimizer
+from titan.training.optim_in_backward import OptimizersInBackward, check_step_in_backward
 
 __all__ = [
     "BuiltModel", "build_loader", "build_model", "build_optimizers_and_schedulers", "build_parallel_dims",
@@ -81,6 +83,9 @@ def check_run_layout(config: JobConfig, dims: ParallelDims, model_args: Any, dev
                          ' attn_mask_type = "block_causal" in float32')
     check_layout(dims, config.parallelism, model_args, config.training.seq_len, device_type,
                  config.model.attn_type, compiled)
+    if config.training.enable_cpu_offload:
+        check_cpu_offload(dims.fsdp_enabled, config.float8, config.training.nonfinite, device_type)
+    check_step_in_backward(config.optimizer, config.training, dims)
 
 
 def run_model_args(config: JobConfig, model_args: Any, vocab_size: int | None) -> Any:
@@ -135,10 +140,11 @@ def build_model(config: JobConfig, spec: ModelSpec, model_args: Any, dims: Paral
     return BuiltModel(parts, schedule, has_first, has_last, num_params, flops_per_token, float8_fqns)
 
 
-def init_weights(parts: list[nn.Module], seed: int, device: torch.device) -> None:
-    """Allocate the meta parts on `device` and initialize them from `seed`, in training mode."""
+def init_weights(parts: list[nn.Module], seed: int, device: torch.device, cpu_offload: bool = False) -> None:
+    """Allocate the meta parts on `device` (parameters on the host under CPU offload, buffers on
+    `device` still) and initialize them from `seed`, in training mode."""
     for part in parts:
-        part.to_empty(device=device)
+        part.to_empty(device=offload_init_device(device, cpu_offload))
         init_model_weights(part, seed, buffer_device=device)
         part.train()
 
@@ -146,7 +152,8 @@ def init_weights(parts: list[nn.Module], seed: int, device: torch.device) -> Non
 def build_optimizers_and_schedulers(config: JobConfig, parts: list[nn.Module], dims: ParallelDims):  # noqa: ANN201
     """Optimizers over the parts (with float8's scale precompute after each step when configured)
     and their LR schedulers."""
-    optimizers: OptimizersContainer = build_optimizers(parts, config.optimizer)
+    container = OptimizersInBackward if config.optimizer.early_step_in_backward else OptimizersContainer
+    optimizers: OptimizersContainer = build_optimizers(parts, config.optimizer, container)
     register_float8_precompute(optimizers, parts, config.float8, dims.fsdp_enabled)
     return optimizers, build_lr_schedulers(optimizers, config.lr_scheduler, config.training.steps)
 

@@ -235,6 +235,11 @@ def _check_supported(config: JobConfig) -> None:
             "the memory estimator models fp32 parameters and AdamW states, not"
             " optimizer.bf16_stochastic_round (bf16 parameters); set it to false to estimate"
         )
+    for key, on in (("training.enable_cpu_offload", config.training.enable_cpu_offload),
+                    ("optimizer.early_step_in_backward", config.optimizer.early_step_in_backward)):
+        if on:
+            raise TitanError(f"the memory estimator models device-resident states with a whole-model gradient,"
+                             f" not {key}; set it to false to estimate")
 
 
 def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:

@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from titan.config.job_config import Optimizer as OptimizerConfig
 from titan.errors import TitanError, require
 from titan.log import import_torchao
+from titan.parallel.utils import clip_grad_norm_
 
 __all__ = ["OptimizersContainer", "build_optimizers", "OPTIMIZERS", "IMPLEMENTATIONS", "param_groups",
            "WEIGHT_DECAY_EXCLUDE"]
@@ -85,11 +87,15 @@ class OptimizersContainer:
     ) -> None:
         self.model_parts = list(model_parts)
         self.optimizer_kwargs = dict(optimizer_kwargs)
-        self.optimizers: list[torch.optim.Optimizer] = []
-        for part in self.model_parts:
-            params = param_groups(part, weight_decay_exclude)
-            self.optimizers.append(optimizer_cls(params, **self.optimizer_kwargs))
         self._post_step_hooks: list[Callable[[], None]] = []
+        # part_optimizers[i]: the optimizers of model_parts[i] (one here; one per parameter in a subclass).
+        self.part_optimizers = [self._build_part(part, optimizer_cls, weight_decay_exclude)
+                                for part in self.model_parts]
+        self.optimizers = [o for optimizers in self.part_optimizers for o in optimizers]
+
+    def _build_part(self, part: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
+                    weight_decay_exclude: list[str] | tuple[str, ...]) -> list[torch.optim.Optimizer]:
+        return [optimizer_cls(param_groups(part, weight_decay_exclude), **self.optimizer_kwargs)]
 
     def __iter__(self) -> Iterator[torch.optim.Optimizer]:
         return iter(self.optimizers)
@@ -107,6 +113,11 @@ class OptimizersContainer:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
+    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None
+                        ) -> torch.Tensor:
+        """Clip the gradients of `params` to max_norm (if > 0); returns their total norm before clipping."""
+        return clip_grad_norm_(params, max_norm, pp_group)
+
     def register_step_post_hook(self, hook: Callable[[], None]) -> None:
         """Run ``hook()`` once after every container step (e.g. float8 scale precompute), after all
         parts have stepped."""
@@ -114,15 +125,15 @@ class OptimizersContainer:
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
-        for part, optimizer in zip(self.model_parts, self.optimizers):
-            merged.update(get_optimizer_state_dict(part, optimizer, options=_STATE_DICT_OPTIONS))
+        for part, optimizers in zip(self.model_parts, self.part_optimizers):
+            merged.update(get_optimizer_state_dict(part, optimizers, options=_STATE_DICT_OPTIONS))
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Each part picks the FQN keys of its own parameters out of the merged dict.
-        for part, optimizer in zip(self.model_parts, self.optimizers):
+        for part, optimizers in zip(self.model_parts, self.part_optimizers):
             set_optimizer_state_dict(
-                part, optimizer, optim_state_dict=state_dict, options=_STATE_DICT_OPTIONS
+                part, optimizers, optim_state_dict=state_dict, options=_STATE_DICT_OPTIONS
             )
 
 
@@ -145,17 +156,18 @@ def validate_optimizer_config(cfg: OptimizerConfig) -> None:
 
 
 def build_optimizers(
-    model_parts: list[nn.Module], cfg: OptimizerConfig
+    model_parts: list[nn.Module], cfg: OptimizerConfig, container: type[OptimizersContainer] = OptimizersContainer
 ) -> OptimizersContainer:
     """Build one optimizer per model part from the [optimizer] config section.
 
     Weight decay applies to every parameter (as in Llama 3 / torchtitan) unless
     ``weight_decay_exclude`` names module kinds to spare. With ``bf16_stochastic_round`` the
     parameters must already be bf16 (see ``cast_params_for_optimizer``). ``cfg`` has passed
-    validate_optimizer_config (titan.training.checks.validate_job).
+    validate_optimizer_config (titan.training.checks.validate_job). ``container``: this module's,
+    or titan.training.optim_in_backward's for optimizer.early_step_in_backward.
     """
     if cfg.bf16_stochastic_round:
-        return OptimizersContainer(model_parts, _bf16_sr_adamw(), {
+        return container(model_parts, _bf16_sr_adamw(), {
             "lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "weight_decay": cfg.weight_decay,
             "bf16_stochastic_round": True,
         }, cfg.weight_decay_exclude)
@@ -169,7 +181,7 @@ def build_optimizers(
     }
     if cfg.implementation == "fused":
         _check_fused_supported(model_parts)
-    return OptimizersContainer(model_parts, OPTIMIZERS[name], kwargs, cfg.weight_decay_exclude)
+    return container(model_parts, OPTIMIZERS[name], kwargs, cfg.weight_decay_exclude)
 
 
 def _bf16_sr_adamw() -> type[torch.optim.Optimizer]:

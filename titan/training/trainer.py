@@ -33,7 +33,7 @@ from titan.parallel.compile import build_loss_fn
 from titan.parallel.cp import cp_shard_batch
 from titan.parallel.fsdp import DTYPES
 from titan.training.determinism import DeterministicMode
-from titan.parallel.utils import clip_grad_norm_, init_distributed, pick_device, set_seed, world_info
+from titan.parallel.utils import init_distributed, pick_device, set_seed, world_info
 from titan.training.profiling import Profiler
 from titan.training.nonfinite import UpdateMask
 from titan.training.stability import StabilityMonitor, param_norm
@@ -104,7 +104,7 @@ class Trainer:
         self.model_parts, self.pp_schedule = built.parts, built.pp_schedule
         self.pp_has_first, self.pp_has_last = built.pp_has_first, built.pp_has_last
         self.num_params, self.flops_per_token, self.float8_fqns = built.num_params, built.flops_per_token, built.float8_fqns
-        init_weights(self.model_parts, seed, self.device)
+        init_weights(self.model_parts, seed, self.device, cpu_offload=t.enable_cpu_offload)
         # Position-indexed buffers (the RoPE table) that CP shards with each batch: fixed per run.
         self._cp_buffers = [b for part in self.model_parts for b in spec.cp_buffers_fn(part)] if spec.cp_buffers_fn else []
         # Set per step: the PP loss function divides by the step's global token count.
@@ -240,7 +240,10 @@ class Trainer:
                 else:
                     loss_sum += self._forward_backward(inputs, labels, global_tokens, dp_scale)
             self.metrics.count_tokens(full_labels.numel())
-        grad_norm = clip_grad_norm_(self._params, self.config.training.max_norm, self._pp_group)
+        # The container clips (or, stepping in backward, reports the norm its hooks summed); under CPU
+        # offload the gradients, and so their norm, live on the host.
+        max_norm = self.config.training.max_norm
+        grad_norm = self.optimizers.clip_grad_norm_(self._params, max_norm, self._pp_group).to(self.device)
         # Non-finite policy (training.nonfinite): a skipped step still advances step and LR.
         apply = self.stability.check(self.step, loss_sum, grad_norm)
         # A whole-model pass: only on the log steps that show it, on the weights entering the step.

@@ -34,6 +34,8 @@ def _other_value(tp, default):  # noqa: ANN001, ANN202
         (inner,) = typing.get_args(tp)
         if typing.get_origin(inner) is typing.Literal:
             return list(reversed(typing.get_args(inner)))
+        if typing.get_origin(inner) is list:
+            return [_other_value(inner, []), ["y"]]
         if dataclasses.is_dataclass(inner):  # an array of tables: two tables, every field set
             hints = typing.get_type_hints(inner)
             fields = dataclasses.fields(inner)

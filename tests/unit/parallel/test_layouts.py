@@ -8,25 +8,11 @@ Layouts that need different meshes share one spawned process group: each builds 
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import FLAVORS, GLOBAL_BATCH, check, config, layouts_on_ranks, run
 from tests.helpers.tiny import extra_flavors, patch_flavors
-from titan.config import load_config
-from titan.models.llama.args import TransformerModelArgs
 from titan.training.trainer import Trainer
-
-REPO = Path(__file__).resolve().parents[3]
-SEQ, VOCAB, STEPS, GLOBAL_BATCH = 32, 2048, 10, 4
-TOL = 1e-4
-# Tiny, 4 layers (2 or 4 pipeline stages), GQA with heads divisible by TP 2; and 5 layers, which
-# no pipeline degree splits evenly.
-FLAVORS = {
-    f"partest{suffix}": TransformerModelArgs(
-        dim=64, n_layers=n, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32
-    )
-    for suffix, n in (("", 4), ("5", 5))
-}
 
 
 @pytest.fixture(autouse=True)
@@ -34,56 +20,10 @@ def _flavors(monkeypatch):
     patch_flavors(monkeypatch, **FLAVORS)
 
 
-def _config(dump: str, *extra: str):
-    return load_config([
-        "--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", dump,
-        "--model.flavor", "partest", "--training.seq_len", str(SEQ), "--metrics.enable_tensorboard", "false",
-        "--lr_scheduler.warmup_steps", "1", *extra,
-    ])
-
-
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(0, VOCAB, (STEPS, GLOBAL_BATCH, SEQ + 1), generator=g)
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]
-
-
-def _run(trainer: Trainer) -> list[tuple[float, float]]:
-    dp = trainer.parallel_dims.dp_degree
-    per, r = GLOBAL_BATCH // dp, trainer.dp_rank
-    out = []
-    for inputs, labels in _batches():
-        x, y = inputs[r * per:(r + 1) * per], labels[r * per:(r + 1) * per]
-        n = trainer.grad_accum_steps  # this rank's rows, cut into the accumulation micro-batches
-        loss, norm = trainer.train_step(list(zip(x.chunk(n), y.chunk(n))))
-        out.append((loss.item(), norm.item()))
-    return out
-
-
-def _layouts_on_ranks(rank: int, world: int, dump: str, layouts: dict[str, tuple[str, ...]]):
-    with extra_flavors(**FLAVORS):
-        return _layouts(dump, layouts)
-
-
-def _layouts(dump: str, layouts: dict[str, tuple[str, ...]]):
-    results = {}
-    for name, flags in layouts.items():
-        dp = 1
-        for key in ("--parallelism.data_parallel_shard_degree", "--parallelism.data_parallel_replicate_degree"):
-            if key in flags:
-                dp *= int(flags[flags.index(key) + 1])
-        accum = 2 if name.endswith("_accum2") else 1
-        batch = ("--training.local_batch_size", str(GLOBAL_BATCH // dp // accum), "--training.global_batch_size", str(GLOBAL_BATCH))
-        trainer = Trainer(_config(dump, *batch, *flags))
-        results[name] = _run(trainer)
-        del trainer
-    return results
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     with extra_flavors(**FLAVORS):  # module scope: monkeypatch is per test
-        return _run(Trainer(_config(str(tmp_path_factory.mktemp("ref")), "--training.local_batch_size", str(GLOBAL_BATCH))))
+        return run(Trainer(config(str(tmp_path_factory.mktemp("ref")), "--training.local_batch_size", str(GLOBAL_BATCH))))
 
 
 def _shard(n: int) -> tuple[str, ...]:
@@ -117,20 +57,6 @@ FOUR_RANK_LAYOUTS = {
 }
 
 
-def _check(results: list[dict], reference: list[tuple[float, float]]) -> dict[str, float]:
-    diffs = {}
-    for name in results[0]:
-        worst = 0.0
-        for per_rank in results:
-            for (loss, norm), (ref_loss, ref_norm) in zip(per_rank[name], reference):
-                worst = max(worst, abs(loss - ref_loss))
-                assert abs(norm - ref_norm) < 10 * TOL, (name, per_rank[name], reference)
-        assert worst < TOL, (name, results[0][name], reference)
-        diffs[name] = worst
-    print("max |loss - 1-process loss|:", diffs)
-    return diffs
-
-
 def _looped_bfs_csv(path: Path) -> str:
     """A hand-written compute-only schedule: 4 stages looped over 2 ranks, all forwards first."""
     rows = []
@@ -147,19 +73,59 @@ def _looped_bfs_csv(path: Path) -> str:
 def test_two_rank_layouts_match_one_process(tmp_path, reference):
     """world size 2: FSDP, DDP, TP (+/- loss parallel), PP with every torch schedule and a CSV one."""
     csv = _looped_bfs_csv(tmp_path / "schedule.csv")
-    layouts = {**TWO_RANK_LAYOUTS, "pp2_csv": (*_pp("1F1B", "--parallelism.pipeline_parallel_schedule_csv", csv), *_shard(1))}
-    _check(run_distributed(_layouts_on_ranks, 2, str(tmp_path), layouts), reference)
+    multi = _pp("PipelineScheduleMulti", "--parallelism.pipeline_parallel_schedule_csv", csv)
+    layouts = {**TWO_RANK_LAYOUTS, "pp2_csv": (*multi, *_shard(1))}
+    check(run_distributed(layouts_on_ranks, 2, str(tmp_path), layouts), reference)
 
 
 @pytest.mark.slow
 def test_four_rank_layouts_match_one_process(tmp_path, reference):
     """world size 4: HSDP 2x2, FSDP+TP 2x2, PP+FSDP 2x2, PP+TP 2x2."""
-    _check(run_distributed(_layouts_on_ranks, 4, str(tmp_path), FOUR_RANK_LAYOUTS), reference)
+    check(run_distributed(layouts_on_ranks, 4, str(tmp_path), FOUR_RANK_LAYOUTS), reference)
+
+
+def _split_backward_csv(path: Path) -> str:
+    """Like _looped_bfs_csv, with each backward split into its input (I) and weight (W) halves."""
+    rows = []
+    for rank in range(2):
+        stages = (rank, rank + 2)
+        fwd = [f"{s}F{m}" for s in stages for m in range(4)]
+        bwd = [f"{s}{op}{m}" for s in reversed(stages) for m in range(4) for op in "IW"]
+        rows.append(",".join(fwd + bwd))
+    path.write_text("\n".join(rows) + "\n")
+    return str(path)
+
+
+SIX = ("--model.flavor", "partest6")
+
+
+@pytest.mark.slow
+def test_six_layer_splits_match_one_process(tmp_path):
+    """6 layers, the embedding and the output counted as a layer each (8 units): 8 virtual stages on
+    4 ranks for the looped schedules, 2 stages of 4 units at layers_per_stage 4, an explicit module
+    list, and PipelineScheduleMulti running CSV orders (4 stages on 2 ranks)."""
+    reference = run(Trainer(config(str(tmp_path / "ref"), "--training.local_batch_size", str(GLOBAL_BATCH), *SIX)))
+    fqns = ('[["tok_embeddings", "layers.0"],'
+            ' ["layers.1", "layers.2", "layers.3", "layers.4", "layers.5", "norm", "output"]]')
+    two = {
+        "pp2_layers_per_stage4": (*_pp("1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "4"), *_shard(1)),
+        "pp2_module_fqns": (*_pp("GPipe", "--parallelism.module_fqns_per_model_part", fqns), *_shard(1)),
+        "pp2_multi_csv_split_backward": (*_pp("PipelineScheduleMulti", "--parallelism.pipeline_parallel_schedule_csv",
+                                              _split_backward_csv(tmp_path / "zb.csv")), *_shard(1)),
+    }
+    four = {
+        f"pp4_{schedule}": ("--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule",
+                            schedule, *_shard(1))
+        for schedule in ("Interleaved1F1B", "InterleavedZeroBubble")
+    }
+    for world, layouts in ((2, two), (4, four)):
+        layouts = {name: (*flags, *SIX) for name, flags in layouts.items()}
+        check(run_distributed(layouts_on_ranks, world, str(tmp_path), layouts, timeout=900), reference)
 
 
 UNEVEN_LAYOUTS = {
     "pp2_1f1b_uneven": (*_pp("1F1B"), *_shard(1)),  # stages of 3 and 2 layers
-    "pp2_interleaved1f1b_uneven": (*_pp("Interleaved1F1B"), *_shard(1)),  # 4 stages: 1, 1, 2, 1 layers
+    "pp2_interleaved1f1b_uneven": (*_pp("Interleaved1F1B"), *_shard(1)),  # 4 stages: 1, 2, 2, 0 layers
 }
 
 
@@ -167,6 +133,6 @@ UNEVEN_LAYOUTS = {
 def test_uneven_pipeline_split_matches_one_process(tmp_path):
     """5 layers over 2 and 4 pipeline stages: the uneven split trains as the unsplit model does."""
     five = ("--model.flavor", "partest5")
-    reference = _run(Trainer(_config(str(tmp_path / "ref"), "--training.local_batch_size", str(GLOBAL_BATCH), *five)))
+    reference = run(Trainer(config(str(tmp_path / "ref"), "--training.local_batch_size", str(GLOBAL_BATCH), *five)))
     layouts = {name: (*flags, *five) for name, flags in UNEVEN_LAYOUTS.items()}
-    _check(run_distributed(_layouts_on_ranks, 2, str(tmp_path), layouts), reference)
+    check(run_distributed(layouts_on_ranks, 2, str(tmp_path), layouts), reference)

@@ -45,6 +45,34 @@ def test_405b_on_512_ranks_plan_adds_up_to_the_model():
     assert fsdp.per_rank_params[0] > fsdp.per_rank_params[-1]  # uneven dim-0 chunks at the end
 
 
+def test_looped_pipeline_counts_embedding_and_output_as_stages():
+    """6 layers + embedding + output make 8 stages for 4 ranks x 2 (loop placement: r, r + 4)."""
+    for schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        report = run_dry_run(_config("debug_model.toml", 4, "--parallelism.pipeline_parallel_degree", "4",
+                                     "--parallelism.pipeline_parallel_schedule", schedule))
+        assert report.ok and report.stages == [
+            "no layers + tok_embeddings; layer 3 (1)", "layer 0 (1); layer 4 (1)",
+            "layer 1 (1); layer 5 (1)", "layer 2 (1); no layers + norm, output"]
+    two = run_dry_run(_config("debug_model.toml", 2, "--parallelism.pipeline_parallel_degree", "2",
+                              "--parallelism.pipeline_parallel_layers_per_stage", "4"))
+    assert two.stages == ["layers 0-2 (3) + tok_embeddings", "layers 3-5 (3) + norm, output"]
+
+
+def test_schedule_csv_is_loaded_against_the_stages(tmp_path):
+    """PipelineScheduleMulti runs a CSV order (4 stages, 8 micro-batches); one that does not fit is one line."""
+    rows = [",".join([f"{s}F{m}" for s in (r, r + 2) for m in range(8)]
+                     + [f"{s}B{m}" for s in (r + 2, r) for m in range(8)]) for r in range(2)]
+    good, bad = tmp_path / "good.csv", tmp_path / "bad.csv"
+    good.write_text("\n".join(rows) + "\n")
+    bad.write_text(rows[0].replace("2F7", "5F7") + "\n" + rows[1] + "\n")
+    flags = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+             "PipelineScheduleMulti", "--training.local_batch_size", "8",
+             "--parallelism.pipeline_parallel_schedule_csv")
+    assert run_dry_run(_config("debug_model.toml", 2, *flags, str(good))).ok
+    with pytest.raises(TitanError, match=r"which does not fit 4 stages x 8 micro-batches: it names stage 5,"):
+        run_dry_run(_config("debug_model.toml", 2, *flags, str(bad)))
+
+
 def test_hsdp_and_ddp_layouts_count_replicas_once():
     hsdp = run_dry_run(_config("debug_model.toml", 8, "--parallelism.data_parallel_replicate_degree", "2"))
     assert hsdp.degrees["dp_replicate"] == 2 and hsdp.degrees["dp_shard"] == 4

@@ -154,6 +154,13 @@ def test_tp_pp_cp_layouts_are_refused_by_name(flag):
         estimate_memory(config, 2)
 
 
+@pytest.mark.parametrize("flag", ["training.enable_cpu_offload", "optimizer.early_step_in_backward"])
+def test_offload_and_step_in_backward_are_refused_by_name(flag):
+    config = load_config(["--" + flag, "--training.seq_len", "32"])
+    with pytest.raises(TitanError, match=f"not {flag}; set it to false"):
+        estimate_memory(config, 2)
+
+
 @pytest.mark.slow
 def test_script_refuses_tp_in_one_line():
     import subprocess

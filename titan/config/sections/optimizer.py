@@ -31,3 +31,9 @@ class Optimizer:
     """Keep parameters in bfloat16 and update them with torchao's AdamW, which computes in fp32
     and rounds the new weights to bf16 stochastically (unbiased, so small updates are not lost).
     Needs name = AdamW; compute then runs in bf16."""
+    early_step_in_backward: bool = False
+    """Step each parameter's optimizer inside backward, as soon as its gradient is ready, and free
+    that gradient at once (per-parameter optimizers on post-accumulate-grad hooks): gradients of
+    the whole model never exist together. Not with grad clipping (training.max_norm > 0), gradient
+    accumulation, pipeline parallel, DDP or training.nonfinite = skip_step, which need every
+    gradient before the first update."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from titan.config.choices import ReshardAfterForward, RotateMethod
 
@@ -29,17 +29,30 @@ class Parallelism:
     """Pipeline stages' rank groups: the layers are split into stages over this many ranks."""
     pipeline_parallel_schedule: str = "1F1B"
     """torch.distributed.pipelining schedule by name: GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
-    InterleavedZeroBubble, ZBVZeroBubble, DualPipeV. Looped/interleaved/ZB-V schedules run
-    several stages per rank."""
+    InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; or PipelineScheduleSingle /
+    PipelineScheduleMulti with pipeline_parallel_schedule_csv. Looped/interleaved/ZB-V schedules
+    (and PipelineScheduleMulti) run several stages per rank, the others one."""
     pipeline_parallel_schedule_csv: str = ""
-    """CSV file describing a custom schedule (torch's _PipelineScheduleRuntime format); when
-    set it replaces pipeline_parallel_schedule."""
+    """CSV file with the order of a custom schedule (torch's format: one row per rank, actions
+    such as 0F1, 2B0, or 2I0/2W0 for split backward), run by torch's _PipelineScheduleRuntime.
+    The schedule name still decides the stages per rank: PipelineScheduleMulti (2 per rank, or
+    from pipeline_parallel_layers_per_stage) or PipelineScheduleSingle (1)."""
     pipeline_parallel_microbatch_size: int = 1
     """Sequences per pipeline micro-batch; local_batch_size must be a multiple of it."""
     pipeline_parallel_layers_per_stage: int = -1
-    """Transformer layers per pipeline stage. -1: one stage per rank for single-stage schedules,
-    two per rank for multi-stage ones, layers spread as evenly as possible (a remainder goes to
-    the middle stages first, never to the last one, which holds the output and loss)."""
+    """Layers per (virtual) pipeline stage, the embedding and the output counting as
+    pipeline_parallel_first/last_stage_less_layers layers: ceil((n_layers + first + last) /
+    this) stages, a multiple of pipeline_parallel_degree (6 layers at 4: 2 stages). -1: one stage
+    per rank for single-stage schedules, two per rank for looped ones."""
+    pipeline_parallel_first_stage_less_layers: int = 1
+    """Layers the first stage holds fewer than the others, for the embedding's cost."""
+    pipeline_parallel_last_stage_less_layers: int = 1
+    """Layers the last stage holds fewer than the others, for the final norm, output projection
+    and loss."""
+    module_fqns_per_model_part: list[list[str]] = field(default_factory=list)
+    """Explicit split: one list of module names per stage, e.g. [["tok_embeddings", "layers.0"],
+    ["layers.1", "norm", "output"]]; together they name every module once, in forward order.
+    Empty: split from the layer counts above."""
     context_parallel_degree: int = 1
     """Context parallel degree: each sequence is split over this many ranks (ring attention).
     training.seq_len must be divisible by 2 x this degree (head-tail load balancing)."""

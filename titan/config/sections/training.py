@@ -53,6 +53,11 @@ class Training:
     very slow; use float32 there)."""
     mixed_precision_reduce: MixedPrecisionDType = "float32"
     """FSDP gradient reduce dtype: float32 or bfloat16."""
+    enable_cpu_offload: bool = False
+    """FSDP2 CPU offload: sharded parameters, gradients and optimizer states live in host memory
+    and the optimizer steps on the CPU; each block's parameters are copied to the device for its
+    forward and backward only. Needs FSDP (data_parallel_shard_degree x context_parallel_degree >
+    1); not with float8's FSDP all-gather."""
     dataset_infinite: bool = True
     """Re-loop over the dataset when it ends (logged, with an epoch counter). False: training
     stops cleanly when the data runs out."""

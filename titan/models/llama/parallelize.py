@@ -121,6 +121,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             reduce_dtype=job_config.training.mixed_precision_reduce,
             reshard_after_forward=par.fsdp_reshard_after_forward,
             pp_enabled=parallel_dims.pp_enabled,
+            cpu_offload=job_config.training.enable_cpu_offload,
         )
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, parallel_dims.submesh("dp_replicate"))

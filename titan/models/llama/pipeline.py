@@ -13,29 +13,27 @@ from titan.parallel.dims import ParallelDims
 from titan.parallel.pp import (
     build_schedule,
     describe_split,
+    describe_stage,
     is_v_schedule,
-    layers_of_stage,
     make_stages,
-    num_stages,
+    split_modules,
     stage_ids_this_rank,
 )
 from titan.log import logger
 
 
-def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
-    """A copy of the (meta) model keeping only this stage's layers; the embedding lives on the
-    first stage, the final norm and output on the last. Layer keys keep their global index so
-    FQNs (checkpoints, seeded init) are the same as in the unsplit model."""
+def split_stage(model: nn.Module, names: list[str]) -> nn.Module:
+    """A copy of the (meta) model keeping only the modules `names` (``layers.<i>``,
+    tok_embeddings, norm, output). Layer keys keep their global index so FQNs (checkpoints,
+    seeded init) are the same as in the unsplit model."""
     part = copy.deepcopy(model)
-    keep = {str(i) for i in layers_of_stage(stage, stages, model.n_layers)}
+    keep = set(names)
     for name in list(part.layers.keys()):
-        if name not in keep:
+        if f"layers.{name}" not in keep:
             del part.layers[name]
-    if stage != 0:
-        part.tok_embeddings = None
-    if stage != stages - 1:
-        part.norm = None
-        part.output = None
+    for name in ("tok_embeddings", "norm", "output"):
+        if name not in keep:
+            setattr(part, name, None)
     return part
 
 
@@ -50,18 +48,19 @@ def pipeline_llama(
     par = job_config.parallelism
     pp_mesh = parallel_dims.submesh("pp")
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
-    stages = num_stages(model.n_layers, pp, par)
-    v_style = not par.pipeline_parallel_schedule_csv and is_v_schedule(par.pipeline_parallel_schedule)
-    ids = stage_ids_this_rank(pp_rank, pp, stages, v_style)
-    parts = [parallelize_fn(split_stage(model, sid, stages), parallel_dims, job_config) for sid in ids]
+    split = split_modules(model.n_layers, pp, par)
+    stages = len(split)
+    ids = stage_ids_this_rank(pp_rank, pp, stages, is_v_schedule(par.pipeline_parallel_schedule))
+    parts = [parallelize_fn(split_stage(model, split[sid]), parallel_dims, job_config) for sid in ids]
     pp_stages = make_stages(parts, ids, stages, device, pp_mesh.get_group())
     n_micro = job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size
     schedule = build_schedule(pp_stages, n_micro, loss_fn, par)
-    logger.info(describe_split(model.n_layers, stages))
+    logger.info(describe_split(model.n_layers, split))
     logger.info(
         f"pipeline rank {pp_rank}/{pp}: stages {ids} of {stages}"
-        f" (layers {[layers_of_stage(s, stages, model.n_layers) for s in ids]}), {n_micro} micro-batches,"
-        f" schedule {par.pipeline_parallel_schedule_csv or par.pipeline_parallel_schedule}"
+        f" ({'; '.join(describe_stage(split[s]) for s in ids)}), {n_micro} micro-batches,"
+        f" schedule {par.pipeline_parallel_schedule}"
+        + (f" ({par.pipeline_parallel_schedule_csv})" if par.pipeline_parallel_schedule_csv else "")
     )
     has_first = any(s.is_first for s in pp_stages)
     has_last = any(s.is_last for s in pp_stages)
