@@ -16,7 +16,8 @@ from __future__ import annotations
 import typing
 from typing import Any, Literal
 
-AttnType = Literal["sdpa", "flex"]
+AttnType = Literal["sdpa", "flex", "varlen"]
+AttnMaskType = Literal["causal", "block_causal"]
 OptimizerImplementation = Literal["for-loop", "foreach", "fused"]
 WeightDecayExclude = Literal["norms", "embeddings"]
 DecayType = Literal["linear", "sqrt", "cosine"]

@@ -166,4 +166,6 @@ def build_loader(config: JobConfig, tokenizer: Any, dims: ParallelDims, *, valid
         dp_world_size=dims.dp_degree,
         num_workers=0 if validation else t.dataloader_num_workers,
         infinite=False if validation else t.dataset_infinite,
+        pin_memory=False if validation else t.dataloader_pin_memory,
+        prefetch_factor=None if validation else t.dataloader_prefetch_factor,
     )

@@ -110,8 +110,8 @@ def test_bad_cli(argv, message):
         ("[training]\nsteps = true\n", "got True, expected int"),
         ("[metrics]\nenable_tensorboard = \"yes\"\n", "expected bool"),
         ("[model]\nflavor = 8\n", "expected str"),
-        ("[model]\nattn_type = \"flash\"\n", "config key 'model.attn_type' got 'flash'; valid: sdpa, flex"),
-        ("[model]\nattn_type = 1\n", "config key 'model.attn_type' got 1; valid: sdpa, flex"),
+        ("[model]\nattn_type = \"flash\"\n", "config key 'model.attn_type' got 'flash'; valid: sdpa, flex, varlen"),
+        ("[model]\nattn_type = 1\n", "config key 'model.attn_type' got 1; valid: sdpa, flex, varlen"),
         ("[float8]\nrecipe = [\"rowwise\"]\n", "config key 'float8.recipe' got ['rowwise']; valid: tensorwise, rowwise"),
         ("[checkpoint]\nexclude_from_loading = \"model\"\n", "got 'model', expected list['model' | 'optimizer'"),
         ("steps = 5\n", "unknown config section 'steps'"),
@@ -145,7 +145,7 @@ def test_help_and_reference_show_the_choices():
     assert "--activation_checkpoint.mode ('none' | 'full' | 'selective', default: 'none')" in format_help()
     assert "--compile.components (list['model' | 'loss'], default: ['model', 'loss'])" in format_help("compile")
     reference = (REPO / "docs" / "config_reference.md").read_text()
-    assert "| `model.attn_type` | `'sdpa' \\| 'flex'` | `'sdpa'` |" in reference
+    assert "| `model.attn_type` | `'sdpa' \\| 'flex' \\| 'varlen'` | `'sdpa'` |" in reference
 
 
 def test_literal_choices_load_from_cli_and_toml(tmp_path):

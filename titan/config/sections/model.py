@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan.config.choices import AttnType
+from titan.config.choices import AttnMaskType, AttnType
 
 
 @dataclass
@@ -18,7 +18,11 @@ class Model:
     Empty: the small tokenizer shipped in titan/data/assets."""
     attn_type: AttnType = "sdpa"
     """Attention backend: sdpa (torch scaled_dot_product_attention) or flex (flex_attention with a
-    causal block mask; CUDA only for training, as torch's flex_attention has no CPU backward)."""
+    causal block mask; CUDA only for training, as torch's flex_attention has no CPU backward) or
+    varlen (variable-length attention over the documents of a packed window)."""
+    attn_mask_type: AttnMaskType = "causal"
+    """causal (every token sees the whole window before it) or block_causal (a token sees only
+    earlier tokens of its own document in a packed window)."""
     n_layers: int | None = None
     """Override the flavor's number of transformer blocks (unset: the flavor's value), e.g. the 8B
     shape cut to 8 layers to fit one GPU for benchmarking and debugging."""
