@@ -559,3 +559,10 @@ def test_unknown_key_exits_2_and_writes_nothing(tmp_path: Path) -> None:
         " looks like torchtitan v0.2.x's (nested tables are torchtitan's spelling; titan's sections are one level"
         " deep); closest titan key: 'float8.emulate'")
     assert not dump.exists()
+
+
+def test_prefetch_factor_needs_workers() -> None:
+    with pytest.raises(TitanError) as e:
+        load_config(["--training.dataloader.prefetch_factor", "4"])
+    assert str(e.value) == ("config key 'training.dataloader_prefetch_factor' got 4; valid: unset, or an integer >= 1"
+                            " together with training.dataloader_num_workers > 0")
