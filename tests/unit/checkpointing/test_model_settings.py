@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers.runs import TINY_RUN
+from tests.helpers.tiny import random_model
 from titan.checkpointing.hf import import_hf_to_dcp, save_hf
 from titan.config import load_config
 from titan.data import build_tokenizer
@@ -17,8 +19,6 @@ from titan.errors import TitanError
 from titan.models.llama import Transformer
 from titan.training.build import model_spec_and_args, run_model_args
 from titan.training.trainer import Trainer
-from tests.helpers.runs import TINY_RUN
-from tests.helpers.tiny import random_model
 
 RUN = [*TINY_RUN, "--training.steps", "1", "--checkpoint.enable"]
 

@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from titan.config import load_config, to_dict
 
 REPO = Path(__file__).resolve().parents[3]

@@ -12,7 +12,7 @@ import itertools
 import math
 
 import pytest
-import torch.nn as nn
+from torch import nn
 
 from titan.config.job_config import LRScheduler as LRSchedulerConfig
 from titan.config.job_config import Optimizer as OptimizerConfig
