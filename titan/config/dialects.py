@@ -104,7 +104,7 @@ class Translator:
         ("config file 'x.toml': ")."""
         items = list(items)
         if not self.hint:
-            self.hint = dialect_hint(key for key, _ in items)
+            self.hint = dialect_hint((key for key, _ in items), self.titan_keys)
         seen: dict[str, tuple[str, Any, Any]] = {}
         out: list[tuple[str, Any]] = []
         for key, value in items:
@@ -174,9 +174,10 @@ class Translator:
             self._log(key, f"torchtitan key '{key}' = {value!r} equals {rule.to}; accepted")
 
 
-def dialect_hint(keys: Iterable[str]) -> str:
-    """The first key spelled torchtitan's way ("" if none): what an unknown key is compared with."""
-    return next((key for key in keys if key in RULES or _looks_torchtitan(key)), "")
+def dialect_hint(keys: Iterable[str], titan_keys: Mapping[str, Any]) -> str:
+    """The first key spelled torchtitan's way and not titan's ("" if none): what an unknown key is
+    compared with."""
+    return next((key for key in keys if key not in titan_keys and (key in RULES or _looks_torchtitan(key))), "")
 
 
 def unknown_key(key: str, titan_keys: Mapping[str, Any], hint: str = "") -> TitanError:

@@ -236,8 +236,8 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str]]:
     spellings (tyro's hyphens and --section.no-key, the 2024 names) come back as they are, for
     titan.config.dialects to translate."""
     pairs: list[tuple[str, str]] = []
-    hint = dialects.dialect_hint(dialects.cli_key(a[2:].partition("=")[0], titan_keys())[0]
-                                 for a in argv if a.startswith("--") and a[2:].partition("=")[0] not in titan_keys())
+    hint = dialects.dialect_hint((dialects.cli_key(a[2:].partition("=")[0], titan_keys())[0]
+                                  for a in argv if a.startswith("--")), titan_keys())
     i = 0
     while i < len(argv):
         arg = argv[i]

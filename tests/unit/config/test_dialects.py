@@ -566,3 +566,12 @@ def test_prefetch_factor_needs_workers() -> None:
         load_config(["--training.dataloader.prefetch_factor", "4"])
     assert str(e.value) == ("config key 'training.dataloader_prefetch_factor' got 4; valid: unset, or an integer >= 1"
                             " together with training.dataloader_num_workers > 0")
+
+
+def test_a_titan_config_keeps_titans_unknown_key_line(tmp_path: Path) -> None:
+    # model.flavor has a torchtitan value map, but it is titan's key: the file still reads as titan's.
+    path = tmp_path / "c.toml"
+    path.write_text("[model]\nflavor = \"debugmodel\"\n[training]\nstepz = 5\n")
+    with pytest.raises(TitanError) as e:
+        load_config(["--job.config_file", str(path)])
+    assert str(e.value) == f"config file '{path}': unknown config key 'training.stepz'; did you mean 'training.steps'?"
