@@ -13,6 +13,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from titan.config.dialect_keys import SAME_KEYS  # noqa: E402
+from titan.config.dialect_rules import RULES  # noqa: E402
 from titan.config.manager import field_docs, section_fields, sections, type_name  # noqa: E402
 
 OUT = REPO / "docs" / "config_reference.md"
@@ -46,7 +48,40 @@ def render() -> str:
                 f"| `{name}.{key}` | `{_cell(type_name(tp))}` | `{_cell(repr(default))}` | {_cell(docs.get(key, ''))} |"
             )
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + torchtitan_table())
+
+
+def torchtitan_table() -> list[str]:
+    """Every key of torchtitan's job config (2024 to v0.2.2) and what titan does with it, from the
+    table titan/config/dialects.py applies."""
+    lines = [
+        "## torchtitan keys",
+        "",
+        "torchtitan's TOML files and command lines load as they are (`--job.config_file` takes either",
+        "dialect; tyro's `--section.no-key` and hyphenated names work too). Every key torchtitan's job config",
+        "had, from its 2024 command line to v0.2.2, is below: the same key in titan, translated (logged once,",
+        "naming titan's key), or not supported (the run stops with one line saying why, unless the value is",
+        "one that does nothing in torchtitan either). `python scripts/convert_config.py OLD.toml -o NEW.toml`",
+        "writes the titan-native file. The schedule and the other semantics titan aligned with torchtitan are",
+        "in [torchtitan.md](torchtitan.md).",
+        "",
+        "| torchtitan key | torchtitan | in titan | note |",
+        "|---|---|---|---|",
+    ]
+    rows = {key: (era, "same", "same key, same meaning") for key, era in SAME_KEYS.items()}
+    for key, rule in RULES.items():
+        if rule.must_equal:
+            rows[key] = (rule.era, f"= `{rule.to}` only", _cell(rule.why))
+        elif rule.refused:
+            ok = "any value" if rule.any_value_is_neutral else ", ".join(repr(v) for v in rule.neutral)
+            rows[key] = (rule.era, "not supported", _cell(rule.why) + (f" (accepted, ignored: {ok})" if ok else ""))
+        else:
+            rows[key] = (rule.era, f"`{rule.to}`", "translated" + (" (value mapped)" if rule.convert else ""))
+    for key in sorted(rows):
+        era, titan, note = rows[key]
+        lines.append(f"| {key} | {era} | {titan} | {note} |")
+    lines.append("")
+    return lines
 
 
 def main(argv: list[str]) -> int:

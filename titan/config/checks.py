@@ -26,6 +26,9 @@ def check_config(c: JobConfig) -> None:
     )
     require(t.seq_len >= 2, "training.seq_len", t.seq_len, "an integer >= 2")
     require(t.dataloader_num_workers >= 0, "training.dataloader_num_workers", t.dataloader_num_workers, "an integer >= 0")
+    require(t.dataloader_prefetch_factor is None or (t.dataloader_prefetch_factor >= 1 and t.dataloader_num_workers > 0),
+            "training.dataloader_prefetch_factor", t.dataloader_prefetch_factor,
+            "unset, or an integer >= 1 together with training.dataloader_num_workers > 0")
     require(t.gc_freq >= 1, "training.gc_freq", t.gc_freq, "an integer >= 1")
     for section, mixture in (("training", t.mixture), ("validation", c.validation.mixture)):
         for i, src in enumerate(mixture):

@@ -18,6 +18,7 @@ from types import MappingProxyType
 import typing
 from typing import Any
 
+from titan.config import dialects
 from titan.config.checks import check_config
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
@@ -67,6 +68,12 @@ def section_fields(section_cls: type) -> Mapping[str, Any]:
     """Field name -> resolved type annotation."""
     hints = typing.get_type_hints(section_cls)
     return MappingProxyType({f.name: hints[f.name] for f in dataclasses.fields(section_cls)})
+
+
+@functools.cache
+def titan_keys() -> Mapping[str, Any]:
+    """'section.field' -> resolved type, for every option."""
+    return MappingProxyType({f"{s}.{f}": tp for s, cls in sections().items() for f, tp in section_fields(cls).items()})
 
 
 def type_name(tp: Any) -> str:
@@ -234,8 +241,12 @@ def _flatten_toml(data: dict[str, Any], path: str) -> list[tuple[str, Any]]:
 
 
 def parse_cli(argv: list[str]) -> list[tuple[str, str]]:
-    """'--a.b v', '--a.b=v', bare '--a.b' for booleans -> [(key, raw str value)]."""
+    """'--a.b v', '--a.b=v', bare '--a.b' for booleans -> [(key, raw str value)]. torchtitan's
+    spellings (tyro's hyphens and --section.no-key, the 2024 names) come back as they are, for
+    titan.config.dialects to translate."""
     pairs: list[tuple[str, str]] = []
+    hint = dialects.dialect_hint((dialects.cli_key(a[2:].partition("=")[0], titan_keys())[0]
+                                  for a in argv if a.startswith("--")), titan_keys())
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -244,13 +255,29 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str]]:
         key, eq, value = arg[2:].partition("=")
         if key == "config_file":  # SageMaker-style hyperparameter
             key = "job.config_file"
+        key, negated = dialects.cli_key(key, titan_keys())
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if negated:
+            pairs.append((key, "false"))
+            i += 1
+            continue
+        if dialects.is_dialect_key(key, titan_keys()):
+            # torchtitan has no positional arguments: a key followed by another option is a flag.
+            if eq or nxt is None or nxt.startswith("--"):
+                pairs.append((key, value if eq else "true"))
+                i += 1
+            else:
+                pairs.append((key, nxt))
+                i += 2
+            continue
+        if hint and key not in titan_keys():
+            raise dialects.unknown_key(key, titan_keys(), hint)
         _, _, tp = resolve_key(key)
         if eq:
             pairs.append((key, value))
             i += 1
             continue
         is_bool = tp is bool
-        nxt = argv[i + 1] if i + 1 < len(argv) else None
         if is_bool and (nxt is None or nxt.startswith("--") or nxt.lower() not in _TRUE | _FALSE):
             pairs.append((key, "true"))
             i += 1
@@ -260,6 +287,11 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str]]:
         pairs.append((key, nxt))
         i += 2
     return pairs
+
+
+def _attr(config: JobConfig, key: str) -> tuple[Any, str]:
+    section, _, name = key.partition(".")
+    return getattr(config, section), name
 
 
 def _set(config: JobConfig, key: str, value: Any, *, from_cli: bool) -> None:
@@ -274,21 +306,25 @@ def load_config(argv: list[str] | None = None, *, env: dict[str, str] | None = N
     Checks that need runtime knowledge (model registry, optimizer and schedule names, ...) are
     titan.training.checks.validate_job; titan.training.checks.load_job runs both."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    cli = parse_cli(argv)
+    translator = dialects.Translator(titan_keys())
+    raw_cli = parse_cli(argv)
     config = JobConfig()
     from titan.config.environment import environment_defaults
 
     for key, value in environment_defaults(os.environ if env is None else env):
         _set(config, key, value, from_cli=False)
-    config_file = next((v for k, v in reversed(cli) if k == "job.config_file"), "")
+    config_file = next((v for k, v in reversed(raw_cli) if k == "job.config_file"), "")
     if config_file:
-        for key, value in _flatten_toml(load_toml(config_file), config_file):
+        table = dialects.translate_toml(load_toml(config_file), config_file, translator)
+        for key, value in _flatten_toml(table, config_file):
             try:
                 _set(config, key, value, from_cli=False)
             except TitanError as e:
                 raise TitanError(f"config file '{config_file}': {e}") from None
-    for key, value in cli:
+    for key, value in translator.translate(raw_cli):
         _set(config, key, value, from_cli=True)
+    translator.finish(lambda key: getattr(*_attr(config, key)),
+                      lambda key, value: _set(config, key, value, from_cli=False))
     config.job.config_file = config_file
     check_config(config)
     return config

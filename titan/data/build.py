@@ -35,28 +35,30 @@ def mixture_names(mixture: list) -> list[str]:
 
 
 def _single(dataset: str, dataset_path: str, *, tokenizer: Any, seq_len: int, local_batch_size: int, dp_rank: int,
-            dp_world_size: int, num_workers: int, infinite: bool, shuffle_seed: int | None,
-            **text: Any) -> TitanDataLoader:
+            dp_world_size: int, num_workers: int, infinite: bool, shuffle_seed: int | None, pin_memory: bool,
+            prefetch_factor: int | None, **text: Any) -> TitanDataLoader:
     store = _store_path(dataset, dataset_path)
+    options = {"num_workers": num_workers, "infinite": infinite, "pin_memory": pin_memory,
+               "prefetch_factor": prefetch_factor}
     if store:
         return StoreDataLoader(TokenStore(store), tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
-                               dp_rank=dp_rank, dp_world_size=dp_world_size, num_workers=num_workers,
-                               infinite=infinite, shuffle_seed=shuffle_seed)
+                               dp_rank=dp_rank, dp_world_size=dp_world_size, shuffle_seed=shuffle_seed, **options)
     return build_text_loader(dataset=dataset, dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len,
                              local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
-                             num_workers=num_workers, infinite=infinite, **text)
+                             **options, **text)
 
 
 def build_dataloader(*, dataset: str, dataset_path: str, text_field: str, tokenizer: Any, seq_len: int,
                      local_batch_size: int, dp_rank: int, dp_world_size: int, num_workers: int = 0,
                      infinite: bool = True, txt_split: str = "paragraph", bad_lines: str = "fail",
                      shuffle_seed: int | None = None, mixture: list | None = None,
-                     mixture_exhausted: str = "restart", validation: bool = False) -> TitanDataLoader | MixtureLoader:
+                     mixture_exhausted: str = "restart", validation: bool = False, pin_memory: bool = False,
+                     prefetch_factor: int | None = None) -> TitanDataLoader | MixtureLoader:
     """This dp rank's loader. ``mixture`` (MixtureSource entries) replaces dataset/dataset_path;
     ``validation`` makes a mixture read each source once, for a loss per source."""
     text = {"text_field": text_field, "txt_split": txt_split, "bad_lines": bad_lines}
     common = {"tokenizer": tokenizer, "seq_len": seq_len, "dp_rank": dp_rank, "dp_world_size": dp_world_size,
-              "num_workers": num_workers, **text}
+              "num_workers": num_workers, "pin_memory": pin_memory, "prefetch_factor": prefetch_factor, **text}
     if not mixture:
         if shuffle_seed is not None and not _store_path(dataset, dataset_path):
             raise TitanError(f"training.dataset_shuffle_seed ({shuffle_seed}) shuffles token-store windows; "

@@ -119,8 +119,11 @@ class TitanDataLoader:
     """
 
     def __init__(self, source: DocumentSource, tokenizer, *, seq_len: int, local_batch_size: int,
-                 dp_rank: int, dp_world_size: int, num_workers: int = 0, infinite: bool = True) -> None:
+                 dp_rank: int, dp_world_size: int, num_workers: int = 0, infinite: bool = True,
+                 pin_memory: bool = False, prefetch_factor: int | None = None) -> None:
         self.source = source
+        self.pin_memory = pin_memory
+        self.prefetch_factor = prefetch_factor
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.local_batch_size = local_batch_size
@@ -165,7 +168,8 @@ class TitanDataLoader:
         with warnings.catch_warnings():  # torchdata calls the deprecated torch.set_vital
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             loader = StatefulDataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                                        collate_fn=_passthrough, in_order=True)
+                                        collate_fn=_passthrough, in_order=True, pin_memory=self.pin_memory,
+                                        prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None)
         for inputs, labels, k, state, opened in loader:
             if isinstance(inputs, str):  # a TitanError raised in a worker
                 raise TitanError(labels)
@@ -297,7 +301,8 @@ class TitanDataLoader:
 def build_dataloader(*, dataset: str, dataset_path: str, text_field: str, tokenizer, seq_len: int,
                      local_batch_size: int, dp_rank: int, dp_world_size: int, num_workers: int = 0,
                      infinite: bool = True, txt_split: str = "paragraph",
-                     bad_lines: str = "fail") -> TitanDataLoader:
+                     bad_lines: str = "fail", pin_memory: bool = False,
+                     prefetch_factor: int | None = None) -> TitanDataLoader:
     """Build the loader for one DP rank (see TitanDataLoader). ``txt_split``: how .txt files are cut
     into documents (paragraph, line, document)."""
     if seq_len < 1 or local_batch_size < 1:
@@ -309,4 +314,4 @@ def build_dataloader(*, dataset: str, dataset_path: str, text_field: str, tokeni
     source = build_source(dataset, dataset_path, text_field, txt_split, bad_lines)
     return TitanDataLoader(source, tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
                            dp_rank=dp_rank, dp_world_size=dp_world_size, num_workers=num_workers,
-                           infinite=infinite)
+                           infinite=infinite, pin_memory=pin_memory, prefetch_factor=prefetch_factor)

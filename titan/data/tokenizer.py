@@ -316,12 +316,14 @@ def build_tokenizer(path: str | Path = "") -> Tokenizer:
         return TikTokenizer(str(path))
     p = Path(path).expanduser()
     if p.is_dir():
-        # A Hugging Face snapshot or Meta's `original/` folder.
-        for name in ("tokenizer.json", "tokenizer.model"):
+        # A Hugging Face snapshot (torchtitan's model.hf_assets_path), or Meta's `original/` folder
+        # inside one or on its own.
+        for name in ("tokenizer.json", "tokenizer.model", "original/tokenizer.model"):
             if (p / name).is_file():
                 return build_tokenizer(p / name)
         raise TitanError(
-            f"tokenizer folder {p} has no tokenizer.json or tokenizer.model; {_DOWNLOAD_HINT}"
+            f"tokenizer folder {p} has no tokenizer.json, tokenizer.model or original/tokenizer.model;"
+            f" {_DOWNLOAD_HINT}"
         )
     if not p.is_file():
         raise TitanError(f"tokenizer file {p} not found; {_DOWNLOAD_HINT}")

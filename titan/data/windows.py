@@ -106,7 +106,8 @@ class StoreDataLoader(TitanDataLoader):
 
     def __init__(self, store: TokenStore, tokenizer, *, seq_len: int, local_batch_size: int, dp_rank: int,
                  dp_world_size: int, num_workers: int = 0, infinite: bool = True,
-                 shuffle_seed: int | None = None) -> None:
+                 shuffle_seed: int | None = None, pin_memory: bool = False,
+                 prefetch_factor: int | None = None) -> None:
         if tokenizer is not None:
             store.check_tokenizer(tokenizer)
         n = store.num_windows(seq_len)
@@ -117,6 +118,7 @@ class StoreDataLoader(TitanDataLoader):
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.num_workers, self.infinite, self.shuffle_seed = num_workers, infinite, shuffle_seed
+        self.pin_memory, self.prefetch_factor = pin_memory, prefetch_factor
         self.layout, self.num_shards, self.num_windows = "windows", len(store.shards), n
         k = self._num_streams
         self._states = [new_stream_state(dp_rank + dp_world_size * i, dp_world_size * k, n) for i in range(k)]

@@ -33,11 +33,12 @@ def checkpoint_args(path: str | Path, flavor: str | None = None, model: str = "l
     """("hf" or "dcp", model args) of a checkpoint folder; `model` names the family of a DCP
     folder (an HF folder says it in config.json)."""
     path = Path(path)
+    # A training step folder holds DCP's .metadata and the run's config.json: DCP decides.
+    if (path / ".metadata").is_file():
+        return "dcp", dcp_io.model_args_for(path, get_model_spec(model), flavor)
     if (path / "config.json").is_file():
         return "hf", hf_io.read_hf_config(path)
-    if not (path / ".metadata").is_file():
-        raise TitanError(f"{path} is neither a Hugging Face folder (config.json) nor a DCP checkpoint (.metadata)")
-    return "dcp", dcp_io.model_args_for(path, get_model_spec(model), flavor)
+    raise TitanError(f"{path} is neither a Hugging Face folder (config.json) nor a DCP checkpoint (.metadata)")
 
 
 def _cast_floats(model: nn.Module, dtype: torch.dtype) -> None:

@@ -180,4 +180,6 @@ def build_loader(config: JobConfig, tokenizer: Any, dims: ParallelDims, *,
         mixture=v.mixture if validation else t.mixture,
         mixture_exhausted=t.mixture_exhausted,
         validation=validation,
+        pin_memory=False if validation else t.dataloader_pin_memory,
+        prefetch_factor=None if validation else t.dataloader_prefetch_factor,
     )

@@ -1,17 +1,20 @@
-"""Learning-rate schedules: linear warmup, optional stable phase (WSD), then decay to min_lr.
+"""Learning-rate schedules: linear warmup, stable phase (WSD), then decay to min_lr.
 
-Indexing: ``lr_factor(s)`` is the factor used by optimizer step ``s + 1`` (``s`` = scheduler steps
-taken so far; LambdaLR evaluates s = 0 at construction). With N = training_steps, W = warmup,
-D = decay steps and S = N - W - D stable steps:
+The formulas are torchtitan's (v0.2.2, ``linear_warmup_stable_decay``), so a config trains on the
+same lr at every step in either library. ``lr_factor(s)`` is the factor used by optimizer step
+``s + 1`` (``s`` = scheduler steps taken so far; LambdaLR evaluates s = 0 at construction). With
+N = lr_scheduler.total_steps (unset: training.steps), W = warmup, D = decay steps and
+S = N + 1 - W - D stable steps (one virtual step more than N - W - D, so the last planned step
+does not run at exactly min_lr):
 
-- warmup   s in [0, W):        (s + 1) / (W + 1)       -- the first step already has lr > 0
+- warmup   s in [0, W):        (s + 1) / W             -- the first step already has lr > 0
 - stable   s in [W, W + S):    1.0
-- decay    s in [W + S, N):    p = (s - W - S + 1) / D, so the last step (s = N - 1) has p = 1
-                               and runs exactly at min_lr; factor = m + (1 - m) * shape(p)
+- decay    s >= W + S:         p = (s + 1 - W - S) / D, capped at 1; the last planned step
+                               (s = N - 1) has p = (D - 1) / D; factor = m + (1 - m) * shape(p)
                                with shape linear 1 - p, sqrt 1 - sqrt(p), cosine (1 + cos(pi p))/2
-- s >= N (training continued past the plan): min_lr.
 
-D = round(N * decay_ratio) when decay_ratio is set (WSD), else N - W.
+D = round(N * decay_ratio) when decay_ratio is set (WSD), else N - W. Past the plan (training.steps
+> total_steps) p stays at 1, so the lr stays at min_lr (torchtitan lets p grow past 1 there).
 
 Inconsistent lengths are clamped with a warning rather than refused: overriding
 ``--training.steps`` for a short smoke test of a big config (warmup 200, steps 10) is common and
@@ -51,14 +54,12 @@ def lr_factor(
 ) -> float:
     """Multiplier of the peak lr for 0-based scheduler step ``step`` (see module docstring)."""
     if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
+        return (step + 1) / warmup_steps
     decay_start = warmup_steps + stable_steps
-    if step < decay_start:
+    if step < decay_start or decay_steps <= 0:
+        # Stable, or no decay phase planned (decay_ratio = 0): stay at the peak.
         return 1.0
-    if decay_steps <= 0:
-        # No decay phase planned (decay_ratio = 0): stay at the peak.
-        return 1.0
-    progress = min((step - decay_start + 1) / decay_steps, 1.0)
+    progress = min((step + 1 - decay_start) / decay_steps, 1.0)
     if decay_type == "linear":
         shape = 1.0 - progress
     elif decay_type == "sqrt":
@@ -75,6 +76,8 @@ def validate_lr_scheduler_config(cfg: LRSchedulerConfig) -> None:
     choice, checked by the config loader)."""
     require(cfg.warmup_steps >= 0, "lr_scheduler.warmup_steps", cfg.warmup_steps, "an integer >= 0")
     require(0.0 <= cfg.min_lr_factor <= 1.0, "lr_scheduler.min_lr_factor", cfg.min_lr_factor, "a number in [0, 1]")
+    if cfg.total_steps is not None:
+        require(cfg.total_steps >= 1, "lr_scheduler.total_steps", cfg.total_steps, "an integer >= 1, or unset")
     if cfg.decay_ratio is not None:
         require(0.0 <= cfg.decay_ratio <= 1.0, "lr_scheduler.decay_ratio", cfg.decay_ratio,
                 "a number in [0, 1], or unset")
@@ -82,10 +85,13 @@ def validate_lr_scheduler_config(cfg: LRSchedulerConfig) -> None:
 
 def resolve_schedule(cfg: LRSchedulerConfig, training_steps: int) -> dict[str, Any]:
     """lr_factor's keyword arguments for a validated [lr_scheduler] section (validate_job)."""
+    plan = "training.steps"
+    if cfg.total_steps is not None:
+        training_steps, plan = cfg.total_steps, "lr_scheduler.total_steps"
     warmup = cfg.warmup_steps
     if warmup > training_steps:
         logger.warning(
-            f"lr_scheduler.warmup_steps ({warmup}) > training.steps ({training_steps}); "
+            f"lr_scheduler.warmup_steps ({warmup}) > {plan} ({training_steps}); "
             f"clamping warmup to {training_steps}"
         )
         warmup = training_steps
@@ -96,13 +102,14 @@ def resolve_schedule(cfg: LRSchedulerConfig, training_steps: int) -> dict[str, A
         if warmup + decay > training_steps:
             logger.warning(
                 f"lr_scheduler.warmup_steps ({warmup}) + decay steps ({decay} = "
-                f"round({training_steps} * decay_ratio {cfg.decay_ratio})) > training.steps "
+                f"round({training_steps} * decay_ratio {cfg.decay_ratio})) > {plan} "
                 f"({training_steps}); clamping decay to {training_steps - warmup} steps"
             )
             decay = training_steps - warmup
     return {
         "warmup_steps": warmup,
-        "stable_steps": training_steps - warmup - decay,
+        # One virtual step past the plan, as torchtitan: the last step runs just above min_lr.
+        "stable_steps": training_steps + 1 - warmup - decay,
         "decay_steps": decay,
         "decay_type": cfg.decay_type,
         "min_lr_factor": cfg.min_lr_factor,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -274,7 +274,10 @@ def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
         root = sum(_module_numel(m) for n, m in model.named_modules() if not n.startswith("layers"))
         block = max(sum(p.numel() for p in b.parameters()) for b in model.layers.values())
         gathered = float((root + min(2, len(model.layers)) * block) * elt)
-    activations = _fake_forward_backward_peak(spec.model_cls, args, config, shards, dims.fsdp_enabled)
+    # torch's flex_attention has no CPU backward: its activations are measured with sdpa's, which keep
+    # the same per-block tensors (the block mask is built once per batch, outside the blocks).
+    fake_args = replace(args, attn_type="sdpa") if args.attn_type == "flex" else args
+    activations = _fake_forward_backward_peak(spec.model_cls, fake_args, config, shards, dims.fsdp_enabled)
     return MemoryEstimate(
         world_size=world_size,
         dp_shard=shards,

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan.checkpointing.manager import CheckpointManager
+from titan.checkpointing.model_settings import settle as settle_model_settings
 from titan.checkpointing.resume import prepare_run
 from titan.checkpointing.states import ModelParts, TrainState
 from titan.config.job_config import JobConfig
@@ -100,6 +101,9 @@ class Trainer:
 
         # Model: built on meta, parallelized, then materialized and initialized.
         model_args = run_model_args(config, model_args, tokenizer.vocab_size)
+        # Weights brought in (HF folder, converted DCP) decide or veto the model settings first.
+        if settle_model_settings(config, spec, model_args, self.run_start.found is not None, tokenizer.vocab_size):
+            check_run_layout(config, self.parallel_dims, model_args, self.device.type)
         built = build_model(config, spec, model_args, self.parallel_dims, self.device, self._pp_loss_fn)
         self.model_parts, self.pp_schedule = built.parts, built.pp_schedule
         self.pp_has_first, self.pp_has_last = built.pp_has_first, built.pp_has_last

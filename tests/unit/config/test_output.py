@@ -114,7 +114,7 @@ def test_save_config_unwritable_folder_is_one_line(tmp_path):
     "key, suggestion",
     [
         ("training.lr", "did you mean 'optimizer.lr'?"),  # the name exists in another section
-        ("training.warmup_steps", "did you mean 'lr_scheduler.warmup_steps' or 'profiling.warmup_steps'?"),
+        ("training.warmup_step", "did you mean 'lr_scheduler.warmup_steps' or 'profiling.warmup_steps'?"),
         ("training.stepz", "did you mean 'training.steps'?"),  # a tie with validation.steps: the section typed
         ("checkpoint.keep_latest", "did you mean 'checkpoint.keep_latest_k'?"),
         ("job.steps", "did you mean 'training.steps' or 'validation.steps'?"),

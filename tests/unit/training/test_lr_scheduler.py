@@ -33,9 +33,9 @@ def _lrs(cfg: LRSchedulerConfig, steps: int, n_parts: int = 1, extra: int = 0) -
 
 
 def test_wsd_linear_by_hand() -> None:
-    # steps 10, warmup 2, decay_ratio 0.5 -> decay 5 steps, stable 3 steps.
+    # steps 10, warmup 2, decay_ratio 0.5 -> decay 5 steps, stable 10 + 1 - 2 - 5 = 4 steps.
     cfg = LRSchedulerConfig(warmup_steps=2, decay_ratio=0.5, decay_type="linear")
-    expected = [1 / 3, 2 / 3, 1.0, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2, 0.0, 0.0]
+    expected = [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2, 0.0]
     assert _lrs(cfg, 10, extra=1) == pytest.approx(expected, abs=1e-12)
 
 
@@ -43,32 +43,33 @@ def test_wsd_min_lr_by_hand() -> None:
     cfg = LRSchedulerConfig(
         warmup_steps=2, decay_ratio=0.5, decay_type="linear", min_lr_factor=0.1
     )
-    expected = [1 / 3, 2 / 3, 1.0, 1.0, 1.0, 0.82, 0.64, 0.46, 0.28, 0.1, 0.1]
+    expected = [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.82, 0.64, 0.46, 0.28, 0.1]
     assert _lrs(cfg, 10, extra=1) == pytest.approx(expected, abs=1e-12)
 
 
 @pytest.mark.parametrize(
-    "decay_type, at_step3, at_step6",
+    "decay_type, at_step4, at_step7, at_step10",
     [
-        # No decay_ratio: decay over the 8 steps after warmup; step 3 is p = 1/8, step 6 p = 1/2.
-        ("linear", 0.875, 0.5),
-        ("sqrt", 1 - 0.3535533905932738, 1 - 0.7071067811865476),
-        ("cosine", 0.5 * (1 + 0.9238795325112867), 0.5),
+        # No decay_ratio: decay over the 8 steps after warmup, after one stable step; optimizer step 4
+        # runs at p = 1/8, step 7 at p = 1/2, the last step at p = 7/8.
+        ("linear", 0.875, 0.5, 0.125),
+        ("sqrt", 1 - math.sqrt(1 / 8), 1 - math.sqrt(0.5), 1 - math.sqrt(7 / 8)),
+        ("cosine", 0.5 * (1 + math.cos(math.pi / 8)), 0.5, 0.5 * (1 + math.cos(7 * math.pi / 8))),
     ],
 )
-def test_decay_types_by_hand(decay_type: str, at_step3: float, at_step6: float) -> None:
+def test_decay_types_by_hand(decay_type: str, at_step4: float, at_step7: float, at_step10: float) -> None:
     lrs = _lrs(LRSchedulerConfig(warmup_steps=2, decay_type=decay_type), 10)
-    assert lrs[:2] == pytest.approx([1 / 3, 2 / 3])
-    assert lrs[2] == pytest.approx(at_step3, abs=1e-12)
-    assert lrs[5] == pytest.approx(at_step6, abs=1e-12)
-    assert lrs[9] == pytest.approx(0.0, abs=1e-12)
+    assert lrs[:3] == pytest.approx([0.5, 1.0, 1.0])
+    assert lrs[3] == pytest.approx(at_step4, abs=1e-12)
+    assert lrs[6] == pytest.approx(at_step7, abs=1e-12)
+    assert lrs[9] == pytest.approx(at_step10, abs=1e-12)
     assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
 
 
 def test_no_warmup_first_lr_positive_and_decay_ratio_zero_is_constant() -> None:
     assert _lrs(LRSchedulerConfig(warmup_steps=0, decay_ratio=0.0), 5) == [1.0] * 5
     first = _lrs(LRSchedulerConfig(warmup_steps=0), 4)
-    assert first == pytest.approx([0.75, 0.5, 0.25, 0.0])
+    assert first == pytest.approx([1.0, 0.75, 0.5, 0.25])
 
 
 def test_all_parts_follow_one_schedule() -> None:
@@ -84,7 +85,7 @@ def test_clamping_warns(caplog: pytest.LogCaptureFixture) -> None:
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="titan"):
         sched = resolve_schedule(LRSchedulerConfig(warmup_steps=2, decay_ratio=0.9), 10)
-    assert (sched["warmup_steps"], sched["stable_steps"], sched["decay_steps"]) == (2, 0, 8)
+    assert (sched["warmup_steps"], sched["stable_steps"], sched["decay_steps"]) == (2, 1, 8)
     assert "clamping decay to 8 steps" in caplog.text
 
 
@@ -147,5 +148,5 @@ def test_lr_used_by_optimizer_matches_schedule() -> None:
     sched = build_lr_schedulers(opt, LRSchedulerConfig(warmup_steps=2, decay_ratio=0.5), 10)
     p.grad = torch.ones(1)
     opt.step()  # first Adam step moves by lr * sign(grad) (up to eps)
-    assert -p.item() == pytest.approx(PEAK / 3, rel=1e-5)
+    assert -p.item() == pytest.approx(PEAK / 2, rel=1e-5)
     sched.step()

@@ -55,7 +55,10 @@ class Checkpoint:
     """Resuming from a checkpoint whose saved run config differs in a training-relevant key
     (model, optimizer, lr_scheduler, data, batch shape, float8; see docs/checkpointing.md): error
     (stop, naming the keys), use_checkpoint (continue with the checkpoint's values) or use_new
-    (this run's values; the loaded lr and optimizer settings are replaced by today's)."""
+    (this run's values; the loaded lr and optimizer settings are replaced by today's). Also decides
+    when the weights of initial_load_path (an HF folder, a converted DCP folder) were trained as
+    another model (RoPE, norm eps, shapes): error, use_checkpoint (build the model with the folder's
+    values) or use_new (keep this run's; not for other tensor shapes)."""
     create_seed_checkpoint: bool = False
     """Write the initialized weights as folder/step-0 (model only) and exit. Needs 1 process and no
     parallelism; every layout that starts from it begins with identical weights."""

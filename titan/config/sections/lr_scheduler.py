@@ -10,10 +10,14 @@ from titan.config.choices import DecayType
 @dataclass
 class LRScheduler:
     warmup_steps: int = 200
-    """Linear warmup steps from ~0 to the peak lr."""
+    """Linear warmup steps: step s (1-based) runs at s / warmup_steps of the peak lr."""
+    total_steps: int | None = None
+    """Steps the schedule is planned over (its decay ends there). None: training.steps. Set it to
+    train the first part of a longer plan; past it the lr stays at min_lr."""
     decay_ratio: float | None = None
-    """Fraction of steps spent decaying at the end (WSD: warmup, stable, decay). None: decay over
-    all steps after warmup."""
+    """Fraction of steps spent decaying at the end (WSD: warmup, stable, decay): round(steps x
+    decay_ratio) steps. None: decay over all steps after warmup. The formulas (torchtitan's) are
+    in docs/torchtitan.md."""
     decay_type: DecayType = "linear"
     """Shape of the decay: linear, sqrt or cosine."""
     min_lr_factor: float = 0.0

@@ -77,6 +77,11 @@ class Training:
     (training stops cleanly; also what dataset_infinite = false means for a mixture)."""
     dataloader_num_workers: int = 0
     """Worker processes that prefetch batches (0: load in the training process)."""
+    dataloader_pin_memory: bool = False
+    """Hand batches over in pinned (page-locked) host memory, for faster copies to the GPU
+    (no effect without an accelerator)."""
+    dataloader_prefetch_factor: int | None = None
+    """Batches each worker loads ahead (needs dataloader_num_workers > 0). None: torch's default, 2."""
     gc_freq: int = 50
     """Run Python's garbage collector every N steps (automatic gc is disabled to avoid stalls)."""
     nonfinite: NonFinite = "stop"
