@@ -53,6 +53,10 @@ SKIP_PREFIXES = [
      "tests/integration/test_token_store.py tokenize generated files)"),
     ("python scripts/benchmark_loader.py --dataset_path /tmp/tk_store", "the token store the command above writes"),
     ("python scripts/benchmark_loader.py --mixture", "the token store and mirror the commands above write"),
+    ("python scripts/convert_config.py", "a torchtitan TOML file of the user's (tests/unit/config/"
+     "test_dialects_convert.py converts files in each dialect)"),
+    ("python train.py --job.config_file torchtitan/", "a torchtitan checkout's config file"
+     " (tests/unit/config/test_dialects.py loads files in each dialect; test_torchtitan_matrix.py runs its flags)"),
     ("python scripts/benchmark_recovery.py", "minutes of 2-rank training with failures by design"
      " (tests/integration/test_launchers.py covers restarts and goodput)"),
     ("python scripts/benchmark_loader.py --dataset c4 --dataset_path /tmp/c4",
