@@ -10,9 +10,9 @@ class Stability:
     grad_norm_spike_window: int = 20
     """Log steps in the running average the grad norm is compared with (each brings the largest grad
     norm of the steps since the previous log step)."""
-    grad_norm_spike_threshold: float = 2.0
-    """Relative margin: a grad-norm spike is grad_norm > running average * (1 + this); 2.0 flags three
-    times the running level."""
+    grad_norm_spike_threshold: float = 4.0
+    """Relative margin: a grad-norm spike is grad_norm > running average * (1 + this); 4.0 flags five
+    times the running level (a healthy run's early steps reach about three times it)."""
     loss_spike_window: int = 20
     """Log steps in the running average the loss is compared with."""
     loss_spike_threshold: float = 0.5
