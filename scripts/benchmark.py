@@ -1,7 +1,7 @@
 """Benchmark training throughput of a config across named configs (eager, compile, float8, AC, flex).
 
     python scripts/benchmark.py                                   # debug model; CPU or the GPUs present
-    python scripts/benchmark.py --preset llama3_8b_8layers        # issue 14's model on one GPU
+    python scripts/benchmark.py --preset llama3_8b_8layers        # the benchmark model on one GPU
     python scripts/benchmark.py --preset llama3_8b_8layers --only eager,compile,float8-tensorwise
     python scripts/benchmark.py --steps 20 --warmup 5 --nproc 8 --job.config_file train_configs/llama3_8b.toml \\
         --variant "eager=" --variant "compile+fp8=--compile.enable --float8.enable_float8_linear"
@@ -45,7 +45,7 @@ STANDARD = [
 ]
 _EAGER = "--compile.enable false"
 _COMPILE = "--compile.enable true --compile.components model,loss"
-# The rows of issue 14's table (and AC full, flex). AC comes from the base config unless named.
+# The rows of the GPU comparison table (and AC full, flex). AC comes from the base config unless named.
 GPU_CONFIGS = [
     ("eager", _EAGER),
     ("compile", _COMPILE),
@@ -58,7 +58,7 @@ GPU_CONFIGS = [
     ("ac-full", f"{_EAGER} --activation_checkpoint.mode full"),
     ("flex", f"{_COMPILE} --model.attn_type flex"),
 ]
-# Issue 14's measurement: the Llama 3 8B shape cut to 8 layers, seq 8192, local batch 1, bf16,
+# The GPU measurement: the Llama 3 8B shape cut to 8 layers, seq 8192, local batch 1, bf16,
 # fused AdamW lr 3e-4 warmup 5, max_norm 1, AC selective op; 30 steps, medians over steps 11-30.
 # Data and tokenizer are the offline ones shipped with titan (the issue used tinyshakespeare and a
 # 2,020-token tokenizer; the shipped one has 2,048, so FLOPs/token are within 0.1%).
