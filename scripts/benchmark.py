@@ -60,7 +60,7 @@ GPU_CONFIGS = [
 ]
 # The GPU measurement: the Llama 3 8B shape cut to 8 layers, seq 8192, local batch 1, bf16,
 # fused AdamW lr 3e-4 warmup 5, max_norm 1, AC selective op; 30 steps, medians over steps 11-30.
-# Data and tokenizer are the offline ones shipped with titan (the issue used tinyshakespeare and a
+# Data and tokenizer are the offline ones shipped with titan (the torchtitan comparison used tinyshakespeare and a
 # 2,020-token tokenizer; the shipped one has 2,048, so FLOPs/token are within 0.1%).
 PRESETS = {
     "llama3_8b_8layers": {
