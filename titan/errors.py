@@ -9,9 +9,12 @@ class TitanError(Exception):
     """A user-caused error; the message is one line naming the key/file and what is valid."""
 
 
-def require(ok: bool, key: str, value: object, valid: str) -> None:
-    """The one shape of a config check: ``config key 'KEY' got VALUE; valid: VALID``."""
+def require(ok: bool, key: str, value: object = None, valid: str = "", *, rule: str | None = None) -> None:
+    """The one shape of a config check: ``config key 'KEY' got VALUE; valid: VALID``. A rule between
+    keys, where no single value is wrong, states it instead: ``config key 'KEY' RULE``."""
     if not ok:
+        if rule is not None:
+            raise TitanError(f"config key '{key}' {rule}")
         raise TitanError(f"config key '{key}' got {value!r}; valid: {valid}")
 
 

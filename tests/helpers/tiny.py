@@ -1,44 +1,47 @@
 """A tiny Llama for the parallel/speed tests (every Linear has dims that are multiples of 16),
-and extra flavors for tests that train through the config (the flavor table is read-only)."""
+and extra llama3 flavors for tests that train through the config, added through the registry
+(titan.models.register_flavor) for the test's duration."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Mapping
-from types import MappingProxyType
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
 
-import titan.models.llama.args as llama_args
-from titan.training.loss import cross_entropy_sum
+from titan.models import get_model_spec, register_flavor, register_model_spec
 from titan.models.llama import Transformer, TransformerModelArgs
+from titan.training.loss import cross_entropy_sum
 
 TINY = TransformerModelArgs(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=32
 )
 
 
-def flavors_with(**extra: TransformerModelArgs) -> Mapping[str, TransformerModelArgs]:
-    """A new read-only llama3 flavor table: the shipped flavors plus `extra`."""
-    return MappingProxyType({**llama_args.llama3_configs, **extra})
+@contextlib.contextmanager
+def extra_flavors(**extra: TransformerModelArgs) -> Iterator[None]:
+    """Inside the block `--model.flavor NAME` finds the `extra` llama3 flavors too (a name the
+    shipped table has is replaced); afterwards the llama3 spec is the one from before."""
+    saved = get_model_spec("llama3")
+    try:
+        for name, args in extra.items():
+            register_flavor("llama3", name, args, replace=True)
+        yield
+    finally:
+        register_model_spec(saved, replace=True)
 
 
 def patch_flavors(monkeypatch, **extra: TransformerModelArgs) -> None:  # noqa: ANN001
-    """For the test's duration `--model.flavor NAME` finds the `extra` flavors too."""
-    monkeypatch.setattr(llama_args, "llama3_configs", flavors_with(**extra))
+    """extra_flavors for the rest of a pytest test: monkeypatch puts the llama3 spec back at teardown
+    (it restores the registry's entry, which register_flavor replaces)."""
+    import titan.models
 
-
-@contextlib.contextmanager
-def extra_flavors(**extra: TransformerModelArgs) -> Iterator[None]:
-    """patch_flavors without pytest (inside spawned ranks)."""
-    saved = llama_args.llama3_configs
-    llama_args.llama3_configs = flavors_with(**extra)
-    try:
-        yield
-    finally:
-        llama_args.llama3_configs = saved
+    specs = titan.models._REGISTRY.specs()
+    monkeypatch.setitem(specs, "llama3", specs["llama3"])
+    for name, args in extra.items():
+        register_flavor("llama3", name, args, replace=True)
 
 
 def build(args: TransformerModelArgs = TINY, seed: int = 0) -> Transformer:

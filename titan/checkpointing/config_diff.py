@@ -29,6 +29,7 @@ import os
 from types import MappingProxyType
 from typing import Any
 
+from titan.config.choices import ConfigMismatch, choices
 from titan.errors import TitanError
 from titan.log import logger
 
@@ -53,7 +54,7 @@ _PART = MappingProxyType({
 })
 # Kernel choices that give the same optimizer math.
 _FREE = MappingProxyType({"optimizer": ("implementation",)})
-POLICIES = ("error", "use_checkpoint", "use_new")
+POLICIES = choices(ConfigMismatch)
 # Read before the dump folder is even looked at (model flavor, batch shape): use_checkpoint names
 # the flag to pass instead of changing them under a half-built run.
 _SHAPE_KEYS = ("model.name", "model.flavor", "model.tokenizer_path", "training.local_batch_size", "training.seq_len")

@@ -9,23 +9,25 @@ in sections/ and one field here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from titan.config.sections.job import Job
-from titan.config.sections.model import Model
-from titan.config.sections.optimizer import Optimizer
-from titan.config.sections.lr_scheduler import LRScheduler
-from titan.config.sections.training import Training
-from titan.config.sections.parallelism import Parallelism
-from titan.config.sections.metrics import Metrics
-from titan.config.sections.checkpoint import Checkpoint
-from titan.config.sections.stability import Stability
-from titan.config.sections.validation import Validation
-from titan.config.sections.profiling import Profiling
-from titan.config.sections.comm import Comm
 from titan.config.sections.activation_checkpoint import ActivationCheckpoint
+from titan.config.sections.checkpoint import Checkpoint
+from titan.config.sections.comm import Comm
 from titan.config.sections.compile import Compile
 from titan.config.sections.float8 import Float8
+from titan.config.sections.job import Job
+from titan.config.sections.lr_scheduler import LRScheduler
+from titan.config.sections.metrics import Metrics
+from titan.config.sections.model import Model
+from titan.config.sections.optimizer import Optimizer
+from titan.config.sections.parallelism import Parallelism
+from titan.config.sections.profiling import Profiling
+from titan.config.sections.stability import Stability
+from titan.config.sections.training import Training
+from titan.config.sections.validation import Validation
+from titan.errors import require
 
 __all__ = ["Job", "Model", "Optimizer", "LRScheduler", "Training", "Parallelism", "Metrics", "Checkpoint", "Stability", "Validation", "Profiling", "Comm", "ActivationCheckpoint", "Compile", "Float8", "JobConfig"]
 
@@ -47,3 +49,21 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+
+    def validate(self) -> None:
+        """Every section's own checks, then the rules between sections. Checks that need runtime
+        knowledge (the model registry, torch's optimizers and schedules, torchao) are
+        titan.training.checks.validate_job; those that need the world size or device, the run plan's."""
+        for section in dataclasses.fields(self):
+            getattr(self, section.name).validate()
+        cp = self.parallelism.context_parallel_degree
+        require(self.model.attn_mask_type != "block_causal" or cp == 1, "model.attn_mask_type",
+                rule=f'= "block_causal" does not combine with parallelism.context_parallel_degree {cp}: titan\'s CP'
+                     " paths (SDPA ring attention, flex with the causal mask over the head-tail rearranged rows)"
+                     ' know no document boundaries; use attn_mask_type "causal" with CP')
+        require(not self.checkpoint.last_save_in_hf or self.parallelism.pipeline_parallel_degree == 1,
+                "checkpoint.last_save_in_hf", rule="is not supported with pipeline parallelism (no rank holds the"
+                " whole model); export a DCP checkpoint with scripts/convert_hf.py")
+        local, mbs = self.training.local_batch_size, self.parallelism.pipeline_parallel_microbatch_size
+        require(self.parallelism.pipeline_parallel_degree == 1 or local % mbs == 0, "training.local_batch_size",
+                rule=f"({local}) must be a multiple of parallelism.pipeline_parallel_microbatch_size ({mbs})")

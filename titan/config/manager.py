@@ -13,13 +13,12 @@ import inspect
 import os
 import sys
 import types
+import typing
 from collections.abc import Mapping
 from types import MappingProxyType
-import typing
 from typing import Any
 
 from titan.config import dialects
-from titan.config.checks import check_config
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 
@@ -301,7 +300,8 @@ def _set(config: JobConfig, key: str, value: Any, *, from_cli: bool) -> None:
 
 def load_config(argv: list[str] | None = None, *, env: dict[str, str] | None = None) -> JobConfig:
     """defaults <- TOML (job.config_file) <- CLI flags, each value checked against its field's type
-    and choices; then the checks that need nothing but the config (titan/config/checks.py).
+    and choices; then the checks that need nothing but the config (``JobConfig.validate``: each
+    section's own, then the rules between sections).
 
     Checks that need runtime knowledge (model registry, optimizer and schedule names, ...) are
     titan.training.checks.validate_job; titan.training.checks.load_job runs both."""
@@ -326,7 +326,7 @@ def load_config(argv: list[str] | None = None, *, env: dict[str, str] | None = N
     translator.finish(lambda key: getattr(*_attr(config, key)),
                       lambda key, value: _set(config, key, value, from_cli=False))
     config.job.config_file = config_file
-    check_config(config)
+    config.validate()
     return config
 
 

@@ -2,18 +2,21 @@
 
 The spec is the only way generic code (trainer, dry run, memory estimate, checkpoint formats,
 generation, converters) reaches a model family; titan/parallel holds the mechanisms and names no
-model. Specs and flavor tables are read-only.
+model. A family outside titan joins with ``register_model_spec(spec)``, a new size of a registered
+family with ``register_flavor(name, flavor, args)``; ``model.name`` and ``model.flavor`` then find
+them. Specs and their flavor tables are read-only: registering replaces the whole spec.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from titan.config.checks import SHAPE_OVERRIDES
+from titan.config.sections.model import SHAPE_OVERRIDES
 from titan.errors import TitanError
 
 
@@ -29,7 +32,8 @@ class ModelSpec:
     args_cls: type
     """The args dataclass (flavors, model_args.json in DCP folders)."""
     flavors: Mapping[str, Any]
-    """Read-only name -> args table; use get_flavor / model_args_from_config for a copy."""
+    """Read-only name -> args table (register_flavor adds to it); use get_flavor /
+    model_args_from_config for a copy."""
     parallelize_fn: Callable
     """(model part, ParallelDims, JobConfig) -> model part, with TP/SP, CP, AC, compile and
     FSDP/HSDP/DDP applied in the family's order."""
@@ -57,25 +61,61 @@ def _llama3() -> ModelSpec:
 
     return ModelSpec(
         "llama3", llama_model.Transformer, llama_args.TransformerModelArgs,
-        # Read at call time, so a test that swaps the table (tests/helpers/tiny.py) is seen.
         llama_args.llama3_configs, parallelize_llama, llama_args.get_nparams_and_flops, pipeline_llama,
         tensor_parallel_fn=apply_tp, cp_buffers_fn=cp_buffers, state_dict_adapter=LlamaStateDictAdapter,
     )
 
 
-_REGISTRY: Mapping[str, Callable[[], ModelSpec]] = MappingProxyType({"llama3": _llama3})
+class _Registry:
+    """The registered specs by name. The shipped families are built on first use, so importing
+    titan.models (as the config check does) does not import torch's model code."""
+
+    def __init__(self, builtin: Mapping[str, Callable[[], ModelSpec]]) -> None:
+        self._builtin = builtin
+        self._specs: dict[str, ModelSpec] | None = None
+
+    def specs(self) -> dict[str, ModelSpec]:
+        if self._specs is None:
+            self._specs = {name: build() for name, build in self._builtin.items()}
+        return self._specs
+
+
+# The one table that changes at run time: the registry that users and tests add to.
+_REGISTRY = _Registry(MappingProxyType({"llama3": _llama3}))
+
+
+def register_model_spec(spec: ModelSpec, *, replace: bool = False) -> None:
+    """Make ``spec`` the family ``model.name = spec.name`` selects. A name that is registered
+    already is refused unless ``replace`` (then the old spec is gone: keep it to put it back)."""
+    specs = _REGISTRY.specs()
+    if spec.name in specs and not replace:
+        raise TitanError(f"model {spec.name!r} is registered already; pass replace=True to replace its spec")
+    specs[spec.name] = dataclasses.replace(spec, flavors=MappingProxyType(dict(spec.flavors)))
+
+
+def register_flavor(name: str, flavor: str, args: Any, *, replace: bool = False) -> None:
+    """Add ``flavor`` (an instance of the family's args class) to the registered model ``name``.
+    A flavor it has already is refused unless ``replace``."""
+    spec = get_model_spec(name)
+    if not isinstance(args, spec.args_cls):
+        raise TitanError(f"flavor {flavor!r} of model {name!r} must be a {spec.args_cls.__name__},"
+                         f" got {type(args).__name__}")
+    if flavor in spec.flavors and not replace:
+        raise TitanError(f"model {name!r} has a flavor {flavor!r} already; pass replace=True to replace it")
+    register_model_spec(dataclasses.replace(spec, flavors={**spec.flavors, flavor: copy.deepcopy(args)}),
+                        replace=True)
 
 
 def get_model_spec(name: str) -> ModelSpec:
-    if name not in _REGISTRY:
-        raise TitanError(f"config key 'model.name' got {name!r}; valid: {', '.join(_REGISTRY)}")
-    return _REGISTRY[name]()
+    specs = _REGISTRY.specs()
+    if name not in specs:
+        raise TitanError(f"config key 'model.name' got {name!r}; valid: {', '.join(specs)}")
+    return specs[name]
 
 
 def spec_for_args(args: Any) -> ModelSpec:
     """The spec whose args class `args` is (checkpoint writers get args, not a name)."""
-    for build in _REGISTRY.values():
-        spec = build()
+    for spec in _REGISTRY.specs().values():
         if isinstance(args, spec.args_cls):
             return spec
     raise TitanError(f"no registered model uses args of type {type(args).__name__}")
@@ -84,8 +124,7 @@ def spec_for_args(args: Any) -> ModelSpec:
 def spec_for_hf_model_type(model_type: str) -> ModelSpec:
     """The spec whose state-dict adapter reads Hugging Face configs of `model_type`."""
     known = []
-    for build in _REGISTRY.values():
-        spec = build()
+    for spec in _REGISTRY.specs().values():
         types = getattr(spec.state_dict_adapter, "hf_model_types", ())
         if model_type in types:
             return spec

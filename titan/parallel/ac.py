@@ -16,6 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titan.config.choices import ACMode, choices
+from titan.config.sections.activation_checkpoint import parse_selective_option
 from titan.errors import TitanError
 from titan.log import logger
 
@@ -39,17 +40,6 @@ SAVED_OPS = frozenset({
     # flex attention is a higher-order op of newer torch releases
     *([torch.ops.higher_order.flex_attention] if hasattr(torch.ops.higher_order, "flex_attention") else []),
 })
-
-
-def parse_selective_option(option: int | str) -> int | str:
-    """"op" or a positive integer N (also given as a string, e.g. from a TOML "2")."""
-    if isinstance(option, str) and option.strip().isdigit():
-        option = int(option.strip())
-    if option == "op" or (isinstance(option, int) and not isinstance(option, bool) and option >= 1):
-        return option
-    raise TitanError(
-        f"config key 'activation_checkpoint.selective_ac_option' got {option!r}; valid: \"op\" or an integer >= 1"
-    )
 
 
 def _op_policy() -> Callable:

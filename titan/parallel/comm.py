@@ -19,21 +19,11 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
-from titan.config.job_config import JobConfig
-from titan.errors import TitanError
-from titan.parallel.dims import ParallelDims
+from titan.config.job_config import Comm
 from titan.log import logger
+from titan.parallel.dims import ParallelDims
 
-__all__ = ["set_comm_env", "set_pg_timeouts", "validate_comm_config"]
-
-
-def validate_comm_config(c: JobConfig) -> None:
-    m = c.comm
-    for key in ("init_timeout_seconds", "train_timeout_seconds"):
-        if getattr(m, key) < 1:
-            raise TitanError(f"config key 'comm.{key}' must be >= 1 second, got {getattr(m, key)}")
-    if m.trace_buf_size < 0:
-        raise TitanError(f"config key 'comm.trace_buf_size' must be >= 0 (0 disables), got {m.trace_buf_size}")
+__all__ = ["set_comm_env", "set_pg_timeouts"]
 
 
 # What launchers (not users) put in the environment: torchrun's agent gives every worker
@@ -49,15 +39,15 @@ def _set_env(name: str, value: str, *, nccl: bool) -> None:
     os.environ[name] = value
 
 
-def set_comm_env(config: JobConfig, *, nccl: bool | None = None) -> dict[str, str]:
+def set_comm_env(m: Comm, dump_folder: str, *, nccl: bool | None = None) -> dict[str, str]:
     """Set the TORCH_NCCL_* variables for the flight recorder; returns what was set.
 
     ``nccl``: whether this run's process group uses NCCL (None: whether CUDA is available). The
     variables are set either way (unused by gloo), but replacing a value someone chose is only
-    worth a warning when NCCL reads it. ``config`` has passed validate_comm_config (validate_job)."""
+    worth a warning when NCCL reads it. ``m`` has passed Comm.validate (load_config); the traces
+    go under ``dump_folder`` (job.dump_folder)."""
     if nccl is None:
         nccl = torch.cuda.is_available()
-    m = config.comm
     env = {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": str(m.trace_buf_size),
         # The recorder only dumps when the watchdog does not tear the process down first:
@@ -66,7 +56,7 @@ def set_comm_env(config: JobConfig, *, nccl: bool | None = None) -> dict[str, st
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
     }
     if m.trace_buf_size > 0:
-        folder = os.path.join(config.job.dump_folder, m.save_traces_folder)
+        folder = os.path.join(dump_folder, m.save_traces_folder)
         if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # single-process runs have no collectives to trace
             os.makedirs(folder, exist_ok=True)
         env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from titan.config.job_config import Parallelism
 from titan.errors import TitanError
 
 # Outer to inner: pipeline stages talk least, tensor parallel ranks talk most (keep them closest).
@@ -147,12 +149,13 @@ class ParallelDims:
         return 0 if dp is None else dp.get_local_rank()
 
 
-def check_layout(  # noqa: ANN001
-    dims: ParallelDims, par, model_args, seq_len: int, device_type: str, attn_type: str = "sdpa",
-    compiled: bool = False,
+def check_layout(
+    dims: ParallelDims, par: Parallelism | None, model_args: Any, seq_len: int, device_type: str,
+    attn_type: str = "sdpa", compiled: bool = False,
 ) -> None:
     """Checks that need the degrees, the model shape and the device, but no process group: run
-    on every rank before init_distributed so a bad layout fails at once instead of hanging."""
+    on every rank before init_distributed so a bad layout fails at once instead of hanging.
+    ``par`` may be None only when neither TP nor PP is on (nothing reads it then)."""
     from titan.parallel.cp import check_cp_seq_len
     from titan.parallel.pp import split_modules
     from titan.parallel.tp import check_tp_shapes
@@ -170,6 +173,7 @@ def check_layout(  # noqa: ANN001
                 "DDP (data_parallel_replicate_degree > 1 with shard degree 1) does not compose with"
                 " tensor parallel; use HSDP (data_parallel_shard_degree > 1) or FSDP instead"
             )
+        assert par is not None, "check_layout needs the [parallelism] section with TP"
         if par.enable_async_tensor_parallel and device_type != "cuda":
             raise TitanError(
                 "parallelism.enable_async_tensor_parallel needs CUDA (symmetric memory between GPUs);"
@@ -181,6 +185,7 @@ def check_layout(  # noqa: ANN001
                 " also set compile.enable (with 'model' in compile.components)"
             )
     if dims.pp_enabled:
+        assert par is not None, "check_layout needs the [parallelism] section with PP"
         split_modules(model_args.n_layers, dims.pp, par)
         if model_args.tie_embeddings:
             raise TitanError("model tie_embeddings cannot be split across pipeline stages; untie it or set pipeline_parallel_degree 1")

@@ -18,23 +18,11 @@ from titan.config.job_config import Float8 as Float8Config
 from titan.errors import TitanError
 from titan.log import import_torchao, logger
 
-__all__ = ["validate_float8", "check_float8_hardware", "convert_to_float8", "apply_float8",
+__all__ = ["check_float8_hardware", "convert_to_float8", "apply_float8",
            "build_precompute_hook", "register_float8_precompute"]
 
-def validate_float8(cfg: Float8Config) -> None:
-    """Options that only work together (recipe is a Literal choice, checked by the loader)."""
-    if not cfg.enable_float8_linear:
-        return
-    if cfg.recipe == "rowwise" and cfg.enable_fsdp_float8_all_gather:
-        raise TitanError(
-            "float8.enable_fsdp_float8_all_gather works only with float8.recipe = tensorwise"
-            " (torchao has no float8 all-gather for rowwise scales)"
-        )
-    if cfg.precompute_float8_dynamic_scale_for_fsdp and not cfg.enable_fsdp_float8_all_gather:
-        raise TitanError(
-            "float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather = true"
-            " (the precomputed scales are those of the float8 all-gather)"
-        )
+# Which options combine is Float8.validate's (titan/config/sections/float8.py); this module checks
+# what needs the device and torchao.
 
 
 def check_float8_hardware(cfg: Float8Config, device: torch.device) -> None:

@@ -22,7 +22,8 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from titan.errors import TitanError, require
+from titan.config.job_config import Parallelism
+from titan.errors import TitanError
 
 SCHEDULES = (
     "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV",
@@ -40,8 +41,9 @@ def schedule_class(name: str) -> type[_PipelineSchedule]:
     return get_schedule_class(name)
 
 
-def check_schedule_config(par, local_batch_size: int) -> None:  # noqa: ANN001 - config.Parallelism
-    """Checks needing only the config (run by titan.training.checks.validate_job)."""
+def check_schedule_config(par: Parallelism) -> None:
+    """The schedule against torch's names and the CSV file on disk (run by
+    titan.training.checks.validate_job; the ranges are Parallelism.validate's)."""
     schedule_class(par.pipeline_parallel_schedule)
     csv = par.pipeline_parallel_schedule_csv
     if csv and not os.path.isfile(csv):
@@ -50,14 +52,6 @@ def check_schedule_config(par, local_batch_size: int) -> None:  # noqa: ANN001 -
         raise TitanError(
             f"config key 'parallelism.pipeline_parallel_schedule' got {par.pipeline_parallel_schedule!r}, which runs"
             " the order of a CSV file: set parallelism.pipeline_parallel_schedule_csv, or name a schedule"
-        )
-    for key in ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers"):
-        require(getattr(par, key) >= 0, f"parallelism.{key}", getattr(par, key), "an integer >= 0")
-    mbs = par.pipeline_parallel_microbatch_size
-    if par.pipeline_parallel_degree > 1 and local_batch_size % mbs:
-        raise TitanError(
-            f"config key 'training.local_batch_size' ({local_batch_size}) must be a multiple of"
-            f" parallelism.pipeline_parallel_microbatch_size ({mbs})"
         )
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch.nn as nn
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
@@ -55,12 +54,9 @@ def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> None:
     """Async TP overlaps the TP collectives with matmuls via symmetric memory (CUDA only); the
     fused kernels come from compile's micro-pipeline pass, so blocks must also be compiled."""
     if tp_mesh.device_type != "cuda":
-        if dist.get_backend(tp_mesh.get_group()) == "fake":
-            return  # the dry run stands in for GPUs on a CPU: the layout is checked, nothing runs
-        raise TitanError(
-            "parallelism.enable_async_tensor_parallel needs CUDA (it uses symmetric memory between"
-            f" GPUs); this run's device is {tp_mesh.device_type}: set it to false"
-        )
+        # Only the dry run gets here: it stands in for GPUs on a CPU (a fake process group), and
+        # titan.parallel.dims.check_layout refused async TP on any other device before the mesh existed.
+        return
     import torch._inductor.config as inductor_config
 
     inductor_config._micro_pipeline_tp = True

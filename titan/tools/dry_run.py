@@ -24,7 +24,6 @@ from titan.config.job_config import JobConfig
 from titan.data import build_tokenizer
 from titan.errors import TitanError
 from titan.log import init_logger, logger
-from titan.parallel.comm import validate_comm_config
 from titan.parallel.dims import ParallelDims
 from titan.training.build import (
     BuiltModel, build_model, build_parallel_dims, check_run_config, check_run_layout, model_spec_and_args,
@@ -217,7 +216,6 @@ def _build_stage(config: JobConfig, first_rank: int, world: int) -> _Stage:
         vocab_size = _tokenizer_vocab(config)
         # The layout is checked as for the GPUs the fake world stands in for.
         check_run_layout(config, dims, model_args, "cuda")
-        validate_comm_config(config)
         dims.build_mesh("cpu")
         model_args = run_model_args(config, model_args, vocab_size)
         # The schedule is built but never run: the plain loss stands in for the Trainer's scaled one.

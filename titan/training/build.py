@@ -120,7 +120,6 @@ def build_model(config: JobConfig, spec: ModelSpec, model_args: Any, dims: Paral
     """The model on meta, float8-converted, then split into pipeline stages or parallelized whole.
     Nothing is allocated: init_weights materializes the parts."""
     t = config.training
-    model_args.validate()
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     cast_params_for_optimizer(model, config.optimizer)

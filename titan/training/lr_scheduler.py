@@ -30,7 +30,6 @@ from typing import Any
 from torch.optim.lr_scheduler import LambdaLR
 
 from titan.config.job_config import LRScheduler as LRSchedulerConfig
-from titan.errors import require
 from titan.training.optim import OptimizersContainer
 from titan.log import logger
 
@@ -39,7 +38,6 @@ __all__ = [
     "build_lr_schedulers",
     "lr_factor",
     "resolve_schedule",
-    "validate_lr_scheduler_config",
 ]
 
 
@@ -71,20 +69,8 @@ def lr_factor(
     return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 
-def validate_lr_scheduler_config(cfg: LRSchedulerConfig) -> None:
-    """Raise TitanError naming the first invalid [lr_scheduler] key (decay_type is a Literal
-    choice, checked by the config loader)."""
-    require(cfg.warmup_steps >= 0, "lr_scheduler.warmup_steps", cfg.warmup_steps, "an integer >= 0")
-    require(0.0 <= cfg.min_lr_factor <= 1.0, "lr_scheduler.min_lr_factor", cfg.min_lr_factor, "a number in [0, 1]")
-    if cfg.total_steps is not None:
-        require(cfg.total_steps >= 1, "lr_scheduler.total_steps", cfg.total_steps, "an integer >= 1, or unset")
-    if cfg.decay_ratio is not None:
-        require(0.0 <= cfg.decay_ratio <= 1.0, "lr_scheduler.decay_ratio", cfg.decay_ratio,
-                "a number in [0, 1], or unset")
-
-
 def resolve_schedule(cfg: LRSchedulerConfig, training_steps: int) -> dict[str, Any]:
-    """lr_factor's keyword arguments for a validated [lr_scheduler] section (validate_job)."""
+    """lr_factor's keyword arguments for a validated [lr_scheduler] section (LRScheduler.validate)."""
     plan = "training.steps"
     if cfg.total_steps is not None:
         training_steps, plan = cfg.total_steps, "lr_scheduler.total_steps"

@@ -22,30 +22,15 @@ from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.log import logger
 
-__all__ = ["Profiler", "validate_profiling_config"]
+__all__ = ["Profiler"]
 
 # Allocator events kept for a snapshot; ~100k covers several steps of a large model.
 MEMORY_HISTORY_ENTRIES = 100_000
 
 
-def validate_profiling_config(c: JobConfig) -> None:
-    p = c.profiling
-    if not p.enable_profiling and not p.enable_memory_snapshot:
-        return
-    if p.profile_freq < 1:
-        raise TitanError(f"config key 'profiling.profile_freq' must be >= 1, got {p.profile_freq}")
-    if p.enable_profiling:
-        if p.active_steps < 1 or p.warmup_steps < 0:
-            raise TitanError("config keys 'profiling.active_steps' (>= 1) and 'profiling.warmup_steps' (>= 0) got"
-                             f" {p.active_steps} and {p.warmup_steps}")
-        if p.warmup_steps + p.active_steps > p.profile_freq:
-            raise TitanError(f"profiling.warmup_steps + profiling.active_steps ({p.warmup_steps} + {p.active_steps})"
-                             f" must be <= profiling.profile_freq ({p.profile_freq})")
-
-
 class Profiler:
     def __init__(self, config: JobConfig, *, rank: int, device: torch.device, start_step: int = 0) -> None:
-        # config has passed validate_profiling_config (titan.training.checks.validate_job)
+        # config has passed Profiling.validate (load_config)
         p = config.profiling
         self.rank = rank
         self.freq = p.profile_freq

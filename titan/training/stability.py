@@ -20,7 +20,7 @@ from titan.errors import TitanError
 from titan.parallel.utils import global_l2_norm
 from titan.log import logger
 
-__all__ = ["SpikeDetector", "StabilityMonitor", "param_norm", "validate_stability_config"]
+__all__ = ["SpikeDetector", "StabilityMonitor", "param_norm"]
 
 
 class SpikeDetector:
@@ -214,19 +214,3 @@ def param_norm(model_parts: list[torch.nn.Module], pp_group: dist.ProcessGroup |
     """Total L2 norm of all parameters: DTensor shards are combined (full_tensor of the norm), and
     with pipeline parallelism the per-stage norms are summed in square over ``pp_group``."""
     return global_l2_norm([p.detach() for m in model_parts for p in m.parameters()], pp_group)
-
-
-def validate_stability_config(c: JobConfig) -> None:
-    """[stability] and training.nonfinite_* (training.nonfinite is a Literal choice, checked by the loader)."""
-    t, s = c.training, c.stability
-    if t.nonfinite_max_consecutive_skips < 0:
-        raise TitanError("config key 'training.nonfinite_max_consecutive_skips' must be >= 0,"
-                         f" got {t.nonfinite_max_consecutive_skips}")
-    for key in ("grad_norm_spike_window", "loss_spike_window"):
-        if getattr(s, key) < 1:
-            raise TitanError(f"config key 'stability.{key}' must be >= 1, got {getattr(s, key)}")
-
-    for key in ("grad_norm_spike_threshold", "loss_spike_threshold"):
-        value = getattr(s, key)
-        if not (math.isfinite(value) and value >= 0):
-            raise TitanError(f"config key 'stability.{key}' must be a finite number >= 0, got {value}")

@@ -90,7 +90,7 @@ class Trainer:
         self.device = pick_device(local_rank)
         check_run_layout(config, self.parallel_dims, model_args, self.device.type)
         # NCCL reads the flight-recorder env when its groups are created
-        set_comm_env(config, nccl=self.device.type == "cuda")
+        set_comm_env(config.comm, config.job.dump_folder, nccl=self.device.type == "cuda")
         init_distributed(self.device, world_size, timeout_s=config.comm.init_timeout_seconds)
         self.parallel_dims.build_mesh(self.device.type)
         # Before anything is written to the dump folder: lock it, pick the checkpoint to resume

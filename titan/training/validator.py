@@ -43,19 +43,7 @@ from titan.parallel.cp import SeqBuffer, cp_shard_batch
 from titan.parallel.dims import ParallelDims
 from titan.log import logger
 
-__all__ = ["Validator", "validate_validation_config"]
-
-
-def validate_validation_config(c: JobConfig) -> None:
-    v = c.validation
-    if not v.enable:
-        return
-    if v.freq < 1:
-        raise TitanError(f"config key 'validation.freq' must be >= 1, got {v.freq}")
-    if v.steps == 0 or v.steps < -1:
-        raise TitanError(f"config key 'validation.steps' must be -1 (whole set) or >= 1, got {v.steps}")
-    if v.local_batch_size == 0 or v.local_batch_size < -1:
-        raise TitanError(f"config key 'validation.local_batch_size' must be -1 or >= 1, got {v.local_batch_size}")
+__all__ = ["Validator"]
 
 
 class Validator:
@@ -71,7 +59,7 @@ class Validator:
         forward_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         cp_buffers: Sequence[SeqBuffer] = (),
     ) -> None:
-        # config has passed validate_validation_config (titan.training.checks.validate_job) and the layout
+        # config has passed Validation.validate (load_config) and the layout
         # checks (CP: the sequence length splits into 2 x cp chunks, titan.parallel.dims.check_layout)
         v = config.validation
         self.freq, self.steps, self.last_step = v.freq, v.steps, config.training.steps

@@ -54,7 +54,7 @@ def _other_value(tp, default):  # noqa: ANN001, ANN202
 
 
 def _load_without_checks(text: str) -> JobConfig:
-    """What load_config does with a TOML file, minus check_config (the values are nonsense)."""
+    """What load_config does with a TOML file, minus JobConfig.validate (the values are nonsense)."""
     config = JobConfig()
     for key, value in _flatten_toml(tomllib.loads(text), "dump.toml"):
         _set(config, key, value, from_cli=False)

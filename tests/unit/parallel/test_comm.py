@@ -6,7 +6,6 @@ import pytest
 
 from titan.config import load_config
 from titan.errors import TitanError
-from titan.training.checks import load_job
 from titan.parallel.comm import set_comm_env
 
 
@@ -20,7 +19,7 @@ def clean_env(monkeypatch):
 def test_flight_recorder_env(tmp_path, clean_env, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     c = load_config(["--job.dump_folder", str(tmp_path), "--comm.trace_buf_size", "500"])
-    set_comm_env(c)
+    set_comm_env(c.comm, c.job.dump_folder)
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "comm_traces" / "rank_")
@@ -29,7 +28,7 @@ def test_flight_recorder_env(tmp_path, clean_env, monkeypatch):
 
 def test_flight_recorder_off(tmp_path, clean_env):
     c = load_config(["--job.dump_folder", str(tmp_path), "--comm.trace_buf_size", "0"])
-    set_comm_env(c)
+    set_comm_env(c.comm, c.job.dump_folder)
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0"
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ
     assert not (tmp_path / "comm_traces").exists()
@@ -37,7 +36,7 @@ def test_flight_recorder_off(tmp_path, clean_env):
 
 def test_bad_timeout_fails_at_load():
     with pytest.raises(TitanError, match="comm.train_timeout_seconds"):
-        load_job(["--comm.train_timeout_seconds", "0"])
+        load_config(["--comm.train_timeout_seconds", "0"])
 
 
 @pytest.mark.parametrize(
@@ -54,7 +53,7 @@ def test_env_warning_only_for_user_values_nccl_reads(tmp_path, clean_env, monkey
         monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", preset)
     c = load_config(["--job.dump_folder", str(tmp_path)])
     with caplog.at_level("WARNING", logger="titan"):
-        set_comm_env(c, nccl=nccl)
+        set_comm_env(c.comm, c.job.dump_folder, nccl=nccl)
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     messages = [r.getMessage() for r in caplog.records if "TORCH_NCCL" in r.getMessage()]
     assert bool(messages) == warned, messages

@@ -1,5 +1,6 @@
-"""The one validation pass: load_job = load_config (types, choices, ranges) + validate_job (the
-checks each feature owns). Every error is one line naming the key."""
+"""The two validation passes: load_config checks what the config knows by itself (each section's
+validate() and the rules between sections); validate_job what needs runtime knowledge (the model
+registry, the optimizer table, torch's pipeline schedules). Every error is one line naming the key."""
 
 from pathlib import Path
 
@@ -16,22 +17,30 @@ REPO = Path(__file__).resolve().parents[3]
 
 @pytest.mark.parametrize("argv, message", [
     (["--optimizer.lr", "-1"], "config key 'optimizer.lr' got -1.0; valid: a number > 0"),
-    (["--optimizer.name", "SGD"], "config key 'optimizer.name' got 'SGD'; valid: AdamW, Adam"),
     (["--lr_scheduler.min_lr_factor", "2"], "config key 'lr_scheduler.min_lr_factor' got 2.0; valid: a number in [0, 1]"),
-    (["--stability.loss_spike_window", "0"], "config key 'stability.loss_spike_window' must be >= 1"),
-    (["--profiling.enable_profiling", "--profiling.profile_freq", "2"], "must be <= profiling.profile_freq (2)"),
-    (["--validation.enable", "--validation.freq", "0"], "config key 'validation.freq' must be >= 1"),
-    (["--comm.train_timeout_seconds", "0"], "config key 'comm.train_timeout_seconds' must be >= 1 second"),
+    (["--stability.loss_spike_window", "0"], "config key 'stability.loss_spike_window' got 0; valid: an integer >= 1"),
+    (["--profiling.enable_profiling", "--profiling.profile_freq", "2"], "must be >= profiling.warmup_steps + profiling.active_steps (3 + 1)"),
+    (["--validation.enable", "--validation.freq", "0"], "config key 'validation.freq' got 0; valid: an integer >= 1"),
+    (["--comm.train_timeout_seconds", "0"], "config key 'comm.train_timeout_seconds' got 0; valid: an integer >= 1"),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
+     "'activation_checkpoint.selective_ac_option' got 0"),
+    (["--float8.enable_float8_linear", "--float8.recipe", "rowwise", "--float8.enable_fsdp_float8_all_gather"],
+     "config key 'float8.enable_fsdp_float8_all_gather' works only with float8.recipe = tensorwise"),
+])
+def test_config_checks_run_in_load_config(argv, message):
+    with pytest.raises(TitanError) as e:
+        load_config(argv)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--optimizer.name", "SGD"], "config key 'optimizer.name' got 'SGD'; valid: AdamW, Adam"),
     (["--parallelism.pipeline_parallel_schedule", "2F2B"], "'parallelism.pipeline_parallel_schedule' got '2F2B'"),
     (["--model.flavor", "giant"], "config key 'model.flavor' got 'giant'; valid for llama3: debugmodel"),
     (["--model.name", "gpt9"], "config key 'model.name' got 'gpt9'; valid: llama3"),
     (["--model.n_kv_heads", "5"], "(flavor 'debugmodel' with model.n_kv_heads = 5)"),
-    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
-     "'activation_checkpoint.selective_ac_option' got 0"),
-    (["--float8.enable_float8_linear", "--float8.recipe", "rowwise", "--float8.enable_fsdp_float8_all_gather"],
-     "float8.enable_fsdp_float8_all_gather works only with float8.recipe = tensorwise"),
 ])
-def test_feature_checks_run_in_load_job_only(argv, message):
+def test_runtime_checks_run_in_validate_job_only(argv, message):
     config = load_config(argv)  # the config knows nothing wrong with these
     with pytest.raises(TitanError) as e:
         validate_job(config)
@@ -49,8 +58,9 @@ def test_load_job_passes_the_shipped_configs():
 def test_trainer_validates_a_config_from_load_config_alone():
     from titan.training.trainer import Trainer
 
-    with pytest.raises(TitanError, match="config key .optimizer.lr. got 0.0; valid: a number > 0"):
-        Trainer(load_config(["--optimizer.lr", "0", "--training.seq_len", "32"]))
+    config = load_config(["--optimizer.name", "SGD", "--training.seq_len", "32"])
+    with pytest.raises(TitanError, match="config key .optimizer.name. got 'SGD'; valid: AdamW, Adam"):
+        Trainer(config)
 
 
 def test_runtime_tables_match_the_config_choices():

@@ -11,7 +11,7 @@ import torch.nn as nn
 from titan.config.job_config import LRScheduler as LRSchedulerConfig
 from titan.config.job_config import Optimizer as OptimizerConfig
 from titan.errors import TitanError
-from titan.training.lr_scheduler import build_lr_schedulers, lr_factor, resolve_schedule, validate_lr_scheduler_config
+from titan.training.lr_scheduler import build_lr_schedulers, lr_factor, resolve_schedule
 from titan.training.optim import build_optimizers
 
 PEAK = 1e-3
@@ -99,7 +99,7 @@ def test_clamping_warns(caplog: pytest.LogCaptureFixture) -> None:
 )
 def test_bad_config(kwargs: dict, message: str) -> None:
     with pytest.raises(TitanError) as info:
-        validate_lr_scheduler_config(LRSchedulerConfig(**kwargs))
+        LRSchedulerConfig(**kwargs).validate()
     assert message in str(info.value)
 
 

@@ -90,7 +90,8 @@ def test_implementations_agree() -> None:
 def test_bad_config(override: dict, message: str) -> None:
     cfg = dataclasses.replace(OptimizerConfig(), **override)
     with pytest.raises(TitanError) as info:
-        validate_optimizer_config(cfg)
+        cfg.validate()  # the ranges (load_config)
+        validate_optimizer_config(cfg)  # the name against the optimizer table (validate_job)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
 

@@ -11,7 +11,7 @@ import torch
 from titan.config import load_config
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
-from titan.training.stability import SpikeDetector, StabilityMonitor, param_norm, validate_stability_config
+from titan.training.stability import SpikeDetector, StabilityMonitor, param_norm
 
 
 # Loss and grad norm of every step of the default demo (./run_train.sh: 150 steps of the debug model).
@@ -135,7 +135,7 @@ def test_config_checks():
     c = JobConfig()
     c.stability.loss_spike_window = 0
     with pytest.raises(TitanError, match="stability.loss_spike_window"):
-        validate_stability_config(c)
+        c.stability.validate()
 
 
 def test_param_norm_is_total_l2():

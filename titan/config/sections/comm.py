@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titan.errors import require
+
 
 @dataclass
 class Comm:
@@ -16,3 +18,8 @@ class Comm:
     With > 0 a timeout dumps the recorder to save_traces_folder."""
     save_traces_folder: str = "comm_traces"
     """Flight-recorder dump folder, relative to job.dump_folder (files rank_<r>)."""
+
+    def validate(self) -> None:
+        for key in ("init_timeout_seconds", "train_timeout_seconds"):
+            require(getattr(self, key) >= 1, f"comm.{key}", getattr(self, key), "an integer >= 1 (seconds)")
+        require(self.trace_buf_size >= 0, "comm.trace_buf_size", self.trace_buf_size, "an integer >= 0 (0 disables)")

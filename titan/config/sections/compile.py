@@ -13,3 +13,7 @@ class Compile:
     """torch.compile the parts named in `components` (inductor)."""
     components: list[CompileComponent] = field(default_factory=lambda: ["model", "loss"])
     """What to compile: model (each TransformerBlock, fullgraph) and/or loss (the cross entropy)."""
+
+    def validate(self) -> None:
+        """Nothing to check beyond what the loader does: enable is a bool and every component a Literal
+        choice; whether compile runs on this device is found when it compiles."""

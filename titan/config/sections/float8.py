@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titan.config.choices import Float8Recipe
+from titan.errors import require
 
 
 @dataclass
@@ -25,3 +26,16 @@ class Float8:
     emulate: bool = False
     """Run the float8 matmuls in high precision after the casts (for testing on CPU or GPUs older
     than SM89); numerics match float8, speed does not."""
+
+    def validate(self) -> None:
+        """Options that only work together; whether torchao and the GPU can run them is checked at
+        build time (titan.parallel.float8)."""
+        if not self.enable_float8_linear:
+            return
+        require(self.recipe != "rowwise" or not self.enable_fsdp_float8_all_gather,
+                "float8.enable_fsdp_float8_all_gather", rule="works only with float8.recipe = tensorwise"
+                " (torchao has no float8 all-gather for rowwise scales)")
+        require(not self.precompute_float8_dynamic_scale_for_fsdp or self.enable_fsdp_float8_all_gather,
+                "float8.precompute_float8_dynamic_scale_for_fsdp", rule="needs"
+                " float8.enable_fsdp_float8_all_gather = true (the precomputed scales are those of the float8"
+                " all-gather)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titan.errors import require
+
 
 @dataclass
 class Job:
@@ -28,3 +30,6 @@ class Job:
     """Allow replacing checkpoints: start from scratch when the checkpoint folder holds an earlier
     run's checkpoints (they are deleted), or resume from an older checkpoint.load_step (the later
     ones are replaced). Without it titan resumes or stops with an error, never deletes."""
+
+    def validate(self) -> None:
+        require(self.dry_run_world_size >= 1, "job.dry_run_world_size", self.dry_run_world_size, "an integer >= 1")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titan.errors import require
+
 
 @dataclass
 class Metrics:
@@ -35,3 +37,8 @@ class Metrics:
     """W&B project. Empty: $WANDB_PROJECT, else "titan"."""
     wandb_run_name: str = ""
     """W&B run name. Empty: $WANDB_NAME, else W&B's generated name."""
+
+    def validate(self) -> None:
+        require(self.log_freq >= 1, "metrics.log_freq", self.log_freq, "an integer >= 1")
+        require(self.param_norm_freq >= 0, "metrics.param_norm_freq", self.param_norm_freq,
+                "an integer >= 0 (0: never)")

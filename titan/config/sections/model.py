@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan.config.choices import AttnMaskType, AttnType
+from titan.errors import require
+
+# Model-shape keys that override the flavor's value when set.
+SHAPE_OVERRIDES = ("n_layers", "dim", "n_heads", "n_kv_heads")
 
 
 @dataclass
@@ -38,3 +42,12 @@ class Model:
     """Init std of the residual-stream output projections (wo, w2, w3). true: depth-scaled per
     block, 0.02 / sqrt(2 * (layer_id + 1)) (early blocks larger, as in torchtitan); false: one
     factor for all blocks, 0.02 / sqrt(2 * n_layers) (GPT-2 / Megatron style)."""
+
+    def validate(self) -> None:
+        for key in SHAPE_OVERRIDES:
+            value = getattr(self, key)
+            require(value is None or value >= 1, f"model.{key}", value,
+                    "an integer >= 1, or unset for the flavor's value")
+        require(self.attn_type != "varlen" or self.attn_mask_type == "block_causal", "model.attn_type",
+                rule='= "varlen" attends within each document: it needs model.attn_mask_type = "block_causal"'
+                     " (for causal attention over the whole window use sdpa or flex)")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from titan.config.choices import OptimizerImplementation, WeightDecayExclude
+from titan.errors import require
 
 
 @dataclass
@@ -37,3 +39,18 @@ class Optimizer:
     the whole model never exist together. Not with grad clipping (training.max_norm > 0), gradient
     accumulation, pipeline parallel, DDP or training.nonfinite = skip_step, which need every
     gradient before the first update."""
+
+    def validate(self) -> None:
+        """The ranges; the name is matched against the optimizer table by titan.training.optim."""
+        require(math.isfinite(self.lr) and self.lr > 0, "optimizer.lr", self.lr, "a number > 0")
+        for key in ("beta1", "beta2"):
+            value = getattr(self, key)
+            require(0.0 <= value < 1.0, f"optimizer.{key}", value, "a number in [0, 1)")
+        require(math.isfinite(self.eps) and self.eps >= 0, "optimizer.eps", self.eps, "a number >= 0")
+        require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "optimizer.weight_decay",
+                self.weight_decay, "a number >= 0")
+        if self.bf16_stochastic_round:
+            require(self.name.lower() == "adamw", "optimizer.name", self.name,
+                    "AdamW with optimizer.bf16_stochastic_round (torchao's kernel)")
+            require(self.implementation != "fused", "optimizer.implementation", self.implementation,
+                    "foreach or for-loop with optimizer.bf16_stochastic_round (torchao's compiled kernel)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titan.errors import require
+
 
 @dataclass
 class Profiling:
@@ -22,3 +24,15 @@ class Profiling:
     out-of-memory (view at pytorch.org/memory_viz)."""
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Snapshot folder, relative to job.dump_folder."""
+
+    def validate(self) -> None:
+        if not self.enable_profiling and not self.enable_memory_snapshot:
+            return
+        require(self.profile_freq >= 1, "profiling.profile_freq", self.profile_freq, "an integer >= 1")
+        if not self.enable_profiling:
+            return
+        require(self.active_steps >= 1, "profiling.active_steps", self.active_steps, "an integer >= 1")
+        require(self.warmup_steps >= 0, "profiling.warmup_steps", self.warmup_steps, "an integer >= 0")
+        require(self.warmup_steps + self.active_steps <= self.profile_freq, "profiling.profile_freq",
+                rule=f"must be >= profiling.warmup_steps + profiling.active_steps ({self.warmup_steps} +"
+                     f" {self.active_steps}), the steps of one trace; got profile_freq ({self.profile_freq})")

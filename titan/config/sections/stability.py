@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from titan.errors import require
 
 
 @dataclass
@@ -17,3 +20,10 @@ class Stability:
     """Log steps in the running average the loss is compared with."""
     loss_spike_threshold: float = 0.5
     """Relative margin: a loss spike is loss > running average * (1 + this)."""
+
+    def validate(self) -> None:
+        for key in ("grad_norm_spike_window", "loss_spike_window"):
+            require(getattr(self, key) >= 1, f"stability.{key}", getattr(self, key), "an integer >= 1")
+        for key in ("grad_norm_spike_threshold", "loss_spike_threshold"):
+            value = getattr(self, key)
+            require(math.isfinite(value) and value >= 0, f"stability.{key}", value, "a finite number >= 0")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titan.config.choices import BadLines, MixedPrecisionDType, MixtureExhausted, NonFinite, TxtSplit
+from titan.errors import require
 
 
 @dataclass
@@ -17,6 +18,11 @@ class MixtureSource:
     """A registry name (pydoc, c4, ...) instead of `path`; with `path` too, `path` is its local copy."""
     weight: float = 1.0
     """Share of the windows drawn from this source, relative to the other weights (> 0)."""
+
+    def validate(self, key: str = "training.mixture[0]") -> None:
+        """``key``: where the table sits, e.g. validation.mixture[2]."""
+        require(self.weight > 0, f"{key}.weight", self.weight, "a number > 0")
+        require(bool(self.path or self.dataset), key, self, "a table with path or dataset set")
 
 
 @dataclass
@@ -90,3 +96,21 @@ class Training:
     optimizer update for that step; the step counter, data and LR schedule still advance)."""
     nonfinite_max_consecutive_skips: int = 10
     """With nonfinite = skip_step: stop once this many steps in a row were skipped."""
+
+    def validate(self) -> None:
+        require(self.steps >= 1, "training.steps", self.steps, "an integer >= 1")
+        require(self.local_batch_size >= 1, "training.local_batch_size", self.local_batch_size, "an integer >= 1")
+        require(self.global_batch_size == -1 or self.global_batch_size >= 1, "training.global_batch_size",
+                self.global_batch_size, "-1 (local_batch_size x dp) or an integer >= 1")
+        require(self.seq_len >= 2, "training.seq_len", self.seq_len, "an integer >= 2")
+        require(self.dataloader_num_workers >= 0, "training.dataloader_num_workers", self.dataloader_num_workers,
+                "an integer >= 0")
+        prefetch = self.dataloader_prefetch_factor
+        require(prefetch is None or (prefetch >= 1 and self.dataloader_num_workers > 0),
+                "training.dataloader_prefetch_factor", prefetch,
+                "unset, or an integer >= 1 together with training.dataloader_num_workers > 0")
+        require(self.gc_freq >= 1, "training.gc_freq", self.gc_freq, "an integer >= 1")
+        require(self.nonfinite_max_consecutive_skips >= 0, "training.nonfinite_max_consecutive_skips",
+                self.nonfinite_max_consecutive_skips, "an integer >= 0")
+        for i, source in enumerate(self.mixture):
+            source.validate(f"training.mixture[{i}]")

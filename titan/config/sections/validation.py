@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titan.config.sections.training import MixtureSource
+from titan.errors import require
 
 
 @dataclass
@@ -27,3 +28,13 @@ class Validation:
     """Batches per validation (local_batch_size x seq_len each, per dp rank). -1: the whole set."""
     local_batch_size: int = -1
     """Sequences per validation batch per dp rank. -1: training.local_batch_size."""
+
+    def validate(self) -> None:
+        for i, source in enumerate(self.mixture):
+            source.validate(f"validation.mixture[{i}]")
+        if not self.enable:
+            return
+        require(self.freq >= 1, "validation.freq", self.freq, "an integer >= 1")
+        require(self.steps == -1 or self.steps >= 1, "validation.steps", self.steps, "-1 (the whole set) or an integer >= 1")
+        require(self.local_batch_size == -1 or self.local_batch_size >= 1, "validation.local_batch_size",
+                self.local_batch_size, "-1 (training.local_batch_size) or an integer >= 1")

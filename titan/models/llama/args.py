@@ -8,10 +8,11 @@ from types import MappingProxyType
 
 from torch import nn
 
+from titan.config.choices import AttnMaskType, AttnType, choices
 from titan.errors import TitanError
 
-_ATTN_TYPES = ("sdpa", "flex", "varlen")
-_ATTN_MASK_TYPES = ("causal", "block_causal")
+_ATTN_TYPES = choices(AttnType)
+_ATTN_MASK_TYPES = choices(AttnMaskType)
 
 
 @dataclass
@@ -112,9 +113,8 @@ class TransformerModelArgs:
 # length; the trainer should lower max_seq_len to its seq_len to keep the RoPE table small.
 _LLAMA31 = MappingProxyType(dict(vocab_size=128256, rope_theta=500000.0, use_rope_scaling=True, max_seq_len=131072))
 
-# Read-only: nothing may add or replace a flavor at run time (tests that need a tiny flavor
-# swap in a new mapping, see tests/helpers/tiny.py). The args inside are shared: hand out
-# copies (get_model_args, titan.models.get_flavor), never the entries themselves.
+# The shipped flavors, read-only (more are added with titan.models.register_flavor). The args
+# inside are shared: hand out copies (get_model_args, titan.models.get_flavor), never the entries.
 llama3_configs: Mapping[str, TransformerModelArgs] = MappingProxyType({
     # ~5.8M params: GQA (16 query / 8 kv heads) so the repeat-kv path is exercised in tests.
     "debugmodel": TransformerModelArgs(

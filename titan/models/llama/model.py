@@ -240,7 +240,6 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, model_args: TransformerModelArgs) -> None:
         super().__init__()
-        model_args.validate()
         self.model_args = model_args
         self.vocab_size = model_args.vocab_size
         self.n_layers = model_args.n_layers
