@@ -107,7 +107,8 @@ def _value_map(key: str, to: str, table: Mapping[str, Any], refused: str) -> Cal
     def fn(value: Any) -> Pairs:
         n = norm(value)
         if n not in table:
-            raise TitanError(f"torchtitan key '{key}' is not supported by titan: {value!r} is not implemented; {refused}")
+            raise TitanError(f"torchtitan key '{key}' is not supported by titan: {value!r} is not implemented;"
+                             f" {refused}")
         return [(to, table[n])]
     return fn
 
@@ -188,7 +189,8 @@ def _comm_mode(value: Any) -> Pairs:
                      " --job.dry_run checks a layout on one process (fake_backend)")
 
 
-_FLOAT8_SECTION = ("enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp", "filter_fqns", "emulate")
+_FLOAT8_SECTION = ("enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp", "filter_fqns",
+                   "emulate")
 _MX = "MX (microscaling) training is not in titan; use model.converters = [\"float8\"] (float8 linears)"
 _MOE = "titan's models are dense (no mixture of experts)"
 _FT = "torchft fault tolerance is not in titan; titan recovers by restarting from its last checkpoint"
@@ -235,8 +237,8 @@ def _rules() -> list[Rule]:
         # ---- training
         rename("training.batch_size", "training.local_batch_size", f"{Y2024}–{V010}"),
         rename("training.compile", "compile.enable", f"{Y2024}–{V010}"),
-        mapped("training.dataset", "training.dataset", f"{Y2024}–{V02}", _dataset("training.dataset", "training.dataset",
-                                                                                  "pydoc")),
+        mapped("training.dataset", "training.dataset", f"{Y2024}–{V02}",
+               _dataset("training.dataset", "training.dataset", "pydoc")),
         mapped("validation.dataset", "validation.dataset", V02,
                _dataset("validation.dataset", "validation.dataset", "pydoc_validation")),
         refuse("training.dtype", V02, "bf16 parameters without an fp32 copy are optimizer.bf16_stochastic_round in"
@@ -338,7 +340,8 @@ def _rules() -> list[Rule]:
         r.append(rename(f"quantize.linear.float8.{name}", f"float8.{name}", V02))
     r += [
         mapped("float8.recipe_name", "float8.recipe", V010, _recipe("float8.recipe_name")),
-        mapped("quantize.linear.float8.recipe_name", "float8.recipe", V02, _recipe("quantize.linear.float8.recipe_name")),
+        mapped("quantize.linear.float8.recipe_name", "float8.recipe", V02,
+               _recipe("quantize.linear.float8.recipe_name")),
         refuse("float8.force_recompute_fp8_weight_in_bwd", V010, "titan keeps the float8 weights for backward (no"
                " forced recompute)", False),
         refuse("float8.moe_fqns_prototype", V010, _MOE, []),
@@ -355,7 +358,8 @@ def _rules() -> list[Rule]:
         r.append(refuse(f"float8.scaling_type_{name}", Y2024, delayed, "dynamic"))
         r.append(refuse(f"training.float8_scaling_type_{name}", Y2024, delayed, "dynamic"))
     for key in ("quantize.linear.mx.recipe_name", "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice",
-                "quantize.linear.mx.filter_fqns", "mx.recipe_name", "mx.use_fp8_dim1_cast_triton_kernel", "mx.filter_fqns"):
+                "quantize.linear.mx.filter_fqns", "mx.recipe_name", "mx.use_fp8_dim1_cast_triton_kernel",
+                "mx.filter_fqns"):
         r.append(no_effect(key, V02 if key.startswith("quantize") else V010,
                            f"read only by the mx converter, which titan does not implement ({_MX})"))
     for key in ("quantize.grouped_mm.float8.fqns", "quantize.grouped_mm.mx.fqns"):

@@ -29,7 +29,8 @@ from titan.config.sections.training import Training
 from titan.config.sections.validation import Validation
 from titan.errors import require
 
-__all__ = ["Job", "Model", "Optimizer", "LRScheduler", "Training", "Parallelism", "Metrics", "Checkpoint", "Stability", "Validation", "Profiling", "Comm", "ActivationCheckpoint", "Compile", "Float8", "JobConfig"]
+__all__ = ["Job", "Model", "Optimizer", "LRScheduler", "Training", "Parallelism", "Metrics", "Checkpoint", "Stability",
+           "Validation", "Profiling", "Comm", "ActivationCheckpoint", "Compile", "Float8", "JobConfig"]
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Build a JobConfig from defaults <- TOML file <- CLI flags.
 
-The option list, the types and the help text all come from the section dataclasses (titan/config/sections/, assembled in job_config.py).
+The option list, the types and the help text all come from the section dataclasses
+(titan/config/sections/, assembled in job_config.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from titan.errors import TitanError
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
+    import tomli as tomllib  # pyright: ignore[reportMissingImports] (a dependency on 3.10 only)
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
@@ -215,7 +216,8 @@ def _convert(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
 # ---------------------------------------------------------------- sources
 def load_toml(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
-        raise TitanError(f"config file '{path}' does not exist (set --job.config_file to a TOML file, e.g. train_configs/debug_model.toml)")
+        raise TitanError(f"config file '{path}' does not exist (set --job.config_file to a TOML file,"
+                         " e.g. train_configs/debug_model.toml)")
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
@@ -231,10 +233,12 @@ def _flatten_toml(data: dict[str, Any], path: str) -> list[tuple[str, Any]]:
         if not isinstance(body, dict):
             if section in sections():
                 raise TitanError(f"config file '{path}': '{section}' must be a [section] table")
-            raise TitanError(f"config file '{path}': unknown config section '{section}'" + did_you_mean(section, list(sections())))
+            raise TitanError(f"config file '{path}': unknown config section '{section}'"
+                             + did_you_mean(section, list(sections())))
         for name, value in body.items():
             if isinstance(value, dict):
-                raise TitanError(f"config file '{path}': unknown config section '{section}.{name}' (sections are one level deep)")
+                raise TitanError(f"config file '{path}': unknown config section '{section}.{name}'"
+                                 " (sections are one level deep)")
             items.append((f"{section}.{name}", value))
     return items
 
@@ -250,7 +254,8 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str]]:
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or len(arg) <= 2:
-            raise TitanError(f"unexpected command-line argument '{arg}'; options look like --section.key value (see --help)")
+            raise TitanError(f"unexpected command-line argument '{arg}'; options look like --section.key value"
+                             " (see --help)")
         key, eq, value = arg[2:].partition("=")
         if key == "config_file":  # SageMaker-style hyperparameter
             key = "job.config_file"

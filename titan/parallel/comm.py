@@ -67,7 +67,9 @@ def set_comm_env(m: Comm, dump_folder: str, *, nccl: bool | None = None) -> dict
 
 
 def _groups(parallel_dims: ParallelDims) -> list[dist.ProcessGroup]:
-    groups = [dist.group.WORLD]
+    world = dist.group.WORLD
+    assert world is not None, "set_pg_timeouts runs only with a process group"
+    groups = [world]
     mesh = parallel_dims.mesh
     if mesh is not None:
         groups += mesh.get_all_groups()

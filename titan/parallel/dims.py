@@ -29,9 +29,9 @@ class ParallelDims:
         self._resolve_and_check()
 
     def _resolve_and_check(self) -> None:
-        for name in ("dp_replicate", "cp", "tp", "pp"):
-            if getattr(self, name) < 1:
-                raise TitanError(f"parallelism degree {name}={getattr(self, name)} must be >= 1")
+        """Against the world size; each degree's own range is Parallelism.validate's (load_config)."""
+        assert min(self.dp_replicate, self.cp, self.tp, self.pp) >= 1, self
+        assert self.dp_shard == -1 or self.dp_shard >= 1, self
         if self.dp_shard == -1:
             others = self.dp_replicate * self.cp * self.tp * self.pp
             if self.world_size % others:
@@ -40,8 +40,6 @@ class ParallelDims:
                     f" = {others} do not divide the world size {self.world_size}"
                 )
             self.dp_shard = self.world_size // others
-        if self.dp_shard < 1:
-            raise TitanError(f"parallelism.data_parallel_shard_degree must be -1 or >= 1, got {self.dp_shard}")
         product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
         if product != self.world_size:
             raise TitanError(
@@ -125,7 +123,8 @@ class ParallelDims:
         names = self._mesh.mesh_dim_names or ()
         if name in names:
             return self._mesh[name]
-        flat = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"), "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+        flat = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+                "dp_cp": ("dp_replicate", "dp_shard", "cp")}
         present = [p for p in flat.get(name, ()) if p in names]
         if len(present) == 1:
             return self._mesh[present[0]]
@@ -140,9 +139,10 @@ class ParallelDims:
             shard = "dp_shard_cp"
         else:
             shard = "dp_shard" if self.dp_shard_enabled else "cp"
-        if not self.dp_replicate_enabled:
-            return self.submesh(shard)
-        return self._mesh[("dp_replicate", shard)]
+        # Only called with FSDP on, hence with a mesh holding the shard dims.
+        mesh = self.submesh(shard) if not self.dp_replicate_enabled else self._mesh
+        assert mesh is not None, "fsdp_mesh needs a built mesh with FSDP on"
+        return mesh if not self.dp_replicate_enabled else mesh[("dp_replicate", shard)]
 
     def dp_rank(self) -> int:
         dp = self.submesh("dp")
@@ -188,7 +188,8 @@ def check_layout(
         assert par is not None, "check_layout needs the [parallelism] section with PP"
         split_modules(model_args.n_layers, dims.pp, par)
         if model_args.tie_embeddings:
-            raise TitanError("model tie_embeddings cannot be split across pipeline stages; untie it or set pipeline_parallel_degree 1")
+            raise TitanError("model tie_embeddings cannot be split across pipeline stages; untie it or set"
+                             " pipeline_parallel_degree 1")
     if dims.cp_enabled:
         check_cp_seq_len(seq_len, dims.cp, attn_type)
         if device_type != "cuda":

@@ -1,4 +1,5 @@
-"""[activation_checkpoint]: the ActivationCheckpoint section of the config tree (assembled in titan/config/job_config.py)."""
+"""[activation_checkpoint]: the ActivationCheckpoint section of the config tree (assembled in
+titan/config/job_config.py)."""
 
 from __future__ import annotations
 
