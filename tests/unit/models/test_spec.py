@@ -41,7 +41,7 @@ def test_flavor_tables_are_read_only_and_hand_out_copies():
     copy = get_flavor(spec, "8B")
     copy.n_layers = 1
     assert spec.flavors["8B"].n_layers == 32 and llama_args.get_model_args("8B").n_layers == 32
-    with extra_flavors(tiny=TINY):  # tests add flavors by swapping in a new table
+    with extra_flavors(tiny=TINY):  # tests add flavors through the registry (register_flavor)
         assert get_model_spec("llama3").flavors["tiny"] == TINY
     assert "tiny" not in get_model_spec("llama3").flavors
 
