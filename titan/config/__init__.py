@@ -1,6 +1,7 @@
 """Configuration, the ground floor (imports nothing from titan but errors): dataclasses
-(job_config), fixed choices as Literal types (choices), TOML + CLI loading with type, choice and
-range checks (manager, checks), --help and the TOML dump (output). The checks that need runtime
+(job_config, one section per module in sections/, each with its own validate()), fixed choices as
+Literal types (choices), TOML + CLI loading with type and choice checks that ends in
+JobConfig.validate (manager), --help and the TOML dump (output). The checks that need runtime
 knowledge run in titan.training.checks.validate_job; titan.training.checks.load_job does both."""
 
 from titan.config.job_config import JobConfig
