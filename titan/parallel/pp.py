@@ -37,7 +37,8 @@ FIRST_MODULES, LAST_MODULES = ("tok_embeddings",), ("norm", "output")
 
 def schedule_class(name: str) -> type[_PipelineSchedule]:
     if name.lower() not in {s.lower() for s in SCHEDULES}:
-        raise TitanError(f"config key 'parallelism.pipeline_parallel_schedule' got {name!r}; valid: {', '.join(SCHEDULES)}")
+        raise TitanError(f"config key 'parallelism.pipeline_parallel_schedule' got {name!r};"
+                         f" valid: {', '.join(SCHEDULES)}")
     return get_schedule_class(name)
 
 
