@@ -17,9 +17,11 @@ REPO = Path(__file__).resolve().parents[3]
 
 @pytest.mark.parametrize("argv, message", [
     (["--optimizer.lr", "-1"], "config key 'optimizer.lr' got -1.0; valid: a number > 0"),
-    (["--lr_scheduler.min_lr_factor", "2"], "config key 'lr_scheduler.min_lr_factor' got 2.0; valid: a number in [0, 1]"),
+    (["--lr_scheduler.min_lr_factor", "2"],
+     "config key 'lr_scheduler.min_lr_factor' got 2.0; valid: a number in [0, 1]"),
     (["--stability.loss_spike_window", "0"], "config key 'stability.loss_spike_window' got 0; valid: an integer >= 1"),
-    (["--profiling.enable_profiling", "--profiling.profile_freq", "2"], "must be >= profiling.warmup_steps + profiling.active_steps (3 + 1)"),
+    (["--profiling.enable_profiling", "--profiling.profile_freq", "2"],
+     "must be >= profiling.warmup_steps + profiling.active_steps (3 + 1)"),
     (["--validation.enable", "--validation.freq", "0"], "config key 'validation.freq' got 0; valid: an integer >= 1"),
     (["--comm.train_timeout_seconds", "0"], "config key 'comm.train_timeout_seconds' got 0; valid: an integer >= 1"),
     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
