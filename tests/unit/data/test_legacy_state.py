@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.saved_states import SavedStates
 from titan.data.loader import TitanDataLoader
 from titan.data.mixture import MixtureLoader
 from titan.data.sources import DocumentSource
@@ -117,19 +118,6 @@ def take(loader, n: int) -> list[list[int]]:
     return [flat(next(it)) for _ in range(n)]
 
 
-class Saved:
-    """The per-rank states of a checkpoint as the checkpoint manager hands them to a loader."""
-
-    def __init__(self, states: list[dict], rank: int) -> None:
-        self.states, self.rank = states, rank
-
-    def mine(self) -> dict | None:
-        return self.states[self.rank] if self.rank < len(self.states) else None
-
-    def all(self) -> list[dict]:
-        return self.states
-
-
 CASES = json.loads(FIXTURE.read_text(encoding="utf-8"))
 
 
@@ -139,7 +127,7 @@ def test_states_of_the_previous_loader_resume_with_the_same_batches(tmp_path, na
     build = BUILDERS[case["kind"]]
     for rank, expected in enumerate(case["expected"]):
         loader = build(tmp_path, case["world"], rank, case["workers"])
-        loader.load_rank_states(Saved(case["saved"], rank))
+        loader.load_rank_states(SavedStates(case["saved"], rank))
         assert take(loader, len(expected)) == expected
 
 
@@ -149,5 +137,5 @@ def test_equal_states_of_one_dp_rank_are_counted_once(tmp_path, name):
     case = CASES[name]
     doubled = [s for s in case["saved"] for _ in range(2)]
     loader = BUILDERS[case["kind"]](tmp_path, case["world"], 0, case["workers"])
-    loader.load_rank_states(Saved(doubled, 0))
+    loader.load_rank_states(SavedStates(doubled, 0))
     assert take(loader, 4) == case["expected"][0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.saved_states import SavedStates
 from titan.data.loader import TitanDataLoader
 from titan.data.sources import ListSource
 from titan.data.state import LoaderState, StreamState, one_state_per_dp_rank
@@ -29,17 +30,6 @@ def make(world: int = 1, rank: int = 0, workers: int = 0) -> TitanDataLoader:
 def take(loader, n: int) -> list[list[int]]:
     it = iter(loader)
     return [next(it)[0].flatten().tolist() for _ in range(n)]
-
-
-class Saved:
-    def __init__(self, states: list[dict], rank: int) -> None:
-        self.states, self.rank = states, rank
-
-    def mine(self) -> dict | None:
-        return self.states[self.rank] if self.rank < len(self.states) else None
-
-    def all(self) -> list[dict]:
-        return self.states
 
 
 def test_state_dict_is_plain_python_that_loads_with_weights_only(tmp_path):
@@ -72,7 +62,7 @@ def test_rank_renumbered_by_another_tp_layout_reads_its_own_dp_rank():
         expected.append(take(loader, 3))
     for rank in range(2):
         loader = make(world=2, rank=rank)
-        loader.load_rank_states(Saved(saved, rank))
+        loader.load_rank_states(SavedStates(saved, rank))
         assert take(loader, 3) == expected[rank]
 
 
