@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan.data.synthetic import write_c4_mirror  # noqa: E402
+# the synthetic corpus is test data; this script runs from a checkout, where tests/ is beside titan/
+from tests.helpers.c4_mirror import write_c4_mirror  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .build import build_dataloader, check_data
-from .datasets import DATASETS, DocumentSource, build_source
+from .datasets import DATASETS, DocumentSource, build_source, register_dataset
 from .loader import TitanDataLoader
 from .mixture import MixtureLoader
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer, build_tokenizer
 
 __all__ = [
     "DATASETS",
@@ -17,6 +22,7 @@ __all__ = [
     "build_source",
     "check_data",
     "build_tokenizer",
+    "register_dataset",
 ]
 
 

@@ -4,8 +4,8 @@ Built in: ``pydoc`` (the stdlib's own documentation, always available offline), 
 ``c4_validation`` (streamed from the Hugging Face hub, or read from a local mirror in allenai/c4's
 layout when a dataset path is set), and any local file or folder of .jsonl(.gz)/.json(.gz),
 .parquet, .arrow or .txt files. Every file of a folder is a shard (see titan/data/packing.py for
-how shards are dealt to ranks). The table is read-only; add a named dataset as one more entry in
-``DATASETS`` below.
+how shards are dealt to ranks). Add a named dataset with ``register_dataset`` (before the run
+builds its loader); ``DATASETS`` is a read-only view of every registered name.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
+from titan.config.choices import TxtSplit, choices
 from titan.errors import TitanError
 from titan.log import logger
 
@@ -32,12 +33,13 @@ __all__ = [
     "build_source",
     "check_dataset",
     "local_source",
+    "register_dataset",
 ]
 
 # How a .txt file becomes documents (the `text` builder's sample_by): paragraph = blocks separated
 # by a blank line (the default: a single big .txt such as tinyshakespeare then still yields many
 # documents to deal to the ranks), line = every line, document = the whole file.
-TXT_SPLITS = ("paragraph", "line", "document")
+TXT_SPLITS = choices(TxtSplit)
 
 # suffix -> `datasets` packaged builder
 _BUILDERS = MappingProxyType({
@@ -74,7 +76,7 @@ def _pydoc_source(text_field: str) -> DocumentSource:
 
 
 def _load_dataset(*args, **kwargs):
-    # looked up at call time so tests can monkeypatch datasets.load_dataset
+    # imported on first use: `datasets` takes seconds to import and a run of a token store never needs it
     import datasets
 
     return datasets.load_dataset(*args, **kwargs)
@@ -142,16 +144,32 @@ def _c4_local(split: str) -> Callable[[str, str, str], DocumentSource]:
     return load
 
 
-# training.dataset = name -> its source; read-only (a run never changes it)
-DATASETS: Mapping[str, DatasetSpec] = MappingProxyType({spec.name: spec for spec in (
-    DatasetSpec("pydoc", _pydoc_source, description="embedded offline corpus: pydoc_data.topics"),
-    DatasetSpec("pydoc_train", _pydoc_split(False), description="pydoc without the pydoc_validation topics"),
-    DatasetSpec("pydoc_validation", _pydoc_split(True), description="every 10th pydoc topic, held out"),
-    DatasetSpec("c4", _hub_source("c4", "allenai/c4", "en", "train"), description="allenai/c4 en train",
-                local=_c4_local("train")),
-    DatasetSpec("c4_validation", _hub_source("c4_validation", "allenai/c4", "en", "validation"),
-                description="allenai/c4 en validation", local=_c4_local("validation")),
-)})
+_REGISTRY: dict[str, DatasetSpec] = {}
+# training.dataset = name -> its source: a read-only view of the registry, so it shows every registration
+DATASETS: Mapping[str, DatasetSpec] = MappingProxyType(_REGISTRY)
+
+
+def register_dataset(name: str, loader: Callable[[str], DocumentSource], *, text_field: str = "text",
+                     description: str = "", local: Callable[[str, str, str], DocumentSource] | None = None,
+                     ) -> DatasetSpec:
+    """Make ``training.dataset = name`` read the source ``loader(text_field)`` builds (see DatasetSpec:
+    ``text_field`` is the column used when the config keeps "text"; ``local(path, text_field,
+    bad_lines)`` reads a copy at training.dataset_path in the dataset's own layout). A name is
+    registered once."""
+    if name in _REGISTRY:
+        raise TitanError(f"dataset {name!r} is already registered ({_REGISTRY[name].description or 'no description'})")
+    spec = DatasetSpec(name, loader, text_field=text_field, description=description, local=local)
+    _REGISTRY[name] = spec
+    return spec
+
+
+register_dataset("pydoc", _pydoc_source, description="embedded offline corpus: pydoc_data.topics")
+register_dataset("pydoc_train", _pydoc_split(False), description="pydoc without the pydoc_validation topics")
+register_dataset("pydoc_validation", _pydoc_split(True), description="every 10th pydoc topic, held out")
+register_dataset("c4", _hub_source("c4", "allenai/c4", "en", "train"), description="allenai/c4 en train",
+                 local=_c4_local("train"))
+register_dataset("c4_validation", _hub_source("c4_validation", "allenai/c4", "en", "validation"),
+                 description="allenai/c4 en validation", local=_c4_local("validation"))
 
 
 def _builder_for(path: Path) -> str | None:
@@ -184,7 +202,7 @@ def local_source(path: str, text_field: str = "text", txt_split: str = "paragrap
         if _builder_for(p) is None:
             raise TitanError(f"dataset file {path!r} has an unsupported type; supported: {sorted(_BUILDERS)}")
         files = [p]
-    builders = sorted({_builder_for(f) for f in files})
+    builders = sorted({builder for f in files if (builder := _builder_for(f)) is not None})
     if len(builders) > 1:
         raise TitanError(f"dataset folder {path!r} mixes formats {builders}; keep one format per folder")
     builder = builders[0]

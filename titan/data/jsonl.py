@@ -16,6 +16,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from titan.config.choices import BadLines, choices
 from titan.errors import TitanError
 from titan.log import logger
 
@@ -42,8 +43,9 @@ def is_json_lines(path: Path) -> bool:
 
 class JsonlSource(DocumentSource):
     def __init__(self, name: str, files: list[Path], text_field: str, bad_lines: str = "fail") -> None:
-        if bad_lines not in ("fail", "skip"):
-            raise TitanError(f"config key 'training.dataset_bad_lines' got {bad_lines!r}; valid: fail, skip")
+        if bad_lines not in choices(BadLines):
+            raise TitanError(f"config key 'training.dataset_bad_lines' got {bad_lines!r}; valid: "
+                             f"{', '.join(choices(BadLines))}")
         self.name, self.files, self.text_field, self.bad_lines = name, [Path(f) for f in files], text_field, bad_lines
         self.skipped = 0
 

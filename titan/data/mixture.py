@@ -20,15 +20,17 @@ from __future__ import annotations
 import bisect
 import copy
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from titan.errors import TitanError
 from titan.log import logger
 
+from .state import MixtureState, SavedRankStates, is_mixture_state, restore_rank_states
+
 __all__ = ["MixtureLoader", "schedule_source"]
 
-STATE_VERSION = 1
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, odd
 
 
@@ -70,20 +72,22 @@ class MixtureLoader:
         return self._validation_batches() if self.validation else self._training_batches()
 
     def _training_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        iters: list = [None] * len(self.loaders)  # opened on a source's first draw
+        # opened on a source's first draw
+        iters: list[Iterator[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * len(self.loaders)
         while True:
             inputs, labels = [], []
             for _ in range(self.local_batch_size):
-                s = self.source_of(self.t)
-                if iters[s] is None:
-                    iters[s] = iter(self.loaders[s])
-                window = next(iters[s], None)
+                src = self.source_of(self.t)
+                it = iters[src]
+                if it is None:
+                    it = iters[src] = iter(self.loaders[src])
+                window = next(it, None)
                 if window is None:
-                    logger.warning(f"data mixture: source {self.names[s]!r} ran out after "
-                                   f"{self.tokens[s]:,} tokens; stopping (training.mixture_exhausted = stop)")
+                    logger.warning(f"data mixture: source {self.names[src]!r} ran out after "
+                                   f"{self.tokens[src]:,} tokens; stopping (training.mixture_exhausted = stop)")
                     return
                 self.t += 1
-                self.tokens[s] += window[1].numel() * self.dp_world_size
+                self.tokens[src] += window[1].numel() * self.dp_world_size
                 inputs.append(window[0])
                 labels.append(window[1])
             yield torch.cat(inputs), torch.cat(labels)
@@ -112,33 +116,32 @@ class MixtureLoader:
                 "bytes_total": None if None in total else sum(total)}
 
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "kind": "mixture", "names": list(self.names),
-                "weights": list(self.weights), "dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size,
-                "t": self.t, "tokens": list(self.tokens), "sources": [loader.state_dict() for loader in self.loaders]}
+        return MixtureState(names=list(self.names), weights=list(self.weights), dp_rank=self.dp_rank,
+                            dp_world_size=self.dp_world_size, t=self.t, tokens=list(self.tokens),
+                            sources=[loader.state_dict() for loader in self.loaders]).to_dict()
 
-    def _check(self, state: dict) -> dict | None:
-        if not isinstance(state, dict) or state.get("kind") != "mixture":
+    def _check(self, state: Any) -> MixtureState | None:
+        if not is_mixture_state(state):
             logger.warning("checkpoint's data loader state is not a mixture's: starting the mixture from its beginning")
             return None
-        if state.get("version") != STATE_VERSION:
-            raise TitanError(f"data mixture state has an unknown format (expected version {STATE_VERSION})")
-        if state["names"] != self.names:
+        saved = MixtureState.from_dict(state)
+        if saved.names != self.names:
             raise TitanError(
-                f"checkpoint's data mixture has sources {state['names']}, this run {self.names}; keep the sources "
+                f"checkpoint's data mixture has sources {saved.names}, this run {self.names}; keep the sources "
                 "(weights may change), or add 'dataloader' to checkpoint.exclude_from_loading to start afresh"
             )
-        if state["weights"] != self.weights:
-            logger.info(f"data mixture weights changed from {state['weights']} to {self.weights}: the schedule "
-                        f"goes on from window {state['t']} with the new shares")
-        return state
+        if saved.weights != self.weights:
+            logger.info(f"data mixture weights changed from {saved.weights} to {self.weights}: the schedule "
+                        f"goes on from window {saved.t} with the new shares")
+        return saved
 
     def load_state_dict(self, state: dict) -> None:
-        checked = self._check(state)
-        if checked is None:
+        saved = self._check(state)
+        if saved is None:
             return
-        for loader, st in zip(self.loaders, checked["sources"]):
-            loader.load_state_dict(st)
-        self.t, self.tokens = checked["t"], list(checked["tokens"])
+        for loader, source_state in zip(self.loaders, saved.sources):
+            loader.load_state_dict(source_state)
+        self.t, self.tokens = saved.t, list(saved.tokens)
 
     def load_resharded(self, states: list[dict]) -> None:
         """All old dp ranks' states: each source reshards on its own; the schedule counter goes on
@@ -147,6 +150,10 @@ class MixtureLoader:
         if not checked:
             return
         for i, loader in enumerate(self.loaders):
-            loader.load_resharded([copy.deepcopy(s["sources"][i]) for s in checked])
-        self.t = max(s["t"] for s in checked)
-        self.tokens = [max(s["tokens"][i] for s in checked) for i in range(len(self.names))]
+            loader.load_resharded([copy.deepcopy(s.sources[i]) for s in checked])
+        self.t = max(s.t for s in checked)
+        self.tokens = [max(s.tokens[i] for s in checked) for i in range(len(self.names))]
+
+    def load_rank_states(self, saved: SavedRankStates) -> None:
+        """Resume from a checkpoint's per-rank loader states (see restore_rank_states)."""
+        restore_rank_states(self, saved)

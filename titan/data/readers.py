@@ -68,6 +68,7 @@ class DocumentReader:
     def _get(self, epoch: int, index: int) -> str | None:
         """The document at (epoch, index), or None when index is past the end (N is then known)."""
         if self.source.seekable:
+            assert self.num_units is not None, "a seekable source knows its document count"
             return self.source.get(index) if index < self.num_units else None
         if self._pass is None or self._pass[0] != epoch or self._pass[2] > index:
             self._pass = (epoch, index, index, self.source.iter_docs(index))

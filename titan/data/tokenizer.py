@@ -290,7 +290,7 @@ class HFTokenizer(Tokenizer):
 _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+={0,2} \d+\r?$")
 
 
-def _sniff(path: Path) -> type[Tokenizer] | None:
+def _sniff(path: Path) -> type[TikTokenizer] | type[SentencePieceTokenizer] | type[HFTokenizer] | None:
     """The tokenizer class for the file's content, or None when it is none of the formats."""
     with open(path, "rb") as f:
         head = f.read(4096)

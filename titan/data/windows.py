@@ -14,9 +14,7 @@ window, the same order on every run and after every resume.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
-from typing import Any, cast
 
 import numpy as np
 import torch
@@ -26,7 +24,8 @@ from titan.errors import TitanError
 from titan.log import logger
 
 from .loader import PackedDataset, TitanDataLoader
-from .packing import _take_unit, new_stream_state, next_position
+from .packing import PackedBatch
+from .state import LoaderState, StreamState
 from .token_store import TokenStore
 
 __all__ = ["StoreDataLoader", "permute"]
@@ -60,42 +59,42 @@ def permute(i: int, n: int, seed: int, epoch: int) -> int:
             return x
 
 
-def window_stream(store: TokenStore, state: dict, *, seq_len: int, batch_size: int, infinite: bool,
-                  shuffle_seed: int | None, label: str = "") -> Iterator[tuple[torch.Tensor | None, dict, list[int]]]:
-    """Like pack_stream, for a store: ``(windows [batch_size, seq_len + 1], state after it, [])``.
-    Finite mode ends before the first position of epoch 1 with ``(None, state, [])``; a batch
-    the epoch cannot fill is not emitted and its windows stay unread in the state."""
-    state = copy.deepcopy(state)
-    n, span = state["num_units"], seq_len + 1
+def window_stream(store: TokenStore, state: StreamState, *, seq_len: int, batch_size: int, infinite: bool,
+                  shuffle_seed: int | None, label: str = "") -> Iterator[PackedBatch]:
+    """Like pack_stream, for a store: windows [batch_size, seq_len + 1], the state after them, no
+    units opened. Finite mode ends before the first position of epoch 1 with an item without
+    windows; a batch the epoch cannot fill is not emitted and its windows stay unread in the state."""
+    state = state.clone()
+    n, span = state.num_units, seq_len + 1
+    assert n is not None, "a token store's stream knows its window count"
     while True:
-        before = None if infinite else copy.deepcopy(state)
+        before = None if infinite else state.clone()
         rows = np.empty((batch_size, span), dtype=np.int64)
         for b in range(batch_size):
-            if before is not None and next_position(state) >= n:
-                yield None, before, []
+            if before is not None and state.next_position() >= n:
+                yield PackedBatch(None, before, [])
                 return
-            pos = _take_unit(state)[0]
-            epoch, i = divmod(pos, n)
-            if epoch > state["epoch"]:
-                state["epoch"] = epoch
+            epoch, i = divmod(state.take_unit().position, n)
+            if epoch > state.epoch:
+                state.epoch = epoch
                 logger.warning(f"token store {store.path!r}{label}: all windows read, starting epoch {epoch}")
             if shuffle_seed is not None:
                 i = permute(i, n, shuffle_seed, epoch)
             rows[b] = store.read(i * span, span)
-        state["docs"] += batch_size
-        yield torch.from_numpy(rows), copy.deepcopy(state), []
+        state.docs += batch_size
+        yield PackedBatch(torch.from_numpy(rows), state.clone(), [])
 
 
 class WindowDataset(PackedDataset):
     """PackedDataset over a token store's windows (one stream per worker)."""
 
-    def __init__(self, store: TokenStore, states: list[dict], *, seq_len: int, batch_size: int, infinite: bool,
+    def __init__(self, store: TokenStore, states: list[StreamState], *, seq_len: int, batch_size: int, infinite: bool,
                  shuffle_seed: int | None, dp_rank: int = 0) -> None:
-        super().__init__(cast(Any, store), None, states, layout="windows", seq_len=seq_len, batch_size=batch_size,
+        super().__init__(store, None, states, layout="windows", seq_len=seq_len, batch_size=batch_size,
                          infinite=infinite, dp_rank=dp_rank)
         self.store, self.shuffle_seed = store, shuffle_seed
 
-    def _stream(self, state: dict, label: str) -> Iterator[tuple[torch.Tensor | None, dict, list[int]]]:
+    def _stream(self, state: StreamState, label: str) -> Iterator[PackedBatch]:
         return window_stream(self.store, state, seq_len=self.seq_len, batch_size=self.batch_size,
                              infinite=self.infinite, shuffle_seed=self.shuffle_seed, label=label)
 
@@ -120,43 +119,43 @@ class StoreDataLoader(TitanDataLoader):
         self.num_workers, self.infinite, self.shuffle_seed = num_workers, infinite, shuffle_seed
         self.pin_memory, self.prefetch_factor = pin_memory, prefetch_factor
         self.layout, self.num_shards, self.num_windows = "windows", len(store.shards), n
-        k = self._num_streams
-        self._states = [new_stream_state(dp_rank + dp_world_size * i, dp_world_size * k, n) for i in range(k)]
+        self._states = self._fresh_states(n)
         self._last = -1
         self._opened: list[int] = []
         if dp_rank == 0:
             order = "in order" if shuffle_seed is None else f"shuffled (seed {shuffle_seed})"
             logger.info(f"token store {store.path!r}: {store.num_tokens:,} tokens in {self.num_shards} shard(s), "
                         f"{n:,} windows of {seq_len + 1} per epoch, read {order} by {dp_world_size} dp rank(s) x "
-                        f"{k} stream(s)")
+                        f"{self._num_streams} stream(s)")
 
-    def _dataset(self, states: list[dict]) -> IterableDataset:
+    def _dataset(self, states: list[StreamState]) -> IterableDataset:
         return WindowDataset(self.source, states, seq_len=self.seq_len, batch_size=self.local_batch_size,
                              infinite=self.infinite, shuffle_seed=self.shuffle_seed, dp_rank=self.dp_rank)
 
     def read_stats(self) -> dict:
         """Bytes of the windows read (the store is read window by window, not by whole files)."""
-        windows = sum(st["docs"] for st in self._states)
+        windows = sum(st.docs for st in self._states)
         return {"opened": [], "bytes_read": windows * (self.seq_len + 1) * self.source.dtype.itemsize,
                 "bytes_total": self.source.num_tokens * self.source.dtype.itemsize}
 
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "num_windows": self.num_windows, "shuffle_seed": self.shuffle_seed}
+    def _state(self) -> LoaderState:
+        state = super()._state()
+        state.num_windows, state.shuffle_seed = self.num_windows, self.shuffle_seed
+        return state
 
-    def _check(self, state: dict) -> dict | None:
-        checked = super()._check(state)
-        if checked is None:
+    def _check(self, state: dict) -> LoaderState | None:
+        saved = super()._check(state)
+        if saved is None:
             return None
-        state = checked
-        if (state.get("num_windows"), state.get("shuffle_seed")) != (self.num_windows, self.shuffle_seed):
+        if (saved.num_windows, saved.shuffle_seed) != (self.num_windows, self.shuffle_seed):
             raise TitanError(
-                f"data loader state for token store {self.source.path!r} was saved with {state.get('num_windows')} "
-                f"windows per epoch and shuffle seed {state.get('shuffle_seed')}, this run has {self.num_windows} "
+                f"data loader state for token store {self.source.path!r} was saved with {saved.num_windows} "
+                f"windows per epoch and shuffle seed {saved.shuffle_seed}, this run has {self.num_windows} "
                 f"and {self.shuffle_seed} (training.seq_len or training.dataset_shuffle_seed changed); keep them, "
                 "or add 'dataloader' to checkpoint.exclude_from_loading to start the data from its beginning"
             )
-        return state
+        return saved
 
     def _log_resume(self) -> None:
-        at = ", ".join(f"stream {st['slot']} at window position {next_position(st):,}" for st in self._states)
+        at = ", ".join(f"stream {st.slot} at window position {st.next_position():,}" for st in self._states)
         logger.info(f"data loader resume (dp rank {self.dp_rank}): {at} (a direct seek, nothing re-read)")

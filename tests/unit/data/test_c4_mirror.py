@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.c4_mirror import c4_shard_path, write_c4_mirror
 from titan.data.datasets import build_source, check_dataset
 from titan.data.loader import build_dataloader
-from titan.data.synthetic import c4_shard_path, write_c4_mirror
 from titan.errors import TitanError
 
 SHARDS, DOCS = 8, 200

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from titan.data import datasets as ds_mod
-from titan.data.datasets import DATASETS, DatasetSpec, build_source
+from titan.data.datasets import DATASETS, build_source, check_dataset, register_dataset
 from titan.errors import TitanError
 
 DOCS = ["first document", "second one\nwith two lines", "third", "fourth — unicode ✓"]
@@ -137,17 +137,18 @@ def test_c4_offline_is_one_clear_error(monkeypatch):
         build_source("c4")
 
 
-def test_dataset_table_is_read_only_and_an_added_entry_builds(monkeypatch):
-    from types import MappingProxyType
-
-    from titan.data import datasets as ds_mod
+def test_registered_dataset_builds_and_the_table_is_read_only():
     from titan.data.datasets import ListSource
 
     with pytest.raises(TypeError):
         DATASETS["unit_test_docs"] = None  # type: ignore[index]
-    entry = DatasetSpec("unit_test_docs", lambda field: ListSource("unit_test_docs", ["a", "b"]))
-    monkeypatch.setattr(ds_mod, "DATASETS", MappingProxyType({**DATASETS, entry.name: entry}))
-    assert _texts(build_source("unit_test_docs")) == ["a", "b"]
+    spec = register_dataset("unit_test_docs", lambda field: ListSource("unit_test_docs", [field, "b"]),
+                            text_field="body", description="two documents")
+    assert DATASETS["unit_test_docs"] is spec
+    assert _texts(build_source("unit_test_docs")) == ["body", "b"]  # the registered default text field
+    check_dataset("unit_test_docs")
+    with pytest.raises(TitanError, match="'unit_test_docs' is already registered"):
+        register_dataset("unit_test_docs", lambda field: ListSource("x", []))
 
 
 def test_play_txt_paragraphs_are_documents(tmp_path):

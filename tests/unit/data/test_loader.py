@@ -12,6 +12,7 @@ import torch
 from titan.data.datasets import ListSource
 from titan.data.loader import TitanDataLoader, build_dataloader
 from titan.data.packing import reshard_states, unread_entries
+from titan.data.state import Cursor, Segment, StreamState
 
 
 class ByteTokenizer:
@@ -168,17 +169,20 @@ def test_worker_count_change_is_exact():
 def test_reshard_states_across_epochs_covers_every_position_once():
     # old streams caught mid-way at different epochs (positions p = epoch * N + index)
     # (a partly read unit is continued from its row)
-    old = [{"slot": 0, "stride": 2, "next": 40, "pending": [], "cur": [38, 3], "segments": [[38, 2, 1]],
-            "epoch": 1, "num_units": 37, "docs": 5},
-           {"slot": 1, "stride": 2, "next": 33, "pending": [[29, 0]], "cur": None, "segments": [], "epoch": 0,
-            "num_units": None, "docs": 4}]
+    old = [StreamState(slot=0, stride=2, next=40, cur=Cursor(38, 3), segments=[Segment(38, 2, 1)], epoch=1,
+                       num_units=37, docs=5),
+           StreamState(slot=1, stride=2, next=33, pending=[Cursor(29, 0)], docs=4)]
     new = reshard_states(old, [0, 1, 2], 3)
     bound = 200
-    before = sorted(e for s in old for e in unread_entries(s, bound))
-    after = sorted(e for s in new for e in unread_entries(s, bound))
-    assert before == after and len({tuple(e) for e in after}) == len(after) and [38, 3] in after
-    assert [s["num_units"] for s in new] == [37] * 3 and new[0]["segments"] == [[38, 2, 1]]
-    assert sum(s["docs"] for s in new) == 9
+
+    def where(c: Cursor) -> tuple[int, int]:
+        return c.position, c.row
+
+    before = sorted(where(e) for s in old for e in unread_entries(s, bound))
+    after = sorted(where(e) for s in new for e in unread_entries(s, bound))
+    assert before == after and len(set(after)) == len(after) and (38, 3) in after
+    assert [s.num_units for s in new] == [37] * 3 and new[0].segments == [Segment(38, 2, 1)]
+    assert sum(s.docs for s in new) == 9
 
 
 def test_finite_mode_stops():

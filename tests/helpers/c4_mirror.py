@@ -1,4 +1,5 @@
-"""A synthetic corpus in allenai/c4's file layout, for tests and the loader benchmark.
+"""A synthetic corpus in allenai/c4's file layout, for tests and the loader benchmark
+(scripts/make_c4_mirror.py); runs read it as training.dataset = "c4" with a dataset path.
 
 ``write_c4_mirror(root, shards, docs_per_shard)`` writes root/en/c4-train.NNNNN-of-01024.json.gz
 (and optionally c4-validation.NNNNN-of-00008.json.gz): gzip'd JSON lines with C4's fields text,
@@ -15,11 +16,13 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from titan.data.datasets import C4_SHARDS
+
 __all__ = ["c4_shard_path", "write_c4_mirror"]
 
 
 def c4_shard_path(root: Path, split: str, index: int) -> Path:
-    total = {"train": 1024, "validation": 8}[split]
+    total = C4_SHARDS[split]
     return Path(root) / "en" / f"c4-{split}.{index:05d}-of-{total:05d}.json.gz"
 
 
