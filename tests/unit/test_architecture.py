@@ -87,6 +87,55 @@ def test_no_import_cycles():
             visit(unit, [unit])
 
 
+def _module(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the titan modules it imports, at the top or inside functions (a function-level
+    import only postpones a cycle: the two modules still need each other)."""
+    paths = {_module(p): p for p in PKG.rglob("*.py")}
+
+    def resolve(name: str) -> str:  # `from titan.a import b` names module a.b, or a name in module a
+        while name not in paths:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for module, path in paths.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parent + ([base] if base else []))
+                found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names)
+        graph[module] = {resolve(m) for m in found if m.split(".")[0] == "titan"} - {module}
+    return graph
+
+
+def test_no_import_cycles_between_modules():
+    graph = _module_graph()
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(u: str, path: list[str]) -> None:
+        state[u] = 1
+        for v in sorted(graph[u]):
+            assert state.get(v) != 1, "import cycle: " + " -> ".join(path[path.index(v):] + [v])
+            if v not in state:
+                visit(v, path + [v])
+        state[u] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
 def test_imports_go_down_the_floors():
     upward = sorted((rel, dst) for src, e in _graph().items() for dst, rel in e
                     if FLOOR[dst] > FLOOR[src] and (rel, dst) not in UPWARD_ALLOWED)
