@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from argparse import Namespace
 from types import FrameType, MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -148,16 +149,24 @@ def main(argv: list[str]) -> int:
     return _torchrun(argv)
 
 
+def torchrun_args(argv: list[str]) -> Namespace:
+    """torchrun's options; torchrun keeps the signals this launcher does not forward itself
+    (SIGHUP, SIGQUIT)."""
+    from torch.distributed.run import parse_args
+
+    args = parse_args(argv)
+    ours = {s.name for s in FORWARD}
+    args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() not in ours) or "SIGHUP"
+    return args
+
+
 def _torchrun(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import run
 
-    args = parse_args(argv)
-    # torchrun keeps the signals this launcher does not forward itself (SIGHUP, SIGQUIT)
-    ours = {s.name for s in FORWARD}
-    args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() not in ours) or "SIGHUP"
+    args = torchrun_args(argv)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     if args.max_restarts > 0:
         # The ranks' process group must not share the rendezvous store: a restarted group would read

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from titan.errors import TitanError
 from titan.launch import check, report, supervisor
 
 REPO = Path(__file__).resolve().parents[3]
@@ -24,6 +25,47 @@ def test_check_exits_2_with_one_line(capsys):
     assert check.main(["--job.config_file", "train_configs/debug_model.toml", "--training.stepz", "3"]) == 2
     assert "did you mean 'training.steps'" in capsys.readouterr().err
     assert check.main(["--job.config_file", str(REPO / "train_configs/debug_model.toml")]) == 0
+
+
+def test_check_answers_help_and_keeps_tracebacks_when_debugging(capsys, monkeypatch):
+    assert check.main(["--help", "checkpoint"]) == 0
+    assert capsys.readouterr().out.startswith("[checkpoint]")
+    assert check.main(["--help", "chekpoint"]) == 2
+    assert capsys.readouterr().err.startswith("titan: error: --help: unknown config section 'chekpoint'")
+    with pytest.raises(TitanError, match="training.stepz"):
+        check.main(["--training.stepz", "3", "--job.debug"])
+    monkeypatch.setenv("TITAN_DEBUG", "1")
+    with pytest.raises(TitanError, match="does not exist"):
+        check.main(["--job.config_file", "nope.toml"])
+
+
+def test_check_takes_sagemakers_config_file(capsys):
+    assert check.main(["--config_file", str(REPO / "train_configs/debug_model.toml")]) == 0
+    assert check.main(["--config_file", "nope.toml"]) == 2
+    assert capsys.readouterr().err.startswith("titan: error: config file 'nope.toml' does not exist")
+
+
+@pytest.mark.parametrize("entry", [["train.py"], ["-m", "titan.train"]])
+def test_the_launcher_answers_titans_help_without_starting_torchrun(entry, capsys, monkeypatch):
+    monkeypatch.setattr(supervisor, "_torchrun", lambda argv: pytest.fail("torchrun started"))
+    assert supervisor.main(["--nproc_per_node", "2", *entry, "--help", "checkpoint"]) == 0
+    assert capsys.readouterr().out.startswith("[checkpoint]")
+    assert supervisor.main(["--nproc_per_node", "2", *entry, "--training.stepz", "3"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "titan: error: unknown config key 'training.stepz'; did you mean 'training.steps'?"]
+
+
+def test_the_launcher_checks_only_titans_entry_point(monkeypatch):
+    started = []
+    monkeypatch.setattr(supervisor, "_torchrun", lambda argv: started.append(argv) or 0)
+    assert supervisor.main(["--nproc_per_node", "2", "other.py", "--training.stepz", "3"]) == 0
+    assert started == [["--nproc_per_node", "2", "other.py", "--training.stepz", "3"]]
+
+
+def test_torchrun_keeps_the_signals_the_launcher_does_not_forward():
+    assert supervisor.torchrun_args(["x.py"]).signals_to_handle == "SIGHUP,SIGQUIT"
+    assert supervisor.torchrun_args(["--signals_to_handle", "SIGTERM,SIGINT", "x.py"]).signals_to_handle == "SIGHUP"
+    assert supervisor.torchrun_args(["--max-restarts", "3", "x.py"]).max_restarts == 3
 
 
 def test_titan_args_found_without_torchruns_parser():
@@ -61,8 +103,6 @@ def test_failure_line_prefers_the_cause_over_its_consequences():
 
 
 def test_rank_error_file_holds_the_line(tmp_path, monkeypatch, capsys):
-    from titan.errors import TitanError
-
     path = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
     monkeypatch.setenv("RANK", "1")
