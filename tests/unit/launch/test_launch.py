@@ -215,3 +215,36 @@ def test_peer_lost_line_quotes_the_transport_whole(capsys, monkeypatch, tmp_path
                        "--job.dump_folder", str(tmp_path)]) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "(Connection closed by peer);" in err[0] and "22345" not in err[0], err
+
+
+def _torchrun_ending_with(error: BaseException, monkeypatch, tmp_path) -> int:
+    """supervisor.main around a torchrun run() that ends with ``error`` (signal handlers and
+    environment left as they were)."""
+    import torch.distributed.run
+
+    def run(args):
+        raise error
+
+    monkeypatch.setattr(torch.distributed.run, "run", run)
+    monkeypatch.setattr(supervisor.Forwarder, "install", lambda self: None)
+    monkeypatch.setenv(supervisor.LAUNCHER_PID_ENV, "")
+    monkeypatch.setenv("TITAN_LAUNCH_SUMMARY", str(tmp_path / "summary"))
+    return supervisor.main(["--nproc_per_node", "1", "other.py"])
+
+
+def test_a_signal_before_the_ranks_started_ends_with_128_plus_it(monkeypatch, tmp_path, capsys):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    error = SignalException("launcher got SIGTERM", sigval=signal.SIGTERM)
+    assert _torchrun_ending_with(error, monkeypatch, tmp_path) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip() == (
+        "titan: stopped by SIGTERM (torchrun sent it to the ranks, if any were running)")
+
+
+def test_the_run_ended_by_another_node_says_so_last(monkeypatch, tmp_path, capsys):
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    assert _torchrun_ending_with(RendezvousClosedError(), monkeypatch, tmp_path) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("titan: error: the run ended on another node while this one restarted its ranks"), last
+    assert (tmp_path / "summary").read_text() == last + "\n"
