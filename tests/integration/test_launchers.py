@@ -41,6 +41,36 @@ def _run_train_sh(*args: str, **env_extra: str) -> subprocess.CompletedProcess:
     return out
 
 
+def _run_train_sh_argv(tmp_path: Path, *args: str, **env_extra: str) -> list[str]:
+    """The command run_train.sh execs, read by a `python` on PATH that only writes down its arguments."""
+    shim = tmp_path / "bin" / "python"
+    shim.parent.mkdir(exist_ok=True)
+    shim.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$ARGV_FILE"\n')
+    shim.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("COMM_MODE", "LOG_RANK", "MAX_RESTARTS", "CONFIG_FILE")}
+    env.update(PATH=f"{shim.parent}:{os.environ['PATH']}", ARGV_FILE=str(tmp_path / "argv"), NGPU="2", **env_extra)
+    out = subprocess.run(["./run_train.sh", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return (tmp_path / "argv").read_text().splitlines()
+
+
+def test_run_train_sh_hands_its_variables_to_the_launcher(tmp_path):
+    argv = _run_train_sh_argv(tmp_path, "--training.steps", "5")
+    assert argv[:2] == ["-m", "titan.launch"] and "--nproc_per_node=2" in argv
+    flags = dict(zip(argv, argv[1:]))
+    assert flags["--local-ranks-filter"] == "0" and flags["--max-restarts"] == "0", argv
+    assert argv[argv.index("train.py"):] == ["train.py", "--job.config_file", "train_configs/debug_model.toml",
+                                             "--training.steps", "5"]
+    argv = _run_train_sh_argv(tmp_path, LOG_RANK="0,1", MAX_RESTARTS="3", CONFIG_FILE="train_configs/x.toml")
+    flags = dict(zip(argv, argv[1:]))
+    assert flags["--local-ranks-filter"] == "0,1" and flags["--max-restarts"] == "3", argv
+    assert argv[argv.index("train.py"):] == ["train.py", "--job.config_file", "train_configs/x.toml"]
+    # the dry run needs no launcher: one process stands in for NGPU ranks
+    assert _run_train_sh_argv(tmp_path, "--training.steps", "5", COMM_MODE="fake_backend") == [
+        "train.py", "--job.config_file", "train_configs/debug_model.toml", "--job.dry_run",
+        "--job.dry_run_world_size", "2", "--training.steps", "5"]
+
+
 @pytest.mark.slow
 def test_run_train_sh_fake_backend_dry_run_hsdp():
     out = _run_train_sh("--parallelism.data_parallel_replicate_degree", "2", NGPU="8")
@@ -239,3 +269,55 @@ def test_a_spent_restart_budget_ends_with_the_last_cause(tmp_path):
     last = out.strip().splitlines()[-1]
     assert re.fullmatch(r"titan: error: rank 1 \(pid \d+\) was killed by SIGKILL; .*"
                         r" \(gave up after 1 restart\(s\): --max-restarts 1\)", last), last
+
+
+# ---------------------------------------------------------------- the launcher around any script
+_ATTEMPT = """
+import json, os, sys
+env = {k: os.environ.get(k) for k in ("TORCHELASTIC_RESTART_COUNT", "TITAN_LAUNCHER_PID", "TITAN_RESTART_CAUSE",
+                                       "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}
+print("attempt " + json.dumps(env), flush=True)
+if sys.argv[1] == "titan-error":  # what train.py does after a user error
+    line = "titan: error: dataset path '/x' does not exist (training.dataset_path)"
+    print(line, file=sys.stderr)
+    with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+        json.dump({"message": line, "timestamp": 0}, f)
+    sys.exit(2)
+sys.exit(5)
+"""
+
+
+def _launch_script(tmp_path: Path, how: str) -> tuple[subprocess.Popen, str]:
+    script = tmp_path / "attempt.py"
+    script.write_text(_ATTEMPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TITAN_LAUNCH_SUMMARY=str(tmp_path / "summary"))
+    proc = subprocess.Popen([sys.executable, "-m", "titan.launch", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+                             "--rdzv_endpoint", "localhost:0", "--max-restarts", "1", str(script), how],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, proc.communicate(timeout=300)[0]
+
+
+@pytest.mark.slow
+def test_a_crash_is_restarted_with_its_cause_and_the_last_line_is_the_cause_once(tmp_path):
+    proc, out = _launch_script(tmp_path, "crash")
+    assert proc.returncode == 5, out[-3000:]
+    cause = "titan: error: rank 0 exited with status 5; its output above says why"
+    last = out.strip().splitlines()[-1]
+    assert last == f"{cause} (gave up after 1 restart(s): --max-restarts 1)", out[-3000:]
+    assert out.count(last) == 1 and "Traceback" not in out, out[-3000:]
+    assert (tmp_path / "summary").read_text() == last + "\n"
+    attempts = [json.loads(line.removeprefix("attempt ")) for line in out.splitlines() if line.startswith("attempt ")]
+    assert [a["TORCHELASTIC_RESTART_COUNT"] for a in attempts] == ["0", "1"], out[-3000:]
+    assert {a["TITAN_LAUNCHER_PID"] for a in attempts} == {str(proc.pid)}
+    assert all(a["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" for a in attempts)
+    assert [a["TITAN_RESTART_CAUSE"] for a in attempts] == [None, cause]
+
+
+@pytest.mark.slow
+def test_a_titan_error_ends_the_launch_with_its_line_once_and_exit_2(tmp_path):
+    proc, out = _launch_script(tmp_path, "titan-error")
+    line = "titan: error: dataset path '/x' does not exist (training.dataset_path)"
+    assert proc.returncode == 2, out[-3000:]
+    assert out.strip().splitlines()[-1] == line and "not restarting after a titan error" in out, out[-3000:]
+    assert len([a for a in out.splitlines() if a.startswith("attempt ")]) == 1, out[-3000:]
+    assert (tmp_path / "summary").read_text() == line + "\n"

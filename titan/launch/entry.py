@@ -1,18 +1,22 @@
-"""Training entry point: `python -m titan.train [--job.config_file FILE.toml] [--section.key VALUE ...]`.
+"""What every rank runs: `python -m titan.train [--job.config_file FILE.toml] [--section.key VALUE ...]`.
 
 train.py at the repository root calls main() here, so `torchrun ... train.py ...` (run_train.sh,
-the Slurm script) and `torchrun ... -m titan.train ...` run the same code.
+the Slurm script, SageMaker) and `torchrun ... -m titan.train ...` run the same code: load the
+config, then train it (the Trainer validates it first) or dry-run its layout.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from titan.errors import TitanError
-from titan.launch.check import debug_requested
-from titan.launch.report import PEER_LOST_PHRASE, report as _report, write_error_file
+from titan.launch.check import print_help, wants_help
+from titan.launch.report import PEER_LOST_PHRASE, PEER_LOST_STATUS, debug_requested, exit_status, write_error_file
 
+if TYPE_CHECKING:
+    from titan.config import JobConfig
 
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "communicator was aborted",
               "Broken pipe", "NCCL error", "Socket Timeout")
@@ -33,74 +37,15 @@ def _peer_lost_cause(error: BaseException) -> str:
     return (text.splitlines()[0] if text.strip() else type(error).__name__).strip()
 
 
-def print_help(argv: list[str]) -> int | None:
-    """--help [SECTION | SECTION.KEY]: print and return the exit status; None without --help."""
-    at = next((i for i, a in enumerate(argv) if a in ("-h", "--help")), None)
-    if at is None:
-        return None
-    from titan.config import format_help
-
-    topic = argv[at + 1] if at + 1 < len(argv) and not argv[at + 1].startswith("-") else None
-    try:
-        print(format_help(topic), flush=True)
-    except TitanError as e:
-        _report(e, after_init=False)
-        return 2
-    except BrokenPipeError:  # `--help | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    status = print_help(argv)
-    if status is not None:
-        return status
-    debug = debug_requested(argv)
-    if "LOCAL_RANK" in os.environ:  # started by a launcher (torchrun): stop if it dies
-        from titan.launch.parent import watch_parent
-
-        watch_parent()
-    try:
-        from titan.training.checks import load_job
-
-        # Every config error fails here, before any process group or model exists; a bad flag or
-        # TOML value even before torch is imported.
-        config = load_job(argv)
-    except TitanError as e:
-        if debug:
-            raise
-        _report(e, after_init=False)
-        return 2
-    debug = debug or config.job.debug
-    if config.job.print_config and os.environ.get("RANK", "0") == "0":
-        from titan.config import to_toml
-
-        print(to_toml(config), flush=True)
-
-    if config.job.dry_run:
-        from titan.tools.dry_run import main as dry_run_main
-
-        try:
-            return dry_run_main(config)
-        except TitanError as e:
-            if debug:
-                raise
-            _report(e, after_init=False)
-            return 2
-
+def _train(config: JobConfig, debug: bool) -> int:
     import torch.distributed as dist
 
-    from titan.parallel.utils import destroy_distributed
     from titan.training.trainer import Trainer
 
     try:
         Trainer(config).train()
-    except TitanError as e:
-        if debug:
-            raise
-        _report(e, after_init=dist.is_initialized())
-        return 2
+    except TitanError:
+        raise
     except Exception as e:
         # A peer rank failed (or was killed) while this one waited in a collective: that rank (or
         # torchrun's "Root Cause") has the real message; this one only says why it stops too.
@@ -111,11 +56,49 @@ def main(argv: list[str] | None = None) -> int:
                 " says why")
         print(line, file=sys.stderr)
         write_error_file(line)
-        return 3
-    finally:
-        destroy_distributed()
+        return PEER_LOST_STATUS
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+def _run(config: JobConfig, debug: bool) -> int:
+    if config.job.print_config and os.environ.get("RANK", "0") == "0":
+        from titan.config import to_toml
+
+        print(to_toml(config), flush=True)
+    if config.job.dry_run:
+        from titan.tools.dry_run import main as dry_run
+
+        return dry_run(config)
+    return _train(config, debug)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The exit status: 0, 2 after a user error (its one line printed), 3 when only a peer failed."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if wants_help(argv):
+        return print_help(argv)
+    if "LOCAL_RANK" in os.environ:  # started by a launcher (torchrun): stop if it dies
+        from titan.launch.parent import watch_parent
+
+        watch_parent()
+    config: JobConfig | None = None
+
+    def debug() -> bool:
+        return debug_requested(argv) or (config is not None and config.job.debug)
+
+    def load_and_run() -> int:
+        nonlocal config
+        from titan.config import load_config
+
+        # A bad flag or TOML value fails here, before torch is imported; the checks that need the
+        # model registry, the world size or the device run first thing in the Trainer (or dry run).
+        config = load_config(argv)
+        return _run(config, debug())
+
+    try:
+        return exit_status(load_and_run, debug=debug)
+    finally:
+        if "torch.distributed" in sys.modules:  # after the report: a rank's line says whether it was initialized
+            from titan.parallel.utils import destroy_distributed
+
+            destroy_distributed()

@@ -20,9 +20,16 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from titan.launch.report import USER_ERROR_STATUS
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 RESTART_CAUSE_ENV = "TITAN_RESTART_CAUSE"
-USER_ERROR_STATUS = 2  # train.py: a titan error line
+# torchrun's failures of one attempt, by global rank
+Failures = dict[int, "ProcessFailure"]
 
 
 class RestartPolicy:
@@ -30,7 +37,7 @@ class RestartPolicy:
     torchrun's failures (by global rank) into (titan's one line, exit status); ``stopping``
     says whether the launcher was asked to stop."""
 
-    def __init__(self, max_restarts: int, explain: Callable[[dict], tuple[str, int]],
+    def __init__(self, max_restarts: int, explain: Callable[[Failures], tuple[str, int]],
                  stopping: Callable[[], bool]) -> None:
         self.max_restarts = max_restarts
         self.explain = explain
@@ -38,7 +45,7 @@ class RestartPolicy:
         self.restarts = 0
         self.last_cause: str | None = None
 
-    def on_failure(self, failures: dict, remaining: int) -> int:
+    def on_failure(self, failures: Failures, remaining: int) -> int:
         """Called with a failed attempt's failures and the restarts left; returns the restarts
         the agent may still do (0: end the job with this failure)."""
         line, status = self.explain(failures)

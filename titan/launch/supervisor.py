@@ -22,16 +22,22 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from argparse import Namespace
 from types import FrameType, MappingProxyType
+from typing import TYPE_CHECKING
 
 from titan.launch.check import main as check_config
+from titan.launch.check import wants_help
 from titan.launch.parent import LAUNCHER_PID_ENV
-from titan.launch.report import PEER_LOST_PHRASE
-from titan.launch.restarts import USER_ERROR_STATUS, RestartPolicy, policy_installed
+from titan.launch.report import PEER_LOST_PHRASE, PEER_LOST_STATUS, USER_ERROR_STATUS
+from titan.launch.restarts import Failures, RestartPolicy, policy_installed
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 # signal to the launcher -> signal to the ranks (titan's ranks save and stop on SIGTERM / SIGUSR1)
-FORWARD = MappingProxyType({signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGTERM, signal.SIGUSR1: signal.SIGUSR1})
-PEER_LOST_STATUS = 3  # train.py: "another rank failed during a collective"
+FORWARD = MappingProxyType({signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGTERM,
+                            signal.SIGUSR1: signal.SIGUSR1})
 
 
 def child_pids(pid: int) -> list[int]:
@@ -92,20 +98,20 @@ def titan_args(argv: list[str]) -> list[str] | None:
     return None
 
 
-def failure_line(failures: dict, received: list[int]) -> tuple[str, int]:
+def failure_line(failures: Failures, received: list[int]) -> tuple[str, int]:
     """One line for the root cause among failed ranks (torchrun's ProcessFailure by global rank),
     and the exit status to end with. A rank that reported "another rank failed" is a consequence;
     a rank's own titan line (from its error file) is preferred, then the earliest failure. A rank
     that wrote its line but was stopped by torchrun (another rank failed first) before it exited
     still reports its line: that is why it was failing."""
 
-    def titan_line(f) -> bool:  # noqa: ANN001 - torchrun's ProcessFailure
+    def titan_line(f: ProcessFailure) -> bool:
         return isinstance(f.message, str) and f.message.startswith("titan: ")
 
-    def peer_lost(f) -> bool:  # noqa: ANN001 - also when torchrun stopped the rank before it exited 3
+    def peer_lost(f: ProcessFailure) -> bool:  # also when torchrun stopped the rank before it exited 3
         return f.exitcode == PEER_LOST_STATUS or (titan_line(f) and PEER_LOST_PHRASE in f.message)
 
-    def rank_order(item):
+    def rank_order(item: tuple[int, ProcessFailure]) -> tuple:
         rank, f = item
         # torchrun's SIGTERM to the survivors is a consequence too
         return (peer_lost(f), not titan_line(f), f.exitcode == -signal.SIGTERM, f.exitcode < 0, f.timestamp, rank)
@@ -123,9 +129,11 @@ def failure_line(failures: dict, received: list[int]) -> tuple[str, int]:
     return f"titan: error: rank {rank} exited with status {f.exitcode}; its output above says why", f.exitcode
 
 
-def _write_summary(line: str) -> None:
-    """For a wrapper that adds output after ours (srun's "task 0: Exited with exit code 2"): the
-    cause, in a file it can print last (multinode_trainer.slurm sets TITAN_LAUNCH_SUMMARY)."""
+def _end_with(line: str) -> None:
+    """The run's cause, printed last; and, for a wrapper that adds output after ours (srun's "task 0:
+    Exited with exit code 2"), in a file it can print last (multinode_trainer.slurm sets
+    TITAN_LAUNCH_SUMMARY)."""
+    print(line, file=sys.stderr, flush=True)
     path = os.environ.get("TITAN_LAUNCH_SUMMARY")
     if path:
         with open(path, "w") as f:
@@ -136,21 +144,33 @@ def main(argv: list[str]) -> int:
     train_args = titan_args(argv)
     if train_args is not None:
         status = check_config(train_args)
-        if status or "-h" in train_args or "--help" in train_args:
+        if status or wants_help(train_args):
             return status
+    return _torchrun(argv)
+
+
+def torchrun_args(argv: list[str]) -> Namespace:
+    """torchrun's options; torchrun keeps the signals this launcher does not forward itself
+    (SIGHUP, SIGQUIT)."""
+    from torch.distributed.run import parse_args
+
+    args = parse_args(argv)
+    ours = {s.name for s in FORWARD}
+    args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() not in ours) or "SIGHUP"
+    return args
+
+
+def _torchrun(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import run
 
-    args = parse_args(argv)
-    # torchrun keeps the signals this launcher does not forward itself (SIGHUP, SIGQUIT)
-    ours = {s.name for s in FORWARD}
-    args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() not in ours) or "SIGHUP"
+    args = torchrun_args(argv)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     if args.max_restarts > 0:
         # The ranks' process group must not share the rendezvous store: a restarted group would read
-        # the previous attempt's addresses there and fail to connect (pytorch/pytorch#135712).
+        # the previous attempt's addresses there and fail to connect.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     forwarder = Forwarder()
     forwarder.install()
@@ -161,9 +181,7 @@ def main(argv: list[str]) -> int:
             run(args)
     except ChildFailedError as e:
         line, status = failure_line(e.failures, forwarder.received)
-        line = policy.final_line(line)
-        print(line, file=sys.stderr, flush=True)
-        _write_summary(line)
+        _end_with(policy.final_line(line))
         return status
     except SignalException as e:
         print(f"titan: stopped by {e.sigval.name} (torchrun sent it to the ranks, if any were running)",
@@ -172,10 +190,9 @@ def main(argv: list[str]) -> int:
     except RendezvousClosedError:
         # Another node's launcher ended the run (a titan error there, or its restarts ran out)
         # while this node was restarting its ranks.
-        line = policy.final_line(f"titan: error: the run ended on another node while this one restarted its ranks"
-                                 f" (this node's last failure: {policy.last_cause}); that node's last line says why")
-        print(line, file=sys.stderr, flush=True)
-        _write_summary(line)
+        _end_with(policy.final_line(
+            "titan: error: the run ended on another node while this one restarted its ranks"
+            f" (this node's last failure: {policy.last_cause}); that node's last line says why"))
         return 1
     if forwarder.received:
         print(f"titan launcher: the ranks stopped cleanly after {signal.Signals(forwarder.received[0]).name}",

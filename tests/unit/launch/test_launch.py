@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from titan.errors import TitanError
 from titan.launch import check, report, supervisor
 
 REPO = Path(__file__).resolve().parents[3]
@@ -24,6 +25,47 @@ def test_check_exits_2_with_one_line(capsys):
     assert check.main(["--job.config_file", "train_configs/debug_model.toml", "--training.stepz", "3"]) == 2
     assert "did you mean 'training.steps'" in capsys.readouterr().err
     assert check.main(["--job.config_file", str(REPO / "train_configs/debug_model.toml")]) == 0
+
+
+def test_check_answers_help_and_keeps_tracebacks_when_debugging(capsys, monkeypatch):
+    assert check.main(["--help", "checkpoint"]) == 0
+    assert capsys.readouterr().out.startswith("[checkpoint]")
+    assert check.main(["--help", "chekpoint"]) == 2
+    assert capsys.readouterr().err.startswith("titan: error: --help: unknown config section 'chekpoint'")
+    with pytest.raises(TitanError, match="training.stepz"):
+        check.main(["--training.stepz", "3", "--job.debug"])
+    monkeypatch.setenv("TITAN_DEBUG", "1")
+    with pytest.raises(TitanError, match="does not exist"):
+        check.main(["--job.config_file", "nope.toml"])
+
+
+def test_check_takes_sagemakers_config_file(capsys):
+    assert check.main(["--config_file", str(REPO / "train_configs/debug_model.toml")]) == 0
+    assert check.main(["--config_file", "nope.toml"]) == 2
+    assert capsys.readouterr().err.startswith("titan: error: config file 'nope.toml' does not exist")
+
+
+@pytest.mark.parametrize("entry", [["train.py"], ["-m", "titan.train"]])
+def test_the_launcher_answers_titans_help_without_starting_torchrun(entry, capsys, monkeypatch):
+    monkeypatch.setattr(supervisor, "_torchrun", lambda argv: pytest.fail("torchrun started"))
+    assert supervisor.main(["--nproc_per_node", "2", *entry, "--help", "checkpoint"]) == 0
+    assert capsys.readouterr().out.startswith("[checkpoint]")
+    assert supervisor.main(["--nproc_per_node", "2", *entry, "--training.stepz", "3"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "titan: error: unknown config key 'training.stepz'; did you mean 'training.steps'?"]
+
+
+def test_the_launcher_checks_only_titans_entry_point(monkeypatch):
+    started = []
+    monkeypatch.setattr(supervisor, "_torchrun", lambda argv: started.append(argv) or 0)
+    assert supervisor.main(["--nproc_per_node", "2", "other.py", "--training.stepz", "3"]) == 0
+    assert started == [["--nproc_per_node", "2", "other.py", "--training.stepz", "3"]]
+
+
+def test_torchrun_keeps_the_signals_the_launcher_does_not_forward():
+    assert supervisor.torchrun_args(["x.py"]).signals_to_handle == "SIGHUP,SIGQUIT"
+    assert supervisor.torchrun_args(["--signals_to_handle", "SIGTERM,SIGINT", "x.py"]).signals_to_handle == "SIGHUP"
+    assert supervisor.torchrun_args(["--max-restarts", "3", "x.py"]).max_restarts == 3
 
 
 def test_titan_args_found_without_torchruns_parser():
@@ -61,8 +103,6 @@ def test_failure_line_prefers_the_cause_over_its_consequences():
 
 
 def test_rank_error_file_holds_the_line(tmp_path, monkeypatch, capsys):
-    from titan.errors import TitanError
-
     path = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
     monkeypatch.setenv("RANK", "1")
@@ -175,3 +215,36 @@ def test_peer_lost_line_quotes_the_transport_whole(capsys, monkeypatch, tmp_path
                        "--job.dump_folder", str(tmp_path)]) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "(Connection closed by peer);" in err[0] and "22345" not in err[0], err
+
+
+def _torchrun_ending_with(error: BaseException, monkeypatch, tmp_path) -> int:
+    """supervisor.main around a torchrun run() that ends with ``error`` (signal handlers and
+    environment left as they were)."""
+    import torch.distributed.run
+
+    def run(args):
+        raise error
+
+    monkeypatch.setattr(torch.distributed.run, "run", run)
+    monkeypatch.setattr(supervisor.Forwarder, "install", lambda self: None)
+    monkeypatch.setenv(supervisor.LAUNCHER_PID_ENV, "")
+    monkeypatch.setenv("TITAN_LAUNCH_SUMMARY", str(tmp_path / "summary"))
+    return supervisor.main(["--nproc_per_node", "1", "other.py"])
+
+
+def test_a_signal_before_the_ranks_started_ends_with_128_plus_it(monkeypatch, tmp_path, capsys):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    error = SignalException("launcher got SIGTERM", sigval=signal.SIGTERM)
+    assert _torchrun_ending_with(error, monkeypatch, tmp_path) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip() == (
+        "titan: stopped by SIGTERM (torchrun sent it to the ranks, if any were running)")
+
+
+def test_the_run_ended_by_another_node_says_so_last(monkeypatch, tmp_path, capsys):
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    assert _torchrun_ending_with(RendezvousClosedError(), monkeypatch, tmp_path) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("titan: error: the run ended on another node while this one restarted its ranks"), last
+    assert (tmp_path / "summary").read_text() == last + "\n"
