@@ -1,14 +1,12 @@
 """Commit marker, resume choice, keep_latest_k, signal flag, [checkpoint] checks, when to save."""
 
 import logging
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.checkpoints import manager_for
 from titan.checkpointing.folders import MARKER, pick_resume, prune, scan, write_marker
 from titan.checkpointing.manager import CheckpointManager
 from titan.checkpointing.preemption import PreemptionWatcher
@@ -115,10 +113,7 @@ def test_seed_checkpoint_needs_one_process():
 
 
 def _manager(config, **facts) -> CheckpointManager:
-    facts = {"world_size": 1, "rank": 0, "dp_rank": 0, "dp_degree": 1} | facts
-    return CheckpointManager(config.checkpoint, states={"model": ModelParts([]), "train_state": TrainState()},
-                             rank_states={}, dump_folder=config.job.dump_folder, overwrite=config.job.overwrite,
-                             total_steps=config.training.steps, config_record={}, num_params=0, **facts)
+    return manager_for(config, {"model": ModelParts([]), "train_state": TrainState()}, {}, **facts)
 
 
 def test_should_save_every_interval_and_the_last_step(tmp_path):

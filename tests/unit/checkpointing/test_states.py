@@ -14,9 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from titan.checkpointing.config_diff import snapshot
-from titan.checkpointing.manager import CheckpointManager
-from titan.checkpointing.rank_states import SavedRankStates
+from tests.helpers.checkpoints import Counter, Position, manager_for
 from titan.checkpointing.states import ModelParts, RNGState, TrainState
 from titan.config import load_config
 from titan.training.lr_scheduler import build_lr_schedulers
@@ -24,45 +22,6 @@ from titan.training.optim import build_optimizers
 
 REPO = Path(__file__).resolve().parents[3]
 DCP_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
-
-
-class _Loader:
-    """Stands in for the data loader: a position that must come back exactly."""
-
-    def __init__(self) -> None:
-        self.position = 0
-
-    def state_dict(self) -> dict:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.position = state["position"]
-
-
-class _Counters:
-    """A per-rank state that takes every saved rank's states itself (as the data loader does)."""
-
-    def __init__(self, value: int = 0) -> None:
-        self.value = value
-        self.saved: SavedRankStates | None = None
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        raise AssertionError("load_rank_states is used when an object has it")
-
-    def load_rank_states(self, saved: SavedRankStates) -> None:
-        self.saved = saved
-        self.value = sum(s["value"] for s in saved.all())
-
-
-def manager_for(config, parts, states: dict, rank_states: dict, **facts) -> CheckpointManager:
-    facts = {"world_size": 1, "rank": 0, "dp_rank": 0, "dp_degree": 1} | facts
-    return CheckpointManager(config.checkpoint, states=states, rank_states=rank_states,
-                             dump_folder=config.job.dump_folder, overwrite=config.job.overwrite,
-                             total_steps=config.training.steps, config_record=snapshot(config, facts["dp_degree"]),
-                             num_params=sum(p.numel() for m in parts for p in m.parameters()), **facts)
 
 
 def _manager(folder: Path, seed: int, *args: str):
@@ -74,8 +33,8 @@ def _manager(folder: Path, seed: int, *args: str):
     optimizers = build_optimizers(parts, config.optimizer)
     schedulers = build_lr_schedulers(optimizers, config.lr_scheduler, config.training.steps)
     states = dict(model=ModelParts(parts), optimizer=optimizers, lr_scheduler=schedulers, train_state=TrainState())
-    rank_states = dict(rng=RNGState(), dataloader=_Loader(), counters=_Counters())
-    manager = manager_for(config, parts, states, rank_states)
+    rank_states = dict(rng=RNGState(), dataloader=Position(), counters=Counter())
+    manager = manager_for(config, states, rank_states)
     return manager, parts, states | rank_states
 
 
