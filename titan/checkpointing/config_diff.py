@@ -22,10 +22,10 @@ without the data loader state).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
 import dataclasses
 import json
 import os
+from collections.abc import Collection, Mapping
 from types import MappingProxyType
 from typing import Any
 

@@ -1,14 +1,16 @@
 """Checkpoint folders on disk: naming, the completion marker, scanning, pruning.
 
 Layout: ``<dump_folder>/<folder>/step-N/`` holds one DCP checkpoint (``*.distcp`` files from every
-rank plus DCP's ``.metadata``, and each rank's ``rank_<r>.pt``: rank_states.py). A save is *committed* only when rank 0 writes ``COMPLETE`` into
-it, after DCP reported that every rank finished writing; the marker itself is written to a
-temporary name and renamed, so it is never seen half-written. A ``step-N`` folder without the
+rank plus DCP's ``.metadata``) and each rank's ``rank_<r>.pt`` (rank_states.py). A save is
+*committed* only when rank 0 writes ``COMPLETE`` into it, after DCP reported that every rank
+finished writing; the marker itself is written to a temporary name and renamed, so it is never
+seen half-written. A ``step-N`` folder without the
 marker is *torn* (a crash or kill during the save): loading skips it with a warning and the next
 save to that step replaces it. The final save of a run with ``checkpoint.last_save_in_hf`` is a
 Hugging Face folder at ``step-N`` (where a torchtitan user loads it back from), committed the same
-way with ``"format": "hf"`` in its marker: auto-resume passes over it like any model-only export. DCP's own ``.metadata`` is not enough as a marker: it can exist
-while the run dies before the save is acknowledged.
+way with ``"format": "hf"`` in its marker: auto-resume passes over it like any model-only export.
+DCP's own ``.metadata`` is not enough as a marker: it can exist while the run dies before the save
+is acknowledged.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_loader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from titan.checkpointing.failure import explain
 from titan.checkpointing.groups import CheckpointGroups
@@ -27,7 +28,7 @@ from titan.log import logger
 
 def checkpoint_keys(path: str) -> set[str]:
     try:
-        return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        return set(FileSystemReader(path).read_metadata().state_dict_metadata)
     except (OSError, ValueError, EOFError, pickle.UnpicklingError) as e:
         raise TitanError(f"{path} is not a readable DCP checkpoint ({type(e).__name__}: {e}); pick another with"
                          " --checkpoint.load_step N") from None
@@ -35,7 +36,7 @@ def checkpoint_keys(path: str) -> set[str]:
 
 def check_shapes(path: str, state: dict[str, Any], prefix: str = "") -> None:
     """Name the first tensor whose saved shape differs (DCP would raise a multi-rank stack trace)."""
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
 
     def walk(d: dict[str, Any], pre: str) -> None:
         for k, v in d.items():
@@ -60,7 +61,7 @@ def hyperparameters(optimizers: Any, lr_schedulers: Any) -> tuple[list[list[dict
 
 
 def restore_hyperparameters(optimizers: Any, lr_schedulers: Any,
-                             saved: tuple[list[list[dict]], list[list[float]]]) -> None:
+                             saved: tuple[list[list[dict]], list[list[float]]]) -> float:
     """checkpoint.config_mismatch = use_new: the loaded optimizer/scheduler state carries the old
     run's lr, betas, ...; put this run's back and recompute the lr of the current step."""
     groups, base_lrs = saved
@@ -71,11 +72,12 @@ def restore_hyperparameters(optimizers: Any, lr_schedulers: Any,
             group["initial_lr"] = base
             group["lr"] = base * fn(sched.last_epoch)
         sched._last_lr = [g["lr"] for g in opt.param_groups]
+    return lr_schedulers.get_last_lr()
 
 
 def dcp_load(groups: CheckpointGroups, state: dict[str, Any], path: str) -> None:
     try:
-        groups.dcp(dcp.load, state, path)
+        groups.dcp(state_dict_loader.load, state, path)
     except (Exception, CheckpointException) as e:
         cause, _ = explain(e, path)
         raise TitanError(f"reading {path} failed ({cause}); load another checkpoint with --checkpoint.load_step N"

@@ -10,8 +10,8 @@ checkpoint; a per-rank state of another layout is the object's own business (its
 ``load_rank_states``).
 
 A save is committed in this order: rank 0 writes ``config.json`` (config_diff.py) into the empty
-folder, every rank writes its ``rank_<r>.pt``, DCP writes every rank's files and ``.metadata``, rank 0 hashes every file into
-``MANIFEST.json`` (manifest.py), then writes ``COMPLETE``. A failed save (any rank, any
+folder, every rank writes its ``rank_<r>.pt``, DCP writes every rank's files and ``.metadata``,
+rank 0 hashes every file into ``MANIFEST.json`` (manifest.py), then writes ``COMPLETE``. A failed save (any rank, any
 exception, DCP's BaseException-derived CheckpointException included) is explained in one line
 (failure.py), its partial folder removed, and the run stops or, with ``on_save_error = "retry"``,
 goes on to the next interval.
@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
@@ -174,12 +174,12 @@ class CheckpointManager:
                 self.groups.everywhere(lambda: write_rank_file(path, self.rank, rank_state))
                 state = {name: s.state_dict() for name, s in self.states.items()}
             if self.cfg.async_mode == "disabled" or blocking:
-                self.groups.dcp(dcp.save, state, path)
+                self.groups.dcp(state_dict_saver.save, state, path)
                 if self.rank == 0:
                     write_manifest(path)
                 self._commit(step, path, model_only, t0)
                 return
-            result = self.groups.dcp(dcp.async_save, state, path, async_stager=self._stager)
+            result = self.groups.dcp(state_dict_saver.async_save, state, path, async_stager=self._stager)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             self._save_failed(step, path, e, final or blocking)
             return
@@ -361,15 +361,15 @@ class CheckpointManager:
     def _load_full(self, path: str) -> None:
         exclude = set(self.cfg.exclude_from_loading)
         # checkpoint.config_mismatch = use_new: this run's optimizer settings win over the loaded ones.
+        # The containers of titan/training (one optimizer and scheduler per model part).
         optimizer, lr_scheduler = self.states.get("optimizer"), self.states.get("lr_scheduler")
         keep_new = bool(self.start.config_diff) and self.cfg.config_mismatch == "use_new" \
             and optimizer is not None and lr_scheduler is not None
         fresh = hyperparameters(optimizer, lr_scheduler) if keep_new else None
         load_full(path, self.states, self.rank_states, groups=self.groups, dp_rank=self.dp_rank, exclude=exclude)
         if fresh is not None:
-            restore_hyperparameters(optimizer, lr_scheduler, fresh)
-            logger.info("checkpoint.config_mismatch=use_new: lr for the next step is"
-                        f" {lr_scheduler.get_last_lr():.3g}")
+            lr = restore_hyperparameters(optimizer, lr_scheduler, fresh)
+            logger.info(f"checkpoint.config_mismatch=use_new: lr for the next step is {lr:.3g}")
 
     def _step(self) -> object:
         """The loaded train state's step, for the log line."""

@@ -90,7 +90,8 @@ def settle(config: Any, spec: Any, run_args: Any, resuming: bool, tokenizer_voca
         if shaped:
             raise TitanError(f"checkpoint.initial_load_path {path}: checkpoint.config_mismatch use_new cannot load"
                              f" weights of another shape ({listing}); use use_checkpoint or change the model settings")
-        logger.warning(f"checkpoint.config_mismatch=use_new: the {what}'s weights train with this run's values: {listing}")
+        logger.warning(f"checkpoint.config_mismatch=use_new: the {what}'s weights train with this run's values:"
+                       f" {listing}")
         return False
     if tokenizer_vocab is not None and folder_args.vocab_size < tokenizer_vocab:
         raise TitanError(f"checkpoint.initial_load_path {path}: the {what}'s vocabulary has {folder_args.vocab_size}"

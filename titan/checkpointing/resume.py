@@ -10,8 +10,9 @@ with this run's; every rank gets the same answer (or the same error) by one broa
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
