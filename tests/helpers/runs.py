@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.debug_kill import ENV, kill_env
 from tests.helpers.distributed import cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,15 +45,16 @@ def signal_during(trainer, step: int, send: bool) -> None:  # noqa: ANN001 - a T
 def run_env(**extra: str) -> dict[str, str]:
     """cpu_env() without a fault-injection point inherited from the caller's environment."""
     env = cpu_env(**extra)
-    if "TITAN_DEBUG_KILL_AT" not in extra:
-        env.pop("TITAN_DEBUG_KILL_AT", None)
+    if ENV not in extra:
+        env.pop(ENV, None)
     return env
 
 
 def train_subprocess(folder: Path, *args: str, kill_at: str = "") -> tuple[int, str, dict[int, str]]:
-    """`python train.py` on the tiny run with checkpoints on: (exit status, output, {step: loss})."""
+    """`python train.py` on the tiny run with checkpoints on: (exit status, output, {step: loss});
+    ``kill_at``: a kill point (tests/helpers/debug_kill.py)."""
     cmd = [sys.executable, "train.py", *TINY_CKPT, "--job.dump_folder", str(folder), *args]
-    env = run_env(TITAN_DEBUG_KILL_AT=kill_at) if kill_at else run_env()
+    env = run_env(**kill_env(kill_at)) if kill_at else run_env()
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     text = out.stdout + out.stderr
     return out.returncode, text, {int(m[1]): m[2] for m in STEP_RE.finditer(text)}

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.debug_kill import kill_env
 from tests.helpers.distributed import cpu_env
 import train
 from titan.checkpointing.folders import MARKER
@@ -263,7 +264,7 @@ def _torchrun(tmp_path, kill_at: str, timeout: int = 400) -> tuple[int, str, flo
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
            "--rdzv_endpoint", "localhost:0", "train.py", *run_args(tmp_path, "--training.steps", "6",
                                                                    "--comm.train_timeout_seconds", "300")]
-    env = cpu_env(TITAN_DEBUG_KILL_AT=kill_at)
+    env = cpu_env(**kill_env(kill_at))
     t0 = time.monotonic()
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     return out.returncode, out.stdout + out.stderr, time.monotonic() - t0

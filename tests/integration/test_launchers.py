@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.debug_kill import kill_env
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = ["run_train.sh", "multinode_trainer.slurm", "scripts/slurm_local.sh"]
 
@@ -218,7 +220,7 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_uninterrupted_loss
 
     # rank 1 is SIGKILLed after step 5 of the first attempt only (step 4 is the newest checkpoint)
     proc = _launch(*RESTART_RUN, "--job.dump_folder", str(tmp_path / "run"), NGPU="2", MAX_RESTARTS="2",
-                   TITAN_DEBUG_KILL_AT="step=5@rank1@attempt0")
+                   **kill_env("step=5@rank1@attempt0"))
     out = proc.communicate(timeout=400)[0]
     assert proc.returncode == 0, out[-3000:]
     killed = r"rank 1 \(pid \d+\) was killed by SIGKILL.*restarting the ranks \(restart 1 of 2\)"
@@ -262,7 +264,7 @@ def test_a_config_error_is_not_restarted():
 def test_a_spent_restart_budget_ends_with_the_last_cause(tmp_path):
     # rank 1 dies after step 2 on every attempt: one restart, then the end
     proc = _launch(*TINY, "--training.steps", "4", "--job.dump_folder", str(tmp_path), NGPU="2", MAX_RESTARTS="1",
-                   TITAN_DEBUG_KILL_AT="step=2@rank1")
+                   **kill_env("step=2@rank1"))
     out = proc.communicate(timeout=400)[0]
     assert proc.returncode == 128 + signal.SIGKILL, out[-3000:]
     assert "restarting the ranks (restart 1 of 1)" in out, out[-3000:]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.debug_kill import kill_env
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
 TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
@@ -119,7 +121,7 @@ def test_sbatch_trains_to_the_end(reference):
 def test_a_killed_rank_is_restarted_inside_the_job(reference, tmp_path):
     """MAX_RESTARTS (3 by default) reaches the launcher: rank 1 killed once, the job goes on
     without a requeue and ends with the reference's losses."""
-    job = _submit(tmp_path, *TINY, "--checkpoint.interval", "2", TITAN_DEBUG_KILL_AT="step=5@rank1@attempt0")
+    job = _submit(tmp_path, *TINY, "--checkpoint.interval", "2", **kill_env("step=5@rank1@attempt0"))
     info = _wait(job, tmp_path)
     log = _log(tmp_path)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", f"{info}\n{log[-3000:]}"

@@ -22,10 +22,10 @@ without the data loader state).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
 import dataclasses
 import json
 import os
+from collections.abc import Collection, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -49,7 +49,7 @@ _RELEVANT: Mapping[str, tuple[str, ...] | None] = MappingProxyType({
 # The checkpoint part whose loaded state a key shapes (default: its section's name).
 _PART = MappingProxyType({
     "model": "model", "float8": "model", "training.mixed_precision_param": "model",
-    "training.mixed_precision_reduce": "model", "training.max_norm": "optimizer", "training.seed": "train_state",
+    "training.mixed_precision_reduce": "model", "training.max_norm": "optimizer", "training.seed": "rng",
     "training": "dataloader", "effective": "dataloader",
 })
 # Kernel choices that give the same optimizer math.

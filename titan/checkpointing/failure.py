@@ -13,8 +13,8 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Iterator
 from types import MappingProxyType
-from typing import Iterator
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -43,10 +43,11 @@ def rank_errors(error: BaseException) -> Iterator[tuple[int | None, BaseExceptio
 
 def _chain(error: BaseException) -> Iterator[BaseException]:
     seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
 
 
 def _first_line(error: BaseException) -> str:

@@ -1,14 +1,16 @@
 """Checkpoint folders on disk: naming, the completion marker, scanning, pruning.
 
 Layout: ``<dump_folder>/<folder>/step-N/`` holds one DCP checkpoint (``*.distcp`` files from every
-rank plus DCP's ``.metadata``). A save is *committed* only when rank 0 writes ``COMPLETE`` into
-it, after DCP reported that every rank finished writing; the marker itself is written to a
-temporary name and renamed, so it is never seen half-written. A ``step-N`` folder without the
+rank plus DCP's ``.metadata``) and each rank's ``rank_<r>.pt`` (rank_states.py). A save is
+*committed* only when rank 0 writes ``COMPLETE`` into it, after DCP reported that every rank
+finished writing; the marker itself is written to a temporary name and renamed, so it is never
+seen half-written. A ``step-N`` folder without the
 marker is *torn* (a crash or kill during the save): loading skips it with a warning and the next
 save to that step replaces it. The final save of a run with ``checkpoint.last_save_in_hf`` is a
 Hugging Face folder at ``step-N`` (where a torchtitan user loads it back from), committed the same
-way with ``"format": "hf"`` in its marker: auto-resume passes over it like any model-only export. DCP's own ``.metadata`` is not enough as a marker: it can exist
-while the run dies before the save is acknowledged (see the debug kill hook below).
+way with ``"format": "hf"`` in its marker: auto-resume passes over it like any model-only export.
+DCP's own ``.metadata`` is not enough as a marker: it can exist while the run dies before the save
+is acknowledged.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import time
 from dataclasses import dataclass
 
@@ -146,38 +147,3 @@ def delete(path: str, ignore_errors: bool = True) -> None:
         if not ignore_errors:
             raise
     shutil.rmtree(path, ignore_errors=ignore_errors)
-
-
-class DebugKill:
-    """TEST-ONLY fault injection: SIGKILL this process at a chosen moment.
-
-    Set ``TITAN_DEBUG_KILL_AT`` to ``step=K`` (right after training step K, before its save) or
-    ``save:step=K`` (during the save of step K: every rank's files and DCP's ``.metadata`` are
-    written, the ``COMPLETE`` marker is not). Every rank that reaches the point kills itself,
-    exactly like ``kill -9``; ``@rankR`` limits it to global rank R, ``@attemptA`` to torchrun's
-    restart A (``TORCHELASTIC_RESTART_COUNT``, 0 for the first). ``error:step=K`` raises a
-    TitanError after step K instead (a rank failing while the others wait in a collective). Never set it in production; unset, it costs one dict lookup.
-    """
-
-    def __init__(self, spec: str | None = None) -> None:
-        spec = os.environ.get("TITAN_DEBUG_KILL_AT", "") if spec is None else spec
-        self.point, self.step, self.error = None, -1, False
-        if spec:
-            m = re.fullmatch(r"(?:(save|error):)?step=(\d+)(?:@rank(\d+))?(?:@attempt(\d+))?", spec.strip())
-            if not m:
-                raise TitanError(f"TITAN_DEBUG_KILL_AT={spec!r}; valid: [save:|error:]step=K[@rankR][@attemptA]")
-            if m[3] is not None and int(os.environ.get("RANK", "0")) != int(m[3]):
-                return  # another rank is the one that fails
-            if m[4] is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != int(m[4]):
-                return  # another attempt is the one that fails
-            self.error = m[1] == "error"
-            self.point, self.step = ("step" if m[1] in (None, "error") else m[1]), int(m[2])
-
-    def __call__(self, point: str, step: int) -> None:
-        if self.point == point and self.step == step and self.error:
-            raise TitanError(f"TITAN_DEBUG_KILL_AT: injected failure after step {step}")
-        if self.point == point and self.step == step:
-            logger.warning(f"TITAN_DEBUG_KILL_AT: SIGKILL at {point} of step {step}")
-            for h in logger.handlers:
-                h.flush()
-            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,21 +1,22 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): save, async save, resume, seed, export.
 
-One ``CheckpointManager`` per trainer. The trainer hands it Stateful objects (model parts,
-optimizers, LR schedulers, data loader, train state: states.py) and the facts of its layout (world
-size, rank, DP rank and degree); it never reads the trainer. It saves those states (the data
-loader's of every DP rank) and each rank's RNG as one DCP checkpoint in
-``<job.dump_folder>/<checkpoint.folder>/step-N`` (keys: states.py; commit protocol: folders.py). DCP reshards on load, so any FSDP/DDP layout reads any other's checkpoint.
+One ``CheckpointManager`` per trainer. The trainer hands it two dicts of Stateful objects (states.py):
+``states`` (model parts, optimizers, LR schedulers, train state) go through DCP, ``rank_states``
+(RNG, data loader position) into one file per rank beside the DCP files (rank_states.py); plus
+its checkpoint section and the facts of the run (dump folder, steps, world size, rank, dp rank and
+degree). It never reads the trainer. A checkpoint is ``<dump_folder>/<checkpoint.folder>/step-N``
+(commit protocol: folders.py). DCP reshards on load, so any FSDP/DDP layout reads any other's
+checkpoint; a per-rank state of another layout is the object's own business (its
+``load_rank_states``).
 
 A save is committed in this order: rank 0 writes ``config.json`` (config_diff.py) into the empty
-folder, DCP writes every rank's files and ``.metadata``, rank 0 hashes every file into
-``MANIFEST.json`` (manifest.py), then writes ``COMPLETE``. A failed save (any rank, any
+folder, every rank writes its ``rank_<r>.pt``, DCP writes every rank's files and ``.metadata``,
+rank 0 hashes every file into ``MANIFEST.json`` (manifest.py), then writes ``COMPLETE``. A failed save (any rank, any
 exception, DCP's BaseException-derived CheckpointException included) is explained in one line
 (failure.py), its partial folder removed, and the run stops or, with ``on_save_error = "retry"``,
 goes on to the next interval.
 
-Process groups: DCP and the preemption flag each get their own CPU (gloo) group. An async save
-runs DCP's collectives in a background thread; on the trainer's groups they could interleave with
-the training collectives of the main thread and deadlock.
+Process groups: groups.py.
 
 Async modes: ``async`` copies the state to host memory before ``save`` returns and writes it in a
 thread; ``async_with_pinned_mem`` also does the copy in the background (into reused, pinned buffers
@@ -27,31 +28,44 @@ last, so the reused buffers are never overwritten while still being written out.
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan.checkpointing import config_diff
 from titan.checkpointing.failure import explain
-from titan.checkpointing.folders import DebugKill, delete, prune, scan, step_dir, write_marker
-from titan.checkpointing.loading import Loading
+from titan.checkpointing.folders import delete, prune, scan, step_dir, write_marker
+from titan.checkpointing.groups import CheckpointGroups
+from titan.checkpointing.loading import (
+    hyperparameters,
+    load_full,
+    load_model_only,
+    raise_missing,
+    restore_hyperparameters,
+)
 from titan.checkpointing.manifest import write_manifest
 from titan.checkpointing.preemption import PreemptionWatcher
-from titan.checkpointing.preflight import check_checkpoint_folder, checkpoint_bytes
-from titan.checkpointing.resume import RunStart, agree, choose_intact
-from titan.checkpointing.states import RNG_KEY, ModelParts, TrainState, dcp_call, rng_state
+from titan.checkpointing.preflight import (
+    check_checkpoint_folder,
+    check_no_later_checkpoints,
+    checkpoint_bytes,
+    clear_for_fresh_start,
+)
+from titan.checkpointing.rank_states import write_rank_file
+from titan.checkpointing.resume import RunStart, choose_intact
+from titan.checkpointing.states import ModelParts
+from titan.config.sections.checkpoint import Checkpoint as CheckpointConfig
 from titan.errors import TitanError
-from titan.parallel.fsdp import DTYPES
 from titan.log import logger
+from titan.parallel.fsdp import DTYPES
 
 __all__ = ["CheckpointManager"]
 
@@ -66,70 +80,63 @@ class _Pending:
     t0: float
 
 
-class CheckpointManager(Loading):
-    """Saves and loads the Stateful objects it is handed. ``config`` is the whole job config (its
-    checkpoint section, training.steps, job.dump_folder and job.overwrite drive the manager; all of
-    it is recorded in each checkpoint). ``world_size``, ``rank``, ``dp_rank`` and ``dp_degree`` name
-    the per-rank keys and the layout a checkpoint was written with; ``num_params`` sizes the disk
-    preflight. ``start`` is what resume.prepare_run settled; without it (tests, tools) the
-    checkpoint to resume from is chosen here."""
+class CheckpointManager:
+    """Saves and loads the Stateful objects it is handed, by name: ``states`` through DCP (its
+    "model" entry a ``ModelParts``: seed checkpoints, exports and weight-only loads use it alone),
+    ``rank_states`` per rank. ``config_record`` is the run config written into every checkpoint
+    (config_diff.snapshot). ``rank``, ``world_size``, ``dp_rank`` and ``dp_degree`` are this
+    process's place in the layout; ``num_params`` sizes the disk preflight. ``start`` is what
+    resume.prepare_run settled; without it (tests, tools) the checkpoint to resume from is chosen
+    here."""
 
-    def __init__(self, config: Any, *, model: ModelParts, optimizer: Stateful, lr_scheduler: Stateful,
-                 dataloader: Stateful, train_state: TrainState, world_size: int, rank: int, dp_rank: int,
-                 dp_degree: int, num_params: int, start: RunStart | None = None) -> None:
-        self.config = config
-        self.cfg = config.checkpoint
-        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
-        self.dataloader, self.train_state = dataloader, train_state
-        self.total_steps = config.training.steps
-        self.root = os.path.join(config.job.dump_folder, self.cfg.folder)
+    def __init__(self, cfg: CheckpointConfig, *, states: dict[str, Stateful], rank_states: dict[str, Stateful],
+                 dump_folder: str, overwrite: bool, total_steps: int, config_record: dict[str, Any],
+                 world_size: int, rank: int, dp_rank: int, dp_degree: int, num_params: int,
+                 start: RunStart | None = None) -> None:
+        self.cfg = cfg
+        model = states.get("model")
+        if not isinstance(model, ModelParts):
+            raise TypeError(f"states['model'] must be a ModelParts, got {type(model).__name__}")
+        self.model, self.states, self.rank_states = model, dict(states), dict(rank_states)
+        self.config_record = config_record
+        self.total_steps = total_steps
+        self.root = os.path.join(dump_folder, cfg.folder)
         self.world_size = world_size
-        if self.cfg.create_seed_checkpoint and self.world_size != 1:
+        if cfg.create_seed_checkpoint and world_size != 1:
             raise TitanError(f"checkpoint.create_seed_checkpoint needs 1 process without parallelism; this run has "
-                             f"{self.world_size} ranks (run it with plain `python train.py`)")
+                             f"{world_size} ranks (run it with plain `python train.py`)")
         self.rank, self.dp_rank, self.dp_degree = rank, dp_rank, dp_degree
-        self.enabled = self.cfg.enable or self.cfg.create_seed_checkpoint
-        distributed = self.enabled and self.world_size > 1
-        self.save_pg = dist.new_group(backend="gloo") if distributed else None
-        self.ctrl_pg = dist.new_group(backend="gloo") if distributed else None
-        self.watcher = PreemptionWatcher(self.ctrl_pg) if self.cfg.enable else None
-        self.debug_kill = DebugKill()
+        self.enabled = cfg.enable or cfg.create_seed_checkpoint
+        self.groups = CheckpointGroups.create(rank, world_size, self.enabled)
+        self.watcher = PreemptionWatcher(self.groups.ctrl_pg) if cfg.enable else None
         # Called with the step before anything is written (the trainer's non-finite check: it may raise).
         self.before_save: Callable[[int], None] | None = None
         self._pending: _Pending | None = None
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-ckpt-commit")
         self._stager = None
-        if self.cfg.async_mode == "async_with_pinned_mem":
+        if cfg.async_mode == "async_with_pinned_mem":
             from titan.checkpointing.staging import OwnedStager
 
             self._stager = OwnedStager()
         self.last_saved_step = -1
-        self.overwrite = config.job.overwrite
+        self.overwrite = overwrite
         if self.enabled:
             need = checkpoint_bytes(num_params)
-            self._agree(lambda: check_checkpoint_folder(self.root, need))
+            self.groups.agree(lambda: check_checkpoint_folder(self.root, need))
         if start is None:
-            resuming = self.cfg.enable and (self.cfg.load_step >= 0 or not self.overwrite)
-            start = RunStart(found=self._agree(lambda: choose_intact(self.root, self.cfg.load_step))
+            resuming = cfg.enable and (cfg.load_step >= 0 or not overwrite)
+            start = RunStart(found=self.groups.agree(lambda: choose_intact(self.root, cfg.load_step))
                              if resuming else None)
         self.start = start
 
-    # ------------------------------------------------------------------ state dicts
-    def _full_state(self) -> dict[str, Any]:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "lr_scheduler": self.lr_scheduler.state_dict(),
-            "train_state": pickle.dumps(self.train_state.state_dict()),
-            "rng": {RNG_KEY.format(self.rank).split(".", 1)[1]: rng_state()},
-            "dataloader": {f"dp_rank_{self.dp_rank}": pickle.dumps(self.dataloader.state_dict())},
-        }
+    # ------------------------------------------------------------------ when to save
+    def next_save(self, step: int) -> int:
+        """The first step after ``step`` that ends with a save: every ``interval`` steps, and the last."""
+        return min((step // self.cfg.interval + 1) * self.cfg.interval, self.total_steps)
 
-    def _dcp(self, call: Callable[..., Any], state: dict[str, Any], path: str, **kwargs: Any) -> Any:
-        """``dcp.save``/``async_save``/``load`` on the checkpoint group, or with no_dist in a
-        one-process run."""
-        dist_kwargs = {"process_group": self.save_pg} if self.world_size > 1 else {"no_dist": True}
-        return dcp_call(call, state, checkpoint_id=path, **dist_kwargs, **kwargs)
+    def should_save(self, step: int) -> bool:
+        """Whether training step ``step`` ends with a save (an interval save or the final one)."""
+        return self.cfg.enable and step == self.next_save(step - 1)
 
     # ------------------------------------------------------------------ saving
     def _prepare_folder(self, path: str) -> None:
@@ -141,13 +148,12 @@ class CheckpointManager(Loading):
                     logger.info(f"replacing existing {path}")
                     delete(path, ignore_errors=False)
                 os.makedirs(path)
-                tree = config_diff.snapshot(self.config, self.dp_degree)
-                config_diff.write_config(path, tree)
+                config_diff.write_config(path, self.config_record)
             except OSError as e:  # every rank raises it, so all take the same failure path
-                return e.errno, e.strerror
+                return e.errno or 0, e.strerror or str(e)
             return None
 
-        failed = self._agree(prepare)
+        failed = self.groups.agree(prepare)
         if failed is not None:
             raise OSError(*failed)
 
@@ -163,14 +169,17 @@ class CheckpointManager(Loading):
                 dtype = DTYPES[self.cfg.export_dtype] if step > 0 else None
                 state: dict[str, Any] = self.model.state_dict(dtype)
             else:
-                state = self._full_state()
+                # Before DCP's collectives: rank 0's manifest, written after them, lists every rank's file.
+                rank_state = {name: s.state_dict() for name, s in self.rank_states.items()}
+                self.groups.everywhere(lambda: write_rank_file(path, self.rank, rank_state))
+                state = {name: s.state_dict() for name, s in self.states.items()}
             if self.cfg.async_mode == "disabled" or blocking:
-                self._dcp(dcp.save, state, path)
+                self.groups.dcp(state_dict_saver.save, state, path)
                 if self.rank == 0:
                     write_manifest(path)
                 self._commit(step, path, model_only, t0)
                 return
-            result = self._dcp(dcp.async_save, state, path, async_stager=self._stager)
+            result = self.groups.dcp(state_dict_saver.async_save, state, path, async_stager=self._stager)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             self._save_failed(step, path, e, final or blocking)
             return
@@ -189,7 +198,6 @@ class CheckpointManager(Loading):
     def _commit(self, step: int, path: str, model_only: bool, t0: float) -> None:
         # DCP returns (or completes the future) only after the coordinator, rank 0, gathered every
         # rank's write results and wrote .metadata: rank 0's marker is the single commit point.
-        self.debug_kill("save", step)
         if self.rank == 0:
             write_marker(path, step, model_only=model_only, world_size=self.world_size,
                          dp_degree=self.dp_degree)
@@ -236,7 +244,7 @@ class CheckpointManager(Loading):
         kept = f"earlier checkpoints in {self.root} are intact (newest: {newest})" if newest else \
             f"no earlier checkpoint in {self.root}"
         message = f"checkpoint step {step}: writing {path} failed: {cause}; the partial folder was removed, {kept}"
-        retry_at = min((step // self.cfg.interval + 1) * self.cfg.interval, self.total_steps)
+        retry_at = self.next_save(step)
         if self.cfg.on_save_error == "retry" and not final:
             logger.warning(f"{message}; {advice}. checkpoint.on_save_error=retry: training goes on, next save at"
                            f" step {retry_at}")
@@ -252,7 +260,6 @@ class CheckpointManager(Loading):
 
     def after_step(self, step: int) -> bool:
         """Interval save, async commit, preemption. Returns True when the loop must stop."""
-        self.debug_kill("step", step)
         if not self.cfg.enable:
             return False
         self.poll()
@@ -260,7 +267,7 @@ class CheckpointManager(Loading):
         if stop:
             self.save(step, blocking=True)
             logger.warning(f"checkpoint step {step} saved after a signal; stopping (exit 0)")
-        elif step % self.cfg.interval == 0 and step < self.total_steps:
+        elif self.should_save(step) and step < self.total_steps:  # the last step's save is finish()'s
             self.save(step)
         return stop
 
@@ -295,7 +302,7 @@ class CheckpointManager(Loading):
                 logger.info(f"replacing existing {out}")
                 delete(out, ignore_errors=False)
 
-        self._agree(prepare)
+        self.groups.agree(prepare)
         save_model_hf(self.model.parts, out, dtype=DTYPES[self.cfg.export_dtype])
         if self.rank == 0:
             write_manifest(out)
@@ -311,5 +318,59 @@ class CheckpointManager(Loading):
                     f"checkpoint.enable (same folder) or checkpoint.initial_load_path")
         self.start.release()
 
-    def _agree(self, choose: Any) -> Any:
-        return agree(choose, self.rank, self.ctrl_pg)
+    # ------------------------------------------------------------------ loading
+    def load(self) -> None:
+        """Auto-resume from this run's folder, or start from initial_load_path, or start fresh."""
+        cfg, agree = self.cfg, self.groups.agree
+        if not cfg.enable or cfg.create_seed_checkpoint:
+            return
+        found = self.start.found
+        if found is not None and cfg.load_step >= 0:
+            agree(lambda: check_no_later_checkpoints(found, self.root, self.overwrite))
+        elif self.overwrite and cfg.load_step < 0:
+            gone = agree(lambda: clear_for_fresh_start(self.root))
+            if gone:
+                logger.warning(f"job.overwrite: deleted the earlier checkpoints {gone}; starting from scratch")
+        if found is not None:
+            if found.model_only:
+                logger.info(f"starting from the seed checkpoint {found.path} (model weights only)")
+                load_model_only(found.path, self.model, self.groups)
+            else:
+                self._load_full(found.path)
+                logger.info(f"resumed from {found.path}: step {self._step()}")
+            self.last_saved_step = found.step
+            return
+        path = cfg.initial_load_path
+        if not path:
+            logger.info(f"no checkpoint in {self.root}: starting from scratch")
+            return
+        if cfg.initial_load_in_hf:
+            from titan.checkpointing.hf import load_hf_into_model
+
+            load_hf_into_model(self.model.parts, path)
+            logger.info(f"loaded Hugging Face weights from checkpoint.initial_load_path {path}")
+            return
+        agree(lambda: os.path.isfile(os.path.join(path, ".metadata")) or raise_missing(path))
+        if cfg.initial_load_model_only:
+            load_model_only(path, self.model, self.groups)
+            logger.info(f"loaded model weights from checkpoint.initial_load_path {path}")
+        else:
+            self._load_full(path)
+            logger.info(f"loaded checkpoint.initial_load_path {path}: step {self._step()}")
+
+    def _load_full(self, path: str) -> None:
+        exclude = set(self.cfg.exclude_from_loading)
+        # checkpoint.config_mismatch = use_new: this run's optimizer settings win over the loaded ones.
+        # The containers of titan/training (one optimizer and scheduler per model part).
+        optimizer, lr_scheduler = self.states.get("optimizer"), self.states.get("lr_scheduler")
+        keep_new = bool(self.start.config_diff) and self.cfg.config_mismatch == "use_new" \
+            and optimizer is not None and lr_scheduler is not None
+        fresh = hyperparameters(optimizer, lr_scheduler) if keep_new else None
+        load_full(path, self.states, self.rank_states, groups=self.groups, dp_rank=self.dp_rank, exclude=exclude)
+        if fresh is not None:
+            lr = restore_hyperparameters(optimizer, lr_scheduler, fresh)
+            logger.info(f"checkpoint.config_mismatch=use_new: lr for the next step is {lr:.3g}")
+
+    def _step(self) -> object:
+        """The loaded train state's step, for the log line."""
+        return getattr(self.states.get("train_state"), "step", "?")

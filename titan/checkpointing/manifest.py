@@ -29,8 +29,8 @@ def file_digest(path: str) -> str:
 
 
 def _listed_files(folder: str) -> list[str]:
-    return sorted(name for name in os.listdir(folder)
-                  if name not in _NOT_LISTED and not name.endswith(".tmp") and os.path.isfile(os.path.join(folder, name)))
+    return sorted(name for name in os.listdir(folder) if name not in _NOT_LISTED and not name.endswith(".tmp")
+                  and os.path.isfile(os.path.join(folder, name)))
 
 
 def write_manifest(folder: str) -> None:
@@ -60,7 +60,8 @@ def verify(folder: str) -> str | None:
             return f"{name} is missing"
         size, want = os.path.getsize(path), files[name]["size"]
         if size != want:
-            return f"{name} is {size} bytes, {want} were written{' (empty)' if size == 0 else ' (truncated)' if size < want else ''}"
+            how = " (empty)" if size == 0 else " (truncated)" if size < want else ""
+            return f"{name} is {size} bytes, {want} were written{how}"
         if file_digest(path) != files[name]["xxh3_64"]:
             return f"{name} has the right size but different bytes (checksum mismatch: corrupted on disk)"
     return None
@@ -68,12 +69,12 @@ def verify(folder: str) -> str | None:
 
 def _verify_unlisted(folder: str) -> str | None:
     """A checkpoint from before manifests: at least DCP's .metadata must be there and parse."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     if not os.path.isfile(os.path.join(folder, ".metadata")):
         return ".metadata is missing"
     try:
-        dcp.FileSystemReader(folder).read_metadata()
+        FileSystemReader(folder).read_metadata()
     except Exception as e:  # any parse failure: EOFError, UnpicklingError, ValueError, ...
         return f".metadata is unreadable ({type(e).__name__})"
     return None

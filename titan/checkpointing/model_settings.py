@@ -58,11 +58,11 @@ def differences(folder_args: Any, run_args: Any, shapes: Any = None) -> dict[str
 def settle(config: Any, spec: Any, run_args: Any, resuming: bool, tokenizer_vocab: int | None) -> bool:
     """Compare the weights ``checkpoint.initial_load_path`` will load with ``run_args`` and apply
     ``checkpoint.config_mismatch``; returns True when ``run_args`` took the folder's values."""
-    k = config.checkpoint
-    if not (k.enable and k.initial_load_path) or resuming or k.create_seed_checkpoint:
+    cfg = config.checkpoint
+    if not (cfg.enable and cfg.initial_load_path) or resuming or cfg.create_seed_checkpoint:
         return False
-    path = k.initial_load_path
-    if k.initial_load_in_hf:
+    path = cfg.initial_load_path
+    if cfg.initial_load_in_hf:
         from titan.checkpointing.hf import read_hf_config
 
         folder_args, what = read_hf_config(path), "Hugging Face folder"
@@ -80,7 +80,7 @@ def settle(config: Any, spec: Any, run_args: Any, resuming: bool, tokenizer_voca
     if not diff:
         return False
     listing = ", ".join(f"{name} = {old!r} there, {new!r} in this run" for name, (old, new) in diff.items())
-    policy = k.config_mismatch
+    policy = cfg.config_mismatch
     if policy == "error":
         raise TitanError(f"checkpoint.initial_load_path {path}: the {what}'s model differs from this run's: {listing};"
                          " train with its values with --checkpoint.config_mismatch use_checkpoint, keep this run's"
@@ -90,7 +90,8 @@ def settle(config: Any, spec: Any, run_args: Any, resuming: bool, tokenizer_voca
         if shaped:
             raise TitanError(f"checkpoint.initial_load_path {path}: checkpoint.config_mismatch use_new cannot load"
                              f" weights of another shape ({listing}); use use_checkpoint or change the model settings")
-        logger.warning(f"checkpoint.config_mismatch=use_new: the {what}'s weights train with this run's values: {listing}")
+        logger.warning(f"checkpoint.config_mismatch=use_new: the {what}'s weights train with this run's values:"
+                       f" {listing}")
         return False
     if tokenizer_vocab is not None and folder_args.vocab_size < tokenizer_vocab:
         raise TitanError(f"checkpoint.initial_load_path {path}: the {what}'s vocabulary has {folder_args.vocab_size}"

@@ -10,8 +10,9 @@ with this run's; every rank gets the same answer (or the same error) by one broa
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -77,24 +78,24 @@ def agree(decide: Callable[[], Any], rank: int, group: Any) -> Any:
 def prepare_run(config: Any, rank: int, world_size: int, dp_degree: int) -> RunStart:
     """Lock the dump folder and settle what to resume from (see the module docstring)."""
     lock = RunLock(config.job.dump_folder)
-    k = config.checkpoint
-    resuming = k.enable and not k.create_seed_checkpoint and (k.load_step >= 0 or not config.job.overwrite)
-    root = os.path.join(config.job.dump_folder, k.folder)
+    cfg = config.checkpoint
+    resuming = cfg.enable and not cfg.create_seed_checkpoint and (cfg.load_step >= 0 or not config.job.overwrite)
+    root = os.path.join(config.job.dump_folder, cfg.folder)
 
     def decide() -> tuple[Found | None, dict]:
         lock.acquire()
         try:
-            found = choose_intact(root, k.load_step) if resuming else None
+            found = choose_intact(root, cfg.load_step) if resuming else None
             diff = {}
             if found is not None and not found.model_only:
-                diff = config_diff.resolve(found.path, config_diff.snapshot(config, dp_degree), k.config_mismatch,
-                                           k.exclude_from_loading)
+                diff = config_diff.resolve(found.path, config_diff.snapshot(config, dp_degree), cfg.config_mismatch,
+                                           cfg.exclude_from_loading)
         except BaseException:
             lock.release()
             raise
         return found, diff
 
     found, diff = agree(decide, rank, dist.group.WORLD if world_size > 1 else None)
-    if k.config_mismatch == "use_checkpoint":
+    if cfg.config_mismatch == "use_checkpoint":
         config_diff.apply(config, diff)
     return RunStart(lock if lock.mine is not None else None, found, diff)

@@ -1,24 +1,20 @@
-"""What goes into a checkpoint, as a DCP state dict, and how it comes back out.
+"""The Stateful objects a checkpoint is made of, and the DCP call they go through.
 
-The trainer hands the manager Stateful objects (``state_dict`` / ``load_state_dict``): the model
-parts as one ``ModelParts``, the optimizer and LR scheduler containers, the data loader and a
-``TrainState``. The manager lays their state dicts out under these keys (DCP flattens nested
-dicts with "."):
+The trainer hands the manager two dicts of Stateful objects (``state_dict`` / ``load_state_dict``):
 
-- ``model.<fqn>``: the model parts' parameters and buffers (DTensors under FSDP/TP; DCP reshards).
-  A model-only checkpoint (seed, final export) stores them at the top level, ``<fqn>``, so plain
+- ``states``, saved through DCP under their names (DCP flattens nested dicts with "."):
+  ``model.<fqn>`` (the model parts as one ``ModelParts``: DTensors under FSDP/TP, which DCP
+  reshards), ``optimizer.*`` (FQN-keyed, see titan/training/optim.py), ``lr_scheduler.*`` and
+  ``train_state.*`` (a ``TrainState``), identical on every rank. A model-only checkpoint (seed,
+  final export) stores the weights at the top level, ``<fqn>``, so plain
   ``dcp.load(fresh_model.state_dict(), checkpoint_id=...)`` reads it.
-- ``optimizer.*`` (FQN-keyed, see titan/training/optim.py), ``lr_scheduler.*``: identical on every rank.
-- ``train_state``: pickled ``TrainState.state_dict()`` {step, tokens_seen}, identical on every rank.
-- ``rng.rank_<r>``, ``dataloader.dp_rank_<d>``: pickled bytes that differ per rank. DCP keeps only
-  one copy of a non-tensor key however many ranks save it, so per-rank values need distinct keys.
+- ``rank_states``, which differ per rank (this process's ``RNGState``, the data loader's
+  position): written per rank beside the DCP files (rank_states.py).
 """
 
 from __future__ import annotations
 
-import pickle
 import random
-import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from titan.checkpointing.rank_states import SavedRankStates
 from titan.log import logger
 
 _ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
@@ -45,10 +42,6 @@ def dcp_call(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_ONE_PROCESS)
         return call(*args, **kwargs)
-
-
-DP_KEY = re.compile(r"^dataloader\.dp_rank_(\d+)$")
-RNG_KEY = "rng.rank_{}"
 
 
 class ModelParts(Stateful):
@@ -94,34 +87,29 @@ class TrainState(Stateful):
         self.step, self.tokens_seen = int(state_dict["step"]), int(state_dict["tokens_seen"])
 
 
-def rng_state() -> bytes:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return pickle.dumps(state)
+class RNGState(Stateful):
+    """This process's random number generators (Python's, torch's CPU and, on a GPU machine, CUDA's),
+    saved and restored per rank."""
 
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
 
-def set_rng_state(blob: bytes) -> None:
-    state = pickle.loads(blob)
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        if len(state["cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(state["cuda"])
-        else:
-            logger.warning("checkpoint CUDA RNG states are for another GPU count; CUDA RNG not restored")
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        random.setstate(state_dict["python"])
+        torch.set_rng_state(state_dict["torch"])
+        if "cuda" in state_dict and torch.cuda.is_available():
+            if len(state_dict["cuda"]) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(state_dict["cuda"])
+            else:
+                logger.warning("checkpoint CUDA RNG states are for another GPU count; CUDA RNG not restored")
 
-
-def saved_dp_ranks(keys: set[str]) -> list[int]:
-    return sorted(int(m[1]) for k in keys if (m := DP_KEY.match(k)))
-
-
-def load_dataloader(dataloader: Any, blobs: dict[int, bytes], dp_rank: int, old: int, dp_degree: int) -> None:
-    """Restore this DP rank's loader from ``blobs`` (dp rank -> state); when the DP degree changed
-    (``old`` != ``dp_degree``) ``blobs`` holds all old ranks' states and they go to
-    ``load_resharded`` (the loader re-deals unread documents, none repeated or skipped)."""
-    if old == dp_degree:
-        dataloader.load_state_dict(pickle.loads(blobs[dp_rank]))
-        return
-    logger.info(f"checkpoint data loader states are from {old} dp ranks, this run has {dp_degree}: resharding")
-    dataloader.load_resharded([pickle.loads(blobs[r]) for r in sorted(blobs)])
+    def load_rank_states(self, saved: SavedRankStates) -> None:
+        """This rank's saved generators; a rank the saving run did not have takes rank 0's."""
+        mine = saved.mine()
+        if mine is None:
+            mine = next(iter(saved.all()), None)
+        if mine is not None:
+            self.load_state_dict(mine)

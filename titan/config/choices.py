@@ -41,6 +41,3 @@ Float8Recipe = Literal["tensorwise", "rowwise"]
 def choices(literal: Any) -> tuple[str, ...]:
     """The options of one of the Literal types above, in their documented order."""
     return typing.get_args(literal)
-
-
-CHECKPOINT_PARTS = choices(CheckpointPart)

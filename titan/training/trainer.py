@@ -12,10 +12,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from titan.checkpointing import config_diff
+from titan.checkpointing.loader_adapter import ResumableLoader  # TEMPORARY: until the loaders have load_rank_states
 from titan.checkpointing.manager import CheckpointManager
 from titan.checkpointing.model_settings import settle as settle_model_settings
 from titan.checkpointing.resume import prepare_run
-from titan.checkpointing.states import ModelParts, TrainState
+from titan.checkpointing.states import ModelParts, RNGState, TrainState
 from titan.config.job_config import JobConfig
 from titan.config.output import save_config
 from titan.data import build_tokenizer, check_data
@@ -141,10 +143,15 @@ class Trainer:
         self.train_state = TrainState()  # step and tokens seen: saved and restored with the checkpoint
         self._batches: Iterator | None = None
         # Last in set-up: the manager saves the states above and restores them (auto-resume) if there is a checkpoint.
+        dp_degree = self.parallel_dims.dp_degree
         self.checkpointer = CheckpointManager(
-            config, model=ModelParts(self.model_parts), optimizer=self.optimizers, lr_scheduler=self.lr_schedulers,
-            dataloader=self.dataloader, train_state=self.train_state, world_size=self.parallel_dims.world_size,
-            rank=self.rank, dp_rank=self.dp_rank, dp_degree=self.parallel_dims.dp_degree, num_params=self.num_params,
+            config.checkpoint,
+            states={"model": ModelParts(self.model_parts), "optimizer": self.optimizers,
+                    "lr_scheduler": self.lr_schedulers, "train_state": self.train_state},
+            rank_states={"rng": RNGState(), "dataloader": ResumableLoader(self.dataloader)},
+            dump_folder=config.job.dump_folder, overwrite=config.job.overwrite, total_steps=config.training.steps,
+            config_record=config_diff.snapshot(config, dp_degree), world_size=self.parallel_dims.world_size,
+            rank=self.rank, dp_rank=self.dp_rank, dp_degree=dp_degree, num_params=self.num_params,
             start=self.run_start,
         )
         # Every save first reads the non-finite record: a stopped run writes no checkpoint after a NaN.

@@ -1,16 +1,16 @@
-"""Commit marker, resume choice, keep_latest_k, debug kill hook, signal flag, [checkpoint] checks."""
+"""Commit marker, resume choice, keep_latest_k, signal flag, [checkpoint] checks, when to save."""
 
 import logging
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from titan.checkpointing.folders import MARKER, DebugKill, pick_resume, prune, scan, write_marker
+from tests.helpers.checkpoints import manager_for
+from titan.checkpointing.folders import MARKER, pick_resume, prune, scan, write_marker
+from titan.checkpointing.manager import CheckpointManager
 from titan.checkpointing.preemption import PreemptionWatcher
+from titan.checkpointing.states import ModelParts, TrainState
 from titan.config import load_config
 from titan.errors import TitanError
 
@@ -79,27 +79,6 @@ def test_prune_interrupted_mid_delete_leaves_a_torn_folder(tmp_path, monkeypatch
     assert [(f.step, f.complete) for f in scan(str(tmp_path))] == [(4, True)]
 
 
-def test_debug_kill_hook():
-    with pytest.raises(TitanError, match="TITAN_DEBUG_KILL_AT"):
-        DebugKill("save@4")
-    DebugKill("")("step", 4)  # unset: nothing
-    DebugKill("save:step=4")("step", 4)  # other point: nothing
-    code = "from titan.checkpointing.folders import DebugKill; DebugKill()('save', 4); print('alive')"
-    env = dict(os.environ, TITAN_DEBUG_KILL_AT="save:step=4")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
-    assert out.returncode == -signal.SIGKILL and "alive" not in out.stdout
-
-
-def test_debug_kill_at_one_attempt_only(monkeypatch):
-    """``@attemptA``: only torchrun's restart A fails, so a restarted run can get past the point."""
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert DebugKill("error:step=3@attempt0").point is None
-    with pytest.raises(TitanError, match="injected failure after step 3"):
-        DebugKill("error:step=3@attempt1")("step", 3)
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")  # not under torchrun: the first attempt
-    assert DebugKill("step=3@rank0@attempt0").point == "step"
-
-
 def test_signal_sets_flag_and_handlers_are_restored():
     before = signal.getsignal(signal.SIGUSR1)
     watcher = PreemptionWatcher(group=None)
@@ -128,11 +107,20 @@ def test_checkpoint_config():
 
 
 def test_seed_checkpoint_needs_one_process():
-    from titan.checkpointing.manager import CheckpointManager
-
-    from titan.checkpointing.states import ModelParts, TrainState
-
     config = load_config(["--checkpoint.create_seed_checkpoint"])
     with pytest.raises(TitanError, match="create_seed_checkpoint needs 1 process"):
-        CheckpointManager(config, model=ModelParts([]), optimizer=None, lr_scheduler=None, dataloader=None,
-                          train_state=TrainState(), world_size=2, rank=0, dp_rank=0, dp_degree=2, num_params=0)
+        _manager(config, world_size=2)
+
+
+def _manager(config, **facts) -> CheckpointManager:
+    return manager_for(config, {"model": ModelParts([]), "train_state": TrainState()}, {}, **facts)
+
+
+def test_should_save_every_interval_and_the_last_step(tmp_path):
+    config = load_config(["--checkpoint.enable", "--checkpoint.interval", "4", "--training.steps", "10",
+                          "--job.dump_folder", str(tmp_path)])
+    manager = _manager(config)
+    assert [s for s in range(1, 11) if manager.should_save(s)] == [4, 8, 10]
+    assert [manager.next_save(s) for s in (0, 3, 4, 8, 9)] == [4, 4, 8, 10, 10]
+    off = _manager(load_config(["--checkpoint.interval", "4", "--training.steps", "10"]))
+    assert not any(off.should_save(s) for s in range(1, 11))

@@ -17,9 +17,9 @@ from titan.checkpointing.resume import choose_intact
 from titan.errors import TitanError
 
 
-def _truncate(p: Path) -> None:
-    data = (p / "__0_0.distcp").read_bytes()
-    (p / "__0_0.distcp").write_bytes(data[: len(data) // 2])
+def _truncate(p: Path, name: str = "__0_0.distcp") -> None:
+    data = (p / name).read_bytes()
+    (p / name).write_bytes(data[: len(data) // 2])
 
 
 def _flip(p: Path, n: int, width: int, bits: bool) -> None:
@@ -46,6 +46,9 @@ DAMAGE = {
                          "checksum"),
     "one flipped bit": (lambda p: _flip(p, 1, 1, True), "__0_0.distcp has the right size", "checksum"),
     "3 x 64 flipped bytes": (lambda p: _flip(p, 3, 64, False), "__0_0.distcp has the right size", "checksum"),
+    # the per-rank file is committed with the DCP files: torn or lost, the checkpoint is damaged
+    "truncated rank file": (lambda p: _truncate(p, "rank_0.pt"), "rank_0.pt is", "(truncated)"),
+    "missing rank file": (lambda p: (p / "rank_0.pt").unlink(), "rank_0.pt is missing", ""),
 }
 
 
@@ -104,7 +107,7 @@ def test_manifest_lists_every_file_and_all_damaged_is_an_error(saved, tmp_path):
     step = folder / "checkpoint/step-6"
 
     listed = set(json.loads((step / MANIFEST).read_text())["files"])
-    assert listed == {".metadata", "__0_0.distcp", "config.json"}
+    assert listed == {".metadata", "__0_0.distcp", "config.json", "rank_0.pt"}
     root = tmp_path / "checkpoint"
     root.mkdir()
     shutil.copytree(step, root / "step-6")

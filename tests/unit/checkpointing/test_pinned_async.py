@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_saver
 
 from tests.helpers.runs import trainer as tiny_trainer
 from titan.errors import TitanError
@@ -26,14 +26,14 @@ def _committed(folder: Path) -> list[str]:
 
 def _closing_async_save(monkeypatch) -> None:
     """Act like a torch release that closes the caller's stager once each upload is done."""
-    real = dcp.async_save
+    real = state_dict_saver.async_save
 
     def async_save(state, *args, async_stager=None, **kwargs):
         result = real(state, *args, async_stager=async_stager, **kwargs)
         result.upload_completion.add_done_callback(lambda _: async_stager.close())
         return result
 
-    monkeypatch.setattr(dcp, "async_save", async_save)
+    monkeypatch.setattr(state_dict_saver, "async_save", async_save)
 
 
 def _saves_and_resumes(tmp_path: Path, monkeypatch, exact: bool) -> None:

@@ -33,7 +33,8 @@ class Checkpoint:
     """Step to resume from. -1: the newest complete checkpoint in folder (torn ones are skipped)."""
     exclude_from_loading: list[CheckpointPart] = field(default_factory=list)
     """Parts not to restore on resume: any of model, optimizer, lr_scheduler, dataloader,
-    train_state (e.g. ["dataloader"] to switch datasets mid-run)."""
+    train_state (step, tokens seen), rng (each rank's random generators) (e.g. ["dataloader"] to
+    switch datasets mid-run)."""
     initial_load_path: str = ""
     """DCP checkpoint folder to start from when folder holds no checkpoint yet (another run's
     step-N, a converted or seed checkpoint). Ignored once this run has its own checkpoints."""
