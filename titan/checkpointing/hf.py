@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan.errors import TitanError, read_user_json
 from titan.checkpointing import model_dcp as dcp_io
+from titan.errors import TitanError, read_user_json
 from titan.models import spec_for_args, spec_for_hf_model_type
 from titan.progress import progress
 
@@ -62,7 +62,7 @@ def _adapter(args: Any) -> Any:
     return spec.state_dict_adapter
 
 
-def _write(out: Path, args: Any, groups: list, dtype: torch.dtype | None, load) -> None:  # noqa: ANN001
+def _write(out: Path, args: Any, groups: list, dtype: torch.dtype | None, load) -> None:
     adapter = _adapter(args)
     weight_map: dict[str, str] = {}
     total = 0

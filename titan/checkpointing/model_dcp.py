@@ -42,7 +42,7 @@ def _metadata(path: str | Path) -> dict[str, TensorStorageMetadata]:
         raise TitanError(f"{path} is not a DCP checkpoint: no .metadata file{hint}")
     try:
         meta = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - a torn or foreign .metadata
+    except Exception as e:  # a torn or foreign .metadata
         raise TitanError(f"{path}/.metadata cannot be read ({type(e).__name__}: {e})") from None
     return {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
@@ -136,16 +136,16 @@ class _ProgressLoads:
 
     desc = "reading checkpoint"
 
-    def create_local_plan(self):  # noqa: ANN201
+    def create_local_plan(self):
         plan = super().create_local_plan()
         self.bar = progress(desc=self.desc, total=len(plan.items), unit="item")
         return plan
 
-    def load_bytes(self, read_item, value) -> None:  # noqa: ANN001
+    def load_bytes(self, read_item, value) -> None:
         super().load_bytes(read_item, value)
         self.bar.update()
 
-    def commit_tensor(self, read_item, tensor) -> None:  # noqa: ANN001
+    def commit_tensor(self, read_item, tensor) -> None:
         super().commit_tensor(read_item, tensor)
         self.bar.update()
 
@@ -208,5 +208,5 @@ def torch_file_to_dcp(in_file: str | Path, dcp_dir: str | Path) -> None:
         raise TitanError(f"output folder {out} already exists and is not empty; choose a new folder")
     try:
         torch_save_to_dcp(str(src), str(out))
-    except Exception as e:  # noqa: BLE001 - unpickling a foreign or truncated file
+    except Exception as e:  # unpickling a foreign or truncated file
         raise TitanError(f"{src} is not a readable torch.save state dict ({type(e).__name__}: {e})") from None

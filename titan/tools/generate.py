@@ -22,9 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan.errors import TitanError
-from titan.checkpointing import model_dcp as dcp_io
 from titan.checkpointing import hf as hf_io
+from titan.checkpointing import model_dcp as dcp_io
+from titan.errors import TitanError
 from titan.models import ModelSpec, get_model_spec, spec_for_args
 from titan.models.kv_cache import KVCache
 

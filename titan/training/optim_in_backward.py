@@ -29,7 +29,7 @@ from titan.training.optim import OptimizersContainer, param_groups
 __all__ = ["OptimizersInBackward", "check_step_in_backward"]
 
 
-def check_step_in_backward(cfg, training, dims) -> None:  # noqa: ANN001 - config sections, ParallelDims
+def check_step_in_backward(cfg, training, dims) -> None:  # config sections, ParallelDims
     """One line naming everything set that cannot run with the step in backward."""
     if not cfg.early_step_in_backward:
         return
@@ -79,7 +79,7 @@ class OptimizersInBackward(OptimizersContainer):
                 optimizers.append(optimizer)
         return optimizers
 
-    def _hook(self, optimizer: torch.optim.Optimizer):  # noqa: ANN202
+    def _hook(self, optimizer: torch.optim.Optimizer):
         def step_and_free(param: torch.Tensor) -> None:
             # The norm is only reported (clipping is refused): its share is summed without a sync.
             if param.grad is None:  # the hook runs after accumulation: never, but typed so

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import Any
 
 from torch import nn
 
@@ -110,7 +111,9 @@ class TransformerModelArgs:
 
 # Published Llama 3.1 shapes (Meta's params.json). The large flavors keep the 3.1 context
 # length; the trainer should lower max_seq_len to its seq_len to keep the RoPE table small.
-_LLAMA31 = MappingProxyType(dict(vocab_size=128256, rope_theta=500000.0, use_rope_scaling=True, max_seq_len=131072))
+_LLAMA31: Mapping[str, Any] = MappingProxyType(
+    dict(vocab_size=128256, rope_theta=500000.0, use_rope_scaling=True, max_seq_len=131072)
+)
 
 # Read-only: nothing may add or replace a flavor at run time (tests that need a tiny flavor
 # swap in a new mapping, see tests/helpers/tiny.py). The args inside are shared: hand out
