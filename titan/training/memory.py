@@ -298,7 +298,8 @@ def measure_peak(trainer, steps: int) -> tuple[float, str]:  # titan.training.tr
     storage allocated during the steps (LiveBytes), the same quantity without an allocator."""
     t = trainer.config.training
     vocab = trainer.model_parts[0].tok_embeddings.num_embeddings
-    held = [*(p for m in trainer.model_parts for p in m.parameters()), *(b for m in trainer.model_parts for b in m.buffers())]
+    parts = trainer.model_parts
+    held = [*(p for m in parts for p in m.parameters()), *(b for m in parts for b in m.buffers())]
     gen = torch.Generator().manual_seed(0)
 
     def run() -> None:

@@ -16,6 +16,7 @@ same FQN-keyed state as the ordinary container's, so either loads the other's ch
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -70,7 +71,7 @@ class OptimizersInBackward(OptimizersContainer):
         super().__init__(*args, **kwargs)
 
     def _build_part(self, part: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
-                    weight_decay_exclude: list[str] | tuple[str, ...]) -> list[torch.optim.Optimizer]:
+                    weight_decay_exclude: Sequence[str]) -> list[torch.optim.Optimizer]:
         optimizers = []
         for group in param_groups(part, weight_decay_exclude):
             for param in group["params"]:
