@@ -63,7 +63,7 @@ def hyperparameters(config_file: str, overrides: list[str]) -> dict[str, str]:
     return hps
 
 
-def session(region: str | None):  # noqa: ANN201
+def session(region: str | None):  # -> sagemaker.Session (imported lazily)
     """A SageMaker session; creating it needs a region but no credentials (fit() needs those)."""
     import boto3
     import sagemaker
@@ -81,7 +81,7 @@ def stage_source(dest: Path) -> Path:
     return dest
 
 
-def build_estimator(args: argparse.Namespace, source_dir: Path):  # noqa: ANN201
+def build_estimator(args: argparse.Namespace, source_dir: Path):  # -> sagemaker.pytorch.PyTorch
     from sagemaker.debugger import TensorBoardOutputConfig
     from sagemaker.pytorch import PyTorch
 
