@@ -126,7 +126,8 @@ def main(argv: list[str]) -> int:
         channels = data_channels(args)
         if args.dry_print:
             print(f"image: {estimator.image_uri}\ninstances: {estimator.instance_count} x {estimator.instance_type}")
-            print(f"hyperparameters: {estimator.hyperparameters()}\nchannels: { {k: v.config for k, v in channels.items()} }")
+            configs = {k: v.config for k, v in channels.items()}
+            print(f"hyperparameters: {estimator.hyperparameters()}\nchannels: {configs}")
             return 0
         estimator.fit(channels, wait=False)  # uploads the staged source before returning
     print(f"submitted {estimator.latest_training_job.name}")
