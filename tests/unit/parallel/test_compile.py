@@ -43,7 +43,8 @@ def test_components_are_checked_and_honoured():
     with pytest.raises(TitanError, match="compile.components"):
         load_config(["--compile.components", "model,optimizer"])
     model = build()
-    parallelize_llama(model, ParallelDims(1, 1, 1, 1, 1, world_size=1), load_config(["--compile.components", "loss", "--compile.enable"]))
+    config = load_config(["--compile.components", "loss", "--compile.enable"])
+    parallelize_llama(model, ParallelDims(1, 1, 1, 1, 1, world_size=1), config)
     assert not any(is_compiled(b) for b in model.layers.values())
     parallelize_llama(model, ParallelDims(1, 1, 1, 1, 1, world_size=1), load_config(["--compile.components", "model"]))
     assert not any(is_compiled(b) for b in model.layers.values())  # compile.enable is false

@@ -35,7 +35,8 @@ def _flex_forward_parity(rank: int, world: int):
     chunk = SEQ // (2 * world)
     with torch.no_grad(), cp_shard_batch(mesh, inputs, labels, cp_buffers(model)) as (x, y):
         # Head-tail: rank r holds chunks r and 2cp-1-r of the sequence (inputs, labels, RoPE rows).
-        head, tail = slice(rank * chunk, (rank + 1) * chunk), slice((2 * world - 1 - rank) * chunk, (2 * world - rank) * chunk)
+        head = slice(rank * chunk, (rank + 1) * chunk)
+        tail = slice((2 * world - 1 - rank) * chunk, (2 * world - rank) * chunk)
         assert torch.equal(x, torch.cat([inputs[:, head], inputs[:, tail]], 1))
         assert torch.equal(y, torch.cat([labels[:, head], labels[:, tail]], 1))
         assert model.freqs_cis.shape[0] == SEQ // world

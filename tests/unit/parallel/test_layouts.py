@@ -23,7 +23,8 @@ def _flavors(monkeypatch):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     with extra_flavors(**FLAVORS):  # module scope: monkeypatch is per test
-        return run(Trainer(config(str(tmp_path_factory.mktemp("ref")), "--training.local_batch_size", str(GLOBAL_BATCH))))
+        folder = str(tmp_path_factory.mktemp("ref"))
+        return run(Trainer(config(folder, "--training.local_batch_size", str(GLOBAL_BATCH))))
 
 
 def _shard(n: int) -> tuple[str, ...]:
