@@ -113,7 +113,7 @@ def init_model_weights(model: nn.Module, seed: int, buffer_device: torch.device 
     for name, p in model.named_parameters():
         names.setdefault(id(p), canonical_fqn(name))
     with torch.no_grad(), _patched_init_functions(names, seed), _LayoutIndependentInit(names, seed):
-        # Every model class a spec registers defines init_weights (titan.models.ModelSpec.model_cls);
-        # nn.Module's attribute typing cannot know it.
+        # Every registered model class defines init_weights(buffer_device); nn.Module's attribute
+        # typing cannot know it.
         init_weights: Any = model.init_weights
         init_weights(buffer_device=buffer_device)
