@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import math
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -61,7 +62,7 @@ class LiveBytes(TorchDispatchMode):
         self._seen.discard(key)
         self.current -= nbytes
 
-    def ignore(self, tensors) -> None:
+    def ignore(self, tensors: Iterable[torch.Tensor]) -> None:
         """Storages that exist before tracking (parameters, inputs): ops that return views of them
         (F.linear's weight.t(), slices) allocate nothing, so they must not be counted."""
         for t in tensors:

@@ -16,7 +16,7 @@ same FQN-keyed state as the ordinary container's, so either loads the other's ch
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,13 +24,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from titan.config.sections.optimizer import Optimizer
+from titan.config.sections.training import Training
 from titan.errors import TitanError
+from titan.parallel.dims import ParallelDims
 from titan.training.optim import OptimizersContainer, param_groups
 
 __all__ = ["OptimizersInBackward", "check_step_in_backward"]
 
 
-def check_step_in_backward(cfg, training, dims) -> None:  # config sections, ParallelDims
+def check_step_in_backward(cfg: Optimizer, training: Training, dims: ParallelDims) -> None:
     """One line naming everything set that cannot run with the step in backward."""
     if not cfg.early_step_in_backward:
         return
@@ -80,7 +83,7 @@ class OptimizersInBackward(OptimizersContainer):
                 optimizers.append(optimizer)
         return optimizers
 
-    def _hook(self, optimizer: torch.optim.Optimizer):
+    def _hook(self, optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]:
         def step_and_free(param: torch.Tensor) -> None:
             # The norm is only reported (clipping is refused): its share is summed without a sync.
             if param.grad is None:  # the hook runs after accumulation: never, but typed so
