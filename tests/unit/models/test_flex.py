@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import titan.models.llama.flex as flex_mod
-from titan.errors import TitanError
-from titan.training.loss import cross_entropy_sum
 from tests.helpers import tiny
+from titan.errors import TitanError
 from titan.models.llama import Transformer, TransformerModelArgs
 from titan.models.llama.model import Attention, RMSNorm, precompute_freqs_cis
 from titan.parallel.ac import apply_ac
 from titan.parallel.compile import apply_compile
+from titan.training.loss import cross_entropy_sum
 
 TINY = replace(tiny.TINY, n_layers=3, max_seq_len=256)
 AC_CASES = [("none", "op"), ("selective", "op"), ("full", "op")]

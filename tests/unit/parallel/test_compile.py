@@ -10,10 +10,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from tests.helpers.tiny import build, train_losses
 from titan.config import load_config
 from titan.errors import TitanError
-from titan.training.loss import cross_entropy_sum
 from titan.models.llama.parallelize import parallelize_llama
 from titan.parallel.compile import _wait_async_output, build_loss_fn, is_compiled
 from titan.parallel.dims import ParallelDims
+from titan.training.loss import cross_entropy_sum
 
 
 @pytest.mark.slow

@@ -10,10 +10,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from tests.helpers.distributed import run_distributed
 from tests.helpers.tiny import TINY
 from titan.errors import TitanError
-from titan.training.loss import cross_entropy_sum
 from titan.models.llama.model import Transformer
 from titan.models.llama.parallelize import apply_llama_cp, cp_buffers
 from titan.parallel.cp import check_cp_seq_len, cp_shard_batch, cp_unshard
+from titan.training.loss import cross_entropy_sum
 
 SEQ, VOCAB = 512, 256  # flex CP needs seq_len % (2 x cp x 128) == 0
 
