@@ -136,7 +136,7 @@ def run_variant(base: list[str], extra: str, warmup: int, steps: int, nproc: int
         return json.loads(Path(out).read_text())
 
 
-def _pop(argv: list[str], flag: str, default: str | None, repeat: bool = False):  # noqa: ANN202
+def _pop(argv: list[str], flag: str, default: str | None, repeat: bool = False):
     values = []
     while flag in argv:
         i = argv.index(flag)

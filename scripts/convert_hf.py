@@ -22,9 +22,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from titan.errors import TitanError  # noqa: E402
-from titan.checkpointing import model_dcp as dcp_io  # noqa: E402
 from titan.checkpointing import hf as hf_io  # noqa: E402
+from titan.checkpointing import model_dcp as dcp_io  # noqa: E402
+from titan.errors import TitanError  # noqa: E402
 from titan.models import get_model_spec  # noqa: E402
 from titan.parallel.fsdp import DTYPES  # noqa: E402
 

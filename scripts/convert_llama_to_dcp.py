@@ -19,8 +19,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from titan.errors import TitanError  # noqa: E402
 from titan.checkpointing.model_dcp import save_model_dcp  # noqa: E402
+from titan.errors import TitanError  # noqa: E402
 from titan.models.llama.meta_checkpoint import load_meta_checkpoint  # noqa: E402
 from titan.parallel.fsdp import DTYPES  # noqa: E402
 

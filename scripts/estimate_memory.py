@@ -22,8 +22,8 @@ os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 from tabulate import tabulate  # noqa: E402
 
-from titan.training.checks import load_job  # noqa: E402
 from titan.errors import TitanError  # noqa: E402
+from titan.training.checks import load_job  # noqa: E402
 from titan.training.memory import estimate_memory, measure_peak  # noqa: E402
 
 _MIB = 1024**2
@@ -63,11 +63,13 @@ def main(argv: list[str]) -> None:
         f" {est.params:,} parameters on this rank"
     )
     rows = [(name, f"{b / _MIB:,.1f}") for name, b in est.rows()]
-    print(tabulate(rows, headers=["per rank", "MiB"], tablefmt="github", colalign=("left", "right"), disable_numparse=True))
+    print(tabulate(rows, headers=["per rank", "MiB"], tablefmt="github", colalign=("left", "right"),
+                   disable_numparse=True))
     skipped = [name for name, on in (("torch.compile", config.compile.enable),
                                       ("float8", config.float8.enable_float8_linear)) if on]
     if skipped:
-        print(f"note: {' and '.join(skipped)} not modelled (eager bf16 activations counted; compile usually needs less)")
+        print(f"note: {' and '.join(skipped)} not modelled"
+              " (eager bf16 activations counted; compile usually needs less)")
     if measure_steps:
         if world_size != 1:
             raise TitanError("--measure_steps runs one process; use --world_size 1")

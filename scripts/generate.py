@@ -31,7 +31,8 @@ from titan.parallel.utils import destroy_distributed, init_distributed, pick_dev
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="DCP folder (titan) or Hugging Face folder (config.json)")
-    p.add_argument("--model", default="llama3", help="model family of a DCP folder (an HF folder's config.json says it)")
+    p.add_argument("--model", default="llama3",
+                   help="model family of a DCP folder (an HF folder's config.json says it)")
     p.add_argument("--flavor", default=None, help="model flavor, for DCP folders without model_args.json")
     p.add_argument("--tokenizer", default="", help="tokenizer file (default: titan's shipped tokenizer)")
     p.add_argument("--prompt", default="", help="prompt text (encoded with a BOS token)")
@@ -76,7 +77,8 @@ def run(a: argparse.Namespace) -> int:
         print(text)
         print(f"{len(new)} tokens, {tps:.1f} tokens/s (tp {world}, kv cache {not a.no_kv_cache}, {a.dtype})")
         if a.out_json:
-            Path(a.out_json).write_text(json.dumps({"prompt": prompt, "tokens": new, "text": text, "tokens_per_s": tps}))
+            result = {"prompt": prompt, "tokens": new, "text": text, "tokens_per_s": tps}
+            Path(a.out_json).write_text(json.dumps(result))
     return 0
 
 

@@ -102,7 +102,8 @@ def plot(runs: dict[str, dict[str, list[tuple[int, float]]]], out: Path) -> list
             if key is None:
                 continue
             points = [(s, v) for s, v in sorted(series[key]) if math.isfinite(v)]
-            ax.plot([s for s, _ in points], [v for _, v in points], label=label, marker="." if len(points) < 50 else None)
+            marker = "." if len(points) < 50 else None
+            ax.plot([s for s, _ in points], [v for _, v in points], label=label, marker=marker)
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
         if title == "grad norm":

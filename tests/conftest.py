@@ -20,7 +20,7 @@ _REAL_CUDA_IS_AVAILABLE = torch.cuda.is_available
 _REAL_ACCELERATOR_IS_AVAILABLE = torch.accelerator.is_available
 
 
-def pytest_collection_modifyitems(config, items):  # noqa: ANN001, ARG001
+def pytest_collection_modifyitems(config, items):
     if CUDA_AVAILABLE:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False on this machine")

@@ -35,11 +35,11 @@ class _StderrHandler(logging.StreamHandler):
         logging.Handler.__init__(self)
 
     @property
-    def stream(self):  # noqa: ANN201 - a text stream
+    def stream(self) -> IO[str]:
         return sys.stderr
 
     @stream.setter
-    def stream(self, value) -> None:  # noqa: ANN001 - StreamHandler.setStream assigns; stderr wins
+    def stream(self, value: IO[str]) -> None:  # StreamHandler.setStream assigns; stderr wins
         pass
 
 

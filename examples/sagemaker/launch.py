@@ -63,7 +63,7 @@ def hyperparameters(config_file: str, overrides: list[str]) -> dict[str, str]:
     return hps
 
 
-def session(region: str | None):  # noqa: ANN201
+def session(region: str | None):  # -> sagemaker.Session (imported lazily)
     """A SageMaker session; creating it needs a region but no credentials (fit() needs those)."""
     import boto3
     import sagemaker
@@ -81,7 +81,7 @@ def stage_source(dest: Path) -> Path:
     return dest
 
 
-def build_estimator(args: argparse.Namespace, source_dir: Path):  # noqa: ANN201
+def build_estimator(args: argparse.Namespace, source_dir: Path):  # -> sagemaker.pytorch.PyTorch
     from sagemaker.debugger import TensorBoardOutputConfig
     from sagemaker.pytorch import PyTorch
 
@@ -126,7 +126,8 @@ def main(argv: list[str]) -> int:
         channels = data_channels(args)
         if args.dry_print:
             print(f"image: {estimator.image_uri}\ninstances: {estimator.instance_count} x {estimator.instance_type}")
-            print(f"hyperparameters: {estimator.hyperparameters()}\nchannels: { {k: v.config for k, v in channels.items()} }")
+            configs = {k: v.config for k, v in channels.items()}
+            print(f"hyperparameters: {estimator.hyperparameters()}\nchannels: {configs}")
             return 0
         estimator.fit(channels, wait=False)  # uploads the staged source before returning
     print(f"submitted {estimator.latest_training_job.name}")

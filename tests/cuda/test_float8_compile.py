@@ -34,7 +34,7 @@ def test_compiled_loss_matches_eager(tmp_path):
 
 
 def test_compiled_bf16_float8_tensorwise_runs(tmp_path):
-    """The issue's fastest row in small: compile + float8 tensorwise + bf16 autocast trains."""
+    """The benchmark's fastest row in small: compile + float8 tensorwise + bf16 autocast trains."""
     needs_capability(8, 9, "float8 tensorwise")
     ref, _ = train(tmp_path / "bf16", 10, *BF16)
     got, _ = train(tmp_path / "fp8c", 10, *BF16, "--compile.enable", "--float8.enable_float8_linear")

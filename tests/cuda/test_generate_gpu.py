@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tests.helpers.tiny import random_model, small_args
-from titan.tools.generate import generate, load_model
 from titan.checkpointing.hf import save_hf
+from titan.tools.generate import generate, load_model
 
 pytestmark = pytest.mark.cuda
 

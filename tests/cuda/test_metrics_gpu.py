@@ -15,7 +15,7 @@ def test_tps_mfu_memory_columns_are_sane(tmp_path, caplog):
     rows = metric_rows(tmp_path)
     capacity_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     peak = get_peak_flops(torch.cuda.get_device_name(0))
-    for step, row in rows.items():
+    for row in rows.values():
         assert row["throughput(tps)"] > 0 and row["tflops"] > 0, row
         assert 0 < row["memory/max_reserved(GiB)"] < capacity_gib, row
         assert 0 < row["memory/max_active(GiB)"] <= row["memory/max_reserved(GiB)"], row

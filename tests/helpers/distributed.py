@@ -9,16 +9,15 @@ than ranks.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
-
-import multiprocessing as mp
-import pickle
 
 
 def _free_port() -> int:
@@ -61,7 +60,7 @@ def _worker(
         # Plain bytes: torch tensors sent through a queue would go via shared-memory handles
         # that die with this process.
         queue.put((rank, "ok", pickle.dumps(result)))
-    except BaseException:  # noqa: BLE001 - reported to the parent test
+    except BaseException:  # reported to the parent test
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():

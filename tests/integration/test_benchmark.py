@@ -50,7 +50,7 @@ def test_bad_preset_or_config_name_is_one_line():
     assert proc.returncode == 2 and "--only got 'compiled'; valid: eager, compile" in proc.stderr, proc.stderr
 
 
-def test_gpu_config_set_names_the_issue_rows():
+def test_gpu_config_set_names_the_performance_doc_rows():
     names = [n for n, _ in benchmark.default_configs(cuda=True)]
     # No float8 hardware here: the float8 rows say they are emulated.
     assert names == ["eager", "compile", "float8-tensorwise (emulated)", "float8-rowwise (emulated)", "ac-none",
@@ -58,7 +58,7 @@ def test_gpu_config_set_names_the_issue_rows():
     assert [n for n, _ in benchmark.default_configs(cuda=False)][-1] == "float8 (emulated)"
 
 
-def test_the_issue_preset_is_a_valid_config():
+def test_the_benchmark_preset_is_a_valid_config():
     from titan.training.checks import load_job
     preset = benchmark.PRESETS["llama3_8b_8layers"]
     config = load_job(preset["args"])

@@ -60,7 +60,8 @@ SKIP_PREFIXES = [
     ("python scripts/benchmark_recovery.py", "minutes of 2-rank training with failures by design"
      " (tests/integration/test_launchers.py covers restarts and goodput)"),
     ("python scripts/benchmark_loader.py --dataset c4 --dataset_path /tmp/c4",
-     "the 16 x 10,000-document mirror, minutes to read (tests/unit/data/test_c4_mirror.py runs the benchmark on a small one)"),
+     "the 16 x 10,000-document mirror, minutes to read"
+     " (tests/unit/data/test_c4_mirror.py runs the benchmark on a small one)"),
 ]
 
 _COMMAND = re.compile(

@@ -1,5 +1,6 @@
 """Dependencies: every third-party import is declared in pyproject.toml, and importing torchao
-through titan prints nothing, from every entry point."""
+through titan prints nothing, from every entry point. CI lints and type-checks before it tests,
+with the tool versions pyproject.toml pins."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = ["titan", "scripts", "examples", "tests", "train.py"]
@@ -76,3 +77,30 @@ def test_torchao_import_prints_nothing():
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stderr == "", run.stderr
+
+
+def _ci_commands() -> list[str]:
+    lines = (REPO / ".ci" / "run").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_ci_checks_lint_and_types_before_the_readme_test_command():
+    readme = (REPO / "README.md").read_text()
+    test_command = re.search(r"^(python -m pytest .*?tests)\s+# everything, as CI runs it$", readme, re.M)
+    assert test_command, "README.md lost its 'everything, as CI runs it' test command"
+    commands = _ci_commands()
+    assert commands[-1] == test_command.group(1), f".ci/run ends with {commands[-1]!r}, not the README's test command"
+    checks = ["ruff check .", "ruff format --check .", "pyright"]
+    missing = [c for c in checks if c not in commands]
+    assert not missing, f".ci/run does not run {missing}"
+    install = next(i for i, c in enumerate(commands) if "pip install" in c)
+    assert install < min(commands.index(c) for c in checks), ".ci/run checks before installing the pinned tools"
+
+
+def test_pre_commit_pins_the_ruff_of_the_dev_extra():
+    dev = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    ruff_pin = next(r for r in dev if r.startswith("ruff=="))
+    config = (REPO / ".pre-commit-config.yaml").read_text()
+    rev = re.search(r"repo: https://github.com/astral-sh/ruff-pre-commit\n\s+rev: v([0-9.]+)", config)
+    assert rev and rev.group(1) == ruff_pin.removeprefix("ruff=="), (rev and rev.group(1), ruff_pin)
+    assert re.search(r"entry: pyright\n", config), "pre-commit lacks the pyright hook"

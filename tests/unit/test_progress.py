@@ -19,7 +19,8 @@ def test_bar_on_a_terminal_only(monkeypatch):
     for stream, drawn in ((_Terminal(), True), (io.StringIO(), False)):
         monkeypatch.setattr(sys, "stderr", stream)
         assert list(progress(range(3), desc="converting", unit="tensor")) == [0, 1, 2]
-        assert ("converting" in stream.getvalue() and "/3 " in stream.getvalue()) == drawn, stream.getvalue()  # known end
+        text = stream.getvalue()
+        assert ("converting" in text and "/3 " in text) == drawn, text  # known end
 
 
 def test_dcp_to_torch_conversion_shows_a_bar_on_a_terminal(tmp_path, monkeypatch):

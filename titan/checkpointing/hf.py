@@ -10,6 +10,7 @@ config mapping: found from the args being written, or from config.json's model_t
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,11 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan.errors import TitanError, read_user_json
 from titan.checkpointing import model_dcp as dcp_io
+from titan.errors import TitanError, read_user_json
 from titan.models import spec_for_args, spec_for_hf_model_type
 from titan.progress import progress
 
@@ -55,6 +56,13 @@ def _prepare_out(out_dir: str | Path) -> Path:
     return out
 
 
+def model_args_of(model: nn.Module) -> Any:
+    """The args a model was built from: every spec's model class keeps them as `model_args`
+    (titan.models.ModelSpec.model_cls), which nn.Module's attribute typing cannot know."""
+    args: Any = model.model_args
+    return args
+
+
 def _adapter(args: Any) -> Any:
     spec = spec_for_args(args)
     if spec.state_dict_adapter is None:
@@ -62,7 +70,8 @@ def _adapter(args: Any) -> Any:
     return spec.state_dict_adapter
 
 
-def _write(out: Path, args: Any, groups: list, dtype: torch.dtype | None, load) -> None:  # noqa: ANN001
+def _write(out: Path, args: Any, groups: list[list[str]], dtype: torch.dtype | None,
+           load: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
     adapter = _adapter(args)
     weight_map: dict[str, str] = {}
     total = 0
@@ -103,7 +112,9 @@ def export_dcp_to_hf(dcp_dir: str | Path, out_dir: str | Path, args: Any,
     expected = set(_expected_keys(args))
     if set(nbytes) != expected:
         missing, extra = sorted(expected - set(nbytes)), sorted(set(nbytes) - expected)
-        raise TitanError(f"{dcp_dir}: model tensors do not match the model args; missing {missing[:3]}, unexpected {extra[:3]}")
+        raise TitanError(
+            f"{dcp_dir}: model tensors do not match the model args; missing {missing[:3]}, unexpected {extra[:3]}"
+        )
     out = _prepare_out(out_dir)
     _write(out, args, _plan_shards(nbytes, max_shard_bytes), dtype, lambda ks: dcp_io.read_model_tensors(dcp_dir, ks))
 
@@ -162,12 +173,14 @@ def load_hf_into_model(model_parts: list[nn.Module], hf_dir: str | Path) -> Any:
     state, args = load_hf(hf_dir)
     with torch.no_grad():
         for part in model_parts:
-            for name, target in get_model_state_dict(part).items():
+            for name, target in dcp_io.model_tensors(part).items():
                 if name not in state:
                     raise TitanError(f"{hf_dir}: no weight for model parameter {name!r}; wrong model folder?")
                 src = state[name]
                 if tuple(src.shape) != tuple(target.shape):
-                    raise TitanError(f"{hf_dir}: {name!r} has shape {tuple(src.shape)}, the model expects {tuple(target.shape)}")
+                    raise TitanError(
+                        f"{hf_dir}: {name!r} has shape {tuple(src.shape)}, the model expects {tuple(target.shape)}"
+                    )
                 src = src.to(device=target.device, dtype=target.dtype)
                 if isinstance(target, DTensor):
                     src = distribute_tensor(src, target.device_mesh, target.placements)
@@ -175,16 +188,16 @@ def load_hf_into_model(model_parts: list[nn.Module], hf_dir: str | Path) -> Any:
     return args
 
 
-def save_model_hf(model_parts: list[nn.Module], out_dir: str | Path, args: Any | None = None,
+def save_model_hf(model_parts: list[nn.Module], out_dir: str | Path, args: Any = None,
                   dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
     """Gather a (possibly sharded) model and write an HF folder from rank 0: the hook for
     `[checkpoint] last_save_in_hf`. Collective: every rank must call it. Pipeline-parallel parts
     live on different ranks, so a rank 0 without all of them refuses rather than exporting half."""
-    args = args if args is not None else model_parts[0].model_args
+    args = args if args is not None else model_args_of(model_parts[0])
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state: dict[str, torch.Tensor] = {}
     for part in model_parts:
-        state.update(get_model_state_dict(part, options=options))
+        state.update(dcp_io.model_tensors(part, options=options))
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     if args.tie_embeddings:

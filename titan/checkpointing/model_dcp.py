@@ -16,14 +16,16 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from titan.checkpointing.states import dcp_call
 from titan.errors import TitanError
@@ -41,8 +43,8 @@ def _metadata(path: str | Path) -> dict[str, TensorStorageMetadata]:
         hint = " (it holds config.json: a Hugging Face folder)" if (path / "config.json").is_file() else ""
         raise TitanError(f"{path} is not a DCP checkpoint: no .metadata file{hint}")
     try:
-        meta = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - a torn or foreign .metadata
+        meta = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a torn or foreign .metadata
         raise TitanError(f"{path}/.metadata cannot be read ({type(e).__name__}: {e})") from None
     return {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
@@ -73,7 +75,7 @@ def save_model_dcp(state_dict: dict[str, torch.Tensor], model_args: Any, out_dir
         raise TitanError(f"output folder {out} already exists and is not empty; choose a new folder")
     out.mkdir(parents=True, exist_ok=True)
     # Tied weights are one tensor under two names; DCP writes each name, readers get both back.
-    dcp_call(dcp.save, {k: v.contiguous() for k, v in state_dict.items()}, checkpoint_id=str(out))
+    dcp_call(dcp_save, {k: v.contiguous() for k, v in state_dict.items()}, checkpoint_id=str(out))
     (out / MODEL_ARGS_FILE).write_text(json.dumps(dataclasses.asdict(model_args), indent=2) + "\n")
 
 
@@ -102,7 +104,9 @@ def model_args_for(path: str | Path, spec: ModelSpec, flavor: str | None = None)
     if flavor is None:
         raise TitanError(f"{path} has no {MODEL_ARGS_FILE}; pass --flavor (valid: {', '.join(spec.flavors)})")
     if spec.state_dict_adapter is None:
-        raise TitanError(f"{path} has no {MODEL_ARGS_FILE} and model {spec.name} cannot infer its shape from the tensors")
+        raise TitanError(
+            f"{path} has no {MODEL_ARGS_FILE} and model {spec.name} cannot infer its shape from the tensors"
+        )
     shapes = {k: tuple(m.size) for k, m in meta.items()}
     return spec.state_dict_adapter.args_from_shapes(shapes, get_flavor(spec, flavor), str(path))
 
@@ -111,54 +115,68 @@ def _check_shapes(path: str | Path, expected: dict[str, tuple[tuple[int, ...], t
                   meta: dict[str, TensorStorageMetadata]) -> None:
     missing = sorted(set(expected) - set(meta))
     if missing:
-        raise TitanError(f"{path}: checkpoint lacks {len(missing)} model tensors, e.g. {missing[:3]}; wrong model or flavor?")
+        raise TitanError(
+            f"{path}: checkpoint lacks {len(missing)} model tensors, e.g. {missing[:3]}; wrong model or flavor?"
+        )
     for key, (shape, _) in expected.items():
         if tuple(meta[key].size) != tuple(shape):
             raise TitanError(
-                f"{path}: tensor {key!r} has shape {tuple(meta[key].size)} but the model expects {tuple(shape)}; wrong flavor?"
+                f"{path}: tensor {key!r} has shape {tuple(meta[key].size)} but the model expects {tuple(shape)};"
+                " wrong flavor?"
             )
+
+
+def model_tensors(model: nn.Module, options: StateDictOptions | None = None) -> dict[str, torch.Tensor]:
+    """The model's state dict (get_model_state_dict), refused if it holds anything but tensors: the
+    weight formats here store tensors only (a module's extra state would be silently dropped)."""
+    state = get_model_state_dict(model, options=options)
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    if len(tensors) != len(state):
+        other = next(k for k in state if k not in tensors)
+        raise TitanError(f"model state {other!r} is a {type(state[other]).__name__}, not a tensor; "
+                         "model-weight folders hold tensors only")
+    return tensors
 
 
 def load_model_from_dcp(model: nn.Module, path: str | Path) -> None:
     """Load model weights (plain, FSDP or TP model) in place; dtype is cast to the model's."""
     prefix, meta = model_tensor_metadata(path)
-    state = get_model_state_dict(model)
+    state = model_tensors(model)
     expected = {}
     for k, v in state.items():
         expected[k] = (tuple(v.shape), v.dtype)
     _check_shapes(path, expected, meta)
-    dcp_call(dcp.load, _nest(prefix, state), checkpoint_id=str(path))
-    set_model_state_dict(model, state)
+    dcp_call(dcp_load, _nest(prefix, state), checkpoint_id=str(path))
+    # torch types the parameter as an (invariant) dict of any state value; tensors are such values.
+    set_model_state_dict(model, cast(dict[str, Any], state))
 
 
-class _ProgressLoads:
-    """Load-planner mixin: a terminal-only bar ticking once per tensor or blob read."""
+class _ProgressLoads(DefaultLoadPlanner):
+    """Load planner (and mixin) with a terminal-only bar ticking once per tensor or blob read."""
 
     desc = "reading checkpoint"
 
-    def create_local_plan(self):  # noqa: ANN201
+    def create_local_plan(self):
         plan = super().create_local_plan()
         self.bar = progress(desc=self.desc, total=len(plan.items), unit="item")
         return plan
 
-    def load_bytes(self, read_item, value) -> None:  # noqa: ANN001
+    def load_bytes(self, read_item, value) -> None:
         super().load_bytes(read_item, value)
         self.bar.update()
 
-    def commit_tensor(self, read_item, tensor) -> None:  # noqa: ANN001
+    def commit_tensor(self, read_item, tensor) -> None:
         super().commit_tensor(read_item, tensor)
         self.bar.update()
-
-
-class _ProgressLoadPlanner(_ProgressLoads, DefaultLoadPlanner):
-    pass
 
 
 class _ProgressEmptyLoadPlanner(_ProgressLoads, _EmptyStateDictLoadPlanner):
     """Loads everything the checkpoint holds (the state dict is built from its metadata)."""
 
 
-def read_model_tensors(path: str | Path, keys: list[str] | None = None, show_progress: bool = False) -> dict[str, torch.Tensor]:
+def read_model_tensors(
+    path: str | Path, keys: list[str] | None = None, show_progress: bool = False
+) -> dict[str, torch.Tensor]:
     """Full (unsharded) CPU tensors of the model keys (all of them if keys is None), in the saved dtype."""
     prefix, meta = model_tensor_metadata(path)
     keys = sorted(meta) if keys is None else keys
@@ -166,8 +184,8 @@ def read_model_tensors(path: str | Path, keys: list[str] | None = None, show_pro
     if absent:
         raise TitanError(f"{path}: no tensor named {absent[0]!r}")
     state = {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype) for k in keys}
-    dcp_call(dcp.load, _nest(prefix, state), checkpoint_id=str(path),
-             planner=_ProgressLoadPlanner() if show_progress else None)
+    dcp_call(dcp_load, _nest(prefix, state), checkpoint_id=str(path),
+             planner=_ProgressLoads() if show_progress else None)
     return state
 
 
@@ -178,7 +196,7 @@ def read_all_state(path: str | Path) -> dict:
 
     _metadata(path)
     state: dict = {}
-    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(path)), planner=_ProgressEmptyLoadPlanner(),
+    _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_ProgressEmptyLoadPlanner(),
                      no_dist=True)
     return state
 
@@ -208,5 +226,5 @@ def torch_file_to_dcp(in_file: str | Path, dcp_dir: str | Path) -> None:
         raise TitanError(f"output folder {out} already exists and is not empty; choose a new folder")
     try:
         torch_save_to_dcp(str(src), str(out))
-    except Exception as e:  # noqa: BLE001 - unpickling a foreign or truncated file
+    except Exception as e:  # unpickling a foreign or truncated file
         raise TitanError(f"{src} is not a readable torch.save state dict ({type(e).__name__}: {e})") from None

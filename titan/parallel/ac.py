@@ -19,6 +19,7 @@ from titan.config.choices import ACMode, choices
 from titan.config.sections.activation_checkpoint import parse_selective_option
 from titan.errors import TitanError
 from titan.log import logger
+from titan.parallel.utils import blocks_of
 
 __all__ = ["AC_MODES", "apply_ac", "parse_selective_option", "MATMUL_OPS", "SAVED_OPS"]
 
@@ -50,7 +51,7 @@ def _op_policy() -> Callable:
     """
     counts: dict[bool, int] = defaultdict(int)
 
-    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001, ANN002, ANN003
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if func in MATMUL_OPS:
             counts[ctx.is_recompute] += 1
             # Save the 1st, 3rd, ... matmul: halves matmul recompute at half the memory.
@@ -85,11 +86,12 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: int | str = "op")
         return []
     option = parse_selective_option(selective_ac_option) if mode == "selective" else None
     wrapped = []
-    for name, block in list(model.layers.named_children()):
+    blocks = blocks_of(model)
+    for name, block in list(blocks.named_children()):
         if isinstance(option, int) and int(name) % option != 0:
             continue
-        model.layers.register_module(name, _wrap(block, selective_op=option == "op"))
+        blocks.register_module(name, _wrap(block, selective_op=option == "op"))
         wrapped.append(name)
     what = {None: "full", "op": "selective per op"}.get(option, f"full on every {option}-th block")
-    logger.info(f"applied activation checkpointing ({what}) to {len(wrapped)} of {len(model.layers)} blocks")
+    logger.info(f"applied activation checkpointing ({what}) to {len(wrapped)} of {len(blocks)} blocks")
     return wrapped

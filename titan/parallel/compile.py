@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from titan.log import logger
+from titan.parallel.utils import blocks_of
 
 __all__ = ["apply_compile", "build_loss_fn", "is_compiled"]
 
@@ -38,12 +39,13 @@ def apply_compile(model: nn.Module, *, before_blocks: nn.Module | None = None, f
     """Compile each block of ``model.layers`` in place; returns how many were compiled.
     ``before_blocks`` is the module whose output the first block takes (e.g. a TP embedding):
     its async output is waited for."""
-    for block in model.layers.values():
+    blocks = blocks_of(model)
+    for block in blocks.values():
         block.compile(fullgraph=fullgraph)
     if before_blocks is not None:
         before_blocks.register_forward_hook(_wait_async_output)
-    logger.info(f"compiled {len(model.layers)} blocks (fullgraph={fullgraph})")
-    return len(model.layers)
+    logger.info(f"compiled {len(blocks)} blocks (fullgraph={fullgraph})")
+    return len(blocks)
 
 
 def build_loss_fn(loss_fn: Callable, compile_loss: bool) -> Callable:

@@ -18,13 +18,14 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import cast
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.experimental._attention import (
-    _ContextParallel,
     _context_parallel_shard,
+    _ContextParallel,
     _disable_context_parallel_dispatcher,
     _enable_context_parallel_dispatcher,
     _HeadTailLoadBalancer,
@@ -49,9 +50,10 @@ def check_cp_seq_len(seq_len: int, cp: int, attn_type: str) -> None:
     needs every rank's chunks to be whole mask blocks."""
     multiple = 2 * cp * (_DEFAULT_SPARSE_BLOCK_SIZE if attn_type == "flex" else 1)
     if seq_len % multiple:
+        whole_blocks = " of whole 128-token mask blocks" if attn_type == "flex" else ""
         raise TitanError(
             f"training.seq_len ({seq_len}) must be divisible by {multiple} with context_parallel_degree {cp}"
-            f" and attn_type {attn_type} (2 x cp chunks{' of whole 128-token mask blocks' if attn_type == 'flex' else ''})"
+            f" and attn_type {attn_type} (2 x cp chunks{whole_blocks})"
         )
 
 
@@ -99,7 +101,9 @@ def cp_shard_batch(
     balancer = _HeadTailLoadBalancer(first.shape[1], cp_mesh.size(), first.device)
     batch = [t for t in (inputs, labels) if t is not None]
     originals = [getattr(m, name) for m, name, _ in buffers]
-    shards = _context_parallel_shard(cp_mesh, batch + originals, [1] * len(batch) + [d for _, _, d in buffers], balancer)
+    seq_dims = [1] * len(batch) + [d for _, _, d in buffers]
+    # Typed list[Tensor | BlockMask] for mixed inputs; each shard has its input's type, and these are tensors.
+    shards = cast(list[torch.Tensor], _context_parallel_shard(cp_mesh, batch + originals, seq_dims, balancer))
     for (m, name, _), shard in zip(buffers, shards[len(batch):]):
         setattr(m, name, shard)
     it = iter(shards)

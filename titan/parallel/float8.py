@@ -99,7 +99,9 @@ def apply_float8(model: nn.Module, cfg: Float8Config, device: torch.device, *, f
     return convert_to_float8(model, cfg, fsdp_enabled=fsdp_enabled)
 
 
-def build_precompute_hook(model_parts: list[nn.Module], cfg: Float8Config, fsdp_enabled: bool) -> Callable[[], None] | None:
+def build_precompute_hook(
+    model_parts: list[nn.Module], cfg: Float8Config, fsdp_enabled: bool
+) -> Callable[[], None] | None:
     """The optimizer post-step hook that precomputes float8 scales, when the config asks for it."""
     if not (
         cfg.enable_float8_linear
@@ -117,7 +119,7 @@ def build_precompute_hook(model_parts: list[nn.Module], cfg: Float8Config, fsdp_
     return hook
 
 
-def register_float8_precompute(optimizers, model_parts: list[nn.Module], cfg: Float8Config,  # noqa: ANN001
+def register_float8_precompute(optimizers, model_parts: list[nn.Module], cfg: Float8Config,
                                fsdp_enabled: bool) -> None:
     """Run the scale precompute after every optimizer step, when the config asks for it.
     ``optimizers``: anything with ``register_step_post_hook`` (titan's OptimizersContainer)."""

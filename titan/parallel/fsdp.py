@@ -65,7 +65,7 @@ def offload_init_device(device: torch.device, cpu_offload: bool) -> torch.device
     return torch.device("cpu") if cpu_offload else device
 
 
-def check_cpu_offload(  # noqa: ANN001 - float8: config.Float8
+def check_cpu_offload(  # float8: config.Float8
     fsdp_enabled: bool, float8, nonfinite: str = "stop", device_type: str = "cpu"
 ) -> None:
     """CPU offload is FSDP2's offload policy: it needs FSDP, and float8's FSDP all-gather casts and

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import hashlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -89,7 +90,7 @@ def _patched_init_functions(names: dict[int, str], seed: int) -> Iterator[None]:
 
     def wrap(original: Callable) -> Callable:
         @functools.wraps(original)
-        def wrapper(tensor: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def wrapper(tensor: torch.Tensor, *args, **kwargs):
             fqn = names.get(id(tensor))
             if fqn is None:
                 return original(tensor, *args, **kwargs)
@@ -112,4 +113,7 @@ def init_model_weights(model: nn.Module, seed: int, buffer_device: torch.device 
     for name, p in model.named_parameters():
         names.setdefault(id(p), canonical_fqn(name))
     with torch.no_grad(), _patched_init_functions(names, seed), _LayoutIndependentInit(names, seed):
-        model.init_weights(buffer_device=buffer_device)
+        # Every registered model class defines init_weights(buffer_device); nn.Module's attribute
+        # typing cannot know it.
+        init_weights: Any = model.init_weights
+        init_weights(buffer_device=buffer_device)

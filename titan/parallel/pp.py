@@ -21,6 +21,7 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime,
     get_schedule_class,
 )
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from titan.config.job_config import Parallelism
 from titan.errors import TitanError
@@ -37,8 +38,9 @@ FIRST_MODULES, LAST_MODULES = ("tok_embeddings",), ("norm", "output")
 
 def schedule_class(name: str) -> type[_PipelineSchedule]:
     if name.lower() not in {s.lower() for s in SCHEDULES}:
-        raise TitanError(f"config key 'parallelism.pipeline_parallel_schedule' got {name!r};"
-                         f" valid: {', '.join(SCHEDULES)}")
+        raise TitanError(
+            f"config key 'parallelism.pipeline_parallel_schedule' got {name!r}; valid: {', '.join(SCHEDULES)}"
+        )
     return get_schedule_class(name)
 
 
@@ -56,7 +58,7 @@ def check_schedule_config(par: Parallelism) -> None:
         )
 
 
-def is_multi_stage(par) -> bool:  # noqa: ANN001
+def is_multi_stage(par) -> bool:
     """Multi-stage (looped) schedules run several stages per rank. As in torchtitan, the schedule's
     name decides, also when a CSV file gives the order (PipelineScheduleMulti with a CSV)."""
     return issubclass(schedule_class(par.pipeline_parallel_schedule), PipelineScheduleMulti)
@@ -66,7 +68,7 @@ def is_v_schedule(name: str) -> bool:
     return schedule_class(name) in (ScheduleZBVZeroBubble, ScheduleDualPipeV)
 
 
-def num_stages(n_layers: int, pp: int, par) -> int:  # noqa: ANN001
+def num_stages(n_layers: int, pp: int, par) -> int:
     """Total (virtual) stages over all ranks: one per module_fqns_per_model_part entry; else from
     layers_per_stage, counting the embedding and the output as first/last_stage_less_layers layers
     (ceil((n_layers + first + last) / layers_per_stage)); else one stage per rank, two for looped schedules."""
@@ -102,7 +104,7 @@ def num_stages(n_layers: int, pp: int, par) -> int:  # noqa: ANN001
     return stages
 
 
-def split_modules(n_layers: int, pp: int, par) -> list[list[str]]:  # noqa: ANN001
+def split_modules(n_layers: int, pp: int, par) -> list[list[str]]:
     """The module names of every stage (``layers.<i>``, tok_embeddings, norm, output): the given
     module_fqns_per_model_part, checked, or spread as torchtitan spreads them."""
     stages = num_stages(n_layers, pp, par)
@@ -182,31 +184,37 @@ def describe_split(n_layers: int, parts: list[list[str]]) -> str:
 
 
 def build_schedule(
-    stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, par  # noqa: ANN001
+    stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, par
 ) -> _PipelineSchedule:
     """The schedule by name, or with a CSV file torch's runtime running the file's order (any
     schedule name then only sets the stages per rank, as in torchtitan); gradients are *not*
     scaled by the schedule: the loss function already normalises by the global token count."""
     csv = par.pipeline_parallel_schedule_csv
     name = csv or par.pipeline_parallel_schedule
+    runtime: _PipelineScheduleRuntime | None = None
+    schedule: _PipelineSchedule
     try:
         if csv:
-            schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
-                                                scale_grads=False)
+            schedule = runtime = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
+                                                          scale_grads=False)
         else:
             cls = schedule_class(par.pipeline_parallel_schedule)
-            first = issubclass(cls, PipelineScheduleSingle)
-            schedule = cls(stages[0] if first else stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
-                           scale_grads=False)
+            if issubclass(cls, PipelineScheduleSingle):
+                schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+            elif issubclass(cls, PipelineScheduleMulti):
+                local: list[_PipelineStageBase] = list(stages)  # torch types the (invariant) base-class list
+                schedule = cls(local, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+            else:  # every schedule torch names derives from one of the two
+                raise TypeError(f"{cls.__name__} is neither a single- nor a multi-stage pipeline schedule")
     except ValueError as e:
         # Raised identically on every rank before any pipeline communication: no hang.
         raise TitanError(
             f"pipeline schedule {name} rejects {n_microbatches} micro-batches (training.local_batch_size /"
             f" parallelism.pipeline_parallel_microbatch_size) for {len(stages)} local stage(s): {e}"
         ) from e
-    if csv:
+    if runtime is not None:
         try:
-            schedule._load_csv(csv)
+            runtime._load_csv(csv)
         except (ValueError, RuntimeError, AssertionError, KeyError) as e:  # the same file on every rank: no hang
             text = str(e).strip()
             first_line = (f"it names stage {text}, which the run lacks" if isinstance(e, KeyError)
@@ -219,6 +227,6 @@ def build_schedule(
 
 
 def make_stages(
-    parts: list[nn.Module], stage_ids: list[int], stages: int, device, group  # noqa: ANN001
+    parts: list[nn.Module], stage_ids: list[int], stages: int, device, group
 ) -> list[PipelineStage]:
     return [PipelineStage(m, sid, stages, device, group=group) for m, sid in zip(parts, stage_ids)]

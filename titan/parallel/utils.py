@@ -1,4 +1,4 @@
-"""Process-group set-up, device choice, seeding and gradient clipping across shards."""
+"""Process-group set-up, device choice, seeding, gradient clipping across shards, and the blocks of a model."""
 
 from __future__ import annotations
 
@@ -87,3 +87,11 @@ def clip_grad_norm_(
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
     return norm
+
+
+def blocks_of(model: nn.Module) -> nn.ModuleDict:
+    """``model.layers``: the blocks, keyed by layer id, that AC, compile and FSDP wrap one by one."""
+    layers = model.get_submodule("layers")
+    if not isinstance(layers, nn.ModuleDict):
+        raise TypeError(f"{type(model).__name__}.layers is a {type(layers).__name__}; blocks must be an nn.ModuleDict")
+    return layers

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan.errors import TitanError
-from titan.checkpointing import model_dcp as dcp_io
 from titan.checkpointing import hf as hf_io
+from titan.checkpointing import model_dcp as dcp_io
+from titan.errors import TitanError
 from titan.models import ModelSpec, get_model_spec, spec_for_args
 from titan.models.kv_cache import KVCache
 
@@ -83,7 +84,7 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, generato
 
 @torch.no_grad()
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int | None = None, seed: int = 0, stop_ids: set[int] = frozenset(), use_cache: bool = True,
+             top_k: int | None = None, seed: int = 0, stop_ids: AbstractSet[int] = frozenset(), use_cache: bool = True,
              pad_multiple: int = 1) -> tuple[list[int], float]:
     """New token ids after `prompt`, and tokens/s of the decode loop. Under TP every rank calls it."""
     if not prompt:
@@ -91,7 +92,8 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temper
     if temperature < 0 or (top_k is not None and top_k < 1):
         raise TitanError(f"--temperature must be >= 0 and --top_k >= 1, got {temperature} and {top_k}")
     device = next(model.parameters()).device
-    table = model.model_args.max_seq_len
+    model_args: Any = model.model_args  # every spec's model class keeps its args (ModelSpec.model_cls)
+    table: int = model_args.max_seq_len
     if len(prompt) + max_new_tokens + pad_multiple > table:
         raise TitanError(f"prompt {len(prompt)} + {max_new_tokens} new tokens exceeds the context {table}")
     generator = torch.Generator(device=device).manual_seed(seed)

@@ -216,7 +216,7 @@ class GoodputRecorder:
         if self.metrics is not None:
             try:
                 self.metrics.write(self.step, scalars)
-            except Exception as e:  # noqa: BLE001 - a report must not hide the attempt's own outcome
+            except Exception as e:  # a report must not hide the attempt's own outcome
                 logger.warning(f"goodput: could not write the figures to the metrics outputs: {e}")
         return scalars
 

@@ -30,8 +30,8 @@ from typing import Any
 from torch.optim.lr_scheduler import LambdaLR
 
 from titan.config.job_config import LRScheduler as LRSchedulerConfig
-from titan.training.optim import OptimizersContainer
 from titan.log import logger
+from titan.training.optim import OptimizersContainer
 
 __all__ = [
     "LRSchedulersContainer",

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import math
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -61,7 +62,7 @@ class LiveBytes(TorchDispatchMode):
         self._seen.discard(key)
         self.current -= nbytes
 
-    def ignore(self, tensors) -> None:  # noqa: ANN001
+    def ignore(self, tensors: Iterable[torch.Tensor]) -> None:
         """Storages that exist before tracking (parameters, inputs): ops that return views of them
         (F.linear's weight.t(), slices) allocate nothing, so they must not be counted."""
         for t in tensors:
@@ -78,7 +79,7 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.current)
         weakref.finalize(storage, self._free, key, nbytes)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
@@ -291,14 +292,15 @@ def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
     )
 
 
-def measure_peak(trainer, steps: int) -> tuple[float, str]:  # noqa: ANN001 - titan.training.trainer.Trainer
+def measure_peak(trainer, steps: int) -> tuple[float, str]:  # titan.training.trainer.Trainer
     """Peak bytes of `steps` real training steps of `trainer` (one rank) on random tokens, and
     what was measured: on CUDA the allocator's max_memory_allocated (everything the process
     allocated, parameters included); elsewhere the parameters and buffers plus the peak of every
     storage allocated during the steps (LiveBytes), the same quantity without an allocator."""
     t = trainer.config.training
     vocab = trainer.model_parts[0].tok_embeddings.num_embeddings
-    held = [*(p for m in trainer.model_parts for p in m.parameters()), *(b for m in trainer.model_parts for b in m.buffers())]
+    parts = trainer.model_parts
+    held = [*(p for m in parts for p in m.parameters()), *(b for m in parts for b in m.buffers())]
     gen = torch.Generator().manual_seed(0)
 
     def run() -> None:

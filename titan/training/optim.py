@@ -10,7 +10,7 @@ another split of the same model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -53,7 +53,7 @@ WEIGHT_DECAY_EXCLUDE: Mapping[str, Callable[[nn.Module], bool]] = MappingProxyTy
 })
 
 
-def param_groups(part: nn.Module, exclude: list[str] | tuple[str, ...] = ()) -> list[dict[str, Any]]:
+def param_groups(part: nn.Module, exclude: Sequence[str] = ()) -> list[dict[str, Any]]:
     """One group of all trainable parameters, or with ``exclude`` a second group with weight
     decay 0 for the parameters of the excluded module kinds (a shared/tied parameter is excluded
     if any module holding it is). The checkpoint stays layout independent: the flattened state
@@ -82,7 +82,7 @@ class OptimizersContainer:
         model_parts: list[nn.Module],
         optimizer_cls: type[torch.optim.Optimizer],
         optimizer_kwargs: dict[str, Any],
-        weight_decay_exclude: list[str] | tuple[str, ...] = (),
+        weight_decay_exclude: Sequence[str] = (),
     ) -> None:
         self.model_parts = list(model_parts)
         self.optimizer_kwargs = dict(optimizer_kwargs)
@@ -93,7 +93,7 @@ class OptimizersContainer:
         self.optimizers = [o for optimizers in self.part_optimizers for o in optimizers]
 
     def _build_part(self, part: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
-                    weight_decay_exclude: list[str] | tuple[str, ...]) -> list[torch.optim.Optimizer]:
+                    weight_decay_exclude: Sequence[str]) -> list[torch.optim.Optimizer]:
         return [optimizer_cls(param_groups(part, weight_decay_exclude), **self.optimizer_kwargs)]
 
     def __iter__(self) -> Iterator[torch.optim.Optimizer]:
@@ -198,7 +198,7 @@ def cast_params_for_optimizer(model: nn.Module, cfg: OptimizerConfig) -> None:
 
 def _fused_devices() -> list[str]:
     try:
-        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
         return list(_get_fused_kernels_supported_devices())
     except ImportError:  # private helper moved: let torch itself complain at step time

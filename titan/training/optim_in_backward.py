@@ -16,6 +16,7 @@ same FQN-keyed state as the ordinary container's, so either loads the other's ch
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,13 +24,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from titan.config.sections.optimizer import Optimizer
+from titan.config.sections.training import Training
 from titan.errors import TitanError
+from titan.parallel.dims import ParallelDims
 from titan.training.optim import OptimizersContainer, param_groups
 
 __all__ = ["OptimizersInBackward", "check_step_in_backward"]
 
 
-def check_step_in_backward(cfg, training, dims) -> None:  # noqa: ANN001 - config sections, ParallelDims
+def check_step_in_backward(cfg: Optimizer, training: Training, dims: ParallelDims) -> None:
     """One line naming everything set that cannot run with the step in backward."""
     if not cfg.early_step_in_backward:
         return
@@ -70,7 +74,7 @@ class OptimizersInBackward(OptimizersContainer):
         super().__init__(*args, **kwargs)
 
     def _build_part(self, part: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
-                    weight_decay_exclude: list[str] | tuple[str, ...]) -> list[torch.optim.Optimizer]:
+                    weight_decay_exclude: Sequence[str]) -> list[torch.optim.Optimizer]:
         optimizers = []
         for group in param_groups(part, weight_decay_exclude):
             for param in group["params"]:
@@ -79,7 +83,7 @@ class OptimizersInBackward(OptimizersContainer):
                 optimizers.append(optimizer)
         return optimizers
 
-    def _hook(self, optimizer: torch.optim.Optimizer):  # noqa: ANN202
+    def _hook(self, optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]:
         def step_and_free(param: torch.Tensor) -> None:
             # The norm is only reported (clipping is refused): its share is summed without a sync.
             if param.grad is None:  # the hook runs after accumulation: never, but typed so

@@ -43,7 +43,8 @@ class Profiler:
                                  f" allocator's history); this run is on {device.type}: set it to false")
             self.memory_folder = os.path.join(config.job.dump_folder, p.save_memory_snapshot_folder)
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
-            torch._C._cuda_attach_out_of_memory_observer(self._on_oom)
+            # Bound by CUDA builds only; torch._C's stubs do not declare it.
+            torch._C._cuda_attach_out_of_memory_observer(self._on_oom)  # pyright: ignore[reportAttributeAccessIssue]
             logger.info(f"CUDA memory snapshots every {self.freq} steps and on OOM in {self.memory_folder}")
         if p.enable_profiling:
             self.trace_folder = os.path.join(config.job.dump_folder, p.save_traces_folder)

@@ -1,9 +1,8 @@
 """flex attention: the mask is the model's (built once per batch, outside the blocks), the kernel is
 compiled per model, nothing is module-global; CPU runs the forward only and refuses training.
 
-The CUDA tests are the issue's acceptance checks: flex with compile and every AC mode on a 4-layer
-model with head_dim 128 at seq 4096 tracks sdpa within bf16 tolerance for 10 steps, at >= 0.9x its
-tokens/s.
+The CUDA tests check that flex with compile and every AC mode on a 4-layer model with head_dim 128
+at seq 4096 tracks sdpa within bf16 tolerance for 10 steps, at >= 0.9x its tokens/s.
 """
 
 from __future__ import annotations
@@ -18,13 +17,13 @@ import pytest
 import torch
 
 import titan.models.llama.flex as flex_mod
-from titan.errors import TitanError
-from titan.training.loss import cross_entropy_sum
 from tests.helpers import tiny
+from titan.errors import TitanError
 from titan.models.llama import Transformer, TransformerModelArgs
 from titan.models.llama.model import Attention, RMSNorm, precompute_freqs_cis
 from titan.parallel.ac import apply_ac
 from titan.parallel.compile import apply_compile
+from titan.training.loss import cross_entropy_sum
 
 TINY = replace(tiny.TINY, n_layers=3, max_seq_len=256)
 AC_CASES = [("none", "op"), ("selective", "op"), ("full", "op")]
@@ -131,8 +130,8 @@ def test_rmsnorm_is_torch_fused_with_the_fp32_semantics() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,option", AC_CASES)
 def test_cpu_compiled_checkpointed_flex_forward(mode: str, option: str) -> None:
-    """The issue's failure was dynamo rejecting create_block_mask inside the compiled, checkpointed
-    block; with the mask passed in, each AC mode traces (fullgraph) and matches sdpa on CPU."""
+    """dynamo rejects create_block_mask inside a compiled, checkpointed block; with the mask passed
+    in, each AC mode traces (fullgraph) and matches sdpa on CPU."""
     sdpa, flex = _pair(replace(TINY, n_layers=2))
     apply_ac(flex, mode, option)
     apply_compile(flex)
@@ -195,7 +194,7 @@ def test_cuda_flex_compiled_matches_sdpa_and_keeps_its_speed(mode: str, option: 
 @cuda
 @pytest.mark.cuda
 def test_cuda_flex_attention_output_matches_sdpa_at_head_dim_128() -> None:
-    """One attention call at the issue's shape (32 heads, 8 kv heads, head_dim 128, seq 8192),
+    """One attention call at the Llama 3 8B attention shape (32 heads, 8 kv heads, head_dim 128, seq 8192),
     eager model-level path (compiled flex kernel) against SDPA in bf16."""
     args = TransformerModelArgs(dim=4096, n_layers=1, n_heads=32, n_kv_heads=8, vocab_size=256, max_seq_len=8192)
     torch.manual_seed(0)

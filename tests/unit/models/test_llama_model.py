@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import titan.models.llama.model as llama_model
+from tests.helpers import tiny
 from titan.errors import TitanError
 from titan.models.llama import (
     Transformer,
@@ -20,7 +21,6 @@ from titan.models.llama import (
     get_nparams_and_flops,
     llama3_configs,
 )
-from tests.helpers import tiny
 from titan.models.llama.flex import causal_block_mask
 from titan.models.llama.model import Attention, precompute_freqs_cis
 

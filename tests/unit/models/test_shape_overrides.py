@@ -29,7 +29,7 @@ def test_unset_keeps_the_flavor() -> None:
 
 
 def test_cli_and_toml_overrides_reach_the_built_model(tmp_path: Path) -> None:
-    # The benchmark shape: the 8B cut to 8 layers.
+    # The benchmark preset's shape (docs/performance.md): the 8B cut to 8 layers.
     args = _args("--model.flavor", "8B", "--model.n_layers", "8")
     assert (args.n_layers, args.dim, args.n_heads, args.kv_heads, args.ffn_dim_multiplier) == (8, 4096, 32, 8, 1.3)
     assert llama3_configs["8B"].n_layers == 32  # the shared flavor is untouched

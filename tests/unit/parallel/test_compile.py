@@ -10,10 +10,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from tests.helpers.tiny import build, train_losses
 from titan.config import load_config
 from titan.errors import TitanError
-from titan.training.loss import cross_entropy_sum
 from titan.models.llama.parallelize import parallelize_llama
 from titan.parallel.compile import _wait_async_output, build_loss_fn, is_compiled
 from titan.parallel.dims import ParallelDims
+from titan.training.loss import cross_entropy_sum
 
 
 @pytest.mark.slow
@@ -43,7 +43,8 @@ def test_components_are_checked_and_honoured():
     with pytest.raises(TitanError, match="compile.components"):
         load_config(["--compile.components", "model,optimizer"])
     model = build()
-    parallelize_llama(model, ParallelDims(1, 1, 1, 1, 1, world_size=1), load_config(["--compile.components", "loss", "--compile.enable"]))
+    config = load_config(["--compile.components", "loss", "--compile.enable"])
+    parallelize_llama(model, ParallelDims(1, 1, 1, 1, 1, world_size=1), config)
     assert not any(is_compiled(b) for b in model.layers.values())
     parallelize_llama(model, ParallelDims(1, 1, 1, 1, 1, world_size=1), load_config(["--compile.components", "model"]))
     assert not any(is_compiled(b) for b in model.layers.values())  # compile.enable is false

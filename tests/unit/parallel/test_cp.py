@@ -10,10 +10,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from tests.helpers.distributed import run_distributed
 from tests.helpers.tiny import TINY
 from titan.errors import TitanError
-from titan.training.loss import cross_entropy_sum
 from titan.models.llama.model import Transformer
 from titan.models.llama.parallelize import apply_llama_cp, cp_buffers
 from titan.parallel.cp import check_cp_seq_len, cp_shard_batch, cp_unshard
+from titan.training.loss import cross_entropy_sum
 
 SEQ, VOCAB = 512, 256  # flex CP needs seq_len % (2 x cp x 128) == 0
 
@@ -35,7 +35,8 @@ def _flex_forward_parity(rank: int, world: int):
     chunk = SEQ // (2 * world)
     with torch.no_grad(), cp_shard_batch(mesh, inputs, labels, cp_buffers(model)) as (x, y):
         # Head-tail: rank r holds chunks r and 2cp-1-r of the sequence (inputs, labels, RoPE rows).
-        head, tail = slice(rank * chunk, (rank + 1) * chunk), slice((2 * world - 1 - rank) * chunk, (2 * world - rank) * chunk)
+        head = slice(rank * chunk, (rank + 1) * chunk)
+        tail = slice((2 * world - 1 - rank) * chunk, (2 * world - rank) * chunk)
         assert torch.equal(x, torch.cat([inputs[:, head], inputs[:, tail]], 1))
         assert torch.equal(y, torch.cat([labels[:, head], labels[:, tail]], 1))
         assert model.freqs_cis.shape[0] == SEQ // world

@@ -17,7 +17,7 @@ CLIP = ("--training.max_norm", "0.5")
 NO_CLIP = ("--training.max_norm", "0")
 
 
-def _offload_policies(trainer) -> set[str]:  # noqa: ANN001
+def _offload_policies(trainer) -> set[str]:
     """The offload policy of every FSDP module of the trainer's model."""
     return {type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
             for part in trainer.model_parts for m in part.modules()
@@ -30,7 +30,7 @@ def _on_ranks(rank: int, world: int, dump: str) -> dict:
     built = []
     original = trainer_mod.Trainer.__init__
 
-    def init(self, config):  # noqa: ANN001, ANN202
+    def init(self, config):
         original(self, config)
         built.append(self)
 

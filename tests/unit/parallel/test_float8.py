@@ -95,7 +95,7 @@ def high_precision_curve():
     return train_losses(build(), 30)
 
 
-# 30 AdamW steps memorising one batch, as the speed issue asks; the real-kernel variant
+# 30 AdamW steps memorising one batch (the loss must fall); the real-kernel variant
 # (torch._scaled_mm has a CPU reference kernel) gets 3 steps.
 @pytest.mark.parametrize("emulate, steps", [(True, 30), (False, 3)], ids=["emulate", "cpu_scaled_mm"])
 def test_float8_training_tracks_high_precision(high_precision_curve, emulate, steps):

@@ -1,6 +1,6 @@
 """Every parallel layout reproduces the 1-process losses and grad norms (fp32, same global batch).
 
-10 steps, as the parallelism issue asks: step 1 checks the forward and the gradient (via the grad
+10 steps: step 1 checks the forward and the gradient (via the grad
 norm), later steps that the optimizer updates computed from sharded gradients keep matching.
 Layouts that need different meshes share one spawned process group: each builds its Trainer in turn.
 """
@@ -23,7 +23,8 @@ def _flavors(monkeypatch):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     with extra_flavors(**FLAVORS):  # module scope: monkeypatch is per test
-        return run(Trainer(config(str(tmp_path_factory.mktemp("ref")), "--training.local_batch_size", str(GLOBAL_BATCH))))
+        folder = str(tmp_path_factory.mktemp("ref"))
+        return run(Trainer(config(folder, "--training.local_batch_size", str(GLOBAL_BATCH))))
 
 
 def _shard(n: int) -> tuple[str, ...]:

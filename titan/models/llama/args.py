@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import Any
 
 from torch import nn
 
@@ -111,7 +112,9 @@ class TransformerModelArgs:
 
 # Published Llama 3.1 shapes (Meta's params.json). The large flavors keep the 3.1 context
 # length; the trainer should lower max_seq_len to its seq_len to keep the RoPE table small.
-_LLAMA31 = MappingProxyType(dict(vocab_size=128256, rope_theta=500000.0, use_rope_scaling=True, max_seq_len=131072))
+_LLAMA31: Mapping[str, Any] = MappingProxyType(
+    dict(vocab_size=128256, rope_theta=500000.0, use_rope_scaling=True, max_seq_len=131072)
+)
 
 # The shipped flavors, read-only (more are added with titan.models.register_flavor). The args
 # inside are shared: hand out copies (get_model_args, titan.models.get_flavor), never the entries.

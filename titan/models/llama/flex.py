@@ -10,16 +10,20 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+if TYPE_CHECKING:  # a TypedDict only: older torch releases in the supported range may lack it
+    from torch.nn.attention.flex_attention import FlexKernelOptions
 
 __all__ = ["BlockMaskCache", "FlexKernel", "causal_block_mask", "causal_mask_mod"]
 
 MaskBuilder = Callable[[int, torch.device], BlockMask]
 
 
-def causal_mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN201 - signature fixed by flex_attention
+def causal_mask_mod(b, h, q_idx, kv_idx):  # signature fixed by flex_attention
     return q_idx >= kv_idx
 
 
@@ -77,7 +81,8 @@ class FlexKernel:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
         # Deterministic mode: the Triton backend's backward has no atomics; the FLASH backend's
         # deterministic backward needs SM100 and extra mask metadata.
-        options = {"BACKEND": "TRITON"} if torch.are_deterministic_algorithms_enabled() else None
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        options: FlexKernelOptions | None = {"BACKEND": "TRITON"} if deterministic else None
         gqa = q.shape[1] != k.shape[1]
         if q.device.type == "cpu":
             # Inductor's CPU flex template reads the 4-D size off the underlying buffer and fails

@@ -11,9 +11,11 @@ titan's parameter names and RoPE layout are Meta's, so no renaming or permutatio
 
 from __future__ import annotations
 
-from pathlib import Path
 import re
+from collections.abc import Mapping
+from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -23,7 +25,9 @@ from titan.models.llama.model import ffn_hidden_dim
 from titan.progress import progress
 
 # Meta's 3.1 reference code hard-codes these; params.json only says use_scaled_rope.
-_META_ROPE_DEFAULTS = MappingProxyType(dict(rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192))
+_META_ROPE_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    dict(rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192)
+)
 _SKIP_KEYS = ("rope.freqs",)  # Llama 2 stored its RoPE table; titan recomputes it
 
 
@@ -91,16 +95,22 @@ def _merge(key: str, parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch
         if others_match and sum(p.shape[dim] for p in parts) == shape[dim]:
             return torch.cat(parts, dim=dim)
     got = [tuple(p.shape) for p in parts]
-    raise TitanError(f"Meta checkpoint tensor {key!r}: shard shapes {got} do not concatenate to {shape} (from params.json)")
+    raise TitanError(
+        f"Meta checkpoint tensor {key!r}: shard shapes {got} do not concatenate to {shape} (from params.json)"
+    )
 
 
 def shard_files(ckpt_dir: Path) -> list[Path]:
     files = sorted(ckpt_dir.glob("consolidated.*.pth"))
     if not files:
-        raise TitanError(f"{ckpt_dir}: no consolidated.*.pth files (Meta's checkpoint layout is params.json + consolidated.00.pth ...)")
+        raise TitanError(
+            f"{ckpt_dir}: no consolidated.*.pth files"
+            " (Meta's checkpoint layout is params.json + consolidated.00.pth ...)"
+        )
     numbers = [re.fullmatch(r"consolidated\.(\d+)\.pth", f.name) for f in files]
-    if any(m is None for m in numbers) or [int(m.group(1)) for m in numbers] != list(range(len(files))):
-        raise TitanError(f"{ckpt_dir}: shard files must be consolidated.00.pth .. consolidated.{len(files) - 1:02d}.pth, got {[f.name for f in files]}")
+    if [int(m.group(1)) if m is not None else -1 for m in numbers] != list(range(len(files))):
+        raise TitanError(f"{ckpt_dir}: shard files must be consolidated.00.pth .."
+                         f" consolidated.{len(files) - 1:02d}.pth, got {[f.name for f in files]}")
     return files
 
 
@@ -114,16 +124,20 @@ def load_meta_checkpoint(
     params_file = ckpt_dir / "params.json"
     params = read_user_json(
         params_file, f"{params_file} is missing; Meta checkpoints ship params.json next to consolidated.*.pth")
+    if not isinstance(params, dict):
+        raise TitanError(f"{params_file} holds a JSON {type(params).__name__}; Meta's params.json is an object")
     files = shard_files(ckpt_dir)
     shards = []
     for f in files:
         try:
             shards.append(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
-        except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
+        except Exception as e:  # any unpickling failure means a bad file
             raise TitanError(f"{f} is not a readable torch.save checkpoint: {type(e).__name__}: {e}") from None
     keys = [set(s) - set(_SKIP_KEYS) for s in shards]
     if any(k != keys[0] for k in keys):
-        raise TitanError(f"{ckpt_dir}: shards hold different tensor names; is one of {len(files)} files from another model?")
+        raise TitanError(
+            f"{ckpt_dir}: shards hold different tensor names; is one of {len(files)} files from another model?"
+        )
     vocab = None
     if "output.weight" in keys[0]:
         vocab = sum(s["output.weight"].shape[0] for s in shards)  # column-parallel: vocab on dim 0

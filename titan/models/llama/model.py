@@ -17,8 +17,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from titan.errors import TitanError
-from titan.models.llama.args import TransformerModelArgs
 from titan.models.kv_cache import KVCache
+from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.flex import BlockMaskCache, FlexKernel
 from titan.models.llama.masks import DocumentMasks, VarlenAttention, VarlenMask
 
@@ -243,7 +243,8 @@ class Transformer(nn.Module):
         self.model_args = model_args
         self.vocab_size = model_args.vocab_size
         self.n_layers = model_args.n_layers
-        self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
+        # Optional: a pipeline stage without the first (or last) modules sets them to None.
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, model_args.dim)
         # flex: one mask cache and one compiled kernel per model object (never module-global).
         self.block_masks = BlockMaskCache() if model_args.attn_type == "flex" else None
         block_causal = model_args.attn_mask_type == "block_causal"
@@ -256,15 +257,15 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(i, model_args, flex_kernel) for i in range(model_args.n_layers)}
         )
-        self.norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
-        self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+        self.norm: RMSNorm | None = RMSNorm(model_args.dim, eps=model_args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
         if model_args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: derived from args, so checkpoints stay free of it; init_weights
         # recomputes it after a meta-device build + to_empty().
         self.register_buffer("freqs_cis", precompute_freqs_cis(model_args), persistent=False)
 
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202
+    def _apply(self, fn, recurse: bool = True):
         # nn.Module._apply (to_empty, .to, .cuda) replaces each module's parameter separately,
         # which silently unties shared weights; restore the tie afterwards.
         out = super()._apply(fn, recurse)
@@ -298,8 +299,9 @@ class Transformer(nn.Module):
         dim = self.model_args.dim
         if self.tok_embeddings is not None:
             nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
-        for layer in self.layers.values():
-            layer.init_weights()
+        for block in self.layers.modules():
+            if isinstance(block, TransformerBlock):  # also when wrapped by activation checkpointing
+                block.init_weights()
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None:

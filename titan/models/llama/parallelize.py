@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
 from titan.config.job_config import JobConfig
 from titan.log import logger
 from titan.models.llama.flex import causal_mask_mod
+from titan.models.llama.model import Attention, Transformer
 from titan.parallel.ac import apply_ac
 from titan.parallel.compile import apply_compile
 from titan.parallel.cp import SeqBuffer, apply_cp, cp_mask_builder
@@ -65,7 +66,15 @@ def _block_plan() -> Plan:
     }
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False) -> None:
+def enabled_submesh(dims: ParallelDims, name: str) -> DeviceMesh:
+    """The mesh of a dimension the caller has checked is enabled (submesh is None only for size 1)."""
+    mesh = dims.submesh(name)
+    if mesh is None:
+        raise RuntimeError(f"parallel dimension {name!r} is enabled but the device mesh has no such dimension")
+    return mesh
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False) -> None:
     """Shard a Llama model (or pipeline stage) over `tp_mesh` with sequence parallelism.
 
     With `loss_parallel` the output projection returns vocab-sharded DTensor logits: compute
@@ -81,33 +90,37 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, enab
     # Sequence parallel: blocks see 1/tp of the sequence, attention the gathered whole (the flex
     # mask is built for that length).
     model.seq_shards = tp
-    logger.info(f"applied tensor + sequence parallel (degree {tp}, loss parallel {loss_parallel}, async {enable_async_tp})")
+    logger.info(
+        f"applied tensor + sequence parallel (degree {tp}, loss parallel {loss_parallel}, async {enable_async_tp})"
+    )
 
 
-def apply_llama_cp(model: nn.Module, cp_mesh: DeviceMesh, attn_type: str) -> None:
+def apply_llama_cp(model: Transformer, cp_mesh: DeviceMesh, attn_type: str) -> None:
     """CP hooks every block's attention kernel (Attention.inner_attention); with flex the model's
     mask cache builds the CP (local query rows) causal mask instead of the plain one."""
     if attn_type == "flex":
+        assert model.block_masks is not None, "a flex model builds its block-mask cache"
         model.block_masks.set_builder(cp_mask_builder(causal_mask_mod, cp_mesh))
-    apply_cp([block.attention.inner_attention for block in model.layers.values()], cp_mesh, attn_type)
+    # Before AC and compile wrap the blocks: each block's Attention is reached by its type.
+    apply_cp([m.inner_attention for m in model.layers.modules() if isinstance(m, Attention)], cp_mesh, attn_type)
 
 
-def cp_buffers(model: nn.Module) -> list[SeqBuffer]:
+def cp_buffers(model: Transformer) -> list[SeqBuffer]:
     """Buffers indexed by position that CP shards with the batch: the RoPE table (dim 0)."""
     return [(model, "freqs_cis", 0)]
 
 
-def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
+def parallelize_llama(model: Transformer, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
     par = job_config.parallelism
     if parallel_dims.tp_enabled:
         apply_tp(
             model,
-            parallel_dims.submesh("tp"),
+            enabled_submesh(parallel_dims, "tp"),
             loss_parallel=parallel_dims.loss_parallel_enabled,
             enable_async_tp=par.enable_async_tensor_parallel,
         )
     if parallel_dims.cp_enabled:
-        apply_llama_cp(model, parallel_dims.submesh("cp"), job_config.model.attn_type)
+        apply_llama_cp(model, enabled_submesh(parallel_dims, "cp"), job_config.model.attn_type)
     ac = job_config.activation_checkpoint
     apply_ac(model, ac.mode, ac.selective_ac_option)
     if job_config.compile.enable and "model" in job_config.compile.components:
@@ -124,5 +137,5 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             cpu_offload=job_config.training.enable_cpu_offload,
         )
     elif parallel_dims.dp_replicate_enabled:
-        apply_ddp(model, parallel_dims.submesh("dp_replicate"))
+        apply_ddp(model, enabled_submesh(parallel_dims, "dp_replicate"))
     return model

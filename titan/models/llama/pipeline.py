@@ -7,8 +7,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from titan.config.job_config import JobConfig
+from titan.log import logger
+from titan.models.llama.model import Transformer
+from titan.models.llama.parallelize import enabled_submesh
 from titan.parallel.dims import ParallelDims
 from titan.parallel.pp import (
     build_schedule,
@@ -19,10 +23,9 @@ from titan.parallel.pp import (
     split_modules,
     stage_ids_this_rank,
 )
-from titan.log import logger
 
 
-def split_stage(model: nn.Module, names: list[str]) -> nn.Module:
+def split_stage(model: Transformer, names: list[str]) -> Transformer:
     """A copy of the (meta) model keeping only the modules `names` (``layers.<i>``,
     tok_embeddings, norm, output). Layer keys keep their global index so FQNs (checkpoints,
     seeded init) are the same as in the unsplit model."""
@@ -38,15 +41,16 @@ def split_stage(model: nn.Module, names: list[str]) -> nn.Module:
 
 
 def pipeline_llama(
-    model: nn.Module,
+    model: Transformer,
     parallel_dims: ParallelDims,
     job_config: JobConfig,
     device: torch.device,
     parallelize_fn: Callable,
     loss_fn: Callable,
-):  # noqa: ANN201 - (schedule, model_parts, has_first_stage, has_last_stage)
+) -> tuple[_PipelineSchedule, list[nn.Module], bool, bool]:
+    """(schedule, model_parts, has_first_stage, has_last_stage)"""
     par = job_config.parallelism
-    pp_mesh = parallel_dims.submesh("pp")
+    pp_mesh = enabled_submesh(parallel_dims, "pp")
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     split = split_modules(model.n_layers, pp, par)
     stages = len(split)

@@ -14,8 +14,8 @@ time when exporting a large checkpoint).
 
 from __future__ import annotations
 
-from dataclasses import replace
 import re
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -218,7 +218,9 @@ def args_from_shapes(
         raise TitanError(f"{where}: no tok_embeddings.weight; cannot infer the model shape")
     vocab, dim = shapes["tok_embeddings.weight"]
     if dim != base.dim:
-        raise TitanError(f"{where}: embedding width {dim} does not match the flavor's dim {base.dim}; pick the right flavor")
+        raise TitanError(
+            f"{where}: embedding width {dim} does not match the flavor's dim {base.dim}; pick the right flavor"
+        )
     n_layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("layers."))
     args = replace(base, vocab_size=vocab, n_layers=n_layers, tie_embeddings="output.weight" not in shapes)
     args.validate()
