@@ -13,7 +13,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan.checkpointing import config_diff
-from titan.checkpointing.loader_adapter import ResumableLoader  # TEMPORARY: until the loaders have load_rank_states
 from titan.checkpointing.manager import CheckpointManager
 from titan.checkpointing.model_settings import settle as settle_model_settings
 from titan.checkpointing.resume import prepare_run
@@ -148,7 +147,7 @@ class Trainer:
             config.checkpoint,
             states={"model": ModelParts(self.model_parts), "optimizer": self.optimizers,
                     "lr_scheduler": self.lr_schedulers, "train_state": self.train_state},
-            rank_states={"rng": RNGState(), "dataloader": ResumableLoader(self.dataloader)},
+            rank_states={"rng": RNGState(), "dataloader": self.dataloader},
             dump_folder=config.job.dump_folder, overwrite=config.job.overwrite, total_steps=config.training.steps,
             config_record=config_diff.snapshot(config, dp_degree), world_size=self.parallel_dims.world_size,
             rank=self.rank, dp_rank=self.dp_rank, dp_degree=dp_degree, num_params=self.num_params,
