@@ -126,3 +126,9 @@ def run_distributed(
     if errors:
         raise AssertionError("distributed test failed on " + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def one_rank_group(store: str) -> None:
+    """A gloo group of this process alone, for a test that needs a started group inside the code it
+    calls (e.g. a stand-in Trainer raising after its group exists)."""
+    dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)

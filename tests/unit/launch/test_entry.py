@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import titan.training.trainer
 import train
+from tests.helpers.distributed import one_rank_group
 from titan.errors import TitanError
 
 REPO = Path(__file__).resolve().parents[3]
@@ -66,7 +67,7 @@ def test_a_user_error_inside_the_trainer_is_one_line_and_exit_2(capsys, monkeypa
 def _failing_trainer(error: TitanError, store: Path):
     class Failing:
         def __init__(self, config):
-            dist.init_process_group("gloo", store=dist.FileStore(str(store), 1), rank=0, world_size=1)
+            one_rank_group(str(store))
             raise error
 
     return Failing
