@@ -131,4 +131,6 @@ def run_distributed(
 def one_rank_group(store: str) -> None:
     """A gloo group of this process alone, for a test that needs a started group inside the code it
     calls (e.g. a stand-in Trainer raising after its group exists)."""
+    import torch.distributed as dist
+
     dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
