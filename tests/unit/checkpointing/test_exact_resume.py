@@ -1,4 +1,4 @@
-"""The checkpointing issue's exact-resume check at its stated size: 20 steps uninterrupted vs 10,
+"""Exact resume at the debug model's size: 20 steps uninterrupted vs 10,
 stop (SIGTERM: save and exit), resume to 20 -> identical losses at every step, bitwise (CPU fp32),
 for 1 rank and 2-rank FSDP2, with sync and async saves."""
 

@@ -1,4 +1,4 @@
-"""A committed checkpoint whose files were damaged afterwards (issue cases): truncated .distcp,
+"""A committed checkpoint whose files were damaged afterwards: truncated .distcp,
 empty / missing / garbage .metadata, 1 flipped bit, 3 x 64 flipped bytes. Each is found by the
 manifest check, skipped with one warning naming the file and the problem, and the intact older
 checkpoint is loaded, the run then going on exactly like the uninterrupted one."""

@@ -1,6 +1,6 @@
 """checkpoint.async_mode = async_with_pinned_mem saves many times in one run and resumes exactly.
 
-The CUDA failure (issue: every second save died with ``<class 'type'>``) was the reused stager
+The CUDA failure (every second save died with ``<class 'type'>``) was the reused stager
 being closed after the first upload; a closed stager fails its next copy with KeyError(type).
 These tests save 4 times in one run, also under a DCP that closes the stager it was given after
 each upload, and check the message of a save that does fail names the exception and its cause.
