@@ -22,6 +22,11 @@ from titan.training.profiling import Profiler
 REPO = Path(__file__).resolve().parents[3]
 
 
+def _processor(cfg: JobConfig, *, rank: int, flops: int = 1) -> MetricsProcessor:
+    return MetricsProcessor(cfg.metrics, dump_folder=cfg.job.dump_folder, rank=rank, device=torch.device("cpu"),
+                            num_flops_per_token=flops)
+
+
 def test_wandb_offline_run_writes_files(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -29,7 +34,8 @@ def test_wandb_offline_run_writes_files(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = JobConfig(job=Job(dump_folder=str(tmp_path)),
                     metrics=Metrics(enable_wandb=True, enable_jsonl=False, wandb_run_name="unit"))
-    mp = MetricsProcessor(cfg, rank=0, device=torch.device("cpu"), num_flops_per_token=10)
+    mp = MetricsProcessor(cfg.metrics, dump_folder=cfg.job.dump_folder, rank=0, device=torch.device("cpu"),
+                          num_flops_per_token=10, run_config={"job": {"dump_folder": str(tmp_path)}})
     assert mp.wandb.project == "titan-test" and mp.wandb.name == "unit"
     mp.count_tokens(100)
     mp.log(1, loss=2.0, grad_norm=1.0, lr=1e-3, extra={"param_norm": 3.0})
@@ -50,21 +56,21 @@ def test_wandb_missing_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     cfg = JobConfig(job=Job(dump_folder=str(tmp_path)), metrics=Metrics(enable_wandb=True, enable_jsonl=False))
     with pytest.raises(TitanError, match=r"metrics.enable_wandb needs the wandb package: pip install 'titan\[wandb\]'"):
-        MetricsProcessor(cfg, rank=0, device=torch.device("cpu"), num_flops_per_token=10)
+        _processor(cfg, rank=0, flops=10)
 
 
 def test_log_rank_selects_the_writer(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     cfg = JobConfig(job=Job(dump_folder=str(tmp_path)), metrics=Metrics(log_rank=4))
     with pytest.raises(TitanError, match="metrics.log_rank' got 4.*below the world size 4"):
-        MetricsProcessor(cfg, rank=0, device=torch.device("cpu"), num_flops_per_token=1)
+        _processor(cfg, rank=0)
     cfg.metrics.log_rank = 1
-    assert not MetricsProcessor(cfg, rank=0, device=torch.device("cpu"), num_flops_per_token=1).log_this_rank
-    mp = MetricsProcessor(cfg, rank=1, device=torch.device("cpu"), num_flops_per_token=1)
+    assert not _processor(cfg, rank=0).log_this_rank
+    mp = _processor(cfg, rank=1)
     assert mp.log_this_rank and mp.jsonl_path is not None
     mp.close()
     cfg.metrics.log_rank = -1
-    mp = MetricsProcessor(cfg, rank=3, device=torch.device("cpu"), num_flops_per_token=1)
+    mp = _processor(cfg, rank=3)
     assert mp.jsonl_path.endswith("-rank3.jsonl")
     mp.close()
 
