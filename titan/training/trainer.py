@@ -45,11 +45,18 @@ T = TypeVar("T")
 @dataclasses.dataclass
 class StepResult:
     """One step's logged tensors, still on the device: ``loss`` (summed over the dp x cp ranks on log
-    steps only), ``grad_norm`` (before clipping) and ``extra`` (param_norm on the steps that log it)."""
+    steps only), ``grad_norm`` (before clipping) and ``extra`` (param_norm on the steps that log it).
+    Unpacks as the pair ``(loss, grad_norm)`` for callers that drive steps themselves (tests, tools)."""
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
     extra: dict[str, torch.Tensor]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter((self.loss, self.grad_norm))
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return (self.loss, self.grad_norm)[index]
 
 
 class Trainer:
