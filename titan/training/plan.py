@@ -105,6 +105,9 @@ def check_run(config: JobConfig, dims: ParallelDims, model_args: Any, device_typ
     compiled = config.compile.enable and "model" in config.compile.components
     check_layout(dims, config.parallelism, model_args, config.training.seq_len, device_type,
                  config.model.attn_type, compiled)
+    if config.profiling.enable_memory_snapshot and device_type != "cuda":
+        raise TitanError("profiling.enable_memory_snapshot needs CUDA (it records the CUDA caching allocator's"
+                         f" history); this run is on {device_type}: set it to false")
     if config.training.enable_cpu_offload:
         check_cpu_offload(dims.fsdp_enabled, config.float8, config.training.nonfinite, device_type)
     check_step_in_backward(config.optimizer, config.training, dims)

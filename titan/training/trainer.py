@@ -291,7 +291,8 @@ class Trainer:
         self.metrics.reset(self.step)
         self.checkpointer.install_signal_handlers()
         preempted = False
-        profiler = Profiler(self.config, rank=self.rank, device=self.device, start_step=self.step)
+        profiler = Profiler(self.config.profiling, dump_folder=self.config.job.dump_folder, rank=self.rank,
+                            device=self.device, start_step=self.step)
         first_step = True
         self.goodput.begin()
         while self.step < t.steps:

@@ -17,6 +17,7 @@ from titan.training.checks import load_job
 from titan.training.metrics import MetricsProcessor
 from titan.models.llama.model import Transformer
 from titan.training.optim import build_optimizers, cast_params_for_optimizer
+from titan.training.plan import plan_run
 from titan.training.profiling import Profiler
 
 REPO = Path(__file__).resolve().parents[3]
@@ -78,7 +79,7 @@ def test_log_rank_selects_the_writer(tmp_path, monkeypatch):
 def test_memory_snapshot_on_cpu_is_an_error(tmp_path):
     c = load_config(["--job.dump_folder", str(tmp_path), "--profiling.enable_memory_snapshot"])
     with pytest.raises(TitanError, match="profiling.enable_memory_snapshot needs CUDA.*this run is on cpu"):
-        Profiler(c, rank=0, device=torch.device("cpu"))
+        plan_run(c, 1, "cpu")
 
 
 def test_memory_snapshot_wiring_on_cuda(tmp_path, monkeypatch):
@@ -90,7 +91,7 @@ def test_memory_snapshot_wiring_on_cuda(tmp_path, monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", observers.append, raising=False)
     c = load_config(["--job.dump_folder", str(tmp_path), "--profiling.enable_memory_snapshot",
                      "--profiling.profile_freq", "2"])
-    prof = Profiler(c, rank=3, device=torch.device("cuda", 0))
+    prof = Profiler(c.profiling, dump_folder=c.job.dump_folder, rank=3, device=torch.device("cuda", 0))
     prof.step(1)
     prof.step(2)
     observers[0](0, 2**30, 2**34, 2**20)  # what the allocator calls on OOM
