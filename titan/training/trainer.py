@@ -162,7 +162,9 @@ class Trainer:
         use_checkpoint): check the merged config and plan it again. The layout stays: config_diff
         merges no parallelism key, so the mesh built for it still holds."""
         self.config.validate()
-        return plan_run(self.config, world_size, self.device.type)
+        plan = plan_run(self.config, world_size, self.device.type)
+        plan.parallel_dims = self.parallel_dims  # the same degrees, with the mesh built for them
+        return plan
 
     @property
     def step(self) -> int:
