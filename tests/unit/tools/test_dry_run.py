@@ -6,8 +6,8 @@ import pytest
 import torch.distributed as dist
 
 from titan.config import load_config
-from titan.tools.dry_run import DryRunReport, format_report, run_dry_run
 from titan.errors import TitanError
+from titan.tools.dry_run import DryRunReport, format_report, run_dry_run
 from titan.training.plan import plan_run
 
 REPO = Path(__file__).resolve().parents[3]

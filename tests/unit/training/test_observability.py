@@ -13,9 +13,9 @@ from tests.helpers.tiny import TINY
 from titan.config import load_config
 from titan.config.job_config import Job, JobConfig, Metrics
 from titan.errors import TitanError
+from titan.models.llama.model import Transformer
 from titan.training.checks import load_job
 from titan.training.metrics import MetricsProcessor
-from titan.models.llama.model import Transformer
 from titan.training.optim import build_optimizers, cast_params_for_optimizer
 from titan.training.plan import plan_run
 from titan.training.profiling import Profiler

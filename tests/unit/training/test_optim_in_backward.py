@@ -10,8 +10,8 @@ from tests.helpers.runs import trainer as tiny_trainer
 from tests.helpers.tiny import patch_flavors
 from titan.config import load_config
 from titan.errors import TitanError
-from titan.training.plan import plan_run
 from titan.training.optim_in_backward import OptimizersInBackward
+from titan.training.plan import plan_run
 
 EARLY = ("--optimizer.early_step_in_backward", "true", "--training.max_norm", "0")
 

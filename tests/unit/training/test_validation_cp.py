@@ -7,12 +7,12 @@ import torch
 from tests.helpers.distributed import run_distributed
 from titan.config import load_config
 from titan.data import build_tokenizer
+from titan.models import get_model_spec, model_args_from_config
 from titan.models.llama.parallelize import apply_llama_cp, cp_buffers
 from titan.parallel.dims import ParallelDims
-from titan.models import get_model_spec, model_args_from_config
 from titan.training.build import build_loader
-from titan.training.plan import run_model_args
 from titan.training.metrics import MetricsProcessor
+from titan.training.plan import run_model_args
 from titan.training.validator import Validator
 
 # flex CP on CPU: seq_len a multiple of 2 x cp x 128
