@@ -13,7 +13,7 @@ pytestmark = pytest.mark.cuda
 
 def test_out_of_memory_writes_a_snapshot(tmp_path):
     config = load_config(["--job.dump_folder", str(tmp_path), "--profiling.enable_memory_snapshot"])
-    prof = Profiler(config, rank=0, device=torch.device("cuda", 0))
+    prof = Profiler(config.profiling, dump_folder=config.job.dump_folder, rank=0, device=torch.device("cuda", 0))
     try:
         keep = torch.ones(1024, 1024, device="cuda")  # something for the snapshot to show
         too_big = 2 * torch.cuda.get_device_properties(0).total_memory

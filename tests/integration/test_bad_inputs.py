@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import train
 from tests.helpers.debug_kill import kill_env
 from tests.helpers.distributed import cpu_env
-import train
 from titan.checkpointing.folders import MARKER
 from titan.errors import TitanError
 

@@ -1,15 +1,18 @@
 """Dry run: check a layout for N ranks on one CPU process, before paying for the GPUs.
 
-A fake process group (no communication) stands in for the world; the Trainer's own build steps
-(titan/training/build.py: config checks, ParallelDims, layout, mesh, meta model, float8, pipeline
-split or parallelize) run unchanged, and the dry run stops before any memory is allocated. Then every parameter's sharding spec gives each rank's local shard, from
-which the per-rank parameter count and memory follow. Pipeline stages are built one at a time,
-as the first rank of each stage.
+The run is planned as the Trainer plans it (titan/training/plan.py: config checks, layout, model
+args, gradient accumulation, the model plan, every check that needs the world size or the device,
+here for CUDA devices); a fake process group (no communication) stands in for the world, the
+Trainer's build steps (titan/training/build.py: mesh, meta model, float8, pipeline split or
+parallelize) run unchanged, and the dry run stops before any memory is allocated. Then every
+parameter's sharding spec gives each rank's local shard, from which the per-rank parameter count
+and memory follow. Pipeline stages are built one at a time, as the first rank of each stage.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,15 +24,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from titan.config.job_config import JobConfig
-from titan.data import build_tokenizer
 from titan.errors import TitanError
-from titan.log import init_logger, logger
+from titan.log import init_logger
 from titan.parallel.dims import ParallelDims
-from titan.training.build import (
-    BuiltModel, build_model, build_parallel_dims, check_run_config, check_run_layout, model_spec_and_args,
-    run_model_args,
-)
+from titan.training.build import BuiltModel, build_model
 from titan.training.loss import cross_entropy_sum
+from titan.training.plan import RunPlan, plan_run
 
 GIB = 1024**3
 # Optimizer state elements per parameter element (exp_avg and exp_avg_sq for Adam / AdamW).
@@ -74,6 +74,7 @@ def estimate_shared_memory(config: JobConfig, degrees: dict[str, int], world: in
 
 @dataclass
 class DryRunReport:
+    plan: RunPlan  # as the Trainer plans the same config (checked for CUDA devices)
     world_size: int
     mesh: str
     degrees: dict[str, int]
@@ -137,13 +138,19 @@ def _shard_sizes(p: DTensor) -> tuple[list[tuple[int, ...]], list[int]]:
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
     mesh, placements = p.device_mesh, list(p.placements)
-    coords = [tuple(c) for c in torch.cartesian_prod(*[torch.arange(n) for n in mesh.shape]).reshape(-1, mesh.ndim).tolist()]
+    grid = torch.cartesian_prod(*[torch.arange(n) for n in mesh.shape]).reshape(-1, mesh.ndim)
+    coords = [tuple(c) for c in grid.tolist()]
     sizes = [
-        torch.Size(_compute_local_shape_and_global_offset(p.shape, mesh.shape, list(c), placements, skip_offset=True)[0]).numel()
+        torch.Size(
+            _compute_local_shape_and_global_offset(p.shape, mesh.shape, list(c), placements, skip_offset=True)[0]
+        ).numel()
         for c in coords
     ]
     # This process is a real rank of the mesh: the computed shard must be the one actually built.
-    mine = sizes[coords.index(tuple(mesh.get_coordinate()))]
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # every rank of the fake world is in every mesh it builds
+        raise TitanError(f"dry run: rank {dist.get_rank()} is not in the mesh {mesh}")
+    mine = sizes[coords.index(tuple(coordinate))]
     if mine != p.to_local().numel():
         raise TitanError(f"dry run: local shard has {p.to_local().numel()} elements, the spec says {mine}")
     return coords, sizes
@@ -194,32 +201,17 @@ class _Stage:
     mesh_text: str
 
 
-def _tokenizer_vocab(config: JobConfig) -> int | None:
-    """The tokenizer's vocabulary as the run would size the model; without the tokenizer file (it
-    may live only on the cluster) the flavor's own vocab_size."""
-    try:
-        return build_tokenizer(config.model.tokenizer_path).vocab_size
-    except TitanError as e:
-        logger.warning(f"dry run without the tokenizer, using the flavor's vocab_size: {e}")
-        return None
-
-
-def _build_stage(config: JobConfig, first_rank: int, world: int) -> _Stage:
+def _build_stage(config: JobConfig, plan: RunPlan, first_rank: int) -> _Stage:
     """Build the pipeline stage whose first rank is `first_rank`, as that rank, with the Trainer's
     build steps (titan/training/build.py), and count its parameters while the fake group is alive.
     PP is the outermost mesh dim, so stage s owns ranks [s * world / pp, (s + 1) * world / pp)."""
+    world = plan.parallel_dims.world_size
     with fake_world(first_rank, world):
         init_logger(first_rank)
-        dims = build_parallel_dims(config, world)
-        check_run_config(config, dims)
-        spec, model_args = model_spec_and_args(config)
-        vocab_size = _tokenizer_vocab(config)
-        # The layout is checked as for the GPUs the fake world stands in for.
-        check_run_layout(config, dims, model_args, "cuda")
+        dims = dataclasses.replace(plan.parallel_dims)  # the plan's layout, with a mesh of this fake world
         dims.build_mesh("cpu")
-        model_args = run_model_args(config, model_args, vocab_size)
         # The schedule is built but never run: the plain loss stands in for the Trainer's scaled one.
-        model = build_model(config, spec, model_args, dims, torch.device("cpu"), cross_entropy_sum)
+        model = build_model(config, plan, dims, torch.device("cpu"), cross_entropy_sum)
         ranks = list(range(first_rank, first_rank + world // dims.pp))
         counts, distinct = _count_stage(model.parts, ranks, world)
         mesh_text = str(dims.mesh) if dims.mesh is not None else "none (1 rank)"
@@ -228,42 +220,35 @@ def _build_stage(config: JobConfig, first_rank: int, world: int) -> _Stage:
 
 def run_dry_run(config: JobConfig) -> DryRunReport:
     world = config.job.dry_run_world_size
-    first = _build_stage(config, 0, world)
+    # The layout is checked as for the GPUs the fake world stands in for; the tokenizer and the data
+    # may live only on the cluster.
+    plan = plan_run(config, world, "cuda", data_here=False)
+    first = _build_stage(config, plan, 0)
     dims, per_rank, distinct = first.dims, first.counts, first.distinct
     degrees = {n: getattr(dims, n) for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
     stages = [_describe_stage(first.model.parts)]
     for stage in range(1, dims.pp):
-        built = _build_stage(config, stage * (world // dims.pp), world)
+        built = _build_stage(config, plan, stage * (world // dims.pp))
         stages.append(_describe_stage(built.model.parts))
         per_rank = [a + b for a, b in zip(per_rank, built.counts)]
         distinct += built.distinct
     shared, note = estimate_shared_memory(config, degrees, world)
     # The estimator's peak already holds the gradients: the grads column would count them twice.
     memory = [estimate_rank_memory(n, config, with_grads=not shared) | shared for n in per_rank]
-    return DryRunReport(world, first.mesh_text, degrees, stages, first.model.num_params, per_rank, distinct, memory,
-                        note, _transforms(first.model, config))
-
-
-def _transforms(model: BuiltModel, config: JobConfig) -> str:
-    """What the build applied besides the layout: read back from the build where it records it."""
-    parts = []
-    if model.float8_fqns:
-        parts.append(f"float8 on {len(model.float8_fqns)} Linear layers")
-    if config.activation_checkpoint.mode != "none":
-        parts.append(f"activation checkpointing {config.activation_checkpoint.mode}")
-    if config.compile.enable:
-        parts.append(f"torch.compile ({', '.join(config.compile.components)})")
-    return ", ".join(parts) or "none"
+    return DryRunReport(plan, world, first.mesh_text, degrees, stages, first.model.num_params, per_rank, distinct,
+                        memory, note, plan.model_plan.transforms(len(first.model.float8_fqns)))
 
 
 def format_report(report: DryRunReport, config: JobConfig) -> str:
     """The plan as text: mesh, stages, then per-rank rows (ranks with equal values grouped)."""
     deg = ", ".join(f"{k} {v}" for k, v in report.degrees.items())
     lines = [
-        f"dry run: {config.model.name} {config.model.flavor} on {report.world_size} rank{'s' if report.world_size != 1 else ''}"
+        f"dry run: {config.model.name} {config.model.flavor} on {report.world_size}"
+        f" rank{'s' if report.world_size != 1 else ''}"
         " (fake process group, meta device: nothing allocated, nothing communicated)",
         f"degrees: {deg}",
         f"mesh: {report.mesh}",
+        f"gradient accumulation: {report.plan.grad_accum_steps} micro-batch(es) per step",
     ]
     label = "pp rank" if len(report.stages) > 1 else "stage"
     lines += [f"{label} {i}: {text}" for i, text in enumerate(report.stages)]

@@ -2,7 +2,8 @@
 
 Usage in the loop::
 
-    metrics = MetricsProcessor(cfg, rank=rank, device=device, num_flops_per_token=flops)
+    metrics = MetricsProcessor(config.metrics, dump_folder=config.job.dump_folder, rank=rank, device=device,
+                               num_flops_per_token=flops)
     metrics.reset(step)                      # after checkpoint load, right before the loop
     ...  metrics.add_data_time(dt); metrics.count_tokens(batch.numel())   # per micro-batch
     if metrics.should_log(step):
@@ -33,10 +34,10 @@ from typing import Any
 
 import torch
 
-from titan.config.job_config import JobConfig
+from titan.config.sections.metrics import Metrics
 from titan.errors import TitanError
-from titan.training.flops import get_float8_peak_flops, get_peak_flops, mfu
 from titan.log import color_enabled, logger
+from titan.training.flops import get_float8_peak_flops, get_peak_flops, mfu
 
 __all__ = ["MetricsProcessor", "Color", "strip_color"]
 
@@ -87,16 +88,20 @@ def _cpu_memory() -> tuple[float, float]:
 class MetricsProcessor:
     def __init__(
         self,
-        job_config: JobConfig,
+        cfg: Metrics,
         *,
+        dump_folder: str,
         rank: int,
         device: torch.device,
         num_flops_per_token: int,
         float8: bool = False,
         log_this_rank: bool | None = None,
         non_data_parallel_size: int = 1,
+        run_config: dict[str, Any] | None = None,
     ) -> None:
-        self.cfg = job_config.metrics
+        """``cfg``: the [metrics] section; files go under ``dump_folder`` (job.dump_folder);
+        ``run_config``: the whole config as a dict, recorded with a W&B run."""
+        self.cfg = cfg
         self.rank = rank
         self.device = torch.device(device)
         self.num_flops_per_token = num_flops_per_token
@@ -135,16 +140,14 @@ class MetricsProcessor:
         if self.cfg.enable_tensorboard and self.log_this_rank:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb_log_dir = os.path.join(
-                job_config.job.dump_folder, self.cfg.save_tb_folder, stamp
-            )
+            self.tb_log_dir = os.path.join(dump_folder, self.cfg.save_tb_folder, stamp)
             self.writer = SummaryWriter(log_dir=self.tb_log_dir)
             logger.info(f"TensorBoard logs in {self.tb_log_dir}")
 
         self.jsonl: Any = None
         self.jsonl_path: str | None = None
         if self.cfg.enable_jsonl and self.log_this_rank:
-            folder = os.path.join(job_config.job.dump_folder, self.cfg.save_jsonl_folder)
+            folder = os.path.join(dump_folder, self.cfg.save_jsonl_folder)
             os.makedirs(folder, exist_ok=True)
             self.jsonl_path = os.path.join(folder, f"{stamp}.jsonl")
             self.jsonl = open(self.jsonl_path, "a", buffering=1)  # line-buffered: readable while running
@@ -152,7 +155,7 @@ class MetricsProcessor:
 
         self.wandb: Any = None
         if self.cfg.enable_wandb and self.log_this_rank:
-            self.wandb = _init_wandb(job_config, rank, suffix)
+            self.wandb = _init_wandb(cfg, dump_folder, run_config or {}, suffix)
 
         self.reset(0)
 
@@ -308,24 +311,21 @@ class MetricsProcessor:
             self.wandb = None
 
 
-def _init_wandb(job_config: JobConfig, rank: int, suffix: str) -> Any:
+def _init_wandb(cfg: Metrics, dump_folder: str, run_config: dict[str, Any], suffix: str) -> Any:
     try:
         import wandb
     except ImportError:
         raise TitanError("metrics.enable_wandb needs the wandb package: pip install 'titan[wandb]'"
                          " (or pip install wandb), or set metrics.enable_wandb = false") from None
-    from titan.config.manager import to_dict
-
-    cfg = job_config.metrics
     project = cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "titan"
     name = cfg.wandb_run_name or os.environ.get("WANDB_NAME") or None
-    os.makedirs(job_config.job.dump_folder, exist_ok=True)
+    os.makedirs(dump_folder, exist_ok=True)
     run = wandb.init(
         project=project,
         name=f"{name}{suffix}" if name else None,
         group=name if suffix else None,
-        dir=job_config.job.dump_folder,  # W&B adds its own wandb/ folder under it
-        config=to_dict(job_config),
+        dir=dump_folder,  # W&B adds its own wandb/ folder under it
+        config=run_config,
     )
     logger.info(f"W&B run {run.name!r} in project {project!r} (mode {os.environ.get('WANDB_MODE', 'online')})")
     return run

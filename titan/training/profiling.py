@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from titan.config.job_config import JobConfig
-from titan.errors import TitanError
+from titan.config.sections.profiling import Profiling
 from titan.log import logger
 
 __all__ = ["Profiler"]
@@ -29,25 +28,22 @@ MEMORY_HISTORY_ENTRIES = 100_000
 
 
 class Profiler:
-    def __init__(self, config: JobConfig, *, rank: int, device: torch.device, start_step: int = 0) -> None:
-        # config has passed Profiling.validate (load_config)
-        p = config.profiling
+    def __init__(self, p: Profiling, *, dump_folder: str, rank: int, device: torch.device, start_step: int = 0) -> None:
+        """``p``: the [profiling] section, checked (memory snapshots only on CUDA: titan.training.plan.check_run);
+        traces and snapshots go under ``dump_folder`` (job.dump_folder)."""
         self.rank = rank
         self.freq = p.profile_freq
         self.torch_profiler: Any = None
         self.memory_folder: str | None = None
         self.traces: list[str] = []
         if p.enable_memory_snapshot:
-            if device.type != "cuda":
-                raise TitanError(f"profiling.enable_memory_snapshot needs CUDA (it records the CUDA caching"
-                                 f" allocator's history); this run is on {device.type}: set it to false")
-            self.memory_folder = os.path.join(config.job.dump_folder, p.save_memory_snapshot_folder)
+            self.memory_folder = os.path.join(dump_folder, p.save_memory_snapshot_folder)
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
             # Bound by CUDA builds only; torch._C's stubs do not declare it.
             torch._C._cuda_attach_out_of_memory_observer(self._on_oom)  # pyright: ignore[reportAttributeAccessIssue]
             logger.info(f"CUDA memory snapshots every {self.freq} steps and on OOM in {self.memory_folder}")
         if p.enable_profiling:
-            self.trace_folder = os.path.join(config.job.dump_folder, p.save_traces_folder)
+            self.trace_folder = os.path.join(dump_folder, p.save_traces_folder)
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)

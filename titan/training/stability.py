@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from titan.config.job_config import JobConfig
+from titan.config.sections.stability import Stability
 from titan.errors import TitanError
-from titan.parallel.utils import global_l2_norm
 from titan.log import logger
+from titan.parallel.utils import global_l2_norm
 
-__all__ = ["SpikeDetector", "StabilityMonitor", "param_norm"]
+__all__ = ["SpikeDetector", "StabilityMonitor", "StepValues", "param_norm"]
 
 
 class SpikeDetector:
@@ -77,6 +78,15 @@ class SpikeDetector:
         }
 
 
+@dataclass(frozen=True)
+class StepValues:
+    """A log step's values on the host: the loss, the grad norm and the other logged scalars."""
+
+    loss: float
+    grad_norm: float
+    extra: dict[str, float]
+
+
 # Device-side record (float64, exact for step numbers below 2**53): one vector so a log step reads
 # it together with the logged values.
 _SKIPPED, _IN_A_ROW = 0, 1  # steps skipped so far; non-finite steps in a row
@@ -98,10 +108,11 @@ class StabilityMonitor:
     the end of training), so a stopped run never writes a checkpoint after a non-finite step.
     """
 
-    def __init__(self, config: JobConfig) -> None:
-        s, t = config.stability, config.training
-        self.policy = t.nonfinite
-        self.max_consecutive_skips = t.nonfinite_max_consecutive_skips
+    def __init__(self, s: Stability, *, nonfinite: str, max_consecutive_skips: int) -> None:
+        """``s``: the [stability] section; ``nonfinite`` and ``max_consecutive_skips``: training.nonfinite
+        and training.nonfinite_max_consecutive_skips."""
+        self.policy = nonfinite
+        self.max_consecutive_skips = max_consecutive_skips
         self.grad_norm = SpikeDetector("grad-norm", s.grad_norm_spike_window, s.grad_norm_spike_threshold,
                                        relative=True)
         self.loss = SpikeDetector("loss", s.loss_spike_window, s.loss_spike_threshold, relative=True)
@@ -142,20 +153,22 @@ class StabilityMonitor:
         self._unread = True
         return ok
 
-    def read(self, step: int, values: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Log step: ``values`` (``loss``, ``grad_norm`` and any other logged scalars, globally reduced)
+    def read(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
+             extra: dict[str, torch.Tensor] | None = None) -> StepValues:
+        """Log step: ``loss``, ``grad_norm`` and any other logged scalars (``extra``), globally reduced,
         and the device record in one host read. Reports non-finite steps (raises TitanError for
         ``stop`` or too many skips in a row), feeds the spike detectors and returns the values."""
-        tensors = [v.detach().reshape(()).to(torch.float64) for v in values.values()]
+        extra = extra or {}
+        tensors = [v.detach().reshape(()).to(torch.float64) for v in (loss, grad_norm, *extra.values())]
         state = self._record(tensors[0].device)
         read = torch.cat([torch.stack(tensors), state]).tolist()  # the one host read of a log step
-        out = dict(zip(values, read[:len(tensors)]))
+        out = StepValues(read[0], read[1], dict(zip(extra, read[2:len(tensors)])))
         self._unread = False
         self._report(step, read[len(tensors):])
         state[_GN_MAX].fill_(-math.inf)  # a new window (fills: no host-to-device copy)
         state[_GN_MAX_STEP].fill_(0)
-        if math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"]):
-            self.loss.update(step, out["loss"])
+        if math.isfinite(out.loss) and math.isfinite(out.grad_norm):
+            self.loss.update(step, out.loss)
         gn_max, gn_step = read[len(tensors) + _GN_MAX], read[len(tensors) + _GN_MAX_STEP]
         if math.isfinite(gn_max):  # any finite step since the last log
             self.grad_norm.update(int(gn_step), gn_max)

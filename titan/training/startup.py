@@ -16,8 +16,8 @@ from tabulate import tabulate
 from torch.distributed.tensor import DTensor
 
 from titan.config.job_config import JobConfig
-from titan.parallel.dims import ParallelDims
 from titan.log import logger
+from titan.parallel.dims import ParallelDims
 
 __all__ = ["summary_rows", "log_summary"]
 
@@ -69,7 +69,8 @@ def _memory_text(config: JobConfig, world_size: int, capacity: float | None, wha
         return f"n/a (titan/training/memory.py: {type(e).__name__}: {first[:200]})"
     if not capacity:
         return f"{_size(estimate)} per rank (titan/training/memory.py); capacity unknown"
-    return f"{_size(estimate)} per rank of {_size(capacity)} {what}: {100 * estimate / capacity:.0f}% (titan/training/memory.py)"
+    share = f"{100 * estimate / capacity:.0f}%"
+    return f"{_size(estimate)} per rank of {_size(capacity)} {what}: {share} (titan/training/memory.py)"
 
 
 def summary_rows(

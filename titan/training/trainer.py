@@ -5,12 +5,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from titan.checkpointing import config_diff
 from titan.checkpointing.manager import CheckpointManager
@@ -18,44 +17,37 @@ from titan.checkpointing.model_settings import settle as settle_model_settings
 from titan.checkpointing.resume import prepare_run
 from titan.checkpointing.states import ModelParts, RNGState, TrainState
 from titan.config.job_config import JobConfig
+from titan.config.manager import to_dict
 from titan.config.output import save_config
-from titan.data import build_tokenizer, check_data
-from titan.models.documents import document_ids
-from titan.training.build import (
-    build_loader, build_model, build_optimizers_and_schedulers, build_parallel_dims, check_run_config,
-    check_run_layout, init_weights, model_spec_and_args, run_model_args,
-)
-from titan.training.gc_handler import GarbageCollection
-from titan.training.goodput import GoodputRecorder
-from titan.training.checks import validate_job
-from titan.training.loss import IGNORE_INDEX, cross_entropy_sum
-from titan.training.metrics import MetricsProcessor
+from titan.log import init_logger, logger
 from titan.parallel.comm import set_comm_env, set_pg_timeouts
 from titan.parallel.compile import build_loss_fn
 from titan.parallel.cp import cp_shard_batch
 from titan.parallel.fsdp import DTYPES
-from titan.training.determinism import DeterministicMode
 from titan.parallel.utils import init_distributed, pick_device, set_seed, world_info
-from titan.training.profiling import Profiler
+from titan.training.build import build_loader, build_model, build_optimizers_and_schedulers, init_weights
+from titan.training.determinism import DeterministicMode
+from titan.training.forward import ModelForward
+from titan.training.gc_handler import GarbageCollection
+from titan.training.goodput import GoodputRecorder
+from titan.training.loss import IGNORE_INDEX, ScaledLoss, cross_entropy_sum
+from titan.training.metrics import MetricsProcessor
 from titan.training.nonfinite import UpdateMask
+from titan.training.plan import RunPlan, check_run, plan_run
+from titan.training.profiling import Profiler
 from titan.training.stability import StabilityMonitor, param_norm
 from titan.training.startup import log_summary, summary_rows
-from titan.log import init_logger, logger
 from titan.training.validator import Validator
 
 DEFAULT_SEED = 0
-
-
-def _replicated(t: torch.Tensor) -> torch.Tensor:
-    """A loss computed under loss parallel is a replicated DTensor: take the plain value."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
 class StepResult:
     """One step's logged tensors, still on the device: ``loss`` (summed over the dp x cp ranks on log
     steps only), ``grad_norm`` (before clipping) and ``extra`` (param_norm on the steps that log it).
-    Unpacks and indexes as the pair ``(loss, grad_norm)``."""
+    Unpacks as the pair ``(loss, grad_norm)`` for callers that drive steps themselves (tests, tools)."""
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
@@ -75,21 +67,13 @@ class Trainer:
         init_logger(self.rank)
         t = config.training
 
-        # Everything that can be checked without a process group or a model, first.
-        validate_job(config)  # the entry point ran it too; a Trainer built from load_config alone needs it
-        self.parallel_dims = build_parallel_dims(config, world_size)
-        self.grad_accum_steps = check_run_config(config, self.parallel_dims)
-        self.stability = StabilityMonitor(config)
-        spec, model_args = model_spec_and_args(config)
-        tokenizer = build_tokenizer(config.model.tokenizer_path)
-        check_data(config, tokenizer)  # a typo'd dataset or a store of another tokenizer fails before the model
-        # block_causal: documents end at the tokenizer's EOS (the packer writes BOS ... EOS per document).
-        self._eos_id = tokenizer.eos_id if config.model.attn_mask_type == "block_causal" else None
-
+        # Everything that can be checked without a process group or a model, first (the device type
+        # is asked without touching the device).
+        self.plan = plan_run(config, world_size, "cuda" if torch.cuda.is_available() else "cpu")
+        self.parallel_dims, self.grad_accum_steps = self.plan.parallel_dims, self.plan.grad_accum_steps
         # Before the device is touched: cuBLAS reads its workspace setting when first created.
         self.determinism = DeterministicMode(t.deterministic).apply()
         self.device = pick_device(local_rank)
-        check_run_layout(config, self.parallel_dims, model_args, self.device.type)
         # NCCL reads the flight-recorder env when its groups are created
         set_comm_env(config.comm, config.job.dump_folder, nccl=self.device.type == "cuda")
         init_distributed(self.device, world_size, timeout_s=config.comm.init_timeout_seconds)
@@ -97,48 +81,62 @@ class Trainer:
         # Before anything is written to the dump folder: lock it, pick the checkpoint to resume
         # and settle its config against this one (may change config: checkpoint.config_mismatch).
         self.run_start = prepare_run(config, self.rank, world_size, self.parallel_dims.dp_degree)
+        if self.run_start.config_diff and config.checkpoint.config_mismatch == "use_checkpoint":
+            self.plan = self._replan(world_size)
+            self.grad_accum_steps = self.plan.grad_accum_steps
+        plan, tokenizer = self.plan, self.plan.tokenizer
+        self.stability = StabilityMonitor(config.stability, nonfinite=t.nonfinite,
+                                          max_consecutive_skips=t.nonfinite_max_consecutive_skips)
         seed = DEFAULT_SEED if t.seed is None else t.seed
         set_seed(seed)
 
         # Model: built on meta, parallelized, then materialized and initialized.
-        model_args = run_model_args(config, model_args, tokenizer.vocab_size)
         # Weights brought in (HF folder, converted DCP) decide or veto the model settings first.
-        if settle_model_settings(config, spec, model_args, self.run_start.found is not None, tokenizer.vocab_size):
-            check_run_layout(config, self.parallel_dims, model_args, self.device.type)
-        built = build_model(config, spec, model_args, self.parallel_dims, self.device, self._pp_loss_fn)
+        if settle_model_settings(config, plan.spec, plan.model_args, self.run_start.found is not None,
+                                 tokenizer.vocab_size):
+            check_run(config, self.parallel_dims, plan.model_args, self.device.type)
+        self.loss_fn = build_loss_fn(cross_entropy_sum, config.compile.enable and "loss" in config.compile.components)
+        pp_loss = ScaledLoss(self.loss_fn)
+        built = build_model(config, plan, self.parallel_dims, self.device, pp_loss)
         self.model_parts, self.pp_schedule = built.parts, built.pp_schedule
-        self.pp_has_first, self.pp_has_last = built.pp_has_first, built.pp_has_last
-        self.num_params, self.flops_per_token, self.float8_fqns = built.num_params, built.flops_per_token, built.float8_fqns
+        self.num_params, self.flops_per_token = built.num_params, built.flops_per_token
+        self.float8_fqns = built.float8_fqns
         init_weights(self.model_parts, seed, self.device, cpu_offload=t.enable_cpu_offload)
         # Position-indexed buffers (the RoPE table) that CP shards with each batch: fixed per run.
-        self._cp_buffers = [b for part in self.model_parts for b in spec.cp_buffers_fn(part)] if spec.cp_buffers_fn else []
-        # Set per step: the PP loss function divides by the step's global token count.
-        self._loss_scale = torch.ones((), device=self.device)
-        # Without FSDP there is no MixedPrecisionPolicy: autocast gives the same compute dtype.
-        self.amp = self._autocast_context(model_args)
+        cp_buffers_fn = plan.spec.cp_buffers_fn
+        self._cp_buffers = [b for part in self.model_parts for b in cp_buffers_fn(part)] if cp_buffers_fn else []
+        pp = self.parallel_dims.submesh("pp")
+        self._pp_group = pp.get_group() if pp is not None else None
+        self.forward = ModelForward(
+            self.model_parts, self.loss_fn, device=self.device,
+            loss_parallel_enabled=self.parallel_dims.loss_parallel_enabled,
+            amp=self._autocast_context(), eos_id=plan.eos_id, pp_schedule=built.pp_schedule, pp_loss=pp_loss,
+            pp_has_first=built.pp_has_first, pp_has_last=built.pp_has_last, pp_group=self._pp_group,
+        )
 
-        self.optimizers, self.lr_schedulers = build_optimizers_and_schedulers(config, self.model_parts, self.parallel_dims)
+        self.optimizers, self.lr_schedulers = build_optimizers_and_schedulers(
+            config, self.model_parts, self.parallel_dims)
         # Before any optimizer state exists (the checkpoint load below creates it).
         self.update_mask = UpdateMask(self.optimizers, self.device, enabled=t.nonfinite == "skip_step")
         # Fixed from here on (checkpoint loads copy into them): not rebuilt every step.
         self._params = [p for m in self.model_parts for p in m.parameters()]
-        pp = self.parallel_dims.submesh("pp")
-        self._pp_group = pp.get_group() if pp is not None else None
-        self.loss_fn = build_loss_fn(cross_entropy_sum, config.compile.enable and "loss" in config.compile.components)
 
         self.dp_rank = self.parallel_dims.dp_rank()
         self.dataloader = build_loader(config, tokenizer, self.parallel_dims)
         self.metrics = MetricsProcessor(
-            config, rank=self.rank, device=self.device, num_flops_per_token=self.flops_per_token,
+            config.metrics, dump_folder=config.job.dump_folder, run_config=to_dict(config), rank=self.rank,
+            device=self.device, num_flops_per_token=self.flops_per_token,
             non_data_parallel_size=self.parallel_dims.non_data_parallel_size,
             float8=bool(self.float8_fqns),
         )
         self.validator = None
         if config.validation.enable:
-            self.validator = Validator(config, model_parts=self.model_parts, parallel_dims=self.parallel_dims,
-                                       loader=build_loader(config, tokenizer, self.parallel_dims, validation=True),
-                                       device=self.device, metrics=self.metrics, forward_loss_sum=self._eval_loss_sum,
-                                       cp_buffers=self._cp_buffers)
+            self.validator = Validator(
+                config.validation, last_step=t.steps, model_parts=self.model_parts,
+                parallel_dims=self.parallel_dims, device=self.device, metrics=self.metrics,
+                loader=build_loader(config, tokenizer, self.parallel_dims, validation=True),
+                loss_sum=self.forward.eval_loss_sum, cp_buffers=self._cp_buffers,
+                cp_rotate_method=config.parallelism.context_parallel_rotate_method)
         self.train_state = TrainState()  # step and tokens seen: saved and restored with the checkpoint
         self._batches: Iterator | None = None
         # Last in set-up: the manager saves the states above and restores them (auto-resume) if there is a checkpoint.
@@ -165,33 +163,30 @@ class Trainer:
             ))
             logger.info(f"merged config saved to {save_config(config)} (repeat the run with --job.config_file)")
 
+    def _replan(self, world_size: int) -> RunPlan:
+        """The checkpoint's values were merged into the config (checkpoint.config_mismatch =
+        use_checkpoint): check the merged config and plan it again. The layout stays: config_diff
+        merges no parallelism key, so the mesh built for it still holds."""
+        self.config.validate()
+        plan = plan_run(self.config, world_size, self.device.type)
+        plan.parallel_dims = self.parallel_dims  # the same degrees, with the mesh built for them
+        return plan
+
     @property
     def step(self) -> int:
         """Optimizer steps done so far (``train_state.step``)."""
         return self.train_state.step
 
-    def _loss_context(self) -> contextlib.AbstractContextManager:
-        """Loss parallel: cross entropy (forward and backward) on vocab-sharded DTensor logits."""
-        return loss_parallel() if self.parallel_dims.loss_parallel_enabled else contextlib.nullcontext()
-
     def _cp_context(self, inputs: torch.Tensor, labels: torch.Tensor) -> contextlib.AbstractContextManager:
         """CP: forward and backward see this rank's sequence shard (and RoPE rows)."""
-        if not self.parallel_dims.cp_enabled:
+        cp = self.parallel_dims.submesh("cp")  # None without CP
+        if cp is None:
             return contextlib.nullcontext((inputs, labels))
-        return cp_shard_batch(
-            self.parallel_dims.submesh("cp"), inputs, labels, self._cp_buffers,
-            self.config.parallelism.context_parallel_rotate_method,
-        )
+        rotate = self.config.parallelism.context_parallel_rotate_method
+        return cp_shard_batch(cp, inputs, labels, self._cp_buffers, rotate)
 
-    def _doc_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        """block_causal: each position's document, once per batch, for the model to build its mask from
-        before its (compiled, checkpointed) blocks; a tensor, so the pipeline schedule splits it too."""
-        return {} if self._eos_id is None else {"doc_ids": document_ids(inputs, self._eos_id)}
-
-    def _pp_loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(logits, labels) * self._loss_scale
-
-    def _autocast_context(self, model_args) -> contextlib.AbstractContextManager:  # noqa: ANN001
+    def _autocast_context(self) -> contextlib.AbstractContextManager:
+        """Without FSDP there is no MixedPrecisionPolicy: autocast gives the same compute dtype."""
         dtype = self.config.training.mixed_precision_param
         if self.parallel_dims.fsdp_enabled or dtype == "float32":
             return contextlib.nullcontext()
@@ -245,10 +240,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for full_inputs, full_labels in microbatches:
             with self._cp_context(full_inputs, full_labels) as (inputs, labels):
-                if self.pp_schedule is not None:
-                    loss_sum += self._pp_forward_backward(inputs, labels, global_tokens, dp_scale)
-                else:
-                    loss_sum += self._forward_backward(inputs, labels, global_tokens, dp_scale)
+                loss_sum += self.forward.forward_backward(inputs, labels, global_tokens, dp_scale)
             self.metrics.count_tokens(full_labels.numel())
         # The container clips (or, stepping in backward, reports the norm its hooks summed); under CPU
         # offload the gradients, and so their norm, live on the host.
@@ -267,55 +259,12 @@ class Trainer:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dp_cp.get_group())
         return StepResult(loss_sum, grad_norm, extra)
 
-    def _forward_backward(
-        self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor, dp_scale: int
-    ) -> torch.Tensor:
-        with self._loss_context():
-            with self.amp:
-                logits = self.model_parts[0](inputs, **self._doc_kwargs(inputs))
-            local = self.loss_fn(logits, labels) / global_tokens
-            del logits
-            (local * dp_scale).backward()
-        return _replicated(local.detach())
-
-    def _pp_forward_backward(
-        self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor, dp_scale: int
-    ) -> torch.Tensor:
-        """One pipeline step over local_batch_size / microbatch_size micro-batches."""
-        self._loss_scale = dp_scale / global_tokens
-        return self._pp_run(self.pp_schedule.step, inputs, labels) / dp_scale
-
-    def _eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Validation forward (titan/training/validator.py): the batch's summed token loss, on every pp stage."""
-        if self.pp_schedule is None:
-            with self._loss_context(), self.amp:
-                return _replicated(self.loss_fn(self.model_parts[0](inputs, **self._doc_kwargs(inputs)), labels))
-        self._loss_scale = torch.ones((), device=self.device)  # the PP loss function then sums
-        return self._pp_run(self.pp_schedule.eval, inputs, labels)
-
-    def _pp_run(self, run, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        """Drive one schedule call (step or eval). The last stage holds the losses; a sum over the
-        pp group hands their total to every stage (rank 0 logs it)."""
-        targets, losses = (labels, []) if self.pp_has_last else (None, None)
-        docs = self._doc_kwargs(inputs)  # every stage builds its attention mask from them
-        with self._loss_context(), self.amp:
-            if self.pp_has_first:
-                run(inputs, target=targets, losses=losses, **docs)
-            else:
-                run(target=targets, losses=losses, **docs)
-        loss = torch.zeros((), device=self.device)
-        if self.pp_has_last:
-            loss = sum(_replicated(x.detach()).float() for x in losses)
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.parallel_dims.submesh("pp").get_group())
-        return loss
-
     # ------------------------------------------------------------ loop
-    def _checkpoint_timed(self, fn, *args, may_save: bool = False):  # noqa: ANN001, ANN002, ANN202
+    def _checkpoint_timed(self, fn: Callable[..., T], *args: Any, may_save: bool = False) -> T:
         """Run a checkpoint hook with its wall time kept out of tokens/s and MFU and logged on its
-        own (time_metrics/checkpoint(s)). Before an interval save the device finishes the step's
-        queued work first, so the step's own compute is not counted as checkpoint time."""
-        cfg = self.config.checkpoint
-        if may_save and self.device.type == "cuda" and cfg.enable and self.step % cfg.interval == 0:
+        own (time_metrics/checkpoint(s)). Before a save the device finishes the step's queued work
+        first, so the step's own compute is not counted as checkpoint time."""
+        if may_save and self.device.type == "cuda" and self.checkpointer.should_save(self.step):
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         try:
@@ -350,7 +299,8 @@ class Trainer:
         self.metrics.reset(self.step)
         self.checkpointer.install_signal_handlers()
         preempted = False
-        profiler = Profiler(self.config, rank=self.rank, device=self.device, start_step=self.step)
+        profiler = Profiler(self.config.profiling, dump_folder=self.config.job.dump_folder, rank=self.rank,
+                            device=self.device, start_step=self.step)
         first_step = True
         self.goodput.begin()
         while self.step < t.steps:
@@ -366,13 +316,11 @@ class Trainer:
             self.train_state.tokens_seen += sum(lab.numel() for _, lab in microbatches) * self.parallel_dims.dp_degree
             if self.metrics.should_log(self.step):
                 # The step's one host read: logged values and the non-finite record (may raise).
-                values = self.stability.read(self.step, {"loss": result.loss, "grad_norm": result.grad_norm,
-                                                         **result.extra})
-                loss_value, grad_norm_value = values.pop("loss"), values.pop("grad_norm")
-                losses[self.step] = loss_value
+                values = self.stability.read(self.step, result.loss, result.grad_norm, result.extra)
+                losses[self.step] = values.loss
                 self.metrics.log(
-                    self.step, loss=loss_value, grad_norm=grad_norm_value, lr=self.lr_schedulers.get_last_lr(),
-                    extra={**values, **self.stability.console()},
+                    self.step, loss=values.loss, grad_norm=values.grad_norm, lr=self.lr_schedulers.get_last_lr(),
+                    extra={**values.extra, **self.stability.console()},
                     extra_scalars={**self.stability.scalars(), **self.dataloader.scalars()},
                 )
             if self.validator is not None and self.validator.should_validate(self.step):

@@ -14,12 +14,12 @@ that of cp 1. The forward is all validation needs, so with flex attention it run
 Forward passes are dp-collective under FSDP, so all ranks must run the same number of batches:
 before each batch the ranks agree (all_reduce MIN) that every one of them still has data.
 
-The model forward is the trainer's (``forward_loss_sum``): it knows tensor parallelism's loss
-parallel and the pipeline schedule. With pipeline parallelism it runs ``schedule.eval`` (the
-first stage feeds the inputs, the last stage passes the labels and collects the microbatch
-losses, with the schedule's loss function returning the token-loss *sum*), then sums over the
-pp group, so every stage holds the batch loss and all ranks log the same value. Without a
-trainer (tests, tools) the plain single-module forward is used.
+The model forward is handed in (``loss_sum``: the trainer's titan.training.forward.ModelForward
+.eval_loss_sum): it knows tensor parallelism's loss parallel and the pipeline schedule. With
+pipeline parallelism it runs ``schedule.eval`` (the first stage feeds the inputs, the last stage
+passes the labels and collects the microbatch losses, with the training loss function at scale 1:
+the token-loss *sum*), then sums over the pp group, so every stage holds the batch loss and all
+ranks log the same value. Without one (tests, tools) the plain single-module forward is used.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from titan.config.job_config import JobConfig
-from titan.data import TitanDataLoader
+from titan.config.sections.validation import Validation
+from titan.data import MixtureLoader, TitanDataLoader
 from titan.errors import TitanError
-from titan.training.loss import IGNORE_INDEX, cross_entropy_sum
-from titan.training.metrics import MetricsProcessor
+from titan.log import logger
 from titan.parallel.cp import SeqBuffer, cp_shard_batch
 from titan.parallel.dims import ParallelDims
-from titan.log import logger
+from titan.training.loss import IGNORE_INDEX, cross_entropy_sum
+from titan.training.metrics import MetricsProcessor
 
 __all__ = ["Validator"]
 
@@ -49,28 +49,30 @@ __all__ = ["Validator"]
 class Validator:
     def __init__(
         self,
-        config: JobConfig,
+        cfg: Validation,
         *,
+        last_step: int,
         model_parts: list[nn.Module],
         parallel_dims: ParallelDims,
-        loader: TitanDataLoader,
+        loader: TitanDataLoader | MixtureLoader,
         device: torch.device,
         metrics: MetricsProcessor,
-        forward_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         cp_buffers: Sequence[SeqBuffer] = (),
+        cp_rotate_method: str = "allgather",
     ) -> None:
-        # config has passed Validation.validate (load_config) and the layout
-        # checks (CP: the sequence length splits into 2 x cp chunks, titan.parallel.dims.check_layout)
-        v = config.validation
-        self.freq, self.steps, self.last_step = v.freq, v.steps, config.training.steps
+        """``cfg`` has passed its checks and the layout checks (CP: the sequence length splits into
+        2 x cp chunks, titan.training.plan.check_run); ``last_step``: training.steps (validated too);
+        ``loss_sum(inputs, labels)``: the summed token loss of one batch (default: the plain
+        single-module forward)."""
+        self.freq, self.steps, self.last_step = cfg.freq, cfg.steps, last_step
         self.model_parts = model_parts
         self.parallel_dims = parallel_dims
         self.device = device
         self.metrics = metrics
-        if forward_loss_sum is not None:
-            self.forward_loss_sum = forward_loss_sum  # type: ignore[method-assign]
+        self.loss_sum = loss_sum if loss_sum is not None else self._single_module_loss_sum
         # Context parallel: the model's position-indexed buffers that follow each batch's sequence shard.
-        self.cp_buffers, self.rotate_method = list(cp_buffers), config.parallelism.context_parallel_rotate_method
+        self.cp_buffers, self.rotate_method = list(cp_buffers), cp_rotate_method
         self.loader = loader  # one pass over the held-out set (titan/training/build.py: build_loader)
         self._start = self.loader.state_dict()
         self.history: dict[int, float] = {}
@@ -84,9 +86,10 @@ class Validator:
 
     def _shard_context(self, inputs: torch.Tensor, labels: torch.Tensor) -> contextlib.AbstractContextManager:
         """This cp rank's sequence shard of the batch (the whole batch without CP)."""
-        if not self.parallel_dims.cp_enabled:
+        cp = self.parallel_dims.submesh("cp")  # None without CP
+        if cp is None:
             return contextlib.nullcontext((inputs, labels))
-        return cp_shard_batch(self.parallel_dims.submesh("cp"), inputs, labels, self.cp_buffers, self.rotate_method)
+        return cp_shard_batch(cp, inputs, labels, self.cp_buffers, self.rotate_method)
 
     def _all_have_batch(self, has: bool) -> bool:
         group = self._dp_group()
@@ -96,7 +99,7 @@ class Validator:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         return bool(flag.item())
 
-    def forward_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _single_module_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum of the token losses of one batch (fp32); single module, no TP/PP."""
         return cross_entropy_sum(self.model_parts[0](inputs), labels)
 
@@ -126,7 +129,7 @@ class Validator:
         try:
             for full_inputs, full_labels, source in self._batches():
                 with self._shard_context(full_inputs, full_labels) as (inputs, labels):
-                    per_source[source, 0] += self.forward_loss_sum(inputs, labels).double()
+                    per_source[source, 0] += self.loss_sum(inputs, labels).double()
                     per_source[source, 1] += (labels != IGNORE_INDEX).sum()
         finally:
             for m in self.model_parts:

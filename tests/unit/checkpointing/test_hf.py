@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.helpers.tiny import assert_bitwise, random_model, small_args
-from titan.errors import TitanError
-from titan.checkpointing.model_dcp import read_model_tensors, save_model_dcp
 from titan.checkpointing.hf import export_dcp_to_hf, import_hf_to_dcp, load_hf, save_hf
+from titan.checkpointing.model_dcp import read_model_tensors, save_model_dcp
+from titan.errors import TitanError
 from titan.models import get_model_spec
 from titan.models.llama.model import Transformer, ffn_hidden_dim
 from titan.models.llama.state_dict_adapter import args_to_hf_config, from_hf, hf_config_to_args, to_hf

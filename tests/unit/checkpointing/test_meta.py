@@ -6,13 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan.checkpointing.model_dcp import load_model_from_dcp, read_model_args, read_model_tensors
 from titan.config import load_config
 from titan.errors import TitanError
-from titan.checkpointing.model_dcp import load_model_from_dcp, read_model_args, read_model_tensors
-from titan.training.loss import cross_entropy_sum
 from titan.models.llama.args import TransformerModelArgs, get_model_args
 from titan.models.llama.meta_checkpoint import _merge
 from titan.models.llama.model import Transformer
+from titan.training.loss import cross_entropy_sum
 from titan.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]

@@ -16,8 +16,9 @@ from titan.checkpointing.hf import import_hf_to_dcp, save_hf
 from titan.config import load_config
 from titan.data import build_tokenizer
 from titan.errors import TitanError
+from titan.models import get_model_spec, model_args_from_config
 from titan.models.llama import Transformer
-from titan.training.build import model_spec_and_args, run_model_args
+from titan.training.plan import run_model_args
 from titan.training.trainer import Trainer
 
 RUN = [*TINY_RUN, "--training.steps", "1", "--checkpoint.enable"]
@@ -25,7 +26,7 @@ RUN = [*TINY_RUN, "--training.steps", "1", "--checkpoint.enable"]
 
 def _run_args():
     config = load_config(RUN)
-    _, args = model_spec_and_args(config)
+    args = model_args_from_config(get_model_spec(config.model.name), config.model)
     return run_model_args(config, args, build_tokenizer("").vocab_size)
 
 

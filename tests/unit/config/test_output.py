@@ -6,12 +6,12 @@ import dataclasses
 import os
 import subprocess
 import sys
-import tomllib
 import types
 import typing
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from titan.config import JobConfig, format_help, load_config, save_config, to_toml
 from titan.config.manager import _flatten_toml, _set, section_fields, sections

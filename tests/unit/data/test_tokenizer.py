@@ -223,8 +223,9 @@ def test_hf_config_overrides_specials(tmp_path: Path) -> None:
 
 
 def test_sentencepiece_trained(tmp_path: Path) -> None:
-    import sentencepiece as spm
     from pydoc_data.topics import topics
+
+    import sentencepiece as spm
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(topics[k] for k in sorted(topics)[:10]), encoding="utf-8")

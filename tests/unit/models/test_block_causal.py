@@ -14,7 +14,7 @@ from titan.models.documents import document_ids
 from titan.models.llama.masks import varlen_mask
 from titan.models.llama.model import Transformer
 from titan.parallel.dims import ParallelDims
-from titan.training.build import check_run_layout
+from titan.training.plan import check_run
 
 BOS, EOS, SEQ = 1, 2, 32
 # Three documents packed into one window, the last one cut by the window's end (no EOS).
@@ -84,9 +84,9 @@ def test_config_refusals():
     config = load_config(["--model.attn_type", "varlen", "--model.attn_mask_type", "block_causal",
                           "--training.mixed_precision_param", "float32"])
     dims = ParallelDims(1, 1, 1, 1, 1, 1)
-    check_run_layout(config, dims, TINY, "cpu")  # SDPA with the document mask on CPU: any dtype
+    check_run(config, dims, TINY, "cpu")  # SDPA with the document mask on CPU: any dtype
     with pytest.raises(TitanError, match=r"flash varlen kernel on CUDA, which takes bfloat16"):
-        check_run_layout(config, dims, TINY, "cuda")
+        check_run(config, dims, TINY, "cuda")
 
 
 @pytest.mark.parametrize("attn_type", ["sdpa", "varlen"])

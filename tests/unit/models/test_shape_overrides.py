@@ -10,9 +10,9 @@ import pytest
 
 from titan.config import load_config
 from titan.errors import TitanError
-from titan.training.checks import load_job
 from titan.models import get_model_spec, model_args_from_config
 from titan.models.llama import llama3_configs
+from titan.training.checks import load_job
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -13,10 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.helpers.tiny import TINY, batch, build
 from titan.config import load_config
 from titan.errors import TitanError
-from titan.training.checks import load_job
-from titan.training.loss import cross_entropy_sum
 from titan.parallel.ac import apply_ac, parse_selective_option
 from titan.parallel.init import canonical_fqn
+from titan.training.checks import load_job
+from titan.training.loss import cross_entropy_sum
 
 FOUR = replace(TINY, n_layers=4)
 

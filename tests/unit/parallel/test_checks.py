@@ -5,9 +5,9 @@ from dataclasses import replace
 import pytest
 import torch.distributed as dist
 
+from tests.helpers.tiny import TINY
 from titan.config import load_config
 from titan.errors import TitanError
-from tests.helpers.tiny import TINY
 from titan.models.llama.pipeline import split_stage
 from titan.parallel.dims import ParallelDims, check_layout
 from titan.parallel.pp import describe_split, num_stages, spread_modules, stage_ids_this_rank

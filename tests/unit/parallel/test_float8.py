@@ -15,8 +15,8 @@ from tests.helpers.tiny import TINY, batch, build, train_losses
 from titan.config import load_config
 from titan.config.job_config import Float8 as Float8Config
 from titan.errors import TitanError
-from titan.training.checks import load_job
 from titan.parallel.float8 import build_precompute_hook, check_float8_hardware, convert_to_float8
+from titan.training.checks import load_job
 
 REPO = Path(__file__).resolve().parents[3]
 TINY_2K = replace(TINY, vocab_size=2048)  # the shipped tokenizer's vocabulary, for the Trainer
@@ -170,9 +170,9 @@ def test_fsdp2_float8_all_gather_with_precomputed_scales_matches_one_process(tmp
 
 def test_float8_with_activation_checkpointing_gives_identical_grads():
     from tests.helpers.tiny import batch
-    from titan.training.loss import cross_entropy_sum
     from titan.parallel.ac import apply_ac
     from titan.parallel.init import canonical_fqn
+    from titan.training.loss import cross_entropy_sum
 
     results = []
     for mode in ("none", "selective", "full"):

@@ -6,8 +6,9 @@ import pytest
 import torch.distributed as dist
 
 from titan.config import load_config
-from titan.tools.dry_run import DryRunReport, format_report, run_dry_run
 from titan.errors import TitanError
+from titan.tools.dry_run import DryRunReport, format_report, run_dry_run
+from titan.training.plan import plan_run
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -102,6 +103,7 @@ def test_tp_pp_hsdp_layout_splits_stages_and_counts_tp_replicas_once():
     assert sum(report.per_rank_params) > 2 * report.model_params
     text = format_report(report, config)
     assert "pp rank 1: layers 3-5 (3) + norm, output" in text and "replicated copies included" in text
+    assert "gradient accumulation: 1 micro-batch(es) per step" in text
 
 
 def test_bad_layout_fails_like_the_real_launch():
@@ -117,7 +119,8 @@ def test_dry_run_refuses_to_run_under_a_launcher(monkeypatch):
 
 
 def test_mismatch_is_reported_not_hidden():
-    report = DryRunReport(2, "m", {"pp": 1}, ["stage"], model_params=10, per_rank_params=[4, 5],
+    plan = plan_run(load_config([]), 2, "cuda", data_here=False)
+    report = DryRunReport(plan, 2, "m", {"pp": 1}, ["stage"], model_params=10, per_rank_params=[4, 5],
                           distinct_shard_params=9, memory=[{"params": 0.0}] * 2)
     assert not report.ok
     assert "DOES NOT MATCH the model's 10" in format_report(report, load_config([]))

@@ -10,9 +10,9 @@ import torch
 
 from tests.helpers.distributed import cpu_env
 from tests.helpers.tiny import random_model, small_args
+from titan.checkpointing.hf import import_hf_to_dcp, save_hf
 from titan.errors import TitanError
 from titan.tools.generate import generate, load_model, sample
-from titan.checkpointing.hf import import_hf_to_dcp, save_hf
 
 REPO = Path(__file__).resolve().parents[3]
 PROMPT = [5, 17, 99, 3, 64, 21, 8]

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 
-from titan.training.determinism import DeterministicMode
 from tests.helpers.runs import signal_during
 from tests.helpers.runs import trainer as tiny_trainer
+from titan.training.determinism import DeterministicMode
 
 
 def _settings() -> tuple:

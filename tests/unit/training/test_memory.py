@@ -11,10 +11,10 @@ import torch
 
 from tests.helpers.tiny import TINY, build, patch_flavors
 from titan.config import load_config
-from titan.training.loss import cross_entropy_sum
+from titan.errors import TitanError
 from titan.models.llama import get_model_args
 from titan.parallel.ac import apply_ac
-from titan.errors import TitanError
+from titan.training.loss import cross_entropy_sum
 from titan.training.memory import LiveBytes, estimate_memory
 
 REPO = Path(__file__).resolve().parents[3]
@@ -105,8 +105,8 @@ def test_script_prints_a_table(tiny_flavor):
         import estimate_memory as script
     finally:
         sys.path.pop(0)
-    from io import StringIO
     from contextlib import redirect_stdout
+    from io import StringIO
 
     out = StringIO()
     with redirect_stdout(out):

@@ -13,13 +13,19 @@ from tests.helpers.tiny import TINY
 from titan.config import load_config
 from titan.config.job_config import Job, JobConfig, Metrics
 from titan.errors import TitanError
+from titan.models.llama.model import Transformer
 from titan.training.checks import load_job
 from titan.training.metrics import MetricsProcessor
-from titan.models.llama.model import Transformer
 from titan.training.optim import build_optimizers, cast_params_for_optimizer
+from titan.training.plan import plan_run
 from titan.training.profiling import Profiler
 
 REPO = Path(__file__).resolve().parents[3]
+
+
+def _processor(cfg: JobConfig, *, rank: int, flops: int = 1) -> MetricsProcessor:
+    return MetricsProcessor(cfg.metrics, dump_folder=cfg.job.dump_folder, rank=rank, device=torch.device("cpu"),
+                            num_flops_per_token=flops)
 
 
 def test_wandb_offline_run_writes_files(tmp_path, monkeypatch):
@@ -29,7 +35,8 @@ def test_wandb_offline_run_writes_files(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = JobConfig(job=Job(dump_folder=str(tmp_path)),
                     metrics=Metrics(enable_wandb=True, enable_jsonl=False, wandb_run_name="unit"))
-    mp = MetricsProcessor(cfg, rank=0, device=torch.device("cpu"), num_flops_per_token=10)
+    mp = MetricsProcessor(cfg.metrics, dump_folder=cfg.job.dump_folder, rank=0, device=torch.device("cpu"),
+                          num_flops_per_token=10, run_config={"job": {"dump_folder": str(tmp_path)}})
     assert mp.wandb.project == "titan-test" and mp.wandb.name == "unit"
     mp.count_tokens(100)
     mp.log(1, loss=2.0, grad_norm=1.0, lr=1e-3, extra={"param_norm": 3.0})
@@ -50,21 +57,21 @@ def test_wandb_missing_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     cfg = JobConfig(job=Job(dump_folder=str(tmp_path)), metrics=Metrics(enable_wandb=True, enable_jsonl=False))
     with pytest.raises(TitanError, match=r"metrics.enable_wandb needs the wandb package: pip install 'titan\[wandb\]'"):
-        MetricsProcessor(cfg, rank=0, device=torch.device("cpu"), num_flops_per_token=10)
+        _processor(cfg, rank=0, flops=10)
 
 
 def test_log_rank_selects_the_writer(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     cfg = JobConfig(job=Job(dump_folder=str(tmp_path)), metrics=Metrics(log_rank=4))
     with pytest.raises(TitanError, match="metrics.log_rank' got 4.*below the world size 4"):
-        MetricsProcessor(cfg, rank=0, device=torch.device("cpu"), num_flops_per_token=1)
+        _processor(cfg, rank=0)
     cfg.metrics.log_rank = 1
-    assert not MetricsProcessor(cfg, rank=0, device=torch.device("cpu"), num_flops_per_token=1).log_this_rank
-    mp = MetricsProcessor(cfg, rank=1, device=torch.device("cpu"), num_flops_per_token=1)
+    assert not _processor(cfg, rank=0).log_this_rank
+    mp = _processor(cfg, rank=1)
     assert mp.log_this_rank and mp.jsonl_path is not None
     mp.close()
     cfg.metrics.log_rank = -1
-    mp = MetricsProcessor(cfg, rank=3, device=torch.device("cpu"), num_flops_per_token=1)
+    mp = _processor(cfg, rank=3)
     assert mp.jsonl_path.endswith("-rank3.jsonl")
     mp.close()
 
@@ -72,7 +79,7 @@ def test_log_rank_selects_the_writer(tmp_path, monkeypatch):
 def test_memory_snapshot_on_cpu_is_an_error(tmp_path):
     c = load_config(["--job.dump_folder", str(tmp_path), "--profiling.enable_memory_snapshot"])
     with pytest.raises(TitanError, match="profiling.enable_memory_snapshot needs CUDA.*this run is on cpu"):
-        Profiler(c, rank=0, device=torch.device("cpu"))
+        plan_run(c, 1, "cpu")
 
 
 def test_memory_snapshot_wiring_on_cuda(tmp_path, monkeypatch):
@@ -84,7 +91,7 @@ def test_memory_snapshot_wiring_on_cuda(tmp_path, monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", observers.append, raising=False)
     c = load_config(["--job.dump_folder", str(tmp_path), "--profiling.enable_memory_snapshot",
                      "--profiling.profile_freq", "2"])
-    prof = Profiler(c, rank=3, device=torch.device("cuda", 0))
+    prof = Profiler(c.profiling, dump_folder=c.job.dump_folder, rank=3, device=torch.device("cuda", 0))
     prof.step(1)
     prof.step(2)
     observers[0](0, 2**30, 2**34, 2**20)  # what the allocator calls on OOM

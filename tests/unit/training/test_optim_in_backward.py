@@ -10,8 +10,8 @@ from tests.helpers.runs import trainer as tiny_trainer
 from tests.helpers.tiny import patch_flavors
 from titan.config import load_config
 from titan.errors import TitanError
-from titan.training.build import build_parallel_dims, check_run_layout, model_spec_and_args
 from titan.training.optim_in_backward import OptimizersInBackward
+from titan.training.plan import plan_run
 
 EARLY = ("--optimizer.early_step_in_backward", "true", "--training.max_norm", "0")
 
@@ -35,13 +35,11 @@ EARLY = ("--optimizer.early_step_in_backward", "true", "--training.max_norm", "0
 ])
 def test_refused_in_one_line(world, flags, needles, device="cpu"):
     config = load_config(["--training.seq_len", "32", *flags])
-    dims = build_parallel_dims(config, world)
-    _, model_args = model_spec_and_args(config)
     if not needles:
-        check_run_layout(config, dims, model_args, device)
+        plan_run(config, world, device)
         return
     with pytest.raises(TitanError) as info:
-        check_run_layout(config, dims, model_args, device)
+        plan_run(config, world, device)
     line = str(info.value)
     assert "\n" not in line and all(n in line for n in needles), line
 

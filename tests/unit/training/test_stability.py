@@ -13,7 +13,6 @@ from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.training.stability import SpikeDetector, StabilityMonitor, param_norm
 
-
 # Loss and grad norm of every step of the default demo (./run_train.sh: 150 steps of the debug model).
 DEMO = json.loads((Path(__file__).resolve().parents[2] / "fixtures" / "demo_curves.json").read_text())
 
@@ -67,17 +66,15 @@ def test_loss_spike_is_relative():
 
 def _monitor(policy: str, max_skips: int = 2) -> StabilityMonitor:
     c = JobConfig()
-    c.training.nonfinite = policy
-    c.training.nonfinite_max_consecutive_skips = max_skips
     c.stability.grad_norm_spike_window = 2
-    return StabilityMonitor(c)
+    return StabilityMonitor(c.stability, nonfinite=policy, max_consecutive_skips=max_skips)
 
 
 def _log_step(m: StabilityMonitor, step: int, loss: float, grad_norm: float) -> bool:
     """One step logged (log_freq = 1): the device decision, then the log step's read."""
     loss_t, grad_norm_t = torch.tensor(loss), torch.tensor(grad_norm)
     apply = m.check(step, loss_t, grad_norm_t)
-    m.read(step, {"loss": loss_t, "grad_norm": grad_norm_t})
+    m.read(step, loss_t, grad_norm_t)
     return bool(apply)
 
 
@@ -121,11 +118,11 @@ def test_grad_norm_spike_between_log_steps_is_seen_at_the_next_one():
         for _ in range(3):
             step += 1
             m.check(step, torch.tensor(2.0), torch.tensor(1.0))
-        m.read(step, {"loss": torch.tensor(2.0), "grad_norm": torch.tensor(1.0)})
+        m.read(step, torch.tensor(2.0), torch.tensor(1.0))
     m.check(10, torch.tensor(2.0), torch.tensor(10.0))  # a 10x grad norm on a step that logs nothing
     m.check(11, torch.tensor(2.0), torch.tensor(1.0))
     m.check(12, torch.tensor(2.0), torch.tensor(1.0))
-    m.read(12, {"loss": torch.tensor(2.0), "grad_norm": torch.tensor(1.0)})
+    m.read(12, torch.tensor(2.0), torch.tensor(1.0))
     assert (m.grad_norm.events, m.grad_norm.spike_steps) == (1, 1)
 
 

@@ -121,7 +121,8 @@ def test_checkpoint_save_time_is_not_in_tokens_per_second(tmp_path, monkeypatch)
 @pytest.mark.parametrize("log_freq", [1, 5])
 def test_metrics_console_names_the_checkpoint_time(tmp_path, caplog, log_freq):
     config = _config(tmp_path, "--metrics.log_freq", str(log_freq), "--metrics.enable_jsonl", "false")
-    m = MetricsProcessor(config, rank=0, device=torch.device("cpu"), num_flops_per_token=1)
+    m = MetricsProcessor(config.metrics, dump_folder=config.job.dump_folder, rank=0, device=torch.device("cpu"),
+                         num_flops_per_token=1)
     m.count_tokens(100)
     m.add_checkpoint_time(0.5)
     with caplog.at_level("INFO", logger="titan"):

@@ -7,10 +7,12 @@ import torch
 from tests.helpers.distributed import run_distributed
 from titan.config import load_config
 from titan.data import build_tokenizer
+from titan.models import get_model_spec, model_args_from_config
 from titan.models.llama.parallelize import apply_llama_cp, cp_buffers
 from titan.parallel.dims import ParallelDims
-from titan.training.build import build_loader, model_spec_and_args, run_model_args
+from titan.training.build import build_loader
 from titan.training.metrics import MetricsProcessor
+from titan.training.plan import run_model_args
 from titan.training.validator import Validator
 
 # flex CP on CPU: seq_len a multiple of 2 x cp x 128
@@ -23,7 +25,8 @@ def _validation_loss(cp: int, world: int, folder: str) -> float:
     dims = ParallelDims(1, 1, cp, 1, 1, world)
     if world > 1:
         dims.build_mesh("cpu")
-    spec, args = model_spec_and_args(config)
+    spec = get_model_spec(config.model.name)
+    args = model_args_from_config(spec, config.model)
     tokenizer = build_tokenizer(config.model.tokenizer_path)
     args = run_model_args(config, args, tokenizer.vocab_size)
     torch.manual_seed(0)
@@ -31,10 +34,12 @@ def _validation_loss(cp: int, world: int, folder: str) -> float:
     model.init_weights()
     if cp > 1:
         apply_llama_cp(model, dims.submesh("cp"), "flex")
-    metrics = MetricsProcessor(config, rank=0, device=torch.device("cpu"), num_flops_per_token=1)
-    validator = Validator(config, model_parts=[model], parallel_dims=dims,
+    metrics = MetricsProcessor(config.metrics, dump_folder=config.job.dump_folder, rank=0, device=torch.device("cpu"),
+                               num_flops_per_token=1)
+    validator = Validator(config.validation, last_step=config.training.steps, model_parts=[model], parallel_dims=dims,
                           loader=build_loader(config, tokenizer, dims, validation=True), device=torch.device("cpu"),
-                          metrics=metrics, cp_buffers=cp_buffers(model) if cp > 1 else ())
+                          metrics=metrics, cp_buffers=cp_buffers(model) if cp > 1 else (),
+                          cp_rotate_method=config.parallelism.context_parallel_rotate_method)
     loss = validator.validate(1)
     assert model.freqs_cis.shape[0] == 512  # the RoPE table is whole again after the pass
     return loss
