@@ -239,8 +239,8 @@ class TitanDataLoader:
         parts.append(f"{len(rows)} buffered document(s) re-read and re-tokenized")
         logger.info(f"data loader resume (dp rank {self.dp_rank}): " + "; ".join(parts))
 
-    def load_state_dict(self, state: dict) -> None:
-        saved = self._check(state)
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = self._check(state_dict)
         if saved is not None:
             self._restore(saved)
 

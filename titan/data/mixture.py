@@ -135,8 +135,8 @@ class MixtureLoader:
                         f"goes on from window {saved.t} with the new shares")
         return saved
 
-    def load_state_dict(self, state: dict) -> None:
-        saved = self._check(state)
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = self._check(state_dict)
         if saved is None:
             return
         for loader, source_state in zip(self.loaders, saved.sources):
