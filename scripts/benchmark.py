@@ -51,8 +51,11 @@ GPU_CONFIGS = [
     ("compile", _COMPILE),
     ("float8-tensorwise", f"{_COMPILE} {FLOAT8} --float8.recipe tensorwise"),
     # torchao has no float8 all-gather for rowwise scales: FSDP gathers bf16 weights there.
-    ("float8-rowwise", f"{_COMPILE} {FLOAT8} --float8.recipe rowwise --float8.enable_fsdp_float8_all_gather false "
-                       "--float8.precompute_float8_dynamic_scale_for_fsdp false"),
+    (
+        "float8-rowwise",
+        f"{_COMPILE} {FLOAT8} --float8.recipe rowwise --float8.enable_fsdp_float8_all_gather false "
+        "--float8.precompute_float8_dynamic_scale_for_fsdp false",
+    ),
     ("ac-none", f"{_EAGER} --activation_checkpoint.mode none"),
     ("ac-selective", f"{_EAGER} --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op"),
     ("ac-full", f"{_EAGER} --activation_checkpoint.mode full"),
@@ -64,14 +67,35 @@ GPU_CONFIGS = [
 # 2,020-token tokenizer; the shipped one has 2,048, so FLOPs/token are within 0.1%).
 PRESETS = {
     "llama3_8b_8layers": {
-        "warmup": 10, "steps": 20,
+        "warmup": 10,
+        "steps": 20,
         "args": [
-            "--job.config_file", str(REPO / "train_configs/llama3_8b.toml"), "--model.n_layers", "8",
-            "--model.tokenizer_path", "", "--training.dataset", "pydoc", "--training.seq_len", "8192",
-            "--training.local_batch_size", "1", "--training.mixed_precision_param", "bfloat16",
-            "--optimizer.implementation", "fused", "--optimizer.lr", "3e-4", "--lr_scheduler.warmup_steps", "5",
-            "--training.max_norm", "1", "--activation_checkpoint.mode", "selective",
-            "--activation_checkpoint.selective_ac_option", "op",
+            "--job.config_file",
+            str(REPO / "train_configs/llama3_8b.toml"),
+            "--model.n_layers",
+            "8",
+            "--model.tokenizer_path",
+            "",
+            "--training.dataset",
+            "pydoc",
+            "--training.seq_len",
+            "8192",
+            "--training.local_batch_size",
+            "1",
+            "--training.mixed_precision_param",
+            "bfloat16",
+            "--optimizer.implementation",
+            "fused",
+            "--optimizer.lr",
+            "3e-4",
+            "--lr_scheduler.warmup_steps",
+            "5",
+            "--training.max_norm",
+            "1",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
         ],
     },
 }
@@ -102,8 +126,11 @@ def run_single(argv: list[str], warmup: int, steps: int, out_path: str) -> None:
     trainer.train()
     if trainer.rank != 0:
         return
-    rows = [json.loads(line) for f in Path(config.job.dump_folder, config.metrics.save_jsonl_folder).glob("*.jsonl")
-            for line in f.read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for f in Path(config.job.dump_folder, config.metrics.save_jsonl_folder).glob("*.jsonl")
+        for line in f.read_text().splitlines()
+    ]
     timed = [r for r in rows if "grad_norm" in r and r["step"] > warmup]
     if len(timed) < steps:
         raise SystemExit(f"benchmark: {len(timed)} of {steps} timed steps ran (the dataset ran out?)")
@@ -112,13 +139,22 @@ def run_single(argv: list[str], warmup: int, steps: int, out_path: str) -> None:
     peak = get_peak_flops(name) if cuda else None  # dense bf16 peak for every row
     tflops = statistics.median(r["tflops"] for r in timed)
     step_times = [r["time_metrics/end_to_end(s)"] for r in timed]
-    Path(out_path).write_text(json.dumps({
-        "step_s": statistics.median(step_times), "step_s_min": min(step_times), "step_s_max": max(step_times),
-        "tokens_per_s": statistics.median(r["throughput(tps)"] for r in timed), "tflops": tflops,
-        "mfu": 100 * tflops * 1e12 / peak if peak else None,
-        "peak_gib": max(r["memory/max_reserved(GiB)" if cuda else "memory/rss(GiB)"] for r in timed),
-        "loss": timed[-1]["loss_metrics/global_avg_loss"], "device": name, "torch": torch.__version__,
-    }))
+    Path(out_path).write_text(
+        json.dumps(
+            {
+                "step_s": statistics.median(step_times),
+                "step_s_min": min(step_times),
+                "step_s_max": max(step_times),
+                "tokens_per_s": statistics.median(r["throughput(tps)"] for r in timed),
+                "tflops": tflops,
+                "mfu": 100 * tflops * 1e12 / peak if peak else None,
+                "peak_gib": max(r["memory/max_reserved(GiB)" if cuda else "memory/rss(GiB)"] for r in timed),
+                "loss": timed[-1]["loss_metrics/global_avg_loss"],
+                "device": name,
+                "torch": torch.__version__,
+            }
+        )
+    )
 
 
 def run_variant(base: list[str], extra: str, warmup: int, steps: int, nproc: int) -> dict:
@@ -200,16 +236,35 @@ def main(argv: list[str]) -> None:
             continue
         device, torch_version = r["device"], r["torch"]
         base_tps = base_tps or r["tokens_per_s"]
-        rows.append([
-            name, f"{1000 * r['step_s']:.1f}", f"{1000 * r['step_s_min']:.0f}-{1000 * r['step_s_max']:.0f}",
-            f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base_tps:.2f}x", f"{r['tflops']:,.2f}",
-            f"{r['mfu']:.1f}%" if r["mfu"] is not None else "n/a", f"{r['peak_gib']:,.2f}", f"{r['loss']:.4f}",
-        ])
+        rows.append(
+            [
+                name,
+                f"{1000 * r['step_s']:.1f}",
+                f"{1000 * r['step_s_min']:.0f}-{1000 * r['step_s_max']:.0f}",
+                f"{r['tokens_per_s']:,.0f}",
+                f"{r['tokens_per_s'] / base_tps:.2f}x",
+                f"{r['tflops']:,.2f}",
+                f"{r['mfu']:.1f}%" if r["mfu"] is not None else "n/a",
+                f"{r['peak_gib']:,.2f}",
+                f"{r['loss']:.4f}",
+            ]
+        )
     memory = "CUDA max reserved" if device != "cpu" else "the process's resident memory, imports and data included"
-    print(f"device: {device} x {nproc}; torch {torch_version}; {warmup} warm-up + {steps} timed steps (medians);"
-          f" MFU vs the dense bf16 peak; peak mem: {memory}; overrides: {shlex.join(argv)}")
-    headers = ["config", "median step (ms)", "min-max (ms)", "tokens/s/device", "vs first", "TFLOP/s/device",
-               "MFU", "peak mem (GiB)", "last loss"]
+    print(
+        f"device: {device} x {nproc}; torch {torch_version}; {warmup} warm-up + {steps} timed steps (medians);"
+        f" MFU vs the dense bf16 peak; peak mem: {memory}; overrides: {shlex.join(argv)}"
+    )
+    headers = [
+        "config",
+        "median step (ms)",
+        "min-max (ms)",
+        "tokens/s/device",
+        "vs first",
+        "TFLOP/s/device",
+        "MFU",
+        "peak mem (GiB)",
+        "last loss",
+    ]
     print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
 
 

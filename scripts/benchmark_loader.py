@@ -74,11 +74,20 @@ def run_rank(make, rank: int, resume_at: list[int], max_docs: int) -> dict:
     elapsed = time.perf_counter() - start
     bar.close()
     if todo:
-        raise TitanError(f"--resume_at {todo[0]} is past the {_docs(loader)} {_unit(loader)} dp rank 0 reads; "
-                         "use smaller positions or --max_docs 0")
+        raise TitanError(
+            f"--resume_at {todo[0]} is past the {_docs(loader)} {_unit(loader)} dp rank 0 reads; "
+            "use smaller positions or --max_docs 0"
+        )
     stats = loader.read_stats()
-    return {"docs": _docs(loader), "unit": _unit(loader), "tokens": tokens, "s": elapsed, "states": states,
-            "bytes_read": stats["bytes_read"], "bytes_total": stats["bytes_total"]}
+    return {
+        "docs": _docs(loader),
+        "unit": _unit(loader),
+        "tokens": tokens,
+        "s": elapsed,
+        "states": states,
+        "bytes_read": stats["bytes_read"],
+        "bytes_total": stats["bytes_total"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,11 +113,21 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = build_tokenizer(args.tokenizer)
 
     def make(rank: int, infinite: bool = True):
-        return build_dataloader(dataset=args.dataset, dataset_path=args.dataset_path, text_field="text",
-                                tokenizer=tokenizer, seq_len=args.seq_len, local_batch_size=args.batch_size,
-                                dp_rank=rank, dp_world_size=args.dp, num_workers=args.workers, infinite=infinite,
-                                mixture=mixture, mixture_exhausted="restart" if infinite else "stop",
-                                shuffle_seed=args.shuffle_seed)
+        return build_dataloader(
+            dataset=args.dataset,
+            dataset_path=args.dataset_path,
+            text_field="text",
+            tokenizer=tokenizer,
+            seq_len=args.seq_len,
+            local_batch_size=args.batch_size,
+            dp_rank=rank,
+            dp_world_size=args.dp,
+            num_workers=args.workers,
+            infinite=infinite,
+            mixture=mixture,
+            mixture_exhausted="restart" if infinite else "stop",
+            shuffle_seed=args.shuffle_seed,
+        )
 
     try:
         mixture = load_config(["--training.mixture", args.mixture]).training.mixture if args.mixture else None
@@ -125,16 +144,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     seconds = sum(r["s"] for r in ranks)
     for r, res in enumerate(ranks):
-        print(f"dp rank {r}: {res['docs']:,} {res['unit']}, {res['tokens']:,} tokens in {res['s']:.1f} s, "
-              f"read {res['bytes_read']} of {res['bytes_total']} bytes", file=sys.stderr)
-    print(json.dumps({
-        "unit": ranks[0]["unit"],
-        "docs_per_s": round(sum(r["docs"] for r in ranks) / seconds, 1),
-        "tokens_per_s": round(sum(r["tokens"] for r in ranks) / seconds, 1),
-        "resume_s": resume_s,
-        "bytes_read_per_rank": [r["bytes_read"] for r in ranks],
-        "bytes_total": ranks[0]["bytes_total"],
-    }))
+        print(
+            f"dp rank {r}: {res['docs']:,} {res['unit']}, {res['tokens']:,} tokens in {res['s']:.1f} s, "
+            f"read {res['bytes_read']} of {res['bytes_total']} bytes",
+            file=sys.stderr,
+        )
+    print(
+        json.dumps(
+            {
+                "unit": ranks[0]["unit"],
+                "docs_per_s": round(sum(r["docs"] for r in ranks) / seconds, 1),
+                "tokens_per_s": round(sum(r["tokens"] for r in ranks) / seconds, 1),
+                "resume_s": resume_s,
+                "bytes_read_per_rank": [r["bytes_read"] for r in ranks],
+                "bytes_total": ranks[0]["bytes_total"],
+            }
+        )
+    )
     return 0
 
 

@@ -61,23 +61,50 @@ LOSS_KEY = "loss_metrics/global_avg_loss"
 
 
 def _args(dump: Path, interval: int, steps: int) -> list[str]:
-    return ["--job.dump_folder", str(dump), "--training.steps", str(steps), "--lr_scheduler.decay_ratio", "0",
-            "--checkpoint.enable", "--checkpoint.interval", str(interval), "--metrics.enable_jsonl",
-            "--metrics.enable_tensorboard", "false", "--metrics.disable_color_printing"]
+    return [
+        "--job.dump_folder",
+        str(dump),
+        "--training.steps",
+        str(steps),
+        "--lr_scheduler.decay_ratio",
+        "0",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        str(interval),
+        "--metrics.enable_jsonl",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.disable_color_printing",
+    ]
 
 
 class Launch:
     """./run_train.sh in its own process group; every output line kept with its arrival time."""
 
     def __init__(self, args: list[str], log: Path, **env: str) -> None:
-        environ = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", HF_DATASETS_OFFLINE="1",
-                       HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO),
-                       PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", **env)
+        environ = dict(
+            os.environ,
+            NGPU="2",
+            OMP_NUM_THREADS="1",
+            CUDA_VISIBLE_DEVICES="",
+            HF_DATASETS_OFFLINE="1",
+            HF_HUB_OFFLINE="1",
+            PYTHONPATH=str(REPO),
+            PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+            **env,
+        )
         environ.pop("TITAN_DEBUG_KILL_AT", None)
         self.lines: list[tuple[float, str]] = []
         self.log = open(log, "w")
-        self.proc = subprocess.Popen(["./run_train.sh", *args], cwd=REPO, env=environ, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            ["./run_train.sh", *args],
+            cwd=REPO,
+            env=environ,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 

@@ -46,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     to_torch = sub.add_parser("dcp_to_torch", help="DCP folder -> one torch.save file")
     to_torch.add_argument("dcp_dir")
     to_torch.add_argument("torch_file")
-    to_torch.add_argument("--all_state", action="store_true",
-                          help="keep everything (optimizer, dataloader, ...), not only the model tensors")
+    to_torch.add_argument(
+        "--all_state",
+        action="store_true",
+        help="keep everything (optimizer, dataloader, ...), not only the model tensors",
+    )
     from_torch = sub.add_parser("torch_to_dcp", help="torch.save file -> DCP folder")
     from_torch.add_argument("torch_file")
     from_torch.add_argument("dcp_dir")

@@ -29,10 +29,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("meta_ckpt_dir", help="folder with params.json and consolidated.*.pth")
     p.add_argument("out_dcp_dir", help="new (or empty) output folder")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="cast the weights (default: keep the checkpoint's dtype, bfloat16 for Meta releases)")
-    p.add_argument("--rope_scale_factor", type=float, default=None,
-                   help="Llama 3.1 RoPE scale factor when use_scaled_rope is set (default 8; Llama 3.2 1B/3B use 32)")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="cast the weights (default: keep the checkpoint's dtype, bfloat16 for Meta releases)",
+    )
+    p.add_argument(
+        "--rope_scale_factor",
+        type=float,
+        default=None,
+        help="Llama 3.1 RoPE scale factor when use_scaled_rope is set (default 8; Llama 3.2 1B/3B use 32)",
+    )
     p.add_argument("--max_seq_len", type=int, default=None, help="context length recorded in model_args.json")
     args = p.parse_args(argv)
     try:
@@ -47,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     n = sum(v.numel() for k, v in state.items() if not (model_args.tie_embeddings and k == "output.weight"))
-    print(f"wrote {args.out_dcp_dir}: {n:,} parameters, {model_args.n_layers} layers, "
-          f"{time.perf_counter() - t0:.1f} s")
+    print(f"wrote {args.out_dcp_dir}: {n:,} parameters, {model_args.n_layers} layers, {time.perf_counter() - t0:.1f} s")
     return 0
 
 

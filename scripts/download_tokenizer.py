@@ -28,9 +28,7 @@ def _fail(message: str) -> int:
     return 1
 
 
-def download(
-    repo_id: str, tokenizer_path: str, local_dir: str, hf_token: str | None, files: list[str]
-) -> list[Path]:
+def download(repo_id: str, tokenizer_path: str, local_dir: str, hf_token: str | None, files: list[str]) -> list[Path]:
     """Download `files` from `repo_id`/`tokenizer_path`; files the repo lacks are skipped, as long
     as at least one arrives. Raises huggingface_hub's errors for everything else."""
     from huggingface_hub import hf_hub_download
@@ -78,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     args = parser.parse_args(argv)
     token = args.hf_token or os.environ.get("HF_TOKEN") or None
-    files = args.files or (
-        _META_FILES if args.tokenizer_path.strip("/").endswith("original") else _HF_FILES
-    )
+    files = args.files or (_META_FILES if args.tokenizer_path.strip("/").endswith("original") else _HF_FILES)
     page = f"https://huggingface.co/{args.repo_id}"
 
     try:
@@ -103,10 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     except GatedRepoError:
         return _fail(f"{args.repo_id} is gated: accept its license at {page} and pass --hf_token")
     except RepositoryNotFoundError:
-        return _fail(
-            f"repo {args.repo_id} not found or not visible with this token (check --repo_id, "
-            "--hf_token)"
-        )
+        return _fail(f"repo {args.repo_id} not found or not visible with this token (check --repo_id, --hf_token)")
     except LocalEntryNotFoundError:
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
         why = "HF_HUB_OFFLINE is set" if offline else "no network connection to the Hub"

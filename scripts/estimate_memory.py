@@ -63,20 +63,29 @@ def main(argv: list[str]) -> None:
         f" {est.params:,} parameters on this rank"
     )
     rows = [(name, f"{b / _MIB:,.1f}") for name, b in est.rows()]
-    print(tabulate(rows, headers=["per rank", "MiB"], tablefmt="github", colalign=("left", "right"),
-                   disable_numparse=True))
-    skipped = [name for name, on in (("torch.compile", config.compile.enable),
-                                      ("float8", config.float8.enable_float8_linear)) if on]
+    print(
+        tabulate(
+            rows, headers=["per rank", "MiB"], tablefmt="github", colalign=("left", "right"), disable_numparse=True
+        )
+    )
+    skipped = [
+        name
+        for name, on in (("torch.compile", config.compile.enable), ("float8", config.float8.enable_float8_linear))
+        if on
+    ]
     if skipped:
-        print(f"note: {' and '.join(skipped)} not modelled"
-              " (eager bf16 activations counted; compile usually needs less)")
+        print(
+            f"note: {' and '.join(skipped)} not modelled (eager bf16 activations counted; compile usually needs less)"
+        )
     if measure_steps:
         if world_size != 1:
             raise TitanError("--measure_steps runs one process; use --world_size 1")
         measured, what = measure(config, measure_steps)
         err = 100.0 * (est.total_bytes - measured) / measured
-        print(f"measured ({what}, {measure_steps} steps): {measured / _MIB:,.1f} MiB;"
-              f" estimate {est.total_bytes / _MIB:,.1f} MiB ({err:+.1f}%)")
+        print(
+            f"measured ({what}, {measure_steps} steps): {measured / _MIB:,.1f} MiB;"
+            f" estimate {est.total_bytes / _MIB:,.1f} MiB ({err:+.1f}%)"
+        )
 
 
 if __name__ == "__main__":

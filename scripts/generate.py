@@ -31,8 +31,9 @@ from titan.parallel.utils import destroy_distributed, init_distributed, pick_dev
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="DCP folder (titan) or Hugging Face folder (config.json)")
-    p.add_argument("--model", default="llama3",
-                   help="model family of a DCP folder (an HF folder's config.json says it)")
+    p.add_argument(
+        "--model", default="llama3", help="model family of a DCP folder (an HF folder's config.json says it)"
+    )
     p.add_argument("--flavor", default=None, help="model flavor, for DCP folders without model_args.json")
     p.add_argument("--tokenizer", default="", help="tokenizer file (default: titan's shipped tokenizer)")
     p.add_argument("--prompt", default="", help="prompt text (encoded with a BOS token)")
@@ -65,13 +66,29 @@ def run(a: argparse.Namespace) -> int:
     init_distributed(device, world)
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",)) if world > 1 else None
     max_len = len(prompt) + a.max_new_tokens + world
-    model = load_model(a.checkpoint, max_seq_len=max_len, device=device, dtype=DTYPES[a.dtype],
-                       flavor=a.flavor, tp_mesh=mesh, model=a.model)
+    model = load_model(
+        a.checkpoint,
+        max_seq_len=max_len,
+        device=device,
+        dtype=DTYPES[a.dtype],
+        flavor=a.flavor,
+        tp_mesh=mesh,
+        model=a.model,
+    )
     if max(prompt) >= model.vocab_size:
         raise TitanError(f"prompt token id {max(prompt)} is outside the model's vocabulary ({model.vocab_size})")
     stop = set() if a.ignore_eos else {tokenizer.eos_id}
-    new, tps = generate(model, prompt, a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed,
-                        stop_ids=stop, use_cache=not a.no_kv_cache, pad_multiple=world)
+    new, tps = generate(
+        model,
+        prompt,
+        a.max_new_tokens,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        seed=a.seed,
+        stop_ids=stop,
+        use_cache=not a.no_kv_cache,
+        pad_multiple=world,
+    )
     if rank == 0:
         text = tokenizer.decode([t for t in new if t < tokenizer.vocab_size])
         print(text)

@@ -34,11 +34,18 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     with tqdm(total=args.shards + args.validation_shards, unit="shard", disable=not sys.stderr.isatty()) as bar:
-        files = write_c4_mirror(args.out, args.shards, args.docs, mean_words=args.mean_words,
-                                on_shard=lambda _: bar.update())
+        files = write_c4_mirror(
+            args.out, args.shards, args.docs, mean_words=args.mean_words, on_shard=lambda _: bar.update()
+        )
         if args.validation_shards:
-            files += write_c4_mirror(args.out, args.validation_shards, args.docs, split="validation",
-                                     mean_words=args.mean_words, on_shard=lambda _: bar.update())
+            files += write_c4_mirror(
+                args.out,
+                args.validation_shards,
+                args.docs,
+                split="validation",
+                mean_words=args.mean_words,
+                on_shard=lambda _: bar.update(),
+            )
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {len(files)} shards, {size / 2**20:.1f} MiB, to {Path(args.out) / 'en'}")
     return 0

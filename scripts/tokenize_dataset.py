@@ -42,22 +42,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dataset_bad_lines", default=t.dataset_bad_lines, choices=["fail", "skip"])
     p.add_argument("--tokenizer_path", default=m.tokenizer_path, help="model.tokenizer_path; empty: the shipped one")
     p.add_argument("--out", required=True, help="folder of the token store (created; re-run to finish it)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="tokenizer processes (default: all cores; 0: this process)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="tokenizer processes (default: all cores; 0: this process)",
+    )
     p.add_argument("--shard_mb", type=float, default=64.0, help="text per shard, in MB (characters)")
     args = p.parse_args(argv)
     init_logger()
     try:
-        result = tokenize_to_store(dataset=args.dataset, dataset_path=args.dataset_path,
-                                   tokenizer_path=args.tokenizer_path, out=args.out, workers=args.workers,
-                                   text_field=args.dataset_text_field, txt_split=args.dataset_txt_split,
-                                   bad_lines=args.dataset_bad_lines, shard_mb=args.shard_mb)
+        result = tokenize_to_store(
+            dataset=args.dataset,
+            dataset_path=args.dataset_path,
+            tokenizer_path=args.tokenizer_path,
+            out=args.out,
+            workers=args.workers,
+            text_field=args.dataset_text_field,
+            txt_split=args.dataset_txt_split,
+            bad_lines=args.dataset_bad_lines,
+            shard_mb=args.shard_mb,
+        )
     except TitanError as e:
         print(f"titan: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("tokenize_dataset: interrupted; finished shards are kept, re-run the same command to go on",
-              file=sys.stderr)
+        print(
+            "tokenize_dataset: interrupted; finished shards are kept, re-run the same command to go on", file=sys.stderr
+        )
         return 130
     print(json.dumps({k: result[k] for k in ("text_bytes", "documents", "tokens", "seconds")}))
     return 0

@@ -37,8 +37,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--role", required=True, help="IAM role ARN the job runs as")
     p.add_argument("--config-file", default="train_configs/llama3_8b.toml", help="TOML path relative to the repo")
     p.add_argument("--train-data", required=True, help="S3 prefix mounted as the `train` channel")
-    p.add_argument("--input-mode", default="FastFile", choices=("File", "FastFile", "Pipe"),
-                   help="FastFile streams S3 objects on read; File copies them to the instance first")
+    p.add_argument(
+        "--input-mode",
+        default="FastFile",
+        choices=("File", "FastFile", "Pipe"),
+        help="FastFile streams S3 objects on read; File copies them to the instance first",
+    )
     p.add_argument("--checkpoint-s3-uri", default=None, help="S3 prefix synced with /opt/ml/checkpoints")
     p.add_argument("--tensorboard-s3-uri", default=None, help="S3 prefix for TensorBoard event files")
     p.add_argument("--region", default=None, help="AWS region (default: the AWS configuration's)")
@@ -46,8 +50,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--instance-count", type=int, default=1)
     p.add_argument("--max-run-hours", type=float, default=24.0)
     p.add_argument("--job-name", default="titan", help="base job name (SageMaker appends a timestamp)")
-    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="titan config override passed as --KEY VALUE, e.g. training.steps=1000 (repeatable)")
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="titan config override passed as --KEY VALUE, e.g. training.steps=1000 (repeatable)",
+    )
     p.add_argument("--dry-print", action="store_true", help="print the estimator's arguments, do not submit")
     return p.parse_args(argv)
 

@@ -15,11 +15,24 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def gpu_config(dump: Path, *extra: str):
-    return load_config([
-        "--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", str(dump),
-        "--training.seq_len", "256", "--training.local_batch_size", "8", "--metrics.log_freq", "1",
-        "--metrics.enable_tensorboard", "false", "--metrics.disable_color_printing", *extra,
-    ])
+    return load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs/debug_model.toml"),
+            "--job.dump_folder",
+            str(dump),
+            "--training.seq_len",
+            "256",
+            "--training.local_batch_size",
+            "8",
+            "--metrics.log_freq",
+            "1",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--metrics.disable_color_printing",
+            *extra,
+        ]
+    )
 
 
 def train(dump: Path, steps: int, *extra: str) -> tuple[list[float], Trainer]:

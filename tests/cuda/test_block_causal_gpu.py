@@ -42,7 +42,7 @@ def test_packed_documents_equal_alone_on_cuda(attn_type):
             bounds = [0, *((window[row] == EOS).nonzero().flatten() + 1).tolist(), 256]
             for a, b in itertools.pairwise(bounds):
                 if b > a:
-                    alone = alone_model(window[row:row + 1, a:b])[0]
+                    alone = alone_model(window[row : row + 1, a:b])[0]
                     torch.testing.assert_close(packed[row, a:b], alone, atol=tol, rtol=tol)
 
 

@@ -14,16 +14,43 @@ def _offload_vs_plain(rank: int, world: int, dump: str) -> dict:
     from titan.training.trainer import Trainer
 
     out = {}
-    for name, extra in (("plain", ()), ("offload", ("--training.enable_cpu_offload", "true")),
-                        ("offload_early", ("--training.enable_cpu_offload", "true", "--training.max_norm", "0",
-                                           "--optimizer.early_step_in_backward", "true")),
-                        ("early", ("--training.max_norm", "0", "--optimizer.early_step_in_backward", "true"))):
-        trainer = Trainer(gpu_config(f"{dump}/{name}", "--training.steps", "5", "--training.mixed_precision_param",
-                                     "float32", "--parallelism.data_parallel_shard_degree", "2", *extra))
+    for name, extra in (
+        ("plain", ()),
+        ("offload", ("--training.enable_cpu_offload", "true")),
+        (
+            "offload_early",
+            (
+                "--training.enable_cpu_offload",
+                "true",
+                "--training.max_norm",
+                "0",
+                "--optimizer.early_step_in_backward",
+                "true",
+            ),
+        ),
+        ("early", ("--training.max_norm", "0", "--optimizer.early_step_in_backward", "true")),
+    ):
+        trainer = Trainer(
+            gpu_config(
+                f"{dump}/{name}",
+                "--training.steps",
+                "5",
+                "--training.mixed_precision_param",
+                "float32",
+                "--parallelism.data_parallel_shard_degree",
+                "2",
+                *extra,
+            )
+        )
         losses = trainer.train()
         params = [p for m in trainer.model_parts for p in m.parameters()]
-        states = [t for o in trainer.optimizers for s in o.state.values() for t in s.values()
-                  if isinstance(t, torch.Tensor) and t.dim() > 0]
+        states = [
+            t
+            for o in trainer.optimizers
+            for s in o.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        ]
         out[name] = {
             "losses": [losses[s] for s in sorted(losses)],
             "param_devices": {p.to_local().device.type for p in params},

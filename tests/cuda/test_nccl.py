@@ -27,14 +27,24 @@ def _init_reduce_destroy(rank: int, world: int) -> dict:
     dist.all_reduce(host)
     dist.barrier()
     destroy_distributed()
-    return {"device": str(device), "backend": backend, "sum": x.tolist(), "host_sum": host.tolist(),
-            "initialized_after": dist.is_initialized()}
+    return {
+        "device": str(device),
+        "backend": backend,
+        "sum": x.tolist(),
+        "host_sum": host.tolist(),
+        "initialized_after": dist.is_initialized(),
+    }
 
 
 def test_one_process_nccl_group_init_all_reduce_destroy():
     [r] = run_distributed(_init_reduce_destroy, 1, backend="nccl", init_group=False, timeout=300)
-    assert r == {"device": "cuda:0", "backend": r["backend"], "sum": [1.0] * 4, "host_sum": [1.0] * 2,
-                 "initialized_after": False}
+    assert r == {
+        "device": "cuda:0",
+        "backend": r["backend"],
+        "sum": [1.0] * 4,
+        "host_sum": [1.0] * 2,
+        "initialized_after": False,
+    }
     assert "nccl" in r["backend"]
 
 

@@ -52,8 +52,19 @@ def _state(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("implementation", ["foreach", "fused"])
 def test_nan_loss_skips_the_update_on_the_device(tmp_path, monkeypatch, implementation):
-    trainer = Trainer(gpu_config(tmp_path, "--training.steps", "6", "--metrics.log_freq", "5",
-                                 "--training.nonfinite", "skip_step", "--optimizer.implementation", implementation))
+    trainer = Trainer(
+        gpu_config(
+            tmp_path,
+            "--training.steps",
+            "6",
+            "--metrics.log_freq",
+            "5",
+            "--training.nonfinite",
+            "skip_step",
+            "--optimizer.implementation",
+            implementation,
+        )
+    )
     entering = _run(monkeypatch, trainer, nan_step=3)
     before, after = entering[3], entering[4]
     assert set(before) == set(after) and any(k.endswith(".exp_avg") for k in before)
@@ -68,6 +79,9 @@ def test_nan_loss_skips_the_update_on_the_device(tmp_path, monkeypatch, implemen
 
 def test_stop_reports_at_the_next_log_step(tmp_path, monkeypatch):
     trainer = Trainer(gpu_config(tmp_path, "--training.steps", "6", "--metrics.log_freq", "5"))
-    with pytest.raises(TitanError, match=r"non-finite loss = nan, grad_norm = nan at step 3 \(training.nonfinite = "
-                                         r"stop\).*\(found at step 5\)"):
+    with pytest.raises(
+        TitanError,
+        match=r"non-finite loss = nan, grad_norm = nan at step 3 \(training.nonfinite = "
+        r"stop\).*\(found at step 5\)",
+    ):
         _run(monkeypatch, trainer, nan_step=3)

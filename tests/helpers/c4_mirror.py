@@ -33,9 +33,16 @@ def _vocabulary() -> list[str]:
     return words
 
 
-def write_c4_mirror(root: str | Path, shards: int, docs_per_shard: int, *, split: str = "train",
-                    mean_words: int = 100, seed: int = 0,
-                    on_shard: Callable[[int], None] | None = None) -> list[Path]:
+def write_c4_mirror(
+    root: str | Path,
+    shards: int,
+    docs_per_shard: int,
+    *,
+    split: str = "train",
+    mean_words: int = 100,
+    seed: int = 0,
+    on_shard: Callable[[int], None] | None = None,
+) -> list[Path]:
     """Write ``shards`` files of ``docs_per_shard`` documents each (about ``mean_words`` words per
     document, lengths spread from 1/4x to 2x); returns their paths. ``on_shard(i)`` is called
     after each file (progress)."""
@@ -49,8 +56,11 @@ def write_c4_mirror(root: str | Path, shards: int, docs_per_shard: int, *, split
             for j in range(docs_per_shard):
                 n = rng.randint(max(1, mean_words // 4), mean_words * 2)
                 text = " ".join(rng.choices(words, k=n)).capitalize() + "."
-                row = {"text": text, "timestamp": f"2019-04-{1 + j % 28:02d}T{j % 24:02d}:00:00Z",
-                       "url": f"https://example.com/{split}/{i}/{j}"}
+                row = {
+                    "text": text,
+                    "timestamp": f"2019-04-{1 + j % 28:02d}T{j % 24:02d}:00:00Z",
+                    "url": f"https://example.com/{split}/{i}/{j}",
+                }
                 f.write(json.dumps(row) + "\n")
         paths.append(path)
         if on_shard is not None:

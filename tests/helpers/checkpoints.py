@@ -15,10 +15,17 @@ def manager_for(config: Any, states: dict[str, Any], rank_states: dict[str, Any]
     facts = {"world_size": 1, "rank": 0, "dp_rank": 0, "dp_degree": 1} | facts
     model = states.get("model")
     num_params = sum(p.numel() for m in model.parts for p in m.parameters()) if model is not None else 0
-    return CheckpointManager(config.checkpoint, states=states, rank_states=rank_states,
-                             dump_folder=config.job.dump_folder, overwrite=config.job.overwrite,
-                             total_steps=config.training.steps, config_record=snapshot(config, facts["dp_degree"]),
-                             num_params=num_params, **facts)
+    return CheckpointManager(
+        config.checkpoint,
+        states=states,
+        rank_states=rank_states,
+        dump_folder=config.job.dump_folder,
+        overwrite=config.job.overwrite,
+        total_steps=config.training.steps,
+        config_record=snapshot(config, facts["dp_degree"]),
+        num_params=num_params,
+        **facts,
+    )
 
 
 class Counter:

@@ -33,8 +33,13 @@ def cpu_env(**extra: str) -> dict[str, str]:
     """os.environ for a CPU training subprocess (train.py, torchrun, scripts): no GPU visible, one
     OpenMP thread per process (the machine is shared), offline Hugging Face, no torchao .so."""
     env = dict(os.environ)
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
-               TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
+    env.update(
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+        TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1",
+    )
     env.update(extra)
     return env
 
@@ -46,8 +51,12 @@ def _worker(
     import torch.distributed as dist
 
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
     )
     try:
         # Without init_group, fn sets up (and tears down) the group itself, e.g. through titan's code.
@@ -88,8 +97,10 @@ def run_distributed(
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, init_group, fn, args, queue))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, init_group, fn, args, queue))
+        for r in range(world_size)
+    ]
     # Spawned children copy os.environ when they start; CUDA reads it once, at its first use there.
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:

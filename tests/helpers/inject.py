@@ -9,8 +9,9 @@ class Inject:
     """Wraps Trainer.train_step: at the chosen steps, scale every gradient (a parameter hook) or
     poison the model output (then the loss and the gradients are NaN)."""
 
-    def __init__(self, monkeypatch, steps: set[int], *, grad_scale: float | None = None,
-                 output_nan: bool = False) -> None:
+    def __init__(
+        self, monkeypatch, steps: set[int], *, grad_scale: float | None = None, output_nan: bool = False
+    ) -> None:
         self.steps, self.grad_scale, self.output_nan = steps, grad_scale, output_nan
         original = Trainer.train_step
         inject = self

@@ -30,11 +30,23 @@ FLAVORS = {
 
 
 def config(dump: str, *extra: str):
-    return load_config([
-        "--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", dump,
-        "--model.flavor", "partest", "--training.seq_len", str(SEQ), "--metrics.enable_tensorboard", "false",
-        "--lr_scheduler.warmup_steps", "1", *extra,
-    ])
+    return load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs/debug_model.toml"),
+            "--job.dump_folder",
+            dump,
+            "--model.flavor",
+            "partest",
+            "--training.seq_len",
+            str(SEQ),
+            "--metrics.enable_tensorboard",
+            "false",
+            "--lr_scheduler.warmup_steps",
+            "1",
+            *extra,
+        ]
+    )
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -49,7 +61,7 @@ def run(trainer: Trainer) -> list[tuple[float, float]]:
     per, r = GLOBAL_BATCH // dp, trainer.dp_rank
     out = []
     for inputs, labels in batches():
-        x, y = inputs[r * per:(r + 1) * per], labels[r * per:(r + 1) * per]
+        x, y = inputs[r * per : (r + 1) * per], labels[r * per : (r + 1) * per]
         n = trainer.grad_accum_steps  # this rank's rows, cut into the accumulation micro-batches
         loss, norm = trainer.train_step(list(zip(x.chunk(n), y.chunk(n))))
         out.append((loss.item(), norm.item()))
@@ -75,8 +87,12 @@ def run_layouts(dump: str, layouts: dict[str, tuple[str, ...]]):
             if key in flags:
                 dp *= int(flags[flags.index(key) + 1])
         accum = 2 if name.endswith("_accum2") else 1
-        batch = ("--training.local_batch_size", str(GLOBAL_BATCH // dp // accum),
-                 "--training.global_batch_size", str(GLOBAL_BATCH))
+        batch = (
+            "--training.local_batch_size",
+            str(GLOBAL_BATCH // dp // accum),
+            "--training.global_batch_size",
+            str(GLOBAL_BATCH),
+        )
         trainer = Trainer(config(dump, *batch, *flags))
         results[name] = run(trainer)
         del trainer

@@ -15,9 +15,19 @@ from tests.helpers.distributed import cpu_env
 REPO = Path(__file__).resolve().parents[2]
 STEP_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
 # The debug model on 32-token windows, every step logged, no TensorBoard, plain console lines.
-TINY_RUN = ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--training.seq_len", "32",
-            "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-            "--metrics.disable_color_printing"]
+TINY_RUN = [
+    "--job.config_file",
+    str(REPO / "train_configs/debug_model.toml"),
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--metrics.disable_color_printing",
+]
 TINY_CKPT = [*TINY_RUN, "--checkpoint.enable"]
 
 
@@ -29,11 +39,11 @@ def trainer(folder: Path, *args: str):
     return Trainer(load_config([*TINY_RUN, "--training.steps", "6", "--job.dump_folder", str(folder), *args]))
 
 
-def signal_during(trainer, step: int, send: bool) -> None:  # noqa: ANN001 - a Trainer
+def signal_during(trainer, step: int, send: bool) -> None:  # a Trainer
     """Deliver SIGTERM to this process while ``step`` runs (on the ranks where ``send``)."""
     original = trainer.train_step
 
-    def train_step(microbatches):  # noqa: ANN001, ANN202
+    def train_step(microbatches):
         out = original(microbatches)
         if send and trainer.step == step:
             signal.raise_signal(signal.SIGTERM)

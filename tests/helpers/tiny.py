@@ -15,9 +15,7 @@ from titan.models import get_model_spec, register_flavor, register_model_spec
 from titan.models.llama import Transformer, TransformerModelArgs
 from titan.training.loss import cross_entropy_sum
 
-TINY = TransformerModelArgs(
-    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=32
-)
+TINY = TransformerModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=32)
 
 
 @contextlib.contextmanager
@@ -33,7 +31,7 @@ def extra_flavors(**extra: TransformerModelArgs) -> Iterator[None]:
         register_model_spec(saved, replace=True)
 
 
-def patch_flavors(monkeypatch, **extra: TransformerModelArgs) -> None:  # noqa: ANN001
+def patch_flavors(monkeypatch, **extra: TransformerModelArgs) -> None:
     """extra_flavors for the rest of a pytest test: monkeypatch puts the llama3 spec back at teardown
     (it restores the registry's entry, which register_flavor replaces)."""
     import titan.models
@@ -77,9 +75,20 @@ def train_losses(model: nn.Module, steps: int, loss_fn=cross_entropy_sum, lr: fl
 def small_args(**kw) -> TransformerModelArgs:
     # GQA (8 q / 2 kv heads) and 3.1 RoPE scaling whose bands all occur at head_dim 8:
     # wavelengths 6.3 .. ~3500 straddle original_ctx / high (8) and original_ctx / low (32).
-    base = dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=128, multiple_of=32,
-                rope_theta=10000.0, use_rope_scaling=True, rope_scale_factor=4.0,
-                rope_original_max_position_embeddings=32, max_seq_len=64, norm_eps=1e-5)
+    base = dict(
+        dim=64,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=2,
+        vocab_size=128,
+        multiple_of=32,
+        rope_theta=10000.0,
+        use_rope_scaling=True,
+        rope_scale_factor=4.0,
+        rope_original_max_position_embeddings=32,
+        max_seq_len=64,
+        norm_eps=1e-5,
+    )
     return TransformerModelArgs(**(base | kw))
 
 

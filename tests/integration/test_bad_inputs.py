@@ -24,9 +24,21 @@ from titan.checkpointing.folders import MARKER
 from titan.errors import TitanError
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--training.seq_len", "32",
-        "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false",
-        "--metrics.enable_jsonl", "false", "--metrics.disable_color_printing", "--training.steps", "2"]
+TINY = [
+    "--job.config_file",
+    str(REPO / "train_configs/debug_model.toml"),
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--metrics.enable_jsonl",
+    "false",
+    "--metrics.disable_color_printing",
+    "--training.steps",
+    "2",
+]
 
 
 def _main(argv):
@@ -69,29 +81,35 @@ def dry(*extra):
 
 
 # ---------------------------------------------------------------- config
-@pytest.mark.parametrize("argv, needles", [
-    (["--trainin.steps", "3"], ["unknown config section 'trainin'", "did you mean 'training'"]),
-    (["--training.stpes", "3"], ["unknown config key 'training.stpes'", "did you mean 'training.steps'"]),
-    (["--training.steps", "ten"], ["'training.steps'", "'ten'", "int"]),
-    (["--training.steps", "-3"], ["'training.steps'", "-3", ">= 1"]),
-    (["--optimizer.lr", "-0.1"], ["config key 'optimizer.lr' got -0.1; valid: a number > 0"]),
-    (["--model.flavor", "giant"], ["'model.flavor' got 'giant'", "debugmodel"]),
-    (["--model.name", "gpt9"], ["'model.name' got 'gpt9'; valid: llama3"]),
-    (["--job.config_file", "/nonexistent/x.toml"], ["config file '/nonexistent/x.toml' does not exist"]),
-    (["--training.seq_len"], ["--training.seq_len", "needs a value"]),
-    (["--compile.components", "[\"model\", \"optimizer\"]"], ["compile.components", "'optimizer'", "model, loss"]),
-    (["--checkpoint.load_step", "3"], ["checkpoint.load_step", "checkpoint.enable"]),
-])
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["--trainin.steps", "3"], ["unknown config section 'trainin'", "did you mean 'training'"]),
+        (["--training.stpes", "3"], ["unknown config key 'training.stpes'", "did you mean 'training.steps'"]),
+        (["--training.steps", "ten"], ["'training.steps'", "'ten'", "int"]),
+        (["--training.steps", "-3"], ["'training.steps'", "-3", ">= 1"]),
+        (["--optimizer.lr", "-0.1"], ["config key 'optimizer.lr' got -0.1; valid: a number > 0"]),
+        (["--model.flavor", "giant"], ["'model.flavor' got 'giant'", "debugmodel"]),
+        (["--model.name", "gpt9"], ["'model.name' got 'gpt9'; valid: llama3"]),
+        (["--job.config_file", "/nonexistent/x.toml"], ["config file '/nonexistent/x.toml' does not exist"]),
+        (["--training.seq_len"], ["--training.seq_len", "needs a value"]),
+        (["--compile.components", '["model", "optimizer"]'], ["compile.components", "'optimizer'", "model, loss"]),
+        (["--checkpoint.load_step", "3"], ["checkpoint.load_step", "checkpoint.enable"]),
+    ],
+)
 def test_config_errors(capsys, tmp_path, argv, needles):
     fail(capsys, [*TINY, "--job.dump_folder", str(tmp_path), *argv], *needles)
 
 
-@pytest.mark.parametrize("text, needles", [
-    ("[training\nsteps = 3\n", ["is not valid TOML"]),
-    ("[trainng]\nsteps = 3\n", ["unknown config section 'trainng'", "did you mean 'training'"]),
-    ("[training]\nsteps = \"ten\"\n", ["training.steps", "'ten'"]),
-    (b"[job]\ndescription = \"\xff\xfe\"\n", ["not UTF-8"]),
-])
+@pytest.mark.parametrize(
+    "text, needles",
+    [
+        ("[training\nsteps = 3\n", ["is not valid TOML"]),
+        ("[trainng]\nsteps = 3\n", ["unknown config section 'trainng'", "did you mean 'training'"]),
+        ('[training]\nsteps = "ten"\n', ["training.steps", "'ten'"]),
+        (b'[job]\ndescription = "\xff\xfe"\n', ["not UTF-8"]),
+    ],
+)
 def test_bad_toml_files(capsys, tmp_path, text, needles):
     f = tmp_path / "bad.toml"
     f.write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -99,21 +117,48 @@ def test_bad_toml_files(capsys, tmp_path, text, needles):
 
 
 # ---------------------------------------------------------------- layout (dry run: no process group)
-@pytest.mark.parametrize("argv, needles", [
-    (["--job.dry_run_world_size", "8", "--parallelism.tensor_parallel_degree", "3"],
-     ["tp 3", "do not divide the world size 8"]),
-    (["--job.dry_run_world_size", "6", "--parallelism.data_parallel_shard_degree", "4"],
-     ["= 4", "world size is 6"]),
-    (["--job.dry_run_world_size", "3", "--parallelism.tensor_parallel_degree", "3"],
-     ["tensor_parallel_degree 3 must divide model n_heads (16)"]),
-    (["--job.dry_run_world_size", "8", "--parallelism.pipeline_parallel_degree", "8",
-      "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
-     ["n_layers (6) cannot be split into 16 pipeline stages", "pipeline_parallel_layers_per_stage"]),
-    (["--job.dry_run_world_size", "2", "--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"],
-     ["training.seq_len (30) must be divisible by 4", "context_parallel_degree 2"]),
-    (["--job.dry_run_world_size", "2", "--parallelism.tensor_parallel_degree", "2",
-      "--parallelism.enable_async_tensor_parallel"], ["enable_async_tensor_parallel", "compile.enable"]),
-])
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (
+            ["--job.dry_run_world_size", "8", "--parallelism.tensor_parallel_degree", "3"],
+            ["tp 3", "do not divide the world size 8"],
+        ),
+        (
+            ["--job.dry_run_world_size", "6", "--parallelism.data_parallel_shard_degree", "4"],
+            ["= 4", "world size is 6"],
+        ),
+        (
+            ["--job.dry_run_world_size", "3", "--parallelism.tensor_parallel_degree", "3"],
+            ["tensor_parallel_degree 3 must divide model n_heads (16)"],
+        ),
+        (
+            [
+                "--job.dry_run_world_size",
+                "8",
+                "--parallelism.pipeline_parallel_degree",
+                "8",
+                "--parallelism.pipeline_parallel_schedule",
+                "Interleaved1F1B",
+            ],
+            ["n_layers (6) cannot be split into 16 pipeline stages", "pipeline_parallel_layers_per_stage"],
+        ),
+        (
+            ["--job.dry_run_world_size", "2", "--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"],
+            ["training.seq_len (30) must be divisible by 4", "context_parallel_degree 2"],
+        ),
+        (
+            [
+                "--job.dry_run_world_size",
+                "2",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.enable_async_tensor_parallel",
+            ],
+            ["enable_async_tensor_parallel", "compile.enable"],
+        ),
+    ],
+)
 def test_layout_errors_dry_run(capsys, argv, needles):
     fail(capsys, dry(*argv), *needles)
 
@@ -132,8 +177,13 @@ def test_float8_on_unsupported_gpu(monkeypatch):
 def test_unknown_dataset_and_missing_path(capsys, tmp_path):
     built = "parameters,"  # the trainer's "model ...: N parameters" line: these fail before it
     assert built not in fail(capsys, run_args(tmp_path, "--training.dataset", "c5"), "unknown dataset 'c5'", "pydoc")
-    assert built not in fail(capsys, run_args(tmp_path, "--training.dataset_path", str(tmp_path / "nope.jsonl")),
-                             "nope.jsonl", "does not exist", "training.dataset_path")
+    assert built not in fail(
+        capsys,
+        run_args(tmp_path, "--training.dataset_path", str(tmp_path / "nope.jsonl")),
+        "nope.jsonl",
+        "does not exist",
+        "training.dataset_path",
+    )
 
 
 def test_empty_and_unsupported_datasets(capsys, tmp_path):
@@ -142,8 +192,12 @@ def test_empty_and_unsupported_datasets(capsys, tmp_path):
     (tmp_path / "d.csv").write_text("a,b\n")
     fail(capsys, run_args(tmp_path, "--training.dataset_path", str(tmp_path / "d.csv")), "d.csv", ".jsonl")
     (tmp_path / "notext.jsonl").write_text('{"body": "x"}\n')
-    fail(capsys, run_args(tmp_path, "--training.dataset_path", str(tmp_path / "notext.jsonl")),
-         "no column 'text'", "body")
+    fail(
+        capsys,
+        run_args(tmp_path, "--training.dataset_path", str(tmp_path / "notext.jsonl")),
+        "no column 'text'",
+        "body",
+    )
 
 
 def _jsonl_with_broken_line(path: Path) -> None:
@@ -155,8 +209,13 @@ def _jsonl_with_broken_line(path: Path) -> None:
 def test_jsonl_broken_line_fails_by_default_names_file_and_line(capsys, tmp_path):
     f = tmp_path / "broken.jsonl"
     _jsonl_with_broken_line(f)
-    fail(capsys, run_args(tmp_path, "--training.dataset_path", str(f)),
-         f"{f}:2", "not valid JSON", "training.dataset_bad_lines")
+    fail(
+        capsys,
+        run_args(tmp_path, "--training.dataset_path", str(f)),
+        f"{f}:2",
+        "not valid JSON",
+        "training.dataset_bad_lines",
+    )
 
 
 def test_jsonl_broken_line_skipped_with_count(capsys, tmp_path):
@@ -226,8 +285,14 @@ def test_checkpoint_of_a_different_model_shape(capsys, tmp_path, two_steps_saved
 
     before = _snapshot(two_steps_saved)
     patch_flavors(monkeypatch, debugmodel=dataclasses.replace(get_model_args("debugmodel"), dim=128))
-    fail(capsys, _ckpt(tmp_path, "--training.steps", "4"), str(two_steps_saved / "step-2"),
-         "tok_embeddings.weight", "[2048, 256]", "[2048, 128]")
+    fail(
+        capsys,
+        _ckpt(tmp_path, "--training.steps", "4"),
+        str(two_steps_saved / "step-2"),
+        "tok_embeddings.weight",
+        "[2048, 256]",
+        "[2048, 128]",
+    )
     assert _snapshot(two_steps_saved) == before
 
 
@@ -248,8 +313,13 @@ def test_too_little_free_disk(capsys, tmp_path, monkeypatch):
 
 def test_older_load_step_does_not_replace_later_checkpoints(capsys, tmp_path, two_steps_saved):
     before = _snapshot(two_steps_saved)
-    fail(capsys, _ckpt(tmp_path, "--checkpoint.load_step", "1", "--training.steps", "3"),
-         "checkpoint.load_step 1", "step-2", "--job.overwrite")
+    fail(
+        capsys,
+        _ckpt(tmp_path, "--checkpoint.load_step", "1", "--training.steps", "3"),
+        "checkpoint.load_step 1",
+        "step-2",
+        "--job.overwrite",
+    )
     assert _snapshot(two_steps_saved) == before
     ok(capsys, _ckpt(tmp_path, "--checkpoint.load_step", "1", "--training.steps", "2", "--job.overwrite"))
 
@@ -261,9 +331,19 @@ def test_debug_flag_shows_the_traceback(tmp_path):
 
 # ---------------------------------------------------------------- two ranks (real processes)
 def _torchrun(tmp_path, kill_at: str, timeout: int = 400) -> tuple[int, str, float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", "train.py", *run_args(tmp_path, "--training.steps", "6",
-                                                                   "--comm.train_timeout_seconds", "300")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        "localhost:0",
+        "train.py",
+        *run_args(tmp_path, "--training.steps", "6", "--comm.train_timeout_seconds", "300"),
+    ]
     env = cpu_env(**kill_env(kill_at))
     t0 = time.monotonic()
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -302,5 +382,11 @@ def test_rank_waiting_on_a_lost_peer_says_so_in_one_line(capsys, monkeypatch, tm
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr("titan.parallel.utils.destroy_distributed", lambda: None)
     monkeypatch.setenv("RANK", "0")
-    fail(capsys, run_args(tmp_path), "titan: error on rank 0: another rank failed during a collective",
-         "Connection closed by peer", "Root Cause", code=3)
+    fail(
+        capsys,
+        run_args(tmp_path),
+        "titan: error on rank 0: another rank failed during a collective",
+        "Connection closed by peer",
+        "Root Cause",
+        code=3,
+    )

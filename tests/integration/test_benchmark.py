@@ -25,12 +25,26 @@ def _bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_benchmark_table_has_a_row_per_variant():
-    proc = _bench("--steps", "3", "--warmup", "1", "--variant", "eager=",
-                  "--variant", "typo=--activation_checkpoint.mode partial",
-                  "--training.seq_len", "32", "--training.local_batch_size", "2")
+    proc = _bench(
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--variant",
+        "eager=",
+        "--variant",
+        "typo=--activation_checkpoint.mode partial",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in proc.stdout.splitlines() if line.startswith("| ") and "config" not in line}
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in proc.stdout.splitlines()
+        if line.startswith("| ") and "config" not in line
+    }
     assert rows.keys() == {"eager", "typo"}
     step_ms, _, tps, ratio, tflops, mfu, mem, loss = rows["eager"]
     assert float(step_ms) > 0 and float(tps.replace(",", "")) > 0 and ratio == "1.00x" and float(tflops) >= 0
@@ -44,8 +58,10 @@ def test_benchmark_table_has_a_row_per_variant():
 
 def test_bad_preset_or_config_name_is_one_line():
     proc = _bench("--preset", "llama3_8b_9layers")
-    assert proc.returncode == 2 and "benchmark: error: --preset got 'llama3_8b_9layers'; valid: llama3_8b_8layers" \
-        in proc.stderr, proc.stderr
+    assert (
+        proc.returncode == 2
+        and "benchmark: error: --preset got 'llama3_8b_9layers'; valid: llama3_8b_8layers" in proc.stderr
+    ), proc.stderr
     proc = _bench("--only", "eager,compiled")
     assert proc.returncode == 2 and "--only got 'compiled'; valid: eager, compile" in proc.stderr, proc.stderr
 
@@ -53,13 +69,22 @@ def test_bad_preset_or_config_name_is_one_line():
 def test_gpu_config_set_names_the_performance_doc_rows():
     names = [n for n, _ in benchmark.default_configs(cuda=True)]
     # No float8 hardware here: the float8 rows say they are emulated.
-    assert names == ["eager", "compile", "float8-tensorwise (emulated)", "float8-rowwise (emulated)", "ac-none",
-                     "ac-selective", "ac-full", "flex"]
+    assert names == [
+        "eager",
+        "compile",
+        "float8-tensorwise (emulated)",
+        "float8-rowwise (emulated)",
+        "ac-none",
+        "ac-selective",
+        "ac-full",
+        "flex",
+    ]
     assert [n for n, _ in benchmark.default_configs(cuda=False)][-1] == "float8 (emulated)"
 
 
 def test_the_benchmark_preset_is_a_valid_config():
     from titan.training.checks import load_job
+
     preset = benchmark.PRESETS["llama3_8b_8layers"]
     config = load_job(preset["args"])
     assert (config.training.seq_len, config.training.local_batch_size, config.model.n_layers) == (8192, 1, 8)

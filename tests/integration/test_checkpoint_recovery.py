@@ -92,8 +92,17 @@ def test_kill_9_at_several_points_then_resume(tmp_path):
 
 
 def test_sigterm_saves_current_step_and_exits_0(tmp_path):
-    cmd = [sys.executable, "train.py", *TINY_CKPT, "--job.dump_folder", str(tmp_path), "--training.steps", "200",
-           "--checkpoint.interval", "1000"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        *TINY_CKPT,
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "200",
+        "--checkpoint.interval",
+        "1000",
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:

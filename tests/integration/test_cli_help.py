@@ -8,8 +8,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_help_into_a_closed_pipe_exits_0_without_traceback():
-    proc = subprocess.Popen([sys.executable, "train.py", "--help"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", "--help"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().startswith("usage:")
     proc.stdout.close()  # what `head -1` does after its line
     _, err = proc.communicate(timeout=60)

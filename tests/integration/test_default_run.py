@@ -21,9 +21,14 @@ def test_default_run_learns(tmp_path):
     config = load_config(["--job.config_file", str(REPO / "train_configs/debug_model.toml")])
     assert config.metrics.log_freq == 1 and config.metrics.enable_jsonl, "every step's loss must be logged"
     # Only the output folder moves (the run would otherwise write ./outputs in the repository).
-    run = subprocess.run(["./run_train.sh", "--job.dump_folder", str(tmp_path)], cwd=REPO,
-                         env={k: v for k, v in os.environ.items() if k not in ("NGPU", "CONFIG_FILE")},
-                         capture_output=True, text=True, timeout=1800)
+    run = subprocess.run(
+        ["./run_train.sh", "--job.dump_folder", str(tmp_path)],
+        cwd=REPO,
+        env={k: v for k, v in os.environ.items() if k not in ("NGPU", "CONFIG_FILE")},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     [jsonl] = (tmp_path / config.metrics.save_jsonl_folder).glob("*.jsonl")
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
@@ -31,9 +36,12 @@ def test_default_run_learns(tmp_path):
     assert any("goodput/attempt(%)" in r for r in records)
     losses = [r["loss_metrics/global_avg_loss"] for r in rows]
     assert [r["step"] for r in rows] == list(range(1, config.training.steps + 1))
-    assert "spike" not in run.stdout + run.stderr, [line for line in (run.stdout + run.stderr).splitlines()
-                                                    if "spike" in line]
+    assert "spike" not in run.stdout + run.stderr, [
+        line for line in (run.stdout + run.stderr).splitlines() if "spike" in line
+    ]
     assert rows[-1]["stability/grad_norm_spikes"] == rows[-1]["stability/loss_spikes"] == 0
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    assert last <= 0.7 * first, f"mean loss of the first 5 steps {first:.3f}, of the last 5 {last:.3f}" \
-                                f" ({last / first:.1%} > 70%): {[round(x, 2) for x in losses]}"
+    assert last <= 0.7 * first, (
+        f"mean loss of the first 5 steps {first:.3f}, of the last 5 {last:.3f}"
+        f" ({last / first:.1%} > 70%): {[round(x, 2) for x in losses]}"
+    )

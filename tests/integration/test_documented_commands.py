@@ -29,15 +29,14 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 TIMEOUT_S = 600  # per command, generous: the machine is shared
 
 SKIP = {
-    "CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh":
-        "8B model: needs GPUs (its layout is checked by the dry-run commands)",
+    "CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh": "8B model: needs GPUs (its layout is checked by the"
+    " dry-run commands)",
     "NGPU=8 CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh --training.steps 100": "8 GPUs",
-    "python scripts/convert_llama_to_dcp.py Meta-Llama-3.1-70B/original ckpt/llama3_70b":
-        "Meta's 70B weights (a hub download)",
+    "python scripts/convert_llama_to_dcp.py Meta-Llama-3.1-70B/original ckpt/llama3_70b": "Meta's 70B weights"
+    " (a hub download)",
     "python scripts/convert_hf.py from_hf meta-llama/Llama-3.1-8B-local-copy dcp_out": "Llama 3.1 8B weights",
-    "./run_train.sh --training.dataset_path /tmp/pydoc_tokens":
-        "the store the tokenize_dataset.py command writes, run at the same time (tests/integration/test_token_store.py "
-        "trains from a store)",
+    "./run_train.sh --training.dataset_path /tmp/pydoc_tokens": "the store the tokenize_dataset.py command writes,"
+    " run at the same time (tests/integration/test_token_store.py trains from a store)",
 }
 SKIP_PREFIXES = [
     # (command prefix, reason): families of commands that need what this machine lacks
@@ -49,19 +48,33 @@ SKIP_PREFIXES = [
     ("python scripts/dcp_to_torch.py", "a 1000-step checkpoint (tests/unit/interop covers the conversion)"),
     ("python scripts/generate.py --checkpoint", "a trained checkpoint (tests/unit/interop covers generation)"),
     ("python scripts/benchmark.py --preset", "a GPU: the 8B-shape preset (1.76B parameters at seq 8192)"),
-    ("python scripts/tokenize_dataset.py --dataset c4", "a C4 mirror (tests/unit/data/test_token_store.py and "
-     "tests/integration/test_token_store.py tokenize generated files)"),
+    (
+        "python scripts/tokenize_dataset.py --dataset c4",
+        "a C4 mirror (tests/unit/data/test_token_store.py and "
+        "tests/integration/test_token_store.py tokenize generated files)",
+    ),
     ("python scripts/benchmark_loader.py --dataset_path /tmp/tk_store", "the token store the command above writes"),
     ("python scripts/benchmark_loader.py --mixture", "the token store and mirror the commands above write"),
-    ("python scripts/convert_config.py", "a torchtitan TOML file of the user's (tests/unit/config/"
-     "test_dialects_convert.py converts files in each dialect)"),
-    ("python train.py --job.config_file torchtitan/", "a torchtitan checkout's config file"
-     " (tests/unit/config/test_dialects.py loads files in each dialect; test_torchtitan_matrix.py runs its flags)"),
-    ("python scripts/benchmark_recovery.py", "minutes of 2-rank training with failures by design"
-     " (tests/integration/test_launchers.py covers restarts and goodput)"),
-    ("python scripts/benchmark_loader.py --dataset c4 --dataset_path /tmp/c4",
-     "the 16 x 10,000-document mirror, minutes to read"
-     " (tests/unit/data/test_c4_mirror.py runs the benchmark on a small one)"),
+    (
+        "python scripts/convert_config.py",
+        "a torchtitan TOML file of the user's (tests/unit/config/"
+        "test_dialects_convert.py converts files in each dialect)",
+    ),
+    (
+        "python train.py --job.config_file torchtitan/",
+        "a torchtitan checkout's config file"
+        " (tests/unit/config/test_dialects.py loads files in each dialect; test_torchtitan_matrix.py runs its flags)",
+    ),
+    (
+        "python scripts/benchmark_recovery.py",
+        "minutes of 2-rank training with failures by design"
+        " (tests/integration/test_launchers.py covers restarts and goodput)",
+    ),
+    (
+        "python scripts/benchmark_loader.py --dataset c4 --dataset_path /tmp/c4",
+        "the 16 x 10,000-document mirror, minutes to read"
+        " (tests/unit/data/test_c4_mirror.py runs the benchmark on a small one)",
+    ),
 ]
 
 _COMMAND = re.compile(
@@ -143,8 +156,9 @@ def _prepare(command: str, out: Path) -> tuple[list[str], dict[str, str]]:
 def _run(command: str, out: Path) -> tuple[int, str, float]:
     argv, env = _prepare(command, out)
     start = time.perf_counter()
-    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL
+    )
     return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start
 
 

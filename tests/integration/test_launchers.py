@@ -36,8 +36,12 @@ def test_shellcheck_clean():
 
 def _run_train_sh(*args: str, **env_extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "NGPU"}
-    env.update(COMM_MODE="fake_backend", OMP_NUM_THREADS="1",
-               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", **env_extra)
+    env.update(
+        COMM_MODE="fake_backend",
+        OMP_NUM_THREADS="1",
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        **env_extra,
+    )
     out = subprocess.run(["./run_train.sh", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
@@ -61,16 +65,28 @@ def test_run_train_sh_hands_its_variables_to_the_launcher(tmp_path):
     assert argv[:2] == ["-m", "titan.launch"] and "--nproc_per_node=2" in argv
     flags = dict(zip(argv, argv[1:]))
     assert flags["--local-ranks-filter"] == "0" and flags["--max-restarts"] == "0", argv
-    assert argv[argv.index("train.py"):] == ["train.py", "--job.config_file", "train_configs/debug_model.toml",
-                                             "--training.steps", "5"]
+    assert argv[argv.index("train.py") :] == [
+        "train.py",
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--training.steps",
+        "5",
+    ]
     argv = _run_train_sh_argv(tmp_path, LOG_RANK="0,1", MAX_RESTARTS="3", CONFIG_FILE="train_configs/x.toml")
     flags = dict(zip(argv, argv[1:]))
     assert flags["--local-ranks-filter"] == "0,1" and flags["--max-restarts"] == "3", argv
-    assert argv[argv.index("train.py"):] == ["train.py", "--job.config_file", "train_configs/x.toml"]
+    assert argv[argv.index("train.py") :] == ["train.py", "--job.config_file", "train_configs/x.toml"]
     # the dry run needs no launcher: one process stands in for NGPU ranks
     assert _run_train_sh_argv(tmp_path, "--training.steps", "5", COMM_MODE="fake_backend") == [
-        "train.py", "--job.config_file", "train_configs/debug_model.toml", "--job.dry_run",
-        "--job.dry_run_world_size", "2", "--training.steps", "5"]
+        "train.py",
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--job.dry_run",
+        "--job.dry_run_world_size",
+        "2",
+        "--training.steps",
+        "5",
+    ]
 
 
 @pytest.mark.slow
@@ -94,17 +110,37 @@ def test_run_train_sh_detects_the_gpu_count():
 def _launch(*args: str, **env_extra: str) -> subprocess.Popen:
     """run_train.sh as a user starts it from a shell: its own process group, like a terminal job."""
     # CPU ranks over gloo even on a GPU machine (2 ranks on one GPU would be refused by NCCL)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="",
-               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", **env_extra)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+        CUDA_VISIBLE_DEVICES="",
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        **env_extra,
+    )
     env.pop("COMM_MODE", None)
-    return subprocess.Popen(["./run_train.sh", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        ["./run_train.sh", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
-@pytest.mark.parametrize("args, line", [
-    (["--job.config_file", "nope.toml"], "titan: error: config file 'nope.toml' does not exist"),
-    (["--training.stepz", "3"], "titan: error: unknown config key 'training.stepz'; did you mean 'training.steps'?"),
-])
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--job.config_file", "nope.toml"], "titan: error: config file 'nope.toml' does not exist"),
+        (
+            ["--training.stepz", "3"],
+            "titan: error: unknown config key 'training.stepz'; did you mean 'training.steps'?",
+        ),
+    ],
+)
 def test_config_error_through_run_train_sh_is_one_line_exit_2(args, line):
     proc = _launch(*args, NGPU="2")
     out = proc.communicate(timeout=300)[0]
@@ -114,8 +150,7 @@ def test_config_error_through_run_train_sh_is_one_line_exit_2(args, line):
 
 @pytest.mark.slow
 def test_error_inside_the_ranks_ends_with_titans_line_not_torchruns_traceback(tmp_path):
-    proc = _launch("--training.dataset_path", str(tmp_path / "missing"), "--job.dump_folder", str(tmp_path),
-                   NGPU="2")
+    proc = _launch("--training.dataset_path", str(tmp_path / "missing"), "--job.dump_folder", str(tmp_path), NGPU="2")
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 2, out[-3000:]
     last = out.strip().splitlines()[-1]
@@ -124,9 +159,20 @@ def test_error_inside_the_ranks_ends_with_titans_line_not_torchruns_traceback(tm
 
 
 # ---------------------------------------------------------------- signals to the launcher
-TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-        "--metrics.disable_color_printing", "--metrics.enable_tensorboard", "false", "--checkpoint.enable",
-        "--checkpoint.interval", "1000"]
+TINY = [
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.disable_color_printing",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "1000",
+]
 
 
 def _until_step(proc: subprocess.Popen, step: int) -> list[str]:
@@ -219,8 +265,14 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_uninterrupted_loss
     assert sorted(reference) == list(range(1, 8))
 
     # rank 1 is SIGKILLed after step 5 of the first attempt only (step 4 is the newest checkpoint)
-    proc = _launch(*RESTART_RUN, "--job.dump_folder", str(tmp_path / "run"), NGPU="2", MAX_RESTARTS="2",
-                   **kill_env("step=5@rank1@attempt0"))
+    proc = _launch(
+        *RESTART_RUN,
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        NGPU="2",
+        MAX_RESTARTS="2",
+        **kill_env("step=5@rank1@attempt0"),
+    )
     out = proc.communicate(timeout=400)[0]
     assert proc.returncode == 0, out[-3000:]
     killed = r"rank 1 \(pid \d+\) was killed by SIGKILL.*restarting the ranks \(restart 1 of 2\)"
@@ -244,8 +296,9 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_uninterrupted_loss
 @pytest.mark.slow
 def test_a_titan_error_in_the_ranks_is_not_restarted(tmp_path):
     missing = tmp_path / "missing"
-    proc = _launch("--training.dataset_path", str(missing), "--job.dump_folder", str(tmp_path), NGPU="2",
-                   MAX_RESTARTS="3")
+    proc = _launch(
+        "--training.dataset_path", str(missing), "--job.dump_folder", str(tmp_path), NGPU="2", MAX_RESTARTS="3"
+    )
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 2, out[-3000:]
     line = f"titan: error: dataset path '{missing}' does not exist (training.dataset_path)"
@@ -257,20 +310,32 @@ def test_a_config_error_is_not_restarted():
     proc = _launch("--training.stepz", "3", NGPU="2", MAX_RESTARTS="3")
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 2 and out.strip().splitlines() == [
-        "titan: error: unknown config key 'training.stepz'; did you mean 'training.steps'?"], out[-3000:]
+        "titan: error: unknown config key 'training.stepz'; did you mean 'training.steps'?"
+    ], out[-3000:]
 
 
 @pytest.mark.slow
 def test_a_spent_restart_budget_ends_with_the_last_cause(tmp_path):
     # rank 1 dies after step 2 on every attempt: one restart, then the end
-    proc = _launch(*TINY, "--training.steps", "4", "--job.dump_folder", str(tmp_path), NGPU="2", MAX_RESTARTS="1",
-                   **kill_env("step=2@rank1"))
+    proc = _launch(
+        *TINY,
+        "--training.steps",
+        "4",
+        "--job.dump_folder",
+        str(tmp_path),
+        NGPU="2",
+        MAX_RESTARTS="1",
+        **kill_env("step=2@rank1"),
+    )
     out = proc.communicate(timeout=400)[0]
     assert proc.returncode == 128 + signal.SIGKILL, out[-3000:]
     assert "restarting the ranks (restart 1 of 1)" in out, out[-3000:]
     last = out.strip().splitlines()[-1]
-    assert re.fullmatch(r"titan: error: rank 1 \(pid \d+\) was killed by SIGKILL; .*"
-                        r" \(gave up after 1 restart\(s\): --max-restarts 1\)", last), last
+    assert re.fullmatch(
+        r"titan: error: rank 1 \(pid \d+\) was killed by SIGKILL; .*"
+        r" \(gave up after 1 restart\(s\): --max-restarts 1\)",
+        last,
+    ), last
 
 
 # ---------------------------------------------------------------- the launcher around any script
@@ -293,9 +358,28 @@ def _launch_script(tmp_path: Path, how: str) -> tuple[subprocess.Popen, str]:
     script = tmp_path / "attempt.py"
     script.write_text(_ATTEMPT)
     env = dict(os.environ, OMP_NUM_THREADS="1", TITAN_LAUNCH_SUMMARY=str(tmp_path / "summary"))
-    proc = subprocess.Popen([sys.executable, "-m", "titan.launch", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
-                             "--rdzv_endpoint", "localhost:0", "--max-restarts", "1", str(script), how],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "titan.launch",
+            "--nproc_per_node",
+            "1",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            "localhost:0",
+            "--max-restarts",
+            "1",
+            str(script),
+            how,
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     return proc, proc.communicate(timeout=300)[0]
 
 

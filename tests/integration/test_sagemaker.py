@@ -24,13 +24,31 @@ def launch():
 
 
 def test_estimator_arguments(launch, tmp_path):
-    args = launch.parse_args([
-        "--region", "us-west-2", "--image-uri", "123456789012.dkr.ecr.us-west-2.amazonaws.com/titan:1",
-        "--role", "arn:aws:iam::123456789012:role/SageMaker", "--config-file", "train_configs/llama3_70b.toml",
-        "--train-data", "s3://bucket/c4/", "--checkpoint-s3-uri", "s3://bucket/ckpt/",
-        "--tensorboard-s3-uri", "s3://bucket/tb/", "--instance-type", "ml.p5.48xlarge", "--instance-count", "4",
-        "--override", "training.steps=50", "--override=--metrics.log_freq=5",
-    ])
+    args = launch.parse_args(
+        [
+            "--region",
+            "us-west-2",
+            "--image-uri",
+            "123456789012.dkr.ecr.us-west-2.amazonaws.com/titan:1",
+            "--role",
+            "arn:aws:iam::123456789012:role/SageMaker",
+            "--config-file",
+            "train_configs/llama3_70b.toml",
+            "--train-data",
+            "s3://bucket/c4/",
+            "--checkpoint-s3-uri",
+            "s3://bucket/ckpt/",
+            "--tensorboard-s3-uri",
+            "s3://bucket/tb/",
+            "--instance-type",
+            "ml.p5.48xlarge",
+            "--instance-count",
+            "4",
+            "--override",
+            "training.steps=50",
+            "--override=--metrics.log_freq=5",
+        ]
+    )
     est = launch.build_estimator(args, launch.stage_source(tmp_path))
     assert isinstance(est, sagemaker.PyTorch)
     assert est.entry_point == "train.py" and est.source_dir == str(tmp_path)

@@ -18,9 +18,21 @@ from tests.helpers.debug_kill import kill_env
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
-TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-        "--metrics.disable_color_printing", "--metrics.enable_tensorboard", "false",
-        "--checkpoint.interval", "100", "--training.steps", str(STEPS)]
+TINY = [
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.disable_color_printing",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--checkpoint.interval",
+    "100",
+    "--training.steps",
+    str(STEPS),
+]
 # rank 0's step lines (rank 1 logs as "[titan] [rank 1] ...")
 STEP_RE = re.compile(r"^\[titan\] [0-9-]+ [0-9:,]+ - INFO - step:\s*(\d+)\s+loss:\s*([0-9.]+)", re.M)
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
@@ -61,13 +73,38 @@ def _submit(tmp: Path, *args: str, err: str = "job.out", **env: str) -> str:
     """sbatch the script as a user of a CPU node would: overrides on the command line only.
     Output and error go to one file (job.out) unless ``err`` names another, so the lines of the run
     before a requeue and after it are in order."""
-    environ = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-                   CONFIG_FILE="train_configs/debug_model.toml", GPUS_PER_NODE="2", RDZV_PORT=str(_free_port()),
-                   TORCH_ELASTIC_SHUTDOWN_TIMEOUT="25", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
-                   CUDA_VISIBLE_DEVICES="", **env)  # CPU ranks, as on a node without GPUs
-    cmd = ["sbatch", "--parsable", "--nodes", "1", "--gpus-per-node", "0", "--cpus-per-task", "2",
-           "--chdir", str(REPO), "--output", str(tmp / "job.out"), "--error", str(tmp / err),
-           "multinode_trainer.slurm", *args, "--job.dump_folder", str(tmp / "run")]
+    environ = dict(
+        os.environ,
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        CONFIG_FILE="train_configs/debug_model.toml",
+        GPUS_PER_NODE="2",
+        RDZV_PORT=str(_free_port()),
+        TORCH_ELASTIC_SHUTDOWN_TIMEOUT="25",
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+        CUDA_VISIBLE_DEVICES="",
+        **env,
+    )  # CPU ranks, as on a node without GPUs
+    cmd = [
+        "sbatch",
+        "--parsable",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "0",
+        "--cpus-per-task",
+        "2",
+        "--chdir",
+        str(REPO),
+        "--output",
+        str(tmp / "job.out"),
+        "--error",
+        str(tmp / err),
+        "multinode_trainer.slurm",
+        *args,
+        "--job.dump_folder",
+        str(tmp / "run"),
+    ]
     out = subprocess.run(cmd, cwd=REPO, env=environ, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]
@@ -96,7 +133,9 @@ def _log(tmp: Path) -> str:
 def _wait_for_step(tmp: Path, step: int, timeout: float = 180) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if (tmp / "job.out").exists() and any(int(s) >= step for s, _ in STEP_RE.findall((tmp / "job.out").read_text())):
+        if (tmp / "job.out").exists() and any(
+            int(s) >= step for s, _ in STEP_RE.findall((tmp / "job.out").read_text())
+        ):
             return
         time.sleep(0.5)
     pytest.fail(f"no step {step} in {timeout} s:\n{_log(tmp)[-3000:]}")
@@ -165,10 +204,16 @@ def test_user_error_fails_the_job_with_titans_line_last(slurm, tmp_path, where):
     """A bad key is caught by the script's check before srun; a missing dataset only by the ranks
     (srun adds its own line after the launcher's: the script repeats the cause last)."""
     if where == "config":
-        args, line = ["--training.stepz", "3"], "titan: error: unknown config key 'training.stepz'; did you mean 'training.steps'?"
+        args, line = (
+            ["--training.stepz", "3"],
+            "titan: error: unknown config key 'training.stepz'; did you mean 'training.steps'?",
+        )
     else:
         missing = tmp_path / "missing"
-        args, line = ["--training.dataset_path", str(missing)], f"titan: error: dataset path '{missing}' does not exist (training.dataset_path)"
+        args, line = (
+            ["--training.dataset_path", str(missing)],
+            f"titan: error: dataset path '{missing}' does not exist (training.dataset_path)",
+        )
     info = _wait(_submit(tmp_path, *args, err="job.err"), tmp_path, timeout=180)
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
     err = (tmp_path / "job.err").read_text().strip().splitlines()

@@ -17,9 +17,21 @@ from titan.data.tokenize import tokenize_to_store
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--training.seq_len", "32",
-        "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1",
-        "--metrics.disable_color_printing", "--training.steps", "3"]
+TINY = [
+    "--job.config_file",
+    str(REPO / "train_configs/debug_model.toml"),
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.disable_color_printing",
+    "--training.steps",
+    "3",
+]
 
 
 def _main(argv) -> int:
@@ -36,8 +48,14 @@ def store(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("data")
     docs = [f"document {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 7 + 1) for i in range(400)]
     (folder / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    tokenize_to_store(dataset="", dataset_path=str(folder / "docs.jsonl"), tokenizer_path="", out=str(folder / "store"),
-                      workers=0, shard_mb=0.01)
+    tokenize_to_store(
+        dataset="",
+        dataset_path=str(folder / "docs.jsonl"),
+        tokenizer_path="",
+        out=str(folder / "store"),
+        workers=0,
+        shard_mb=0.01,
+    )
     return folder / "store"
 
 
@@ -54,10 +72,21 @@ def test_train_from_a_mixture_with_validation(store, tmp_path, capsys):
         f'[[training.mixture]]\npath = "{store}"\nweight = 0.7\n\n'
         '[[training.mixture]]\ndataset = "pydoc"\nweight = 0.3\n\n'
         f'[validation]\nenable = true\nfreq = 3\nsteps = 2\n\n[[validation.mixture]]\npath = "{store}"\n\n'
-        '[[validation.mixture]]\ndataset = "pydoc_validation"\n')
+        '[[validation.mixture]]\ndataset = "pydoc_validation"\n'
+    )
     dump = tmp_path / "run"
-    rc = _main([*TINY, "--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder",
-                str(dump), "--training.dataset_shuffle_seed", "1"] + _toml_args(config))
+    rc = _main(
+        [
+            *TINY,
+            "--job.config_file",
+            str(REPO / "train_configs/debug_model.toml"),
+            "--job.dump_folder",
+            str(dump),
+            "--training.dataset_shuffle_seed",
+            "1",
+        ]
+        + _toml_args(config)
+    )
     err = capsys.readouterr().err
     assert rc == 0, err[-3000:]
     lines = [json.loads(x) for x in next((dump / "metrics").glob("*.jsonl")).read_text().splitlines()]
@@ -117,20 +146,32 @@ def test_store_of_another_tokenizer(store, tmp_path, capsys):
     ranks = (REPO / "titan/data/assets/tokenizer.model").read_text().splitlines()
     other = tmp_path / "other.model"
     other.write_text("\n".join(ranks[:-1]) + "\n")
-    fail(capsys, tmp_path / "run", ["--training.dataset_path", str(store), "--model.tokenizer_path", str(other)],
-         "was made with tokenizer", str(other))
+    fail(
+        capsys,
+        tmp_path / "run",
+        ["--training.dataset_path", str(store), "--model.tokenizer_path", str(other)],
+        "was made with tokenizer",
+        str(other),
+    )
 
 
 def test_weight_not_positive(store, tmp_path, capsys):
-    fail(capsys, tmp_path / "run", ["--training.mixture", f'[{{path = "{store}", weight = 0}}]'],
-         "training.mixture[0].weight")
+    fail(
+        capsys,
+        tmp_path / "run",
+        ["--training.mixture", f'[{{path = "{store}", weight = 0}}]'],
+        "training.mixture[0].weight",
+    )
 
 
 def test_empty_source(store, tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("")
-    fail(capsys, tmp_path / "run",
-         ["--training.mixture", f'[{{path = "{store}", weight = 1}}, {{path = "{tmp_path / "empty.jsonl"}"}}]'],
-         "empty")
+    fail(
+        capsys,
+        tmp_path / "run",
+        ["--training.mixture", f'[{{path = "{store}", weight = 1}}, {{path = "{tmp_path / "empty.jsonl"}"}}]'],
+        "empty",
+    )
 
 
 def test_tokenize_script_interrupted_then_finished(tmp_path):
@@ -148,8 +189,18 @@ def test_tokenize_script_interrupted_then_finished(tmp_path):
     docs = [" ".join(words[(i + j) % len(words)] for j in range(300 + i % 50)) for i in range(4000)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     out = tmp_path / "store"
-    cmd = [sys.executable, "scripts/tokenize_dataset.py", "--dataset_path", str(tmp_path / "docs.jsonl"), "--out",
-           str(out), "--workers", "2", "--shard_mb", "0.05"]
+    cmd = [
+        sys.executable,
+        "scripts/tokenize_dataset.py",
+        "--dataset_path",
+        str(tmp_path / "docs.jsonl"),
+        "--out",
+        str(out),
+        "--workers",
+        "2",
+        "--shard_mb",
+        "0.05",
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while not list(out.glob("[0-9]*.json")) and proc.poll() is None and time.monotonic() < deadline:
@@ -167,8 +218,14 @@ def test_tokenize_script_interrupted_then_finished(tmp_path):
     assert set(result) == {"text_bytes", "documents", "tokens", "seconds"} and result["documents"] == len(docs)
     assert f"({len(finished)} kept from an earlier run)" in again.stderr
     whole = tmp_path / "whole"
-    tokenize_to_store(dataset="", dataset_path=str(tmp_path / "docs.jsonl"), tokenizer_path="", out=str(whole),
-                      workers=0, shard_mb=0.05)
+    tokenize_to_store(
+        dataset="",
+        dataset_path=str(tmp_path / "docs.jsonl"),
+        tokenizer_path="",
+        out=str(whole),
+        workers=0,
+        shard_mb=0.05,
+    )
     a, b = TokenStore(str(out)), TokenStore(str(whole))
     assert a.num_tokens == b.num_tokens == result["tokens"]
     assert (a.read(0, a.num_tokens) == b.read(0, b.num_tokens)).all()
@@ -184,10 +241,22 @@ def _losses(err: str) -> dict[int, str]:
 def test_resume_mid_mixture_continues_the_same_run(store, tmp_path, capsys):
     """A mixture run stopped at step 2 and resumed from its checkpoint logs the losses of the run
     that was not stopped (store windows shuffled, pydoc tokenized online)."""
-    mix = ["--training.mixture", f'[{{path = "{store}", weight = 0.6}}, {{dataset = "pydoc", weight = 0.4}}]',
-           "--training.dataset_shuffle_seed", "3", "--checkpoint.enable", "--checkpoint.interval", "2",
-           # an lr schedule that does not depend on training.steps: the cut run trains 2 of the 4 steps
-           "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0", "--training.steps", "4"]
+    mix = [
+        "--training.mixture",
+        f'[{{path = "{store}", weight = 0.6}}, {{dataset = "pydoc", weight = 0.4}}]',
+        "--training.dataset_shuffle_seed",
+        "3",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        # an lr schedule that does not depend on training.steps: the cut run trains 2 of the 4 steps
+        "--lr_scheduler.warmup_steps",
+        "1",
+        "--lr_scheduler.decay_ratio",
+        "0",
+        "--training.steps",
+        "4",
+    ]
     assert _main([*TINY, "--job.dump_folder", str(tmp_path / "whole"), *mix]) == 0
     whole = _losses(capsys.readouterr().err)
     assert _main([*TINY, "--job.dump_folder", str(tmp_path / "cut"), *mix[:-1], "2"]) == 0
@@ -202,12 +271,29 @@ def test_benchmark_reads_a_store_and_a_mixture(store):
 
     from tests.helpers.distributed import cpu_env
 
-    for args in (["--dataset_path", str(store), "--dp", "2", "--resume_at", "3,20"],
-                 ["--mixture", f'[{{path = "{store}", weight = 0.5}}, {{dataset = "pydoc", weight = 0.5}}]',
-                  "--resume_at", "5", "--max_docs", "50"]):
-        proc = subprocess.run([sys.executable, "scripts/benchmark_loader.py", "--seq_len", "64", "--batch_size", "2",
-                               *args], cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    for args in (
+        ["--dataset_path", str(store), "--dp", "2", "--resume_at", "3,20"],
+        [
+            "--mixture",
+            f'[{{path = "{store}", weight = 0.5}}, {{dataset = "pydoc", weight = 0.5}}]',
+            "--resume_at",
+            "5",
+            "--max_docs",
+            "50",
+        ],
+    ):
+        proc = subprocess.run(
+            [sys.executable, "scripts/benchmark_loader.py", "--seq_len", "64", "--batch_size", "2", *args],
+            cwd=REPO,
+            env=cpu_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         result = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert result["unit"] == "windows" and result["tokens_per_s"] > 0 and set(result["resume_s"]) == set(
-            args[-3 if args[0] == "--mixture" else -1].split(","))
+        assert (
+            result["unit"] == "windows"
+            and result["tokens_per_s"] > 0
+            and set(result["resume_s"]) == set(args[-3 if args[0] == "--mixture" else -1].split(","))
+        )

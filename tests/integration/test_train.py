@@ -28,14 +28,31 @@ def run(cmd: list[str], **env_extra: str) -> dict[int, tuple[float, float]]:
 
 
 def train_py(tmp_path: Path, *args: str) -> list[str]:
-    return [sys.executable, "train.py", "--job.config_file", "train_configs/debug_model.toml",
-            "--job.dump_folder", str(tmp_path), *FAST, *args]
+    return [
+        sys.executable,
+        "train.py",
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--job.dump_folder",
+        str(tmp_path),
+        *FAST,
+        *args,
+    ]
 
 
 def torchrun(tmp_path: Path, nproc: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0",
-            *train_py(tmp_path, *args)[1:]]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        "localhost:0",
+        *train_py(tmp_path, *args)[1:],
+    ]
 
 
 def test_debug_model_loss_falls_one_rank_with_tensorboard(tmp_path):
@@ -56,9 +73,18 @@ def test_run_train_sh_two_ranks_loss_falls(tmp_path):
 
 def test_fsdp_and_ddp_same_losses(tmp_path):
     fsdp = run(torchrun(tmp_path / "fsdp", 2, "--training.steps", "10"))
-    ddp = run(torchrun(tmp_path / "ddp", 2, "--training.steps", "10",
-                       "--parallelism.data_parallel_replicate_degree", "2",
-                       "--parallelism.data_parallel_shard_degree", "1"))
+    ddp = run(
+        torchrun(
+            tmp_path / "ddp",
+            2,
+            "--training.steps",
+            "10",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+        )
+    )
     assert sorted(fsdp) == sorted(ddp) == list(range(1, 11))
     for step in fsdp:
         assert abs(fsdp[step][0] - ddp[step][0]) < 1e-4, (step, fsdp[step], ddp[step])
@@ -75,12 +101,21 @@ def test_bad_degrees_fail_fast_with_one_line(tmp_path):
     lines = [line for line in out.stderr.splitlines() if line.startswith("titan: error")]
     assert len(lines) == 1 and "world size is 2" in lines[0], out.stderr[-3000:]
     # torchrun reports the failed child with its own traceback; titan's code adds none.
-    assert "titan/" not in out.stderr and "train.py\", line" not in out.stderr
+    assert "titan/" not in out.stderr and 'train.py", line' not in out.stderr
 
 
 def test_finite_dataset_stops_cleanly(tmp_path):
     data = tmp_path / "tiny.jsonl"
     data.write_text("\n".join('{"text": "%s"}' % ("word " * 200) for _ in range(3)) + "\n")
-    steps = run(train_py(tmp_path, "--training.dataset_path", str(data), "--training.dataset_infinite", "false",
-                         "--training.steps", "50"))
+    steps = run(
+        train_py(
+            tmp_path,
+            "--training.dataset_path",
+            str(data),
+            "--training.dataset_infinite",
+            "false",
+            "--training.steps",
+            "50",
+        )
+    )
     assert 1 <= max(steps) < 50

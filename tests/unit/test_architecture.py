@@ -88,7 +88,7 @@ def _assert_acyclic(graph: dict[str, set[str]]) -> None:
     def visit(u: str, path: list[str]) -> None:
         state[u] = 1
         for v in sorted(graph.get(u, ())):
-            assert state.get(v) != 1, "import cycle: " + " -> ".join(path[path.index(v):] + [v])
+            assert state.get(v) != 1, "import cycle: " + " -> ".join(path[path.index(v) :] + [v])
             if v not in state:
                 visit(v, path + [v])
         state[u] = 2
@@ -112,8 +112,12 @@ def test_no_import_cycles_between_modules():
 
 
 def test_imports_go_down_the_floors():
-    upward = sorted((rel, dst) for src, e in _graph().items() for dst, rel in e
-                    if FLOOR[dst] > FLOOR[src] and (rel, dst) not in UPWARD_ALLOWED)
+    upward = sorted(
+        (rel, dst)
+        for src, e in _graph().items()
+        for dst, rel in e
+        if FLOOR[dst] > FLOOR[src] and (rel, dst) not in UPWARD_ALLOWED
+    )
     assert not upward, f"imports from a lower floor to a higher one: {upward}"
     assert len(UPWARD_ALLOWED) <= 3
 
@@ -124,14 +128,20 @@ def test_config_imports_only_errors():
 
 
 def test_parallel_names_no_model():
-    offenders = [p.relative_to(PKG).as_posix() for p in (PKG / "parallel").rglob("*.py")
-                 if "titan.models" in p.read_text() or "llama" in p.read_text().lower()]
+    offenders = [
+        p.relative_to(PKG).as_posix()
+        for p in (PKG / "parallel").rglob("*.py")
+        if "titan.models" in p.read_text() or "llama" in p.read_text().lower()
+    ]
     assert not offenders, f"parallel/ holds mechanisms only; these name a model: {offenders}"
 
 
 def test_model_files_import_no_torch_distributed():
-    offenders = [p.relative_to(PKG).as_posix() for p in (PKG / "models").rglob("model.py")
-                 if "torch.distributed" in p.read_text()]
+    offenders = [
+        p.relative_to(PKG).as_posix()
+        for p in (PKG / "models").rglob("model.py")
+        if "torch.distributed" in p.read_text()
+    ]
     assert not offenders, offenders
 
 

@@ -18,8 +18,9 @@ FILE_SUFFIXES = {"safetensors", "json", "toml", "pth", "pt", "bin", "model", "md
 
 
 def test_config_reference_is_current():
-    out = subprocess.run([sys.executable, "scripts/generate_config_reference.py", "--check"],
-                         cwd=REPO, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "scripts/generate_config_reference.py", "--check"], cwd=REPO, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
 
 

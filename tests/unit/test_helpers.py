@@ -66,6 +66,9 @@ def test_more_ranks_than_gpus_is_one_clear_error(monkeypatch):
 
 def test_shared_helpers_live_in_tests_helpers():
     """Tests import shared code from tests/helpers (or fixtures), never from another test module."""
-    offenders = [f"{path.relative_to(TESTS)}: {m[0]}" for path in TESTS.rglob("test_*.py")
-                 for m in re.finditer(r"from tests\.(?:unit|integration)\.\S+ import", path.read_text())]
+    offenders = [
+        f"{path.relative_to(TESTS)}: {m[0]}"
+        for path in TESTS.rglob("test_*.py")
+        for m in re.finditer(r"from tests\.(?:unit|integration)\.\S+ import", path.read_text())
+    ]
     assert not offenders, offenders

@@ -43,11 +43,29 @@ def test_training_log_to_a_pipe_has_no_ansi_codes(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "NO_COLOR")}
     env["OMP_NUM_THREADS"] = "1"
     out = subprocess.run(
-        [sys.executable, "train.py", "--job.config_file", "train_configs/debug_model.toml",
-         "--job.dump_folder", str(tmp_path), "--training.steps", "1", "--training.seq_len", "32",
-         "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false",
-         "--float8.enable_float8_linear", "--float8.emulate"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "train.py",
+            "--job.config_file",
+            "train_configs/debug_model.toml",
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.steps",
+            "1",
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "2",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--float8.enable_float8_linear",
+            "--float8.emulate",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout + out.stderr

@@ -72,8 +72,10 @@ def test_torchao_import_prints_nothing():
     in the environment: no shared-library errors, no skip notice, no deprecation line. (A whole
     training run with float8 is checked in tests/unit/test_log.py.)"""
     env = {k: v for k, v in os.environ.items() if k != "TORCHAO_FORCE_SKIP_LOADING_SO_FILES"}
-    code = ("import titan.training.optim as o; from titan.log import import_torchao;"
-            " import_torchao('torchao.float8').convert_to_float8_training; o._bf16_sr_adamw()")
+    code = (
+        "import titan.training.optim as o; from titan.log import import_torchao;"
+        " import_torchao('torchao.float8').convert_to_float8_training; o._bf16_sr_adamw()"
+    )
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stderr == "", run.stderr

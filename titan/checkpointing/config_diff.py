@@ -36,22 +36,41 @@ from titan.log import logger
 CONFIG_FILE = "config.json"
 
 # section -> keys compared (None: every key of the section) / keys never compared.
-_RELEVANT: Mapping[str, tuple[str, ...] | None] = MappingProxyType({
-    "model": ("name", "flavor", "tokenizer_path"),
-    "optimizer": None,
-    "lr_scheduler": None,
-    "training": ("dataset", "dataset_path", "dataset_text_field", "dataset_txt_split", "local_batch_size",
-                 "seq_len", "max_norm", "seed", "mixed_precision_param", "mixed_precision_reduce",
-                 "dataset_infinite"),
-    "float8": ("enable_float8_linear", "recipe"),
-    "effective": None,
-})
+_RELEVANT: Mapping[str, tuple[str, ...] | None] = MappingProxyType(
+    {
+        "model": ("name", "flavor", "tokenizer_path"),
+        "optimizer": None,
+        "lr_scheduler": None,
+        "training": (
+            "dataset",
+            "dataset_path",
+            "dataset_text_field",
+            "dataset_txt_split",
+            "local_batch_size",
+            "seq_len",
+            "max_norm",
+            "seed",
+            "mixed_precision_param",
+            "mixed_precision_reduce",
+            "dataset_infinite",
+        ),
+        "float8": ("enable_float8_linear", "recipe"),
+        "effective": None,
+    }
+)
 # The checkpoint part whose loaded state a key shapes (default: its section's name).
-_PART = MappingProxyType({
-    "model": "model", "float8": "model", "training.mixed_precision_param": "model",
-    "training.mixed_precision_reduce": "model", "training.max_norm": "optimizer", "training.seed": "rng",
-    "training": "dataloader", "effective": "dataloader",
-})
+_PART = MappingProxyType(
+    {
+        "model": "model",
+        "float8": "model",
+        "training.mixed_precision_param": "model",
+        "training.mixed_precision_reduce": "model",
+        "training.max_norm": "optimizer",
+        "training.seed": "rng",
+        "training": "dataloader",
+        "effective": "dataloader",
+    }
+)
 # Kernel choices that give the same optimizer math.
 _FREE = MappingProxyType({"optimizer": ("implementation",)})
 POLICIES = choices(ConfigMismatch)
@@ -86,8 +105,9 @@ def part_of(key: str) -> str:
     return _PART.get(key) or _PART.get(key.split(".", 1)[0]) or key.split(".", 1)[0]
 
 
-def differences(saved: dict[str, Any], current: dict[str, Any],
-                excluded: Collection[str] = ()) -> dict[str, tuple[Any, Any]]:
+def differences(
+    saved: dict[str, Any], current: dict[str, Any], excluded: Collection[str] = ()
+) -> dict[str, tuple[Any, Any]]:
     """'section.key' -> (checkpoint's value, this run's value) for the training-relevant keys of the
     parts that are loaded (those of ``excluded`` parts start from this run's config)."""
     out = {}
@@ -107,8 +127,9 @@ def _norm(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))  # tuples vs lists, as JSON stores them
 
 
-def resolve(folder: str, current: dict[str, Any], policy: str,
-            excluded: Collection[str] = ()) -> dict[str, tuple[Any, Any]]:
+def resolve(
+    folder: str, current: dict[str, Any], policy: str, excluded: Collection[str] = ()
+) -> dict[str, tuple[Any, Any]]:
     """The differences between ``folder``'s config and ``current`` that ``policy`` settles (logged),
     over the parts not in ``excluded``; raises with policy ``error``, or when ``use_checkpoint``
     cannot restore a key."""
@@ -121,14 +142,17 @@ def resolve(folder: str, current: dict[str, Any], policy: str,
         raise TitanError(
             f"resuming from {folder}, whose run config differs in training-relevant keys: {listing}; say which"
             " wins with --checkpoint.config_mismatch use_checkpoint (continue as the checkpoint was trained)"
-            " or use_new (today's values), or use another job.dump_folder")
+            " or use_new (today's values), or use another job.dump_folder"
+        )
     if policy == "use_checkpoint":
         fixed = [f"--{k} {diff[k][0]}" for k in diff if k in _SHAPE_KEYS]
         if "effective.global_batch" in diff:
             fixed.append(f"--training.global_batch_size {diff['effective.global_batch'][0]}")
         if fixed:
-            raise TitanError(f"resuming from {folder}: checkpoint.config_mismatch use_checkpoint cannot change the"
-                             f" model or batch shape this run was set up with ({listing}); pass {' '.join(fixed)}")
+            raise TitanError(
+                f"resuming from {folder}: checkpoint.config_mismatch use_checkpoint cannot change the"
+                f" model or batch shape this run was set up with ({listing}); pass {' '.join(fixed)}"
+            )
         logger.warning(f"checkpoint.config_mismatch=use_checkpoint: continuing with the checkpoint's values: {listing}")
     else:
         logger.warning(f"checkpoint.config_mismatch=use_new: this run uses today's values: {listing}")

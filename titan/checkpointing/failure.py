@@ -21,13 +21,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 # Below this much free space after a failed write, the disk being full is the cause.
 FULL_DISK_BYTES = 1 << 20
 
-_CAUSES = MappingProxyType({
-    errno.ENOSPC: ("no space left on device", "free disk space or set job.dump_folder on a larger disk"),
-    errno.EDQUOT: ("disk quota exceeded", "free space within your quota or set job.dump_folder elsewhere"),
-    errno.EROFS: ("read-only file system", "remount it read-write or set job.dump_folder on a writable disk"),
-    errno.EACCES: ("permission denied", "fix the folder's permissions or set job.dump_folder elsewhere"),
-    errno.EPERM: ("permission denied", "fix the folder's permissions or set job.dump_folder elsewhere"),
-})
+_CAUSES = MappingProxyType(
+    {
+        errno.ENOSPC: ("no space left on device", "free disk space or set job.dump_folder on a larger disk"),
+        errno.EDQUOT: ("disk quota exceeded", "free space within your quota or set job.dump_folder elsewhere"),
+        errno.EROFS: ("read-only file system", "remount it read-write or set job.dump_folder on a writable disk"),
+        errno.EACCES: ("permission denied", "fix the folder's permissions or set job.dump_folder elsewhere"),
+        errno.EPERM: ("permission denied", "fix the folder's permissions or set job.dump_folder elsewhere"),
+    }
+)
 
 
 def rank_errors(error: BaseException) -> Iterator[tuple[int | None, BaseException]]:
@@ -80,8 +82,7 @@ def explain(error: BaseException, folder: str) -> tuple[str, str]:
     and what to do about it."""
     leaves = list(rank_errors(error))
     rank, leaf = leaves[0]
-    code = next((e.errno for _, x in leaves for e in _chain(x) if isinstance(e, OSError) and e.errno in _CAUSES),
-                None)
+    code = next((e.errno for _, x in leaves for e in _chain(x) if isinstance(e, OSError) and e.errno in _CAUSES), None)
     if code is None:
         code = _probe(folder)
     where = f" on rank {rank}" if rank else ""  # rank 0 (or a one-process run) goes unnamed

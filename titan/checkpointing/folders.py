@@ -43,10 +43,15 @@ class Found:
     """A Hugging Face export (config.json + safetensors), not a DCP checkpoint."""
 
 
-def write_marker(path: str, step: int, *, model_only: bool, world_size: int, dp_degree: int,
-                 fmt: str = "dcp") -> None:
-    info = {"step": step, "model_only": model_only, "world_size": world_size, "dp_degree": dp_degree,
-            "format": fmt, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+def write_marker(path: str, step: int, *, model_only: bool, world_size: int, dp_degree: int, fmt: str = "dcp") -> None:
+    info = {
+        "step": step,
+        "model_only": model_only,
+        "world_size": world_size,
+        "dp_degree": dp_degree,
+        "format": fmt,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     tmp = os.path.join(path, MARKER + ".tmp")
     with open(tmp, "w") as f:
         json.dump(info, f)
@@ -73,8 +78,15 @@ def scan(root: str) -> list[Found]:
         path = os.path.join(root, name)
         if m and os.path.isdir(path):
             info = read_marker(path)
-            found.append(Found(int(m[1]), path, info is not None, bool(info and info.get("model_only")),
-                               bool(info and info.get("format") == "hf")))
+            found.append(
+                Found(
+                    int(m[1]),
+                    path,
+                    info is not None,
+                    bool(info and info.get("model_only")),
+                    bool(info and info.get("format") == "hf"),
+                )
+            )
     return sorted(found, key=lambda f: f.step)
 
 
@@ -88,18 +100,23 @@ def resume_candidates(root: str, load_step: int) -> list[Found]:
     found = scan(root)
     for f in found:
         if not f.complete and (load_step == -1 or f.step == load_step):
-            logger.warning(f"checkpoint {f.path} is incomplete (no {MARKER} marker: the save was interrupted); "
-                           "skipping it")
+            logger.warning(
+                f"checkpoint {f.path} is incomplete (no {MARKER} marker: the save was interrupted); skipping it"
+            )
     if load_step >= 0:
         match = [f for f in found if f.step == load_step and f.complete]
         if not match:
             steps = [f.step for f in found if f.complete]
-            raise TitanError(f"checkpoint.load_step {load_step}: no complete checkpoint step-{load_step} in {root}"
-                             f" (complete steps: {steps or 'none'})")
+            raise TitanError(
+                f"checkpoint.load_step {load_step}: no complete checkpoint step-{load_step} in {root}"
+                f" (complete steps: {steps or 'none'})"
+            )
         if match[0].hf:
-            raise TitanError(f"checkpoint.load_step {load_step}: {match[0].path} is a Hugging Face export (model"
-                             " weights only), not a checkpoint to resume; start a new run from it with"
-                             f" --checkpoint.initial_load_path {match[0].path} --checkpoint.initial_load_in_hf")
+            raise TitanError(
+                f"checkpoint.load_step {load_step}: {match[0].path} is a Hugging Face export (model"
+                " weights only), not a checkpoint to resume; start a new run from it with"
+                f" --checkpoint.initial_load_path {match[0].path} --checkpoint.initial_load_in_hf"
+            )
         return match
     usable = [f for f in found if f.complete and (not f.model_only or f.step == 0)]
     for f in found:

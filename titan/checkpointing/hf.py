@@ -33,6 +33,7 @@ DEFAULT_SHARD_BYTES = 5 * 1024**3  # what transformers' save_pretrained uses
 
 def _plan_shards(nbytes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     """Greedy in layer order, so a layer's tensors mostly land in one file."""
+
     def order(key: str) -> tuple[int, str]:
         parts = key.split(".")
         return (int(parts[1]) if parts[0] == "layers" else (-1 if parts[0] == "tok_embeddings" else 1 << 30), key)
@@ -70,8 +71,13 @@ def _adapter(args: Any) -> Any:
     return spec.state_dict_adapter
 
 
-def _write(out: Path, args: Any, groups: list[list[str]], dtype: torch.dtype | None,
-           load: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
+def _write(
+    out: Path,
+    args: Any,
+    groups: list[list[str]],
+    dtype: torch.dtype | None,
+    load: Callable[[list[str]], dict[str, torch.Tensor]],
+) -> None:
     adapter = _adapter(args)
     weight_map: dict[str, str] = {}
     total = 0
@@ -94,8 +100,13 @@ def _write(out: Path, args: Any, groups: list[list[str]], dtype: torch.dtype | N
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def save_hf(state_dict: dict[str, torch.Tensor], args: Any, out_dir: str | Path,
-            max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None) -> None:
+def save_hf(
+    state_dict: dict[str, torch.Tensor],
+    args: Any,
+    out_dir: str | Path,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+) -> None:
     """In-memory titan state dict -> HF folder."""
     out = _prepare_out(out_dir)
     keys = [k for k in state_dict if not (args.tie_embeddings and k == "output.weight")]
@@ -103,8 +114,13 @@ def save_hf(state_dict: dict[str, torch.Tensor], args: Any, out_dir: str | Path,
     _write(out, args, _plan_shards(nbytes, max_shard_bytes), dtype, lambda ks: {k: state_dict[k] for k in ks})
 
 
-def export_dcp_to_hf(dcp_dir: str | Path, out_dir: str | Path, args: Any,
-                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None) -> None:
+def export_dcp_to_hf(
+    dcp_dir: str | Path,
+    out_dir: str | Path,
+    args: Any,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+) -> None:
     """Model tensors of a DCP checkpoint -> HF folder, one output shard in memory at a time."""
     nbytes = dcp_io.tensor_nbytes(dcp_dir)
     if args.tie_embeddings:
@@ -188,8 +204,13 @@ def load_hf_into_model(model_parts: list[nn.Module], hf_dir: str | Path) -> Any:
     return args
 
 
-def save_model_hf(model_parts: list[nn.Module], out_dir: str | Path, args: Any = None,
-                  dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+def save_model_hf(
+    model_parts: list[nn.Module],
+    out_dir: str | Path,
+    args: Any = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> None:
     """Gather a (possibly sharded) model and write an HF folder from rank 0: the hook for
     `[checkpoint] last_save_in_hf`. Collective: every rank must call it. Pipeline-parallel parts
     live on different ranks, so a rank 0 without all of them refuses rather than exporting half."""
@@ -204,8 +225,10 @@ def save_model_hf(model_parts: list[nn.Module], out_dir: str | Path, args: Any =
         state.pop("output.weight", None)
     missing = sorted(set(_expected_keys(args)) - set(state))
     if missing:
-        raise TitanError(f"HF export needs the whole model on rank 0 but {missing[0]!r} is on another pipeline "
-                         "stage; export the DCP checkpoint with scripts/convert_hf.py to_hf instead")
+        raise TitanError(
+            f"HF export needs the whole model on rank 0 but {missing[0]!r} is on another pipeline "
+            "stage; export the DCP checkpoint with scripts/convert_hf.py to_hf instead"
+        )
     save_hf(state, args, out_dir, max_shard_bytes, dtype)
 
 

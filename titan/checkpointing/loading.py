@@ -30,8 +30,10 @@ def checkpoint_keys(path: str) -> set[str]:
     try:
         return set(FileSystemReader(path).read_metadata().state_dict_metadata)
     except (OSError, ValueError, EOFError, pickle.UnpicklingError) as e:
-        raise TitanError(f"{path} is not a readable DCP checkpoint ({type(e).__name__}: {e}); pick another with"
-                         " --checkpoint.load_step N") from None
+        raise TitanError(
+            f"{path} is not a readable DCP checkpoint ({type(e).__name__}: {e}); pick another with"
+            " --checkpoint.load_step N"
+        ) from None
 
 
 def check_shapes(path: str, state: dict[str, Any], prefix: str = "") -> None:
@@ -48,7 +50,8 @@ def check_shapes(path: str, state: dict[str, Any], prefix: str = "") -> None:
                     raise TitanError(
                         f"{path} is a checkpoint of a different model: '{pre}{k}' is {list(size)} there but"
                         f" {list(v.shape)} in this run; use the same model config, another job.dump_folder,"
-                        " or --job.overwrite to delete these checkpoints and start fresh")
+                        " or --job.overwrite to delete these checkpoints and start fresh"
+                    )
 
     walk(state, prefix)
 
@@ -60,8 +63,9 @@ def hyperparameters(optimizers: Any, lr_schedulers: Any) -> tuple[list[list[dict
     return groups, [list(s.base_lrs) for s in lr_schedulers.schedulers]
 
 
-def restore_hyperparameters(optimizers: Any, lr_schedulers: Any,
-                             saved: tuple[list[list[dict]], list[list[float]]]) -> float:
+def restore_hyperparameters(
+    optimizers: Any, lr_schedulers: Any, saved: tuple[list[list[dict]], list[list[float]]]
+) -> float:
     """checkpoint.config_mismatch = use_new: the loaded optimizer/scheduler state carries the old
     run's lr, betas, ...; put this run's back and recompute the lr of the current step."""
     groups, base_lrs = saved
@@ -80,8 +84,10 @@ def dcp_load(groups: CheckpointGroups, state: dict[str, Any], path: str) -> None
         groups.dcp(state_dict_loader.load, state, path)
     except (Exception, CheckpointException) as e:
         cause, _ = explain(e, path)
-        raise TitanError(f"reading {path} failed ({cause}); load another checkpoint with --checkpoint.load_step N"
-                         " (add --job.overwrite true if later ones exist)") from e
+        raise TitanError(
+            f"reading {path} failed ({cause}); load another checkpoint with --checkpoint.load_step N"
+            " (add --job.overwrite true if later ones exist)"
+        ) from e
 
 
 def load_model_only(path: str, model: ModelParts, groups: CheckpointGroups) -> None:
@@ -94,8 +100,15 @@ def load_model_only(path: str, model: ModelParts, groups: CheckpointGroups) -> N
     model.load_state_dict(state)
 
 
-def load_full(path: str, states: Mapping[str, Any], rank_states: Mapping[str, Any], *, groups: CheckpointGroups,
-              dp_rank: int, exclude: Collection[str] = ()) -> None:
+def load_full(
+    path: str,
+    states: Mapping[str, Any],
+    rank_states: Mapping[str, Any],
+    *,
+    groups: CheckpointGroups,
+    dp_rank: int,
+    exclude: Collection[str] = (),
+) -> None:
     """Every state and per-rank state not in ``exclude`` from the checkpoint at ``path``."""
     keys = groups.agree(lambda: checkpoint_keys(path))
     wanted = {name: s for name, s in states.items() if name not in exclude}
@@ -107,9 +120,11 @@ def load_full(path: str, states: Mapping[str, Any], rank_states: Mapping[str, An
         elif any(k.startswith(f"{name}.") for k in keys):
             request[name] = stateful.state_dict()
         else:
-            raise TitanError(f"{path} holds no {name} state (a model-only checkpoint?): load it with"
-                             " checkpoint.initial_load_path and initial_load_model_only, or add it to"
-                             " checkpoint.exclude_from_loading")
+            raise TitanError(
+                f"{path} holds no {name} state (a model-only checkpoint?): load it with"
+                " checkpoint.initial_load_path and initial_load_model_only, or add it to"
+                " checkpoint.exclude_from_loading"
+            )
     per_rank = {name: s for name, s in rank_states.items() if name not in exclude}
     files = RankFiles(path)
     legacy = {} if files.ranks else legacy_request(keys, per_rank)
@@ -136,8 +151,10 @@ def load_rank_state(path: str, name: str, stateful: Any, saved: SavedRankStates)
         return
     mine = saved.mine()
     if mine is None:
-        raise TitanError(f"{path} holds no {name} state for this rank (the run that saved it had fewer ranks);"
-                         f" add {name} to checkpoint.exclude_from_loading to start it afresh")
+        raise TitanError(
+            f"{path} holds no {name} state for this rank (the run that saved it had fewer ranks);"
+            f" add {name} to checkpoint.exclude_from_loading to start it afresh"
+        )
     stateful.load_state_dict(mine)
 
 
@@ -145,6 +162,8 @@ def raise_missing(path: str) -> bool:
     from titan.checkpointing.hf import INDEX_FILE
 
     if os.path.isfile(os.path.join(path, INDEX_FILE)):
-        raise TitanError(f"checkpoint.initial_load_path {path!r} is not a DCP checkpoint folder but a Hugging Face"
-                         " folder: add --checkpoint.initial_load_in_hf")
+        raise TitanError(
+            f"checkpoint.initial_load_path {path!r} is not a DCP checkpoint folder but a Hugging Face"
+            " folder: add --checkpoint.initial_load_in_hf"
+        )
     raise TitanError(f"checkpoint.initial_load_path {path!r} is not a DCP checkpoint folder (no .metadata in it)")

@@ -68,8 +68,12 @@ class RunLock:
 
     def acquire(self) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "start_ticks": process_start(os.getpid()),
-              "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "start_ticks": process_start(os.getpid()),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -77,8 +81,9 @@ class RunLock:
                 info = self._read()
                 if info is None:
                     continue  # released between our open and read: try again
-                same = {k: info.get(k) for k in ("pid", "host", "start_ticks")} == \
-                       {k: me[k] for k in ("pid", "host", "start_ticks")}
+                same = {k: info.get(k) for k in ("pid", "host", "start_ticks")} == {
+                    k: me[k] for k in ("pid", "host", "start_ticks")
+                }
                 if same:  # this very process (a second Trainer in one interpreter, e.g. tests)
                     self.mine = info
                     return
@@ -86,9 +91,11 @@ class RunLock:
                     raise TitanError(
                         f"job.dump_folder {os.path.dirname(self.path)} is in use by another run ({_describe(info)});"
                         f" wait for it to end, stop it, or use another job.dump_folder (if that run is gone,"
-                        f" delete {self.path})") from None
-                logger.warning(f"taking over the stale lock {self.path} of a run that no longer exists"
-                               f" ({_describe(info)})")
+                        f" delete {self.path})"
+                    ) from None
+                logger.warning(
+                    f"taking over the stale lock {self.path} of a run that no longer exists ({_describe(info)})"
+                )
                 try:  # rename, not unlink: of two runs taking over at once only one succeeds
                     os.rename(self.path, f"{self.path}.stale-{os.getpid()}")
                     os.remove(f"{self.path}.stale-{os.getpid()}")

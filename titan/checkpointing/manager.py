@@ -1,29 +1,22 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): save, async save, resume, seed, export.
 
-One ``CheckpointManager`` per trainer. The trainer hands it two dicts of Stateful objects (states.py):
-``states`` (model parts, optimizers, LR schedulers, train state) go through DCP, ``rank_states``
-(RNG, data loader position) into one file per rank beside the DCP files (rank_states.py); plus
-its checkpoint section and the facts of the run (dump folder, steps, world size, rank, dp rank and
-degree). It never reads the trainer. A checkpoint is ``<dump_folder>/<checkpoint.folder>/step-N``
-(commit protocol: folders.py). DCP reshards on load, so any FSDP/DDP layout reads any other's
-checkpoint; a per-rank state of another layout is the object's own business (its
-``load_rank_states``).
+One ``CheckpointManager`` per trainer, handed two dicts of Stateful objects (states.py): ``states``
+(model parts, optimizers, LR schedulers, train state) go through DCP, ``rank_states`` (RNG, data
+loader position) into one file per rank beside the DCP files (rank_states.py); plus its checkpoint
+section and the run's facts (dump folder, steps, world size, ranks). It never reads the trainer. A
+checkpoint is ``<dump_folder>/<checkpoint.folder>/step-N``. DCP reshards on load, so any FSDP/DDP
+layout reads any other's; a per-rank state of another layout is the object's own business.
 
-A save is committed in this order: rank 0 writes ``config.json`` (config_diff.py) into the empty
-folder, every rank writes its ``rank_<r>.pt``, DCP writes every rank's files and ``.metadata``,
-rank 0 hashes every file into ``MANIFEST.json`` (manifest.py), then writes ``COMPLETE``. A failed save (any rank, any
+Commit order (folders.py): rank 0 writes ``config.json`` (config_diff.py) into the empty folder,
+every rank its ``rank_<r>.pt``, DCP every rank's files and ``.metadata``, rank 0 hashes every file
+into ``MANIFEST.json`` (manifest.py), then writes ``COMPLETE``. A failed save (any rank, any
 exception, DCP's BaseException-derived CheckpointException included) is explained in one line
 (failure.py), its partial folder removed, and the run stops or, with ``on_save_error = "retry"``,
-goes on to the next interval.
+goes on to the next interval. Process groups: groups.py.
 
-Process groups: groups.py.
-
-Async modes: ``async`` copies the state to host memory before ``save`` returns and writes it in a
-thread; ``async_with_pinned_mem`` also does the copy in the background (into reused, pinned buffers
-on a GPU machine: staging.py), so the trainer must wait for that copy before its next optimizer
-step (``wait_for_staging``). Either way only one save is in flight: a new save first waits for the
-last, so the reused buffers are never overwritten while still being written out.
-"""
+Async: ``async`` copies the state to the host, then writes it in a thread; ``async_with_pinned_mem``
+also copies in the background (staging.py; the trainer calls ``wait_for_staging`` before its next
+optimizer step). Only one save is in flight, so reused buffers are never overwritten."""
 
 from __future__ import annotations
 
@@ -89,10 +82,23 @@ class CheckpointManager:
     resume.prepare_run settled; without it (tests, tools) the checkpoint to resume from is chosen
     here."""
 
-    def __init__(self, cfg: CheckpointConfig, *, states: dict[str, Stateful], rank_states: dict[str, Stateful],
-                 dump_folder: str, overwrite: bool, total_steps: int, config_record: dict[str, Any],
-                 world_size: int, rank: int, dp_rank: int, dp_degree: int, num_params: int,
-                 start: RunStart | None = None) -> None:
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        *,
+        states: dict[str, Stateful],
+        rank_states: dict[str, Stateful],
+        dump_folder: str,
+        overwrite: bool,
+        total_steps: int,
+        config_record: dict[str, Any],
+        world_size: int,
+        rank: int,
+        dp_rank: int,
+        dp_degree: int,
+        num_params: int,
+        start: RunStart | None = None,
+    ) -> None:
         self.cfg = cfg
         model = states.get("model")
         if not isinstance(model, ModelParts):
@@ -103,8 +109,10 @@ class CheckpointManager:
         self.root = os.path.join(dump_folder, cfg.folder)
         self.world_size = world_size
         if cfg.create_seed_checkpoint and world_size != 1:
-            raise TitanError(f"checkpoint.create_seed_checkpoint needs 1 process without parallelism; this run has "
-                             f"{world_size} ranks (run it with plain `python train.py`)")
+            raise TitanError(
+                f"checkpoint.create_seed_checkpoint needs 1 process without parallelism; this run has "
+                f"{world_size} ranks (run it with plain `python train.py`)"
+            )
         self.rank, self.dp_rank, self.dp_degree = rank, dp_rank, dp_degree
         self.enabled = cfg.enable or cfg.create_seed_checkpoint
         self.groups = CheckpointGroups.create(rank, world_size, self.enabled)
@@ -125,8 +133,9 @@ class CheckpointManager:
             self.groups.agree(lambda: check_checkpoint_folder(self.root, need))
         if start is None:
             resuming = cfg.enable and (cfg.load_step >= 0 or not overwrite)
-            start = RunStart(found=self.groups.agree(lambda: choose_intact(self.root, cfg.load_step))
-                             if resuming else None)
+            start = RunStart(
+                found=self.groups.agree(lambda: choose_intact(self.root, cfg.load_step)) if resuming else None
+            )
         self.start = start
 
     # ------------------------------------------------------------------ when to save
@@ -142,6 +151,7 @@ class CheckpointManager:
     def _prepare_folder(self, path: str) -> None:
         """Remove an old folder of the same step (torn, damaged, or from an abandoned later
         timeline) before any rank writes into it, and record this run's config in it."""
+
         def prepare() -> tuple[int, str] | None:
             try:
                 if os.path.exists(path):
@@ -183,8 +193,11 @@ class CheckpointManager:
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             self._save_failed(step, path, e, final or blocking)
             return
-        upload, staging = (result.upload_completion, result.staging_completion) \
-            if isinstance(result, AsyncSaveResponse) else (result, None)
+        upload, staging = (
+            (result.upload_completion, result.staging_completion)
+            if isinstance(result, AsyncSaveResponse)
+            else (result, None)
+        )
         # Hashing rank 0's view of the folder also runs off the training thread.
         done = self._finisher.submit(self._finish_upload, upload, path)
         self._pending = _Pending(step, path, model_only, done, staging, t0)
@@ -199,8 +212,7 @@ class CheckpointManager:
         # DCP returns (or completes the future) only after the coordinator, rank 0, gathered every
         # rank's write results and wrote .metadata: rank 0's marker is the single commit point.
         if self.rank == 0:
-            write_marker(path, step, model_only=model_only, world_size=self.world_size,
-                         dp_degree=self.dp_degree)
+            write_marker(path, step, model_only=model_only, world_size=self.world_size, dp_degree=self.dp_degree)
             prune(self.root, self.cfg.keep_latest_k)
         self.last_saved_step = step
         kind = "model-only " + self.cfg.export_dtype if model_only else "full"
@@ -241,13 +253,17 @@ class CheckpointManager:
         if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)
         newest = next((f"step-{f.step}" for f in reversed(scan(self.root)) if f.complete), None)
-        kept = f"earlier checkpoints in {self.root} are intact (newest: {newest})" if newest else \
-            f"no earlier checkpoint in {self.root}"
+        kept = (
+            f"earlier checkpoints in {self.root} are intact (newest: {newest})"
+            if newest
+            else f"no earlier checkpoint in {self.root}"
+        )
         message = f"checkpoint step {step}: writing {path} failed: {cause}; the partial folder was removed, {kept}"
         retry_at = self.next_save(step)
         if self.cfg.on_save_error == "retry" and not final:
-            logger.warning(f"{message}; {advice}. checkpoint.on_save_error=retry: training goes on, next save at"
-                           f" step {retry_at}")
+            logger.warning(
+                f"{message}; {advice}. checkpoint.on_save_error=retry: training goes on, next save at step {retry_at}"
+            )
             return
         e = TitanError(f"{message}; {advice}, then restart to resume")
         e.same_on_all_ranks = True  # type: ignore[attr-defined]  # DCP gave every rank the same failure
@@ -309,13 +325,17 @@ class CheckpointManager:
             write_marker(out, step, model_only=True, world_size=self.world_size, dp_degree=self.dp_degree, fmt="hf")
             prune(self.root, self.cfg.keep_latest_k)
         self.last_saved_step = step
-        logger.info(f"Hugging Face export of step {step} ({self.cfg.export_dtype}) written to {out} in"
-                    f" {time.perf_counter() - t0:.2f} s")
+        logger.info(
+            f"Hugging Face export of step {step} ({self.cfg.export_dtype}) written to {out} in"
+            f" {time.perf_counter() - t0:.2f} s"
+        )
 
     def create_seed_checkpoint(self) -> None:
         self.save(0, model_only=True, blocking=True, final=True)
-        logger.info(f"seed checkpoint written to {step_dir(self.root, 0)}: start any layout from it with "
-                    f"checkpoint.enable (same folder) or checkpoint.initial_load_path")
+        logger.info(
+            f"seed checkpoint written to {step_dir(self.root, 0)}: start any layout from it with "
+            f"checkpoint.enable (same folder) or checkpoint.initial_load_path"
+        )
         self.start.release()
 
     # ------------------------------------------------------------------ loading
@@ -363,8 +383,12 @@ class CheckpointManager:
         # checkpoint.config_mismatch = use_new: this run's optimizer settings win over the loaded ones.
         # The containers of titan/training (one optimizer and scheduler per model part).
         optimizer, lr_scheduler = self.states.get("optimizer"), self.states.get("lr_scheduler")
-        keep_new = bool(self.start.config_diff) and self.cfg.config_mismatch == "use_new" \
-            and optimizer is not None and lr_scheduler is not None
+        keep_new = (
+            bool(self.start.config_diff)
+            and self.cfg.config_mismatch == "use_new"
+            and optimizer is not None
+            and lr_scheduler is not None
+        )
         fresh = hyperparameters(optimizer, lr_scheduler) if keep_new else None
         load_full(path, self.states, self.rank_states, groups=self.groups, dp_rank=self.dp_rank, exclude=exclude)
         if fresh is not None:

@@ -29,13 +29,18 @@ def file_digest(path: str) -> str:
 
 
 def _listed_files(folder: str) -> list[str]:
-    return sorted(name for name in os.listdir(folder) if name not in _NOT_LISTED and not name.endswith(".tmp")
-                  and os.path.isfile(os.path.join(folder, name)))
+    return sorted(
+        name
+        for name in os.listdir(folder)
+        if name not in _NOT_LISTED and not name.endswith(".tmp") and os.path.isfile(os.path.join(folder, name))
+    )
 
 
 def write_manifest(folder: str) -> None:
-    files = {name: {"size": os.path.getsize(os.path.join(folder, name)),
-                    "xxh3_64": file_digest(os.path.join(folder, name))} for name in _listed_files(folder)}
+    files = {
+        name: {"size": os.path.getsize(os.path.join(folder, name)), "xxh3_64": file_digest(os.path.join(folder, name))}
+        for name in _listed_files(folder)
+    }
     tmp = os.path.join(folder, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump({"version": 1, "hash": "xxh3_64", "files": files}, f, indent=1)

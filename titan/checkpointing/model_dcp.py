@@ -56,8 +56,9 @@ def model_tensor_metadata(path: str | Path) -> tuple[str, dict[str, TensorStorag
     if flat:
         return "", flat
     nested = {
-        k[len(_NESTED_PREFIX):]: v for k, v in tensors.items()
-        if k.startswith(_NESTED_PREFIX) and _MODEL_KEY.match(k[len(_NESTED_PREFIX):])
+        k[len(_NESTED_PREFIX) :]: v
+        for k, v in tensors.items()
+        if k.startswith(_NESTED_PREFIX) and _MODEL_KEY.match(k[len(_NESTED_PREFIX) :])
     }
     if not nested:
         raise TitanError(f"{path} holds no model tensors (expected keys like 'layers.0.attention.wq.weight')")
@@ -111,8 +112,9 @@ def model_args_for(path: str | Path, spec: ModelSpec, flavor: str | None = None)
     return spec.state_dict_adapter.args_from_shapes(shapes, get_flavor(spec, flavor), str(path))
 
 
-def _check_shapes(path: str | Path, expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                  meta: dict[str, TensorStorageMetadata]) -> None:
+def _check_shapes(
+    path: str | Path, expected: dict[str, tuple[tuple[int, ...], torch.dtype]], meta: dict[str, TensorStorageMetadata]
+) -> None:
     missing = sorted(set(expected) - set(meta))
     if missing:
         raise TitanError(
@@ -133,8 +135,10 @@ def model_tensors(model: nn.Module, options: StateDictOptions | None = None) -> 
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     if len(tensors) != len(state):
         other = next(k for k in state if k not in tensors)
-        raise TitanError(f"model state {other!r} is a {type(state[other]).__name__}, not a tensor; "
-                         "model-weight folders hold tensors only")
+        raise TitanError(
+            f"model state {other!r} is a {type(state[other]).__name__}, not a tensor; "
+            "model-weight folders hold tensors only"
+        )
     return tensors
 
 
@@ -184,8 +188,9 @@ def read_model_tensors(
     if absent:
         raise TitanError(f"{path}: no tensor named {absent[0]!r}")
     state = {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype) for k in keys}
-    dcp_call(dcp_load, _nest(prefix, state), checkpoint_id=str(path),
-             planner=_ProgressLoads() if show_progress else None)
+    dcp_call(
+        dcp_load, _nest(prefix, state), checkpoint_id=str(path), planner=_ProgressLoads() if show_progress else None
+    )
     return state
 
 
@@ -196,8 +201,9 @@ def read_all_state(path: str | Path) -> dict:
 
     _metadata(path)
     state: dict = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_ProgressEmptyLoadPlanner(),
-                     no_dist=True)
+    _load_state_dict(
+        state, storage_reader=FileSystemReader(str(path)), planner=_ProgressEmptyLoadPlanner(), no_dist=True
+    )
     return state
 
 

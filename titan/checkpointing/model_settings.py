@@ -23,8 +23,12 @@ from titan.log import logger
 
 _PER_RUN = frozenset({"max_seq_len", "attn_type", "attn_mask_type", "depth_init"})
 _SHAPE_FIELDS = frozenset({"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "tie_embeddings"})
-_ROPE_SCALING = ("rope_scale_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                 "rope_original_max_position_embeddings")
+_ROPE_SCALING = (
+    "rope_scale_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_position_embeddings",
+)
 
 
 def _value(args: Any, name: str) -> Any:
@@ -73,8 +77,10 @@ def settle(config: Any, spec: Any, run_args: Any, resuming: bool, tokenizer_voca
         if folder_args is None:  # a training checkpoint: its tensors are shape-checked on load
             return False
     if type(folder_args) is not type(run_args):
-        raise TitanError(f"checkpoint.initial_load_path {path} holds a {type(folder_args).__name__} model, this run"
-                         f" builds {type(run_args).__name__}; set model.name to the folder's model")
+        raise TitanError(
+            f"checkpoint.initial_load_path {path} holds a {type(folder_args).__name__} model, this run"
+            f" builds {type(run_args).__name__}; set model.name to the folder's model"
+        )
     adapter = spec.state_dict_adapter
     diff = differences(folder_args, run_args, getattr(adapter, "state_dict_shapes", None))
     if not diff:
@@ -82,25 +88,33 @@ def settle(config: Any, spec: Any, run_args: Any, resuming: bool, tokenizer_voca
     listing = ", ".join(f"{name} = {old!r} there, {new!r} in this run" for name, (old, new) in diff.items())
     policy = cfg.config_mismatch
     if policy == "error":
-        raise TitanError(f"checkpoint.initial_load_path {path}: the {what}'s model differs from this run's: {listing};"
-                         " train with its values with --checkpoint.config_mismatch use_checkpoint, keep this run's"
-                         " with use_new, or change the model settings")
+        raise TitanError(
+            f"checkpoint.initial_load_path {path}: the {what}'s model differs from this run's: {listing};"
+            " train with its values with --checkpoint.config_mismatch use_checkpoint, keep this run's"
+            " with use_new, or change the model settings"
+        )
     if policy == "use_new":
         shaped = [name for name in diff if name in _SHAPE_FIELDS or name.endswith(" shape")]
         if shaped:
-            raise TitanError(f"checkpoint.initial_load_path {path}: checkpoint.config_mismatch use_new cannot load"
-                             f" weights of another shape ({listing}); use use_checkpoint or change the model settings")
-        logger.warning(f"checkpoint.config_mismatch=use_new: the {what}'s weights train with this run's values:"
-                       f" {listing}")
+            raise TitanError(
+                f"checkpoint.initial_load_path {path}: checkpoint.config_mismatch use_new cannot load"
+                f" weights of another shape ({listing}); use use_checkpoint or change the model settings"
+            )
+        logger.warning(
+            f"checkpoint.config_mismatch=use_new: the {what}'s weights train with this run's values: {listing}"
+        )
         return False
     if tokenizer_vocab is not None and folder_args.vocab_size < tokenizer_vocab:
-        raise TitanError(f"checkpoint.initial_load_path {path}: the {what}'s vocabulary has {folder_args.vocab_size}"
-                         f" tokens but the tokenizer ({config.model.tokenizer_path or 'the shipped one'}) has"
-                         f" {tokenizer_vocab}; set model.tokenizer_path to the folder's tokenizer")
+        raise TitanError(
+            f"checkpoint.initial_load_path {path}: the {what}'s vocabulary has {folder_args.vocab_size}"
+            f" tokens but the tokenizer ({config.model.tokenizer_path or 'the shipped one'}) has"
+            f" {tokenizer_vocab}; set model.tokenizer_path to the folder's tokenizer"
+        )
     for f in dataclasses.fields(run_args):
         if f.name not in _PER_RUN:
             setattr(run_args, f.name, getattr(folder_args, f.name))
     run_args.validate()
-    logger.warning(f"checkpoint.config_mismatch=use_checkpoint: the model follows the {what} {Path(path).name}:"
-                   f" {listing}")
+    logger.warning(
+        f"checkpoint.config_mismatch=use_checkpoint: the model follows the {what} {Path(path).name}: {listing}"
+    )
     return True

@@ -24,30 +24,38 @@ def checkpoint_bytes(num_params: int) -> int:
 def check_checkpoint_folder(root: str, need_bytes: int) -> None:
     """``root`` is (or can be made) a folder this process can write, on a disk with room for a checkpoint."""
     if os.path.exists(root) and not os.path.isdir(root):
-        raise TitanError(f"checkpoint.folder {root} is not a writable folder (a file is in the way);"
-                         " move the file or set job.dump_folder / checkpoint.folder elsewhere")
+        raise TitanError(
+            f"checkpoint.folder {root} is not a writable folder (a file is in the way);"
+            " move the file or set job.dump_folder / checkpoint.folder elsewhere"
+        )
     try:
         os.makedirs(root, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=root)
         os.close(fd)
         os.remove(probe)
     except OSError as e:
-        raise TitanError(f"checkpoint.folder {root} is not a writable folder ({e.strerror});"
-                         " fix its permissions or set job.dump_folder elsewhere") from None
+        raise TitanError(
+            f"checkpoint.folder {root} is not a writable folder ({e.strerror});"
+            " fix its permissions or set job.dump_folder elsewhere"
+        ) from None
     free = shutil.disk_usage(root).free
     if free < need_bytes:
-        raise TitanError(f"checkpoint.folder {root} has {free / 2**20:.0f} MiB free; one checkpoint needs about"
-                         f" {need_bytes / 2**20:.0f} MiB (weights + AdamW state): free disk space or set"
-                         " job.dump_folder on a larger disk")
+        raise TitanError(
+            f"checkpoint.folder {root} has {free / 2**20:.0f} MiB free; one checkpoint needs about"
+            f" {need_bytes / 2**20:.0f} MiB (weights + AdamW state): free disk space or set"
+            " job.dump_folder on a larger disk"
+        )
 
 
 def check_no_later_checkpoints(found: Found, root: str, overwrite: bool) -> None:
     """Resuming from an older load_step would replace the later steps on its next saves."""
     later = [f.step for f in scan(root) if f.complete and f.step > found.step]
     if later and not overwrite:
-        raise TitanError(f"checkpoint.load_step {found.step}: {root} also holds later checkpoints"
-                         f" {', '.join(f'step-{s}' for s in later)} that training from step {found.step}"
-                         " would replace; pass --job.overwrite to allow it, or drop checkpoint.load_step")
+        raise TitanError(
+            f"checkpoint.load_step {found.step}: {root} also holds later checkpoints"
+            f" {', '.join(f'step-{s}' for s in later)} that training from step {found.step}"
+            " would replace; pass --job.overwrite to allow it, or drop checkpoint.load_step"
+        )
 
 
 def clear_for_fresh_start(root: str) -> list[str]:

@@ -45,14 +45,20 @@ def choose_intact(root: str, load_step: int) -> Found | None:
         if problem is None:
             return f
         if load_step >= 0:
-            raise TitanError(f"checkpoint.load_step {load_step}: {f.path} is damaged: {problem}; pick another step"
-                             " with --checkpoint.load_step N (add --job.overwrite true to replace later ones)")
+            raise TitanError(
+                f"checkpoint.load_step {load_step}: {f.path} is damaged: {problem}; pick another step"
+                " with --checkpoint.load_step N (add --job.overwrite true to replace later ones)"
+            )
         damaged.append(f.path)
-        logger.warning(f"checkpoint {f.path} is damaged: {problem}; skipping it and trying the next older one"
-                       " (--checkpoint.load_step N --job.overwrite true loads a chosen step)")
+        logger.warning(
+            f"checkpoint {f.path} is damaged: {problem}; skipping it and trying the next older one"
+            " (--checkpoint.load_step N --job.overwrite true loads a chosen step)"
+        )
     if damaged:
-        raise TitanError(f"no intact checkpoint in {root} (damaged: {', '.join(damaged)}); restore one from a backup,"
-                         " or start from scratch with --job.overwrite true (deletes them)")
+        raise TitanError(
+            f"no intact checkpoint in {root} (damaged: {', '.join(damaged)}); restore one from a backup,"
+            " or start from scratch with --job.overwrite true (deletes them)"
+        )
     return None
 
 
@@ -88,8 +94,9 @@ def prepare_run(config: Any, rank: int, world_size: int, dp_degree: int) -> RunS
             found = choose_intact(root, cfg.load_step) if resuming else None
             diff = {}
             if found is not None and not found.model_only:
-                diff = config_diff.resolve(found.path, config_diff.snapshot(config, dp_degree), cfg.config_mismatch,
-                                           cfg.exclude_from_loading)
+                diff = config_diff.resolve(
+                    found.path, config_diff.snapshot(config, dp_degree), cfg.config_mismatch, cfg.exclude_from_loading
+                )
         except BaseException:
             lock.release()
             raise

@@ -25,8 +25,9 @@ def staging_options() -> StagingOptions:
     """Pinned memory and non-blocking copies need an accelerator (CPU-only torch refuses
     non-blocking copies: measured); the background copy works everywhere."""
     accel = torch.accelerator.is_available()
-    return StagingOptions(use_pinned_memory=accel, use_shared_memory=False, use_async_staging=True,
-                          use_non_blocking_copy=accel)
+    return StagingOptions(
+        use_pinned_memory=accel, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=accel
+    )
 
 
 class OwnedStager(AsyncStager):
@@ -34,8 +35,10 @@ class OwnedStager(AsyncStager):
 
     def __init__(self) -> None:
         if not torch.accelerator.is_available():
-            logger.info("checkpoint.async_mode=async_with_pinned_mem: no accelerator, so staging uses plain "
-                        "(unpinned) host memory with blocking copies in a background thread")
+            logger.info(
+                "checkpoint.async_mode=async_with_pinned_mem: no accelerator, so staging uses plain "
+                "(unpinned) host memory with blocking copies in a background thread"
+            )
         self._stager: DefaultStager | None = DefaultStager(staging_options())
 
     def _live(self) -> DefaultStager:

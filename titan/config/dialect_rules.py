@@ -14,184 +14,39 @@ TORCHTITAN_KEYS; nothing to do), or a rule below:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
 
-from titan.errors import TitanError
+from titan.config.dialect_mappings import (
+    V010,
+    V02,
+    Y2024,
+    Rule,
+    as_bool,
+    comm_mode,
+    converters,
+    dataset,
+    flavor,
+    fused,
+    layers_per_stage,
+    log_rank,
+    mapped,
+    negate,
+    no_effect,
+    optional_str,
+    recipe,
+    refuse,
+    rename,
+    selective_option,
+)
 
-Pairs = list[tuple[str, Any]]
-
-# Where torchtitan used a spelling: its 2024 argparse CLI/TOML (and the SageMaker guide), the
-# dataclass config of v0.1.0 (2025), the v0.2.x releases.
-Y2024, V010, V02 = "2024", "v0.1.0", "v0.2.x"
-
-
-@dataclass(frozen=True)
-class Rule:
-    key: str
-    """torchtitan's key."""
-    era: str
-    """Where torchtitan used it (for the docs and the unknown-key message)."""
-    to: str = ""
-    """titan's key (documentation: what convert writes); "" for a refused key."""
-    convert: Callable[[Any], Pairs] | None = None
-    """value -> titan (key, value) pairs; None with `to` set: the value is kept as is."""
-    why: str = ""
-    """Refused: why titan has no such setting and what to use instead."""
-    neutral: tuple[Any, ...] = ()
-    """Refused keys: values that do nothing in torchtitan either, accepted with a note."""
-    must_equal: bool = False
-    """Accepted only when the merged config's value of `to` is the same (titan has one setting
-    where torchtitan had two)."""
-    any_value_is_neutral: bool = False
-    """Refused keys that have no effect in torchtitan whatever their value (e.g. only read by a
-    feature that is itself refused when switched on)."""
-
-    @property
-    def refused(self) -> bool:
-        return not self.to
-
-
-def norm(value: Any) -> str:
-    """A spelling-independent form of a value ("True" on a command line = true in TOML)."""
-    if isinstance(value, (list, tuple)):
-        return ",".join(norm(v) for v in value)
-    text = str(value).strip().strip("'\"")
-    low = text.lower()
-    if low in ("true", "false", "none"):
-        return low
-    try:
-        return repr(float(text))
-    except ValueError:
-        return text
-
-
-def as_bool(key: str, value: Any) -> bool:
-    n = norm(value)
-    if n in ("true", "1.0", "yes", "on"):
-        return True
-    if n in ("false", "0.0", "no", "off"):
-        return False
-    raise TitanError(f"torchtitan key '{key}' got {value!r}, expected true or false")
-
-
-def as_list(value: Any) -> list[str]:
-    if isinstance(value, (list, tuple)):
-        return [str(v) for v in value]
-    return [v.strip() for v in str(value).strip("[]").split(",") if v.strip().strip("'\"")]
-
-
-def rename(key: str, to: str, era: str) -> Rule:
-    return Rule(key, era, to)
-
-
-def negate(key: str, to: str, era: str) -> Rule:
-    return Rule(key, era, to, lambda v: [(to, not as_bool(key, v))])
-
-
-def mapped(key: str, to: str, era: str, fn: Callable[[Any], Pairs]) -> Rule:
-    return Rule(key, era, to, fn)
-
-
-def refuse(key: str, era: str, why: str, *neutral: Any) -> Rule:
-    return Rule(key, era, why=why, neutral=neutral)
-
-
-def no_effect(key: str, era: str, why: str) -> Rule:
-    return Rule(key, era, why=why, any_value_is_neutral=True)
-
-
-def _value_map(key: str, to: str, table: Mapping[str, Any], refused: str) -> Callable[[Any], Pairs]:
-    def fn(value: Any) -> Pairs:
-        n = norm(value)
-        if n not in table:
-            raise TitanError(f"torchtitan key '{key}' is not supported by titan: {value!r} is not implemented;"
-                             f" {refused}")
-        return [(to, table[n])]
-    return fn
-
-
-# ---------------------------------------------------------------- values with meaning
-_FLAVORS = MappingProxyType({
-    # torchtitan's attention variants as flavors -> titan's flavor + the attention keys.
-    "debugmodel_flex_attn": ("debugmodel", "flex"),
-    "debugmodel_varlen_attn": ("debugmodel", "varlen"),
-    "8B_flex": ("8B", "flex"),
-    "8B_varlen": ("8B", "varlen"),
-})
-
-
-def _flavor(value: Any) -> Pairs:
-    if str(value) in _FLAVORS:
-        flavor, attn = _FLAVORS[str(value)]
-        return [("model.flavor", flavor), ("model.attn_type", attn), ("model.attn_mask_type", "block_causal")]
-    return [("model.flavor", value)]
-
-
-_FLOAT8 = ("float8", "quantize.linear.float8")
-_NOT_FLOAT8 = "MX (microscaling) formats and float8 grouped GEMMs (MoE) are not in titan; float8 linears are"
-
-
-def _converters(value: Any) -> Pairs:
-    names = as_list(value)
-    for name in names:
-        if name not in _FLOAT8:
-            raise TitanError(f"torchtitan key 'model.converters' is not supported by titan: {name!r} is not"
-                             f" implemented; {_NOT_FLOAT8}")
-    return [("float8.enable_float8_linear", True)] if names else []
-
-
-def _recipe(key: str) -> Callable[[Any], Pairs]:
-    return _value_map(key, "float8.recipe", {"none": "tensorwise", "tensorwise": "tensorwise", "rowwise": "rowwise"},
-                      "titan's float8 recipes are tensorwise and rowwise")
-
-
-def _dataset(key: str, to: str, offline: str) -> Callable[[Any], Pairs]:
-    # torchtitan's c4_test is a 2k-document C4 sample inside its own source tree; titan's offline
-    # counterpart for smoke tests and CI is its embedded corpus.
-    return lambda v: [(to, offline if str(v) == "c4_test" else v)]
-
-
-def _selective_option(value: Any) -> Pairs:
-    # torchtitan spells "every 2nd block" as the string "2"; titan takes the integer.
-    text = str(value)
-    return [("activation_checkpoint.selective_ac_option", int(text) if text.isdigit() else value)]
-
-
-def _layers_per_stage(value: Any) -> Pairs:
-    return [("parallelism.pipeline_parallel_layers_per_stage", -1 if norm(value) == "none" else value)]
-
-
-def _optional_str(to: str) -> Callable[[Any], Pairs]:
-    return lambda v: [(to, "" if norm(v) == "none" else v)]
-
-
-def _log_rank(all_ranks: bool) -> Callable[[Any], Pairs]:
-    def fn(value: Any) -> Pairs:
-        on = as_bool("metrics", value)
-        return [("metrics.log_rank", -1 if on == all_ranks else 0)]
-    return fn
-
-
-def _fused(value: Any) -> Pairs:
-    return [("optimizer.implementation", "fused" if as_bool("optimizer.fused", value) else "foreach")]
-
-
-def _comm_mode(value: Any) -> Pairs:
-    n = norm(value)
-    if n == "default":
-        return []
-    if n == "fake_backend":
-        return [("job.dry_run", True)]
-    raise TitanError(f"torchtitan key 'comm.mode' is not supported by titan: {value!r} is not implemented;"
-                     " --job.dry_run checks a layout on one process (fake_backend)")
-
-
-_FLOAT8_SECTION = ("enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp", "filter_fqns",
-                   "emulate")
-_MX = "MX (microscaling) training is not in titan; use model.converters = [\"float8\"] (float8 linears)"
+_FLOAT8_SECTION = (
+    "enable_fsdp_float8_all_gather",
+    "precompute_float8_dynamic_scale_for_fsdp",
+    "filter_fqns",
+    "emulate",
+)
+_MX = 'MX (microscaling) training is not in titan; use model.converters = ["float8"] (float8 linears)'
 _MOE = "titan's models are dense (no mixture of experts)"
 _FT = "torchft fault tolerance is not in titan; titan recovers by restarting from its last checkpoint"
 _PLUGIN = "titan has no plug-in config or model modules; add a section module under titan/config/sections/"
@@ -203,10 +58,14 @@ def _rules() -> list[Rule]:
     r = [
         # ---- job
         rename("job.print_args", "job.print_config", f"{Y2024}–{V010}"),
-        no_effect("job.use_for_integration_test", f"{Y2024}–{V010}",
-                  "a tag torchtitan's CI used to pick config files; nothing reads it at run time"),
-        refuse("job.save_config_file", V02, "titan always writes the merged config to <job.dump_folder>/config.toml",
-               None),
+        no_effect(
+            "job.use_for_integration_test",
+            f"{Y2024}–{V010}",
+            "a tag torchtitan's CI used to pick config files; nothing reads it at run time",
+        ),
+        refuse(
+            "job.save_config_file", V02, "titan always writes the merged config to <job.dump_folder>/config.toml", None
+        ),
         refuse("job.custom_config_module", V02, _PLUGIN, ""),
         refuse("experimental.custom_import", f"{Y2024}–{V02}", _PLUGIN, ""),
         refuse("experimental.custom_args_module", f"{Y2024}–{V02}", _PLUGIN, ""),
@@ -216,78 +75,153 @@ def _rules() -> list[Rule]:
         rename("profiling.profiler_warmup", "profiling.warmup_steps", V02),
         rename("profiling.run_profiler", "profiling.enable_profiling", Y2024),
         rename("profiling.profile_every_x_iter", "profiling.profile_freq", Y2024),
-        mapped("metrics.save_for_all_ranks", "metrics.log_rank", f"{V010}–{V02}", _log_rank(all_ranks=True)),
-        mapped("metrics.rank_0_only", "metrics.log_rank", Y2024, _log_rank(all_ranks=False)),
+        mapped("metrics.save_for_all_ranks", "metrics.log_rank", f"{V010}–{V02}", log_rank(all_ranks=True)),
+        mapped("metrics.rank_0_only", "metrics.log_rank", Y2024, log_rank(all_ranks=False)),
         negate("metrics.enable_color_printing", "metrics.disable_color_printing", Y2024),
         refuse("metrics.disable_logging_from_checkpoint", Y2024, "titan logs checkpoint events always", False),
         # ---- model
-        mapped("model.flavor", "model.flavor", f"{V010}–{V02}", _flavor),
+        mapped("model.flavor", "model.flavor", f"{V010}–{V02}", flavor),
         rename("model.hf_assets_path", "model.tokenizer_path", V02),
-        mapped("model.converters", "float8.enable_float8_linear", f"{V010}–{V02}", _converters),
-        refuse("model.print_after_conversion", f"{V010}–{V02}",
-               "titan does not print the model; --job.dry_run prints the parallelized plan", False),
-        refuse("model.norm_type", Y2024, "titan's Llama uses RMSNorm (fused_rmsnorm is the same math)",
-               "rmsnorm", "fused_rmsnorm"),
-        mapped("model.use_flex_attn", "model.attn_type", Y2024,
-               lambda v: [("model.attn_type", "flex" if as_bool("model.use_flex_attn", v) else "sdpa")]),
+        mapped("model.converters", "float8.enable_float8_linear", f"{V010}–{V02}", converters),
+        refuse(
+            "model.print_after_conversion",
+            f"{V010}–{V02}",
+            "titan does not print the model; --job.dry_run prints the parallelized plan",
+            False,
+        ),
+        refuse(
+            "model.norm_type",
+            Y2024,
+            "titan's Llama uses RMSNorm (fused_rmsnorm is the same math)",
+            "rmsnorm",
+            "fused_rmsnorm",
+        ),
+        mapped(
+            "model.use_flex_attn",
+            "model.attn_type",
+            Y2024,
+            lambda v: [("model.attn_type", "flex" if as_bool("model.use_flex_attn", v) else "sdpa")],
+        ),
         # ---- optimizer / lr
-        mapped("optimizer.fused", "optimizer.implementation", Y2024, _fused),
+        mapped("optimizer.fused", "optimizer.implementation", Y2024, fused),
         rename("lr_scheduler.lr_min", "lr_scheduler.min_lr_factor", V010),
         rename("training.warmup_steps", "lr_scheduler.warmup_steps", Y2024),
         # ---- training
         rename("training.batch_size", "training.local_batch_size", f"{Y2024}–{V010}"),
         rename("training.compile", "compile.enable", f"{Y2024}–{V010}"),
-        mapped("training.dataset", "training.dataset", f"{Y2024}–{V02}",
-               _dataset("training.dataset", "training.dataset", "pydoc")),
-        mapped("validation.dataset", "validation.dataset", V02,
-               _dataset("validation.dataset", "validation.dataset", "pydoc_validation")),
-        refuse("training.dtype", V02, "bf16 parameters without an fp32 copy are optimizer.bf16_stochastic_round in"
-               " titan (bf16 weights updated with stochastic rounding); FSDP bf16 compute is"
-               " training.mixed_precision_param", "float32"),
+        mapped(
+            "training.dataset",
+            "training.dataset",
+            f"{Y2024}–{V02}",
+            dataset("training.dataset", "training.dataset", "pydoc"),
+        ),
+        mapped(
+            "validation.dataset",
+            "validation.dataset",
+            V02,
+            dataset("validation.dataset", "validation.dataset", "pydoc_validation"),
+        ),
+        refuse(
+            "training.dtype",
+            V02,
+            "bf16 parameters without an fp32 copy are optimizer.bf16_stochastic_round in"
+            " titan (bf16 weights updated with stochastic rounding); FSDP bf16 compute is"
+            " training.mixed_precision_param",
+            "float32",
+        ),
         refuse("training.gc_debug", f"{V010}–{V02}", "titan's garbage collection has no debug mode", False),
         refuse("training.debug_moe_force_load_balance", V02, _MOE, False),
         rename("training.dataloader.num_workers", "training.dataloader_num_workers", V02),
         rename("training.dataloader.pin_memory", "training.dataloader_pin_memory", V02),
         rename("training.dataloader.prefetch_factor", "training.dataloader_prefetch_factor", V02),
-        no_effect("training.dataloader.persistent_workers", V02,
-                  "titan's training loader is iterated once per run, so its workers live for the whole run anyway"),
+        no_effect(
+            "training.dataloader.persistent_workers",
+            V02,
+            "titan's training loader is iterated once per run, so its workers live for the whole run anyway",
+        ),
         refuse("validation.dataloader.num_workers", V02, _VAL_LOADER, 0),
         refuse("validation.dataloader.pin_memory", V02, _VAL_LOADER, False),
         refuse("validation.dataloader.persistent_workers", V02, _VAL_LOADER, False),
         refuse("validation.dataloader.prefetch_factor", V02, _VAL_LOADER, None),
         rename("validation.enabled", "validation.enable", V02),
-        Rule("validation.seq_len", V02, "training.seq_len", must_equal=True,
-             why="titan validates at training.seq_len; set both to the same length"),
+        Rule(
+            "validation.seq_len",
+            V02,
+            "training.seq_len",
+            must_equal=True,
+            why="titan validates at training.seq_len; set both to the same length",
+        ),
         # ---- debug (v0.2.1+)
         rename("debug.seed", "training.seed", V02),
         rename("debug.deterministic", "training.deterministic", V02),
-        refuse("debug.deterministic_warn_only", V02, "titan's deterministic mode always raises on a"
-               " nondeterministic op", False),
+        refuse(
+            "debug.deterministic_warn_only",
+            V02,
+            "titan's deterministic mode always raises on a nondeterministic op",
+            False,
+        ),
         refuse("debug.moe_force_load_balance", V02, _MOE, False),
         # ---- 2024 parallelism spellings
         rename("training.data_parallel_degree", "parallelism.data_parallel_shard_degree", Y2024),
-        refuse("training.data_parallel_type", Y2024, "titan picks DDP from the degrees: set"
-               " parallelism.data_parallel_replicate_degree N and data_parallel_shard_degree 1", "fsdp"),
+        refuse(
+            "training.data_parallel_type",
+            Y2024,
+            "titan picks DDP from the degrees: set"
+            " parallelism.data_parallel_replicate_degree N and data_parallel_shard_degree 1",
+            "fsdp",
+        ),
         negate("training.enable_loss_parallel", "parallelism.disable_loss_parallel", Y2024),
         refuse("parallelism.enable_compiled_autograd", f"{Y2024}–{V02}", "compiled autograd is not in titan", False),
         refuse("experimental.enable_compiled_autograd", Y2024, "compiled autograd is not in titan", False),
-        refuse("parallelism.pipeline_parallel_split_points", f"{Y2024}–{V010}", "titan splits the layers by count: set"
-               " parallelism.pipeline_parallel_layers_per_stage", []),
-        refuse("experimental.pipeline_parallel_split_points", Y2024, "titan splits the layers by count: set"
-               " parallelism.pipeline_parallel_layers_per_stage", []),
-        refuse("parallelism.pipeline_parallel_microbatches", Y2024, "titan sets the micro-batch size: use"
-               " parallelism.pipeline_parallel_microbatch_size (local_batch_size / micro-batches)"),
-        refuse("experimental.pipeline_parallel_microbatches", Y2024, "titan sets the micro-batch size: use"
-               " parallelism.pipeline_parallel_microbatch_size (local_batch_size / micro-batches)"),
-        refuse("experimental.pipeline_parallel_split_mode", Y2024, "titan builds each stage from the model (the"
-               " manual split); the tracer front end is not implemented", "manual"),
+        refuse(
+            "parallelism.pipeline_parallel_split_points",
+            f"{Y2024}–{V010}",
+            "titan splits the layers by count: set parallelism.pipeline_parallel_layers_per_stage",
+            [],
+        ),
+        refuse(
+            "experimental.pipeline_parallel_split_points",
+            Y2024,
+            "titan splits the layers by count: set parallelism.pipeline_parallel_layers_per_stage",
+            [],
+        ),
+        refuse(
+            "parallelism.pipeline_parallel_microbatches",
+            Y2024,
+            "titan sets the micro-batch size: use"
+            " parallelism.pipeline_parallel_microbatch_size (local_batch_size / micro-batches)",
+        ),
+        refuse(
+            "experimental.pipeline_parallel_microbatches",
+            Y2024,
+            "titan sets the micro-batch size: use"
+            " parallelism.pipeline_parallel_microbatch_size (local_batch_size / micro-batches)",
+        ),
+        refuse(
+            "experimental.pipeline_parallel_split_mode",
+            Y2024,
+            "titan builds each stage from the model (the manual split); the tracer front end is not implemented",
+            "manual",
+        ),
         refuse("experimental.torch_spmd", Y2024, "torch SPMD is not in titan", False),
-        mapped("parallelism.pipeline_parallel_layers_per_stage", "parallelism.pipeline_parallel_layers_per_stage",
-               f"{V010}–{V02}", _layers_per_stage),
-        mapped("parallelism.pipeline_parallel_schedule_csv", "parallelism.pipeline_parallel_schedule_csv",
-               f"{Y2024}–{V02}", _optional_str("parallelism.pipeline_parallel_schedule_csv")),
-        refuse("parallelism.context_parallel_load_balancer", V02, "titan always balances context-parallel"
-               " shards head-tail", "headtail"),
+        mapped(
+            "parallelism.pipeline_parallel_layers_per_stage",
+            "parallelism.pipeline_parallel_layers_per_stage",
+            f"{V010}–{V02}",
+            layers_per_stage,
+        ),
+        mapped(
+            "parallelism.pipeline_parallel_schedule_csv",
+            "parallelism.pipeline_parallel_schedule_csv",
+            f"{Y2024}–{V02}",
+            optional_str("parallelism.pipeline_parallel_schedule_csv"),
+        ),
+        refuse(
+            "parallelism.context_parallel_load_balancer",
+            V02,
+            "titan always balances context-parallel shards head-tail",
+            "headtail",
+        ),
         refuse("parallelism.expert_parallel_degree", V02, _MOE, 1),
         refuse("parallelism.expert_tensor_parallel_degree", V02, _MOE, 1),
         refuse("parallelism.expert_parallel_comm_backend", V02, _MOE, "standard"),
@@ -298,82 +232,157 @@ def _rules() -> list[Rule]:
         rename("checkpoint.last_save_model_weights_only", "checkpoint.last_save_model_only", V010),
         rename("checkpoint.initial_load_model_weights_only", "checkpoint.initial_load_model_only", V010),
         rename("checkpoint.last_save_in_safetensors_format", "checkpoint.last_save_in_hf", V010),
-        mapped("checkpoint.initial_load_path", "checkpoint.initial_load_path", f"{V010}–{V02}",
-               _optional_str("checkpoint.initial_load_path")),
+        mapped(
+            "checkpoint.initial_load_path",
+            "checkpoint.initial_load_path",
+            f"{V010}–{V02}",
+            optional_str("checkpoint.initial_load_path"),
+        ),
         refuse("checkpoint.interval_type", Y2024, "titan checkpoints every checkpoint.interval steps", "steps", "step"),
         no_effect("checkpoint.enable_ft_dataloader_checkpoints", V02, _FT),
         refuse("checkpoint.initial_load_in_hf_quantized", V02, "titan reads unquantized Hugging Face weights", False),
-        refuse("checkpoint.enable_first_step_checkpoint", f"{V010}–{V02}", "titan saves every checkpoint.interval"
-               " steps and at the end; checkpoint.create_seed_checkpoint writes step 0", False),
-        refuse("checkpoint.load_only", V02, "titan saves whenever checkpoint.enable is on; to start from weights"
-               " without saving, use checkpoint.initial_load_path and a large checkpoint.interval", False),
+        refuse(
+            "checkpoint.enable_first_step_checkpoint",
+            f"{V010}–{V02}",
+            "titan saves every checkpoint.interval"
+            " steps and at the end; checkpoint.create_seed_checkpoint writes step 0",
+            False,
+        ),
+        refuse(
+            "checkpoint.load_only",
+            V02,
+            "titan saves whenever checkpoint.enable is on; to start from weights"
+            " without saving, use checkpoint.initial_load_path and a large checkpoint.interval",
+            False,
+        ),
         # ---- activation checkpointing / compile
-        mapped("activation_checkpoint.selective_ac_option", "activation_checkpoint.selective_ac_option",
-               f"{Y2024}–{V02}", _selective_option),
+        mapped(
+            "activation_checkpoint.selective_ac_option",
+            "activation_checkpoint.selective_ac_option",
+            f"{Y2024}–{V02}",
+            selective_option,
+        ),
         no_effect("activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns", V02, _MOE),
         refuse("activation_checkpoint.early_stop", V02, _AC, False),
-        no_effect("activation_checkpoint.memory_budget", V02, "read only by mode = memory_budget, which titan does"
-                  " not implement"),
+        no_effect(
+            "activation_checkpoint.memory_budget",
+            V02,
+            "read only by mode = memory_budget, which titan does not implement",
+        ),
         refuse("activation_checkpoint.visualize_memory_budget_pareto", V02, _AC, False),
-        refuse("activation_checkpoint.preserve_rng_state", V02, "titan's recomputation always restores the RNG"
-               " state", True),
+        refuse(
+            "activation_checkpoint.preserve_rng_state", V02, "titan's recomputation always restores the RNG state", True
+        ),
         refuse("activation_checkpoint.determinism_check", V02, _AC, "default"),
         refuse("activation_checkpoint.debug", V02, _AC, False),
         refuse("compile.backend", V02, "titan compiles with inductor", "inductor"),
         # ---- comm / estimation / fault tolerance
         refuse("comm.save_traces_file_prefix", V02, "titan names the flight-recorder dumps rank_<r>", "rank_"),
-        mapped("comm.mode", "job.dry_run", V02, _comm_mode),
-        refuse("memory_estimation.enable", V02, "use --job.dry_run (per-rank memory of any layout) or"
-               " scripts/estimate_memory.py", False),
-        refuse("memory_estimation.enabled", f"{Y2024}–{V010}", "use --job.dry_run (per-rank memory of any layout)"
-               " or scripts/estimate_memory.py", False),
+        mapped("comm.mode", "job.dry_run", V02, comm_mode),
+        refuse(
+            "memory_estimation.enable",
+            V02,
+            "use --job.dry_run (per-rank memory of any layout) or scripts/estimate_memory.py",
+            False,
+        ),
+        refuse(
+            "memory_estimation.enabled",
+            f"{Y2024}–{V010}",
+            "use --job.dry_run (per-rank memory of any layout) or scripts/estimate_memory.py",
+            False,
+        ),
         no_effect("memory_estimation.disable_fake_mode", f"{Y2024}–{V02}", "read only by memory_estimation.enable"),
         refuse("estimate.memory", Y2024, "use --job.dry_run or scripts/estimate_memory.py", False),
         no_effect("estimate.mode", Y2024, "read only by estimate.memory"),
         refuse("fault_tolerance.enable", f"{Y2024}–{V02}", _FT, False),
     ]
-    for name in ("replica_id", "group_size", "min_replica_size", "semi_sync_method", "sync_steps", "should_quantize",
-                 "fragment_sync_delay", "fragment_update_alpha", "process_group", "process_group_timeout_ms"):
+    for name in (
+        "replica_id",
+        "group_size",
+        "min_replica_size",
+        "semi_sync_method",
+        "sync_steps",
+        "should_quantize",
+        "fragment_sync_delay",
+        "fragment_update_alpha",
+        "process_group",
+        "process_group_timeout_ms",
+    ):
         r.append(no_effect(f"fault_tolerance.{name}", f"{Y2024}–{V02}", "read only by fault_tolerance.enable"))
     # ---- float8: [float8] (2024, v0.1.0), [quantize.linear.float8] (v0.2.x), 2024's [training] keys
     for name in _FLOAT8_SECTION:
         r.append(rename(f"quantize.linear.float8.{name}", f"float8.{name}", V02))
     r += [
-        mapped("float8.recipe_name", "float8.recipe", V010, _recipe("float8.recipe_name")),
-        mapped("quantize.linear.float8.recipe_name", "float8.recipe", V02,
-               _recipe("quantize.linear.float8.recipe_name")),
-        refuse("float8.force_recompute_fp8_weight_in_bwd", V010, "titan keeps the float8 weights for backward (no"
-               " forced recompute)", False),
+        mapped("float8.recipe_name", "float8.recipe", V010, recipe("float8.recipe_name")),
+        mapped(
+            "quantize.linear.float8.recipe_name", "float8.recipe", V02, recipe("quantize.linear.float8.recipe_name")
+        ),
+        refuse(
+            "float8.force_recompute_fp8_weight_in_bwd",
+            V010,
+            "titan keeps the float8 weights for backward (no forced recompute)",
+            False,
+        ),
         refuse("float8.moe_fqns_prototype", V010, _MOE, []),
         rename("training.fp8_linear", "float8.enable_float8_linear", Y2024),
         rename("training.enable_fp8_linear", "float8.enable_float8_linear", Y2024),
         rename("training.enable_float8_linear", "float8.enable_float8_linear", Y2024),
         rename("training.enable_fsdp_fp8_all_gather", "float8.enable_fsdp_float8_all_gather", Y2024),
         rename("training.enable_fsdp_float8_all_gather", "float8.enable_fsdp_float8_all_gather", Y2024),
-        rename("training.precompute_float8_dynamic_scale_for_fsdp", "float8.precompute_float8_dynamic_scale_for_fsdp",
-               Y2024),
+        rename(
+            "training.precompute_float8_dynamic_scale_for_fsdp",
+            "float8.precompute_float8_dynamic_scale_for_fsdp",
+            Y2024,
+        ),
     ]
     delayed = "titan's float8 scales are dynamic (torchao removed delayed scaling)"
     for name in ("input", "weight", "grad_output"):
         r.append(refuse(f"float8.scaling_type_{name}", Y2024, delayed, "dynamic"))
         r.append(refuse(f"training.float8_scaling_type_{name}", Y2024, delayed, "dynamic"))
-    for key in ("quantize.linear.mx.recipe_name", "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice",
-                "quantize.linear.mx.filter_fqns", "mx.recipe_name", "mx.use_fp8_dim1_cast_triton_kernel",
-                "mx.filter_fqns"):
-        r.append(no_effect(key, V02 if key.startswith("quantize") else V010,
-                           f"read only by the mx converter, which titan does not implement ({_MX})"))
+    for key in (
+        "quantize.linear.mx.recipe_name",
+        "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice",
+        "quantize.linear.mx.filter_fqns",
+        "mx.recipe_name",
+        "mx.use_fp8_dim1_cast_triton_kernel",
+        "mx.filter_fqns",
+    ):
+        r.append(
+            no_effect(
+                key,
+                V02 if key.startswith("quantize") else V010,
+                f"read only by the mx converter, which titan does not implement ({_MX})",
+            )
+        )
     for key in ("quantize.grouped_mm.float8.fqns", "quantize.grouped_mm.mx.fqns"):
         r.append(refuse(key, V02, _MOE, []))
     r.append(no_effect("quantize.grouped_mm.mx.recipe_name", V02, _MOE))
     # ---- the 2024 [experimental] / [training] parallelism keys now under [parallelism]
-    for name in ("data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
-                 "disable_loss_parallel", "fsdp_reshard_after_forward", "pipeline_parallel_degree"):
+    for name in (
+        "data_parallel_replicate_degree",
+        "data_parallel_shard_degree",
+        "tensor_parallel_degree",
+        "disable_loss_parallel",
+        "fsdp_reshard_after_forward",
+        "pipeline_parallel_degree",
+    ):
         r.append(rename(f"training.{name}", f"parallelism.{name}", Y2024))
-    for name in ("pipeline_parallel_degree", "pipeline_parallel_schedule", "context_parallel_degree",
-                 "context_parallel_rotate_method", "enable_async_tensor_parallel"):
+    for name in (
+        "pipeline_parallel_degree",
+        "pipeline_parallel_schedule",
+        "context_parallel_degree",
+        "context_parallel_rotate_method",
+        "enable_async_tensor_parallel",
+    ):
         r.append(rename(f"experimental.{name}", f"parallelism.{name}", Y2024))
-    r.append(mapped("experimental.pipeline_parallel_schedule_csv", "parallelism.pipeline_parallel_schedule_csv", Y2024,
-                    _optional_str("parallelism.pipeline_parallel_schedule_csv")))
+    r.append(
+        mapped(
+            "experimental.pipeline_parallel_schedule_csv",
+            "parallelism.pipeline_parallel_schedule_csv",
+            Y2024,
+            optional_str("parallelism.pipeline_parallel_schedule_csv"),
+        )
+    )
     return r
 
 

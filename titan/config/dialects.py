@@ -21,14 +21,16 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from titan.config.dialect_rules import RULES, Rule, norm
+from titan.config.dialect_mappings import Rule, norm
+from titan.config.dialect_rules import RULES
 from titan.errors import TitanError
 
 logger = logging.getLogger("titan")
 
 # Sections that exist only in torchtitan's config tree.
-TORCHTITAN_SECTIONS = frozenset({"quantize", "debug", "fault_tolerance", "experimental", "mx", "memory_estimation",
-                                 "estimate"})
+TORCHTITAN_SECTIONS = frozenset(
+    {"quantize", "debug", "fault_tolerance", "experimental", "mx", "memory_estimation", "estimate"}
+)
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,10 @@ def cli_key(raw: str, titan_keys: Mapping[str, Any]) -> tuple[str, bool]:
     """A command-line key as titan names it, and whether it was tyro's negative form."""
     key = raw.replace("-", "_")
     if key.startswith("no_") and key[3:] in titan_keys:
-        raise TitanError(f"'--{raw}' is not an option; a false boolean is --{key[3:]} false (or tyro's"
-                         f" --{key[3:].replace('.', '.no-', 1)})")
+        raise TitanError(
+            f"'--{raw}' is not an option; a false boolean is --{key[3:]} false (or tyro's"
+            f" --{key[3:].replace('.', '.no-', 1)})"
+        )
     section, dot, name = key.rpartition(".")
     if dot and name.startswith("no_") and key not in titan_keys and key not in RULES:
         positive = f"{section}.{name[3:]}"
@@ -118,8 +122,10 @@ class Translator:
                     continue
                 prev = seen.get(tkey)
                 if prev is not None and prev[0] != key and norm(prev[2]) != norm(tvalue):
-                    raise TitanError(f"{where}'{prev[0]}' = {prev[1]!r} and '{key}' = {value!r} set the same titan"
-                                     f" key '{tkey}' to different values; keep one of them")
+                    raise TitanError(
+                        f"{where}'{prev[0]}' = {prev[1]!r} and '{key}' = {value!r} set the same titan"
+                        f" key '{tkey}' to different values; keep one of them"
+                    )
                 seen[tkey] = (key, value, tvalue)
                 self._explicit.add(tkey)
                 out.append((tkey, tvalue))
@@ -164,13 +170,18 @@ class Translator:
             if tkey in self._explicit or (default.when and not get(default.when)):
                 continue
             set_value(tkey, default.value)
-            self._log(f"{source_key}->{tkey}", f"torchtitan key '{source_key}' implies {tkey} = {default.value!r}"
-                      " (torchtitan's default; set it to override)")
+            self._log(
+                f"{source_key}->{tkey}",
+                f"torchtitan key '{source_key}' implies {tkey} = {default.value!r}"
+                " (torchtitan's default; set it to override)",
+            )
         for key, value, rule in self._checks:
             have = get(rule.to)
             if norm(have) != norm(value):
-                raise TitanError(f"torchtitan key '{key}' is not supported by titan: {rule.why} (got {value!r},"
-                                 f" {rule.to} is {have!r})")
+                raise TitanError(
+                    f"torchtitan key '{key}' is not supported by titan: {rule.why} (got {value!r},"
+                    f" {rule.to} is {have!r})"
+                )
             self._log(key, f"torchtitan key '{key}' = {value!r} equals {rule.to}; accepted")
 
 
@@ -183,10 +194,15 @@ def dialect_hint(keys: Iterable[str], titan_keys: Mapping[str, Any]) -> str:
 def unknown_key(key: str, titan_keys: Mapping[str, Any], hint: str = "") -> TitanError:
     """One line: the key, the dialect its config looks like, the closest titan key."""
     example = f" (like '{hint}')" if hint and hint != key else ""
-    nested = " (nested tables are torchtitan's spelling; titan's sections are one level deep)" \
-        if len(key.split(".")) > 2 else ""
-    return TitanError(f"unknown config key '{key}' in a config that looks like torchtitan {_era_of(hint or key)}'s"
-                      f"{example}{nested}; closest titan key: '{closest_titan_key(key, titan_keys)}'")
+    nested = (
+        " (nested tables are torchtitan's spelling; titan's sections are one level deep)"
+        if len(key.split(".")) > 2
+        else ""
+    )
+    return TitanError(
+        f"unknown config key '{key}' in a config that looks like torchtitan {_era_of(hint or key)}'s"
+        f"{example}{nested}; closest titan key: '{closest_titan_key(key, titan_keys)}'"
+    )
 
 
 def closest_titan_key(key: str, titan_keys: Mapping[str, Any]) -> str:

@@ -29,8 +29,24 @@ from titan.config.sections.training import Training
 from titan.config.sections.validation import Validation
 from titan.errors import require
 
-__all__ = ["Job", "Model", "Optimizer", "LRScheduler", "Training", "Parallelism", "Metrics", "Checkpoint", "Stability",
-           "Validation", "Profiling", "Comm", "ActivationCheckpoint", "Compile", "Float8", "JobConfig"]
+__all__ = [
+    "Job",
+    "Model",
+    "Optimizer",
+    "LRScheduler",
+    "Training",
+    "Parallelism",
+    "Metrics",
+    "Checkpoint",
+    "Stability",
+    "Validation",
+    "Profiling",
+    "Comm",
+    "ActivationCheckpoint",
+    "Compile",
+    "Float8",
+    "JobConfig",
+]
 
 
 @dataclass
@@ -58,13 +74,22 @@ class JobConfig:
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
         cp = self.parallelism.context_parallel_degree
-        require(self.model.attn_mask_type != "block_causal" or cp == 1, "model.attn_mask_type",
-                rule=f'= "block_causal" does not combine with parallelism.context_parallel_degree {cp}: titan\'s CP'
-                     " paths (SDPA ring attention, flex with the causal mask over the head-tail rearranged rows)"
-                     ' know no document boundaries; use attn_mask_type "causal" with CP')
-        require(not self.checkpoint.last_save_in_hf or self.parallelism.pipeline_parallel_degree == 1,
-                "checkpoint.last_save_in_hf", rule="is not supported with pipeline parallelism (no rank holds the"
-                " whole model); export a DCP checkpoint with scripts/convert_hf.py")
+        require(
+            self.model.attn_mask_type != "block_causal" or cp == 1,
+            "model.attn_mask_type",
+            rule=f'= "block_causal" does not combine with parallelism.context_parallel_degree {cp}: titan\'s CP'
+            " paths (SDPA ring attention, flex with the causal mask over the head-tail rearranged rows)"
+            ' know no document boundaries; use attn_mask_type "causal" with CP',
+        )
+        require(
+            not self.checkpoint.last_save_in_hf or self.parallelism.pipeline_parallel_degree == 1,
+            "checkpoint.last_save_in_hf",
+            rule="is not supported with pipeline parallelism (no rank holds the"
+            " whole model); export a DCP checkpoint with scripts/convert_hf.py",
+        )
         local, mbs = self.training.local_batch_size, self.parallelism.pipeline_parallel_microbatch_size
-        require(self.parallelism.pipeline_parallel_degree == 1 or local % mbs == 0, "training.local_batch_size",
-                rule=f"({local}) must be a multiple of parallelism.pipeline_parallel_microbatch_size ({mbs})")
+        require(
+            self.parallelism.pipeline_parallel_degree == 1 or local % mbs == 0,
+            "training.local_batch_size",
+            rule=f"({local}) must be a multiple of parallelism.pipeline_parallel_microbatch_size ({mbs})",
+        )

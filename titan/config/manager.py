@@ -132,9 +132,7 @@ def _convert(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
     """Check/convert one value to the field's type; TOML values are typed, CLI values are str."""
 
     def bad() -> TitanError:
-        return TitanError(
-            f"config key '{key}' got {value!r}, expected {type_name(tp)}"
-        )
+        return TitanError(f"config key '{key}' got {value!r}, expected {type_name(tp)}")
 
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
@@ -216,8 +214,10 @@ def _convert(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
 # ---------------------------------------------------------------- sources
 def load_toml(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
-        raise TitanError(f"config file '{path}' does not exist (set --job.config_file to a TOML file,"
-                         " e.g. train_configs/debug_model.toml)")
+        raise TitanError(
+            f"config file '{path}' does not exist (set --job.config_file to a TOML file,"
+            " e.g. train_configs/debug_model.toml)"
+        )
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
@@ -233,12 +233,14 @@ def _flatten_toml(data: dict[str, Any], path: str) -> list[tuple[str, Any]]:
         if not isinstance(body, dict):
             if section in sections():
                 raise TitanError(f"config file '{path}': '{section}' must be a [section] table")
-            raise TitanError(f"config file '{path}': unknown config section '{section}'"
-                             + did_you_mean(section, list(sections())))
+            raise TitanError(
+                f"config file '{path}': unknown config section '{section}'" + did_you_mean(section, list(sections()))
+            )
         for name, value in body.items():
             if isinstance(value, dict):
-                raise TitanError(f"config file '{path}': unknown config section '{section}.{name}'"
-                                 " (sections are one level deep)")
+                raise TitanError(
+                    f"config file '{path}': unknown config section '{section}.{name}' (sections are one level deep)"
+                )
             items.append((f"{section}.{name}", value))
     return items
 
@@ -248,14 +250,16 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str]]:
     spellings (tyro's hyphens and --section.no-key, the 2024 names) come back as they are, for
     titan.config.dialects to translate."""
     pairs: list[tuple[str, str]] = []
-    hint = dialects.dialect_hint((dialects.cli_key(a[2:].partition("=")[0], titan_keys())[0]
-                                  for a in argv if a.startswith("--")), titan_keys())
+    hint = dialects.dialect_hint(
+        (dialects.cli_key(a[2:].partition("=")[0], titan_keys())[0] for a in argv if a.startswith("--")), titan_keys()
+    )
     i = 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or len(arg) <= 2:
-            raise TitanError(f"unexpected command-line argument '{arg}'; options look like --section.key value"
-                             " (see --help)")
+            raise TitanError(
+                f"unexpected command-line argument '{arg}'; options look like --section.key value (see --help)"
+            )
         key, eq, value = arg[2:].partition("=")
         if key == "config_file":  # SageMaker-style hyperparameter
             key = "job.config_file"
@@ -328,8 +332,9 @@ def load_config(argv: list[str] | None = None, *, env: dict[str, str] | None = N
                 raise TitanError(f"config file '{config_file}': {e}") from None
     for key, value in translator.translate(raw_cli):
         _set(config, key, value, from_cli=True)
-    translator.finish(lambda key: getattr(*_attr(config, key)),
-                      lambda key, value: _set(config, key, value, from_cli=False))
+    translator.finish(
+        lambda key: getattr(*_attr(config, key)), lambda key, value: _set(config, key, value, from_cli=False)
+    )
     config.job.config_file = config_file
     config.validate()
     return config

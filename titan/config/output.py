@@ -51,7 +51,7 @@ def format_help(topic: str | None = None) -> str:
         "",
         "Options come from the TOML sections below; a command-line flag overrides the file.",
         "Booleans may be given bare (--metrics.enable_tensorboard) or with true/false.",
-        "Lists: comma-separated (a,b) or TOML syntax ('[\"a\", \"b\"]').",
+        'Lists: comma-separated (a,b) or TOML syntax (\'["a", "b"]\').',
         f"Sections: {', '.join(secs)}.",
     ]
     for section, cls in secs.items():
@@ -72,8 +72,11 @@ def _toml_sections(config: JobConfig) -> dict[str, dict[str, Any]]:
             if value is None or (f.name, name) == ("job", "config_file"):
                 continue  # config_file is where the options came from, read from the command line only
             # a list of tables ([[training.mixture]]) is written as TOML's array of tables
-            body[name] = [dataclasses.asdict(v) for v in value] if isinstance(value, list) and value and \
-                dataclasses.is_dataclass(value[0]) else value
+            body[name] = (
+                [dataclasses.asdict(v) for v in value]
+                if isinstance(value, list) and value and dataclasses.is_dataclass(value[0])
+                else value
+            )
         out[f.name] = body
     return out
 
@@ -103,8 +106,10 @@ def save_config(config: JobConfig, folder: str | None = None) -> str:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        raise TitanError(f"job.dump_folder '{folder}': cannot write {CONFIG_FILE_NAME} ({e.strerror or e});"
-                         " set --job.dump_folder to a writable folder") from None
+        raise TitanError(
+            f"job.dump_folder '{folder}': cannot write {CONFIG_FILE_NAME} ({e.strerror or e});"
+            " set --job.dump_folder to a writable folder"
+        ) from None
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)

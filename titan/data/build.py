@@ -34,48 +34,130 @@ def mixture_names(mixture: list) -> list[str]:
     return [f"{n}_{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
 
-def _single(dataset: str, dataset_path: str, *, tokenizer: Any, seq_len: int, local_batch_size: int, dp_rank: int,
-            dp_world_size: int, num_workers: int, infinite: bool, shuffle_seed: int | None, pin_memory: bool,
-            prefetch_factor: int | None, **text: Any) -> TitanDataLoader:
+def _single(
+    dataset: str,
+    dataset_path: str,
+    *,
+    tokenizer: Any,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_world_size: int,
+    num_workers: int,
+    infinite: bool,
+    shuffle_seed: int | None,
+    pin_memory: bool,
+    prefetch_factor: int | None,
+    **text: Any,
+) -> TitanDataLoader:
     store = _store_path(dataset, dataset_path)
-    options = {"num_workers": num_workers, "infinite": infinite, "pin_memory": pin_memory,
-               "prefetch_factor": prefetch_factor}
+    options = {
+        "num_workers": num_workers,
+        "infinite": infinite,
+        "pin_memory": pin_memory,
+        "prefetch_factor": prefetch_factor,
+    }
     if store:
-        return StoreDataLoader(TokenStore(store), tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
-                               dp_rank=dp_rank, dp_world_size=dp_world_size, shuffle_seed=shuffle_seed, **options)
-    return build_text_loader(dataset=dataset, dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len,
-                             local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
-                             **options, **text)
+        return StoreDataLoader(
+            TokenStore(store),
+            tokenizer,
+            seq_len=seq_len,
+            local_batch_size=local_batch_size,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            shuffle_seed=shuffle_seed,
+            **options,
+        )
+    return build_text_loader(
+        dataset=dataset,
+        dataset_path=dataset_path,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        **options,
+        **text,
+    )
 
 
-def build_dataloader(*, dataset: str, dataset_path: str, text_field: str, tokenizer: Any, seq_len: int,
-                     local_batch_size: int, dp_rank: int, dp_world_size: int, num_workers: int = 0,
-                     infinite: bool = True, txt_split: str = "paragraph", bad_lines: str = "fail",
-                     shuffle_seed: int | None = None, mixture: list | None = None,
-                     mixture_exhausted: str = "restart", validation: bool = False, pin_memory: bool = False,
-                     prefetch_factor: int | None = None) -> TitanDataLoader | MixtureLoader:
+def build_dataloader(
+    *,
+    dataset: str,
+    dataset_path: str,
+    text_field: str,
+    tokenizer: Any,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_world_size: int,
+    num_workers: int = 0,
+    infinite: bool = True,
+    txt_split: str = "paragraph",
+    bad_lines: str = "fail",
+    shuffle_seed: int | None = None,
+    mixture: list | None = None,
+    mixture_exhausted: str = "restart",
+    validation: bool = False,
+    pin_memory: bool = False,
+    prefetch_factor: int | None = None,
+) -> TitanDataLoader | MixtureLoader:
     """This dp rank's loader. ``mixture`` (MixtureSource entries) replaces dataset/dataset_path;
     ``validation`` makes a mixture read each source once, for a loss per source."""
     text = {"text_field": text_field, "txt_split": txt_split, "bad_lines": bad_lines}
-    common = {"tokenizer": tokenizer, "seq_len": seq_len, "dp_rank": dp_rank, "dp_world_size": dp_world_size,
-              "num_workers": num_workers, "pin_memory": pin_memory, "prefetch_factor": prefetch_factor, **text}
+    common = {
+        "tokenizer": tokenizer,
+        "seq_len": seq_len,
+        "dp_rank": dp_rank,
+        "dp_world_size": dp_world_size,
+        "num_workers": num_workers,
+        "pin_memory": pin_memory,
+        "prefetch_factor": prefetch_factor,
+        **text,
+    }
     if not mixture:
         if shuffle_seed is not None and not _store_path(dataset, dataset_path):
-            raise TitanError(f"training.dataset_shuffle_seed ({shuffle_seed}) shuffles token-store windows; "
-                             f"{dataset_path or dataset!r} is not a token store (scripts/tokenize_dataset.py)")
-        return _single(dataset, dataset_path, local_batch_size=local_batch_size, infinite=infinite,
-                       shuffle_seed=shuffle_seed, **common)
+            raise TitanError(
+                f"training.dataset_shuffle_seed ({shuffle_seed}) shuffles token-store windows; "
+                f"{dataset_path or dataset!r} is not a token store (scripts/tokenize_dataset.py)"
+            )
+        return _single(
+            dataset,
+            dataset_path,
+            local_batch_size=local_batch_size,
+            infinite=infinite,
+            shuffle_seed=shuffle_seed,
+            **common,
+        )
     if shuffle_seed is not None and not any(_store_path(s.dataset, s.path) for s in mixture):
-        raise TitanError(f"training.dataset_shuffle_seed ({shuffle_seed}) shuffles token-store windows; no "
-                         "source of training.mixture is a token store (scripts/tokenize_dataset.py)")
+        raise TitanError(
+            f"training.dataset_shuffle_seed ({shuffle_seed}) shuffles token-store windows; no "
+            "source of training.mixture is a token store (scripts/tokenize_dataset.py)"
+        )
     if not infinite:  # training.dataset_infinite = false: the mixture ends with its first exhausted source
         mixture_exhausted = "stop"
-    loaders = [_single(src.dataset, src.path, local_batch_size=local_batch_size if validation else 1,
-                       infinite=False if validation else mixture_exhausted == "restart", shuffle_seed=shuffle_seed,
-                       **common) for src in mixture]
-    return MixtureLoader(mixture_names(mixture), loaders, [src.weight for src in mixture],
-                         local_batch_size=local_batch_size, seq_len=seq_len, dp_rank=dp_rank,
-                         dp_world_size=dp_world_size, exhausted=mixture_exhausted, validation=validation)
+    loaders = [
+        _single(
+            src.dataset,
+            src.path,
+            local_batch_size=local_batch_size if validation else 1,
+            infinite=False if validation else mixture_exhausted == "restart",
+            shuffle_seed=shuffle_seed,
+            **common,
+        )
+        for src in mixture
+    ]
+    return MixtureLoader(
+        mixture_names(mixture),
+        loaders,
+        [src.weight for src in mixture],
+        local_batch_size=local_batch_size,
+        seq_len=seq_len,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        exhausted=mixture_exhausted,
+        validation=validation,
+    )
 
 
 def _check_one(dataset: str, dataset_path: str, tokenizer: Any, seq_len: int, key: str) -> None:
@@ -84,8 +166,10 @@ def _check_one(dataset: str, dataset_path: str, tokenizer: Any, seq_len: int, ke
         s = TokenStore(store)
         s.check_tokenizer(tokenizer)
         if s.num_windows(seq_len) < 1:
-            raise TitanError(f"token store {store!r} ({key}) holds {s.num_tokens} tokens, fewer than one window of "
-                             f"training.seq_len + 1 = {seq_len + 1}")
+            raise TitanError(
+                f"token store {store!r} ({key}) holds {s.num_tokens} tokens, fewer than one window of "
+                f"training.seq_len + 1 = {seq_len + 1}"
+            )
         return
     check_dataset(dataset, dataset_path)
 

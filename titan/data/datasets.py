@@ -42,16 +42,18 @@ __all__ = [
 TXT_SPLITS = choices(TxtSplit)
 
 # suffix -> `datasets` packaged builder
-_BUILDERS = MappingProxyType({
-    ".jsonl": "json",
-    ".json": "json",
-    ".jsonl.gz": "json",
-    ".json.gz": "json",
-    ".parquet": "parquet",
-    ".arrow": "arrow",
-    ".txt": "text",
-    ".txt.gz": "text",
-})
+_BUILDERS = MappingProxyType(
+    {
+        ".jsonl": "json",
+        ".json": "json",
+        ".jsonl.gz": "json",
+        ".json.gz": "json",
+        ".parquet": "parquet",
+        ".arrow": "arrow",
+        ".txt": "text",
+        ".txt.gz": "text",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -115,8 +117,10 @@ def _pydoc_split(validation: bool) -> Callable[[str], DocumentSource]:
 # allenai/c4's file layout: <mirror>/en/c4-<split>.NNNNN-of-MMMMM.json.gz (JSON lines: text,
 # timestamp, url). 1024 train shards, 8 validation shards.
 C4_SHARDS = MappingProxyType({"train": 1024, "validation": 8})
-C4_MIRROR_HINT = ('mirror it with `hf download allenai/c4 --repo-type dataset --include '
-                  '"en/c4-train.0000*-of-01024.json.gz" --local-dir DIR` (docs/datasets.md)')
+C4_MIRROR_HINT = (
+    "mirror it with `hf download allenai/c4 --repo-type dataset --include "
+    '"en/c4-train.0000*-of-01024.json.gz" --local-dir DIR` (docs/datasets.md)'
+)
 
 
 def c4_files(path: str, split: str) -> list[Path]:
@@ -149,9 +153,14 @@ _REGISTRY: dict[str, DatasetSpec] = {}
 DATASETS: Mapping[str, DatasetSpec] = MappingProxyType(_REGISTRY)
 
 
-def register_dataset(name: str, loader: Callable[[str], DocumentSource], *, text_field: str = "text",
-                     description: str = "", local: Callable[[str, str, str], DocumentSource] | None = None,
-                     ) -> DatasetSpec:
+def register_dataset(
+    name: str,
+    loader: Callable[[str], DocumentSource],
+    *,
+    text_field: str = "text",
+    description: str = "",
+    local: Callable[[str, str, str], DocumentSource] | None = None,
+) -> DatasetSpec:
     """Make ``training.dataset = name`` read the source ``loader(text_field)`` builds (see DatasetSpec:
     ``text_field`` is the column used when the config keeps "text"; ``local(path, text_field,
     bad_lines)`` reads a copy at training.dataset_path in the dataset's own layout). A name is
@@ -166,10 +175,15 @@ def register_dataset(name: str, loader: Callable[[str], DocumentSource], *, text
 register_dataset("pydoc", _pydoc_source, description="embedded offline corpus: pydoc_data.topics")
 register_dataset("pydoc_train", _pydoc_split(False), description="pydoc without the pydoc_validation topics")
 register_dataset("pydoc_validation", _pydoc_split(True), description="every 10th pydoc topic, held out")
-register_dataset("c4", _hub_source("c4", "allenai/c4", "en", "train"), description="allenai/c4 en train",
-                 local=_c4_local("train"))
-register_dataset("c4_validation", _hub_source("c4_validation", "allenai/c4", "en", "validation"),
-                 description="allenai/c4 en validation", local=_c4_local("validation"))
+register_dataset(
+    "c4", _hub_source("c4", "allenai/c4", "en", "train"), description="allenai/c4 en train", local=_c4_local("train")
+)
+register_dataset(
+    "c4_validation",
+    _hub_source("c4_validation", "allenai/c4", "en", "validation"),
+    description="allenai/c4 en validation",
+    local=_c4_local("validation"),
+)
 
 
 def _builder_for(path: Path) -> str | None:
@@ -180,8 +194,9 @@ def _builder_for(path: Path) -> str | None:
     return None
 
 
-def local_source(path: str, text_field: str = "text", txt_split: str = "paragraph",
-                 bad_lines: str = "fail") -> DocumentSource:
+def local_source(
+    path: str, text_field: str = "text", txt_split: str = "paragraph", bad_lines: str = "fail"
+) -> DocumentSource:
     """Stream a local file or folder (searched recursively, files in sorted path order).
 
     .txt files have one column, "text" (``text_field`` is ignored for them); ``txt_split`` says
@@ -195,9 +210,7 @@ def local_source(path: str, text_field: str = "text", txt_split: str = "paragrap
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and _builder_for(f) and not f.name.startswith("."))
         if not files:
-            raise TitanError(
-                f"dataset folder {path!r} has no supported files; supported: {sorted(_BUILDERS)}"
-            )
+            raise TitanError(f"dataset folder {path!r} has no supported files; supported: {sorted(_BUILDERS)}")
     else:
         if _builder_for(p) is None:
             raise TitanError(f"dataset file {path!r} has an unsupported type; supported: {sorted(_BUILDERS)}")
@@ -254,7 +267,10 @@ def check_dataset(dataset: str, dataset_path: str = "") -> None:
 
 
 def build_source(
-    dataset: str, dataset_path: str = "", text_field: str = "text", txt_split: str = "paragraph",
+    dataset: str,
+    dataset_path: str = "",
+    text_field: str = "text",
+    txt_split: str = "paragraph",
     bad_lines: str = "fail",
 ) -> DocumentSource:
     """Resolve the config's (dataset, dataset_path, text_field) to a source.

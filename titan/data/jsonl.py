@@ -44,8 +44,9 @@ def is_json_lines(path: Path) -> bool:
 class JsonlSource(DocumentSource):
     def __init__(self, name: str, files: list[Path], text_field: str, bad_lines: str = "fail") -> None:
         if bad_lines not in choices(BadLines):
-            raise TitanError(f"config key 'training.dataset_bad_lines' got {bad_lines!r}; valid: "
-                             f"{', '.join(choices(BadLines))}")
+            raise TitanError(
+                f"config key 'training.dataset_bad_lines' got {bad_lines!r}; valid: {', '.join(choices(BadLines))}"
+            )
         self.name, self.files, self.text_field, self.bad_lines = name, [Path(f) for f in files], text_field, bad_lines
         self.skipped = 0
 
@@ -61,11 +62,12 @@ class JsonlSource(DocumentSource):
 
     def _bad(self, where: str, why: str) -> None:
         if self.bad_lines == "fail":
-            raise TitanError(f"{where}: {why}; fix the line or set training.dataset_bad_lines = \"skip\"")
+            raise TitanError(f'{where}: {why}; fix the line or set training.dataset_bad_lines = "skip"')
         self.skipped += 1
         if self.skipped <= _SHOW:
-            logger.warning(f"{where}: {why}; skipped {self.skipped} broken line(s) so far"
-                           " (training.dataset_bad_lines = skip)")
+            logger.warning(
+                f"{where}: {why}; skipped {self.skipped} broken line(s) so far (training.dataset_bad_lines = skip)"
+            )
 
     def _file_rows(self, f: Path) -> Iterator[tuple[int, dict]]:
         """(line number, row) of every good row of one file."""
@@ -89,14 +91,18 @@ class JsonlSource(DocumentSource):
                         continue
                     yield lineno, row
         except _GZIP_ERRORS as e:
-            raise TitanError(f"dataset file {f} is truncated or corrupt after line {lineno} "
-                             f"({type(e).__name__}: {e}); download it again") from None
+            raise TitanError(
+                f"dataset file {f} is truncated or corrupt after line {lineno} "
+                f"({type(e).__name__}: {e}); download it again"
+            ) from None
 
     def _text(self, row: dict, where: str) -> str:
         text = row.get(self.text_field)
         if not isinstance(text, str):
-            raise TitanError(f"dataset {self.name!r}: {where} has no text in column {self.text_field!r} "
-                             f"(got {type(text).__name__}); set training.dataset_text_field to a text column")
+            raise TitanError(
+                f"dataset {self.name!r}: {where} has no text in column {self.text_field!r} "
+                f"(got {type(text).__name__}); set training.dataset_text_field to a text column"
+            )
         return text
 
     def iter_shard(self, shard: int, row: int = 0) -> Iterator[str]:

@@ -56,8 +56,18 @@ class PackedDataset(IterableDataset):
     """Stateful IterableDataset: one stream per worker; yields a ``StreamBatch`` per batch, or a
     ``WorkerError`` when the stream raised a TitanError in a worker process."""
 
-    def __init__(self, source: Any, tokenizer, states: list[StreamState], *, layout: str, seq_len: int,
-                 batch_size: int, infinite: bool, dp_rank: int = 0) -> None:
+    def __init__(
+        self,
+        source: Any,
+        tokenizer,
+        states: list[StreamState],
+        *,
+        layout: str,
+        seq_len: int,
+        batch_size: int,
+        infinite: bool,
+        dp_rank: int = 0,
+    ) -> None:
         self.source = source
         self.layout = layout
         self.tokenizer = tokenizer
@@ -81,16 +91,23 @@ class PackedDataset(IterableDataset):
                 if windows is None:
                     yield StreamBatch(None, None, worker, state, opened)
                 else:
-                    yield StreamBatch(windows[:, :-1].contiguous(), windows[:, 1:].contiguous(), worker, state,
-                                      opened)
+                    yield StreamBatch(windows[:, :-1].contiguous(), windows[:, 1:].contiguous(), worker, state, opened)
         except TitanError as e:
             if info is None:
                 raise
             yield WorkerError(str(e), worker)
 
     def _stream(self, state: StreamState, label: str) -> Iterator[PackedBatch]:
-        return pack_stream(self.source, self.tokenizer, state, layout=self.layout, seq_len=self.seq_len,
-                           batch_size=self.batch_size, infinite=self.infinite, label=label)
+        return pack_stream(
+            self.source,
+            self.tokenizer,
+            state,
+            layout=self.layout,
+            seq_len=self.seq_len,
+            batch_size=self.batch_size,
+            infinite=self.infinite,
+            label=label,
+        )
 
     def state_dict(self) -> dict:
         return {"stream": (self._live if self._live is not None else self.states[0]).to_dict()}
@@ -112,9 +129,20 @@ class TitanDataLoader:
     Call the load methods before iterating; each ``iter()`` continues from the current state.
     """
 
-    def __init__(self, source: DocumentSource, tokenizer, *, seq_len: int, local_batch_size: int,
-                 dp_rank: int, dp_world_size: int, num_workers: int = 0, infinite: bool = True,
-                 pin_memory: bool = False, prefetch_factor: int | None = None) -> None:
+    def __init__(
+        self,
+        source: DocumentSource,
+        tokenizer,
+        *,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_world_size: int,
+        num_workers: int = 0,
+        infinite: bool = True,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+    ) -> None:
         assert 0 <= dp_rank < dp_world_size, f"dp rank {dp_rank} outside dp world size {dp_world_size}"
         self.source: Any = source
         self.pin_memory = pin_memory
@@ -145,12 +173,16 @@ class TitanDataLoader:
         if self.layout == "shards":
             low = shards // world
             per_rank = f"{low}" if shards % world == 0 else f"{low}-{low + 1}"
-            logger.info(f"dataset {self.source.name!r}: {shards} shards over {layout}: whole shards, each rank "
-                        f"reads {per_rank} of {shards} shards per epoch")
+            logger.info(
+                f"dataset {self.source.name!r}: {shards} shards over {layout}: whole shards, each rank "
+                f"reads {per_rank} of {shards} shards per epoch"
+            )
         else:
             why = "one shard" if shards == 1 else f"fewer shards ({shards}) than streams"
-            logger.info(f"dataset {self.source.name!r}: {why} over {layout}: documents are dealt, every "
-                        "stream parses the whole stream and tokenizes its own documents")
+            logger.info(
+                f"dataset {self.source.name!r}: {why} over {layout}: documents are dealt, every "
+                "stream parses the whole stream and tokenizes its own documents"
+            )
 
     @property
     def _num_streams(self) -> int:
@@ -165,9 +197,15 @@ class TitanDataLoader:
         dataset = self._dataset([st.clone() for st in self._states])
         with warnings.catch_warnings():  # torchdata calls the deprecated torch.set_vital
             warnings.filterwarnings("ignore", message=".*set_vital.*")
-            loader = StatefulDataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                                        collate_fn=_passthrough, in_order=True, pin_memory=self.pin_memory,
-                                        prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None)
+            loader = StatefulDataLoader(
+                dataset,
+                batch_size=None,
+                num_workers=self.num_workers,
+                collate_fn=_passthrough,
+                in_order=True,
+                pin_memory=self.pin_memory,
+                prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
+            )
         for item in loader:
             if isinstance(item, WorkerError):
                 raise TitanError(item.message)
@@ -177,8 +215,16 @@ class TitanDataLoader:
                 yield item.inputs, item.labels
 
     def _dataset(self, states: list[StreamState]) -> IterableDataset:
-        return PackedDataset(self.source, self.tokenizer, states, layout=self.layout, seq_len=self.seq_len,
-                             batch_size=self.local_batch_size, infinite=self.infinite, dp_rank=self.dp_rank)
+        return PackedDataset(
+            self.source,
+            self.tokenizer,
+            states,
+            layout=self.layout,
+            seq_len=self.seq_len,
+            batch_size=self.local_batch_size,
+            infinite=self.infinite,
+            dp_rank=self.dp_rank,
+        )
 
     def scalars(self) -> dict[str, float]:
         """Extra metrics of the data (a mixture's tokens per source); none for one source."""
@@ -196,9 +242,15 @@ class TitanDataLoader:
         return {"opened": list(self._opened), "bytes_read": read, "bytes_total": sum(known)}
 
     def _state(self) -> LoaderState:
-        return LoaderState(dataset=self.source.name, layout=self.layout, num_shards=self.num_shards,
-                           dp_rank=self.dp_rank, dp_world_size=self.dp_world_size, num_workers=self.num_workers,
-                           streams=[st.clone() for st in self._ordered()])
+        return LoaderState(
+            dataset=self.source.name,
+            layout=self.layout,
+            num_shards=self.num_shards,
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_world_size,
+            num_workers=self.num_workers,
+            streams=[st.clone() for st in self._ordered()],
+        )
 
     def state_dict(self) -> dict:
         return self._state().to_dict()
@@ -207,13 +259,17 @@ class TitanDataLoader:
         """A saved state, read; None when it belongs to another dataset (then start fresh). A state
         dealt another way (shards vs documents) cannot be continued."""
         if is_mixture_state(state):
-            logger.warning(f"checkpoint's data loader state is a mixture's, this run reads {self.source.name!r}: "
-                           f"starting {self.source.name!r} from its beginning")
+            logger.warning(
+                f"checkpoint's data loader state is a mixture's, this run reads {self.source.name!r}: "
+                f"starting {self.source.name!r} from its beginning"
+            )
             return None
         saved = LoaderState.from_dict(state)
         if saved.dataset != self.source.name:
-            logger.warning(f"checkpoint's data loader state is for dataset {saved.dataset!r}, this run "
-                           f"reads {self.source.name!r}: starting {self.source.name!r} from its beginning")
+            logger.warning(
+                f"checkpoint's data loader state is for dataset {saved.dataset!r}, this run "
+                f"reads {self.source.name!r}: starting {self.source.name!r} from its beginning"
+            )
             return None
         if saved.layout != self.layout or (self.layout == "shards" and saved.num_shards != self.num_shards):
             raise TitanError(
@@ -231,8 +287,10 @@ class TitanDataLoader:
         for st in self._states:
             first = st.cur if st.cur is not None else (st.pending[0] if st.pending else None)
             if self.layout == "shards" and first is not None and first.row > 0:
-                parts.append(f"stream {st.slot} reopens {self.source.shard_name(first.position % self.num_shards)} "
-                             f"at row {first.row}")
+                parts.append(
+                    f"stream {st.slot} reopens {self.source.shard_name(first.position % self.num_shards)} "
+                    f"at row {first.row}"
+                )
             elif self.layout == "documents" and not self.source.seekable:
                 parts.append(f"stream {st.slot} re-reads the stream up to position {st.next_position()}")
         rows = {(seg.position, seg.row) for st in self._states for seg in st.segments}
@@ -254,8 +312,10 @@ class TitanDataLoader:
         if len(streams) != self._num_streams:
             # only the worker count changed: re-deal this rank's own units among its new streams
             count, world = self._num_streams, self.dp_world_size
-            logger.info(f"data loader: {len(streams)} stream(s) saved, {count} now: re-dealing dp rank "
-                        f"{self.dp_rank}'s unread units")
+            logger.info(
+                f"data loader: {len(streams)} stream(s) saved, {count} now: re-dealing dp rank "
+                f"{self.dp_rank}'s unread units"
+            )
             streams = reshard_states(streams, [self.dp_rank + world * i for i in range(count)], world * count)
         self._states, self._last = streams, -1
         self._log_resume()
@@ -297,14 +357,35 @@ class TitanDataLoader:
         restore_rank_states(self, saved)
 
 
-def build_dataloader(*, dataset: str, dataset_path: str, text_field: str, tokenizer, seq_len: int,
-                     local_batch_size: int, dp_rank: int, dp_world_size: int, num_workers: int = 0,
-                     infinite: bool = True, txt_split: str = "paragraph",
-                     bad_lines: str = "fail", pin_memory: bool = False,
-                     prefetch_factor: int | None = None) -> TitanDataLoader:
+def build_dataloader(
+    *,
+    dataset: str,
+    dataset_path: str,
+    text_field: str,
+    tokenizer,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_world_size: int,
+    num_workers: int = 0,
+    infinite: bool = True,
+    txt_split: str = "paragraph",
+    bad_lines: str = "fail",
+    pin_memory: bool = False,
+    prefetch_factor: int | None = None,
+) -> TitanDataLoader:
     """Build the loader for one DP rank (see TitanDataLoader). ``txt_split``: how .txt files are cut
     into documents (paragraph, line, document). The sizes are the config's, checked there."""
     source = build_source(dataset, dataset_path, text_field, txt_split, bad_lines)
-    return TitanDataLoader(source, tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
-                           dp_rank=dp_rank, dp_world_size=dp_world_size, num_workers=num_workers,
-                           infinite=infinite, pin_memory=pin_memory, prefetch_factor=prefetch_factor)
+    return TitanDataLoader(
+        source,
+        tokenizer,
+        seq_len=seq_len,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        num_workers=num_workers,
+        infinite=infinite,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor,
+    )

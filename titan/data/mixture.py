@@ -47,9 +47,19 @@ class MixtureLoader:
     or the validation batch size (``validation=True``); ``Stateful`` like them.
     """
 
-    def __init__(self, names: list[str], loaders: list, weights: list[float], *, local_batch_size: int,
-                 seq_len: int, dp_rank: int, dp_world_size: int, exhausted: str = "restart",
-                 validation: bool = False) -> None:
+    def __init__(
+        self,
+        names: list[str],
+        loaders: list,
+        weights: list[float],
+        *,
+        local_batch_size: int,
+        seq_len: int,
+        dp_rank: int,
+        dp_world_size: int,
+        exhausted: str = "restart",
+        validation: bool = False,
+    ) -> None:
         if len(set(names)) != len(names):
             raise TitanError(f"mixture sources must have distinct names, got {names}")
         self.names, self.loaders, self.weights = list(names), list(loaders), [float(w) for w in weights]
@@ -83,8 +93,10 @@ class MixtureLoader:
                     it = iters[src] = iter(self.loaders[src])
                 window = next(it, None)
                 if window is None:
-                    logger.warning(f"data mixture: source {self.names[src]!r} ran out after "
-                                   f"{self.tokens[src]:,} tokens; stopping (training.mixture_exhausted = stop)")
+                    logger.warning(
+                        f"data mixture: source {self.names[src]!r} ran out after "
+                        f"{self.tokens[src]:,} tokens; stopping (training.mixture_exhausted = stop)"
+                    )
                     return
                 self.t += 1
                 self.tokens[src] += window[1].numel() * self.dp_world_size
@@ -112,13 +124,22 @@ class MixtureLoader:
         stats = [loader.read_stats() for loader in self.loaders]
         read = [s["bytes_read"] for s in stats]
         total = [s["bytes_total"] for s in stats]
-        return {"opened": [], "bytes_read": None if None in read else sum(read),
-                "bytes_total": None if None in total else sum(total)}
+        return {
+            "opened": [],
+            "bytes_read": None if None in read else sum(read),
+            "bytes_total": None if None in total else sum(total),
+        }
 
     def state_dict(self) -> dict:
-        return MixtureState(names=list(self.names), weights=list(self.weights), dp_rank=self.dp_rank,
-                            dp_world_size=self.dp_world_size, t=self.t, tokens=list(self.tokens),
-                            sources=[loader.state_dict() for loader in self.loaders]).to_dict()
+        return MixtureState(
+            names=list(self.names),
+            weights=list(self.weights),
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_world_size,
+            t=self.t,
+            tokens=list(self.tokens),
+            sources=[loader.state_dict() for loader in self.loaders],
+        ).to_dict()
 
     def _check(self, state: Any) -> MixtureState | None:
         if not is_mixture_state(state):
@@ -131,8 +152,10 @@ class MixtureLoader:
                 "(weights may change), or add 'dataloader' to checkpoint.exclude_from_loading to start afresh"
             )
         if saved.weights != self.weights:
-            logger.info(f"data mixture weights changed from {saved.weights} to {self.weights}: the schedule "
-                        f"goes on from window {saved.t} with the new shares")
+            logger.info(
+                f"data mixture weights changed from {saved.weights} to {self.weights}: the schedule "
+                f"goes on from window {saved.t} with the new shares"
+            )
         return saved
 
     def load_state_dict(self, state_dict: dict) -> None:

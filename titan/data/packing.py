@@ -104,8 +104,10 @@ def pack_stream(
     for seg in state.segments:
         _, text = reader.read(seg.position, seg.row)
         if text is None:
-            raise TitanError(f"dataset {source.name!r}{label}: document {seg.row} of unit {seg.position} named by "
-                             "the data loader state is gone: the dataset changed since the checkpoint")
+            raise TitanError(
+                f"dataset {source.name!r}{label}: document {seg.row} of unit {seg.position} named by "
+                "the data loader state is gone: the dataset changed since the checkpoint"
+            )
         buf.append(_Buffered(seg.position, seg.row, seg.offset, tokens_of(text)))
     buffered = sum(len(b.tokens) - b.offset for b in buf)
     empty_run = 0  # units in a row that held no document
@@ -126,15 +128,15 @@ def pack_stream(
                 state.cur = None
                 empty_run = empty_run + 1 if row == 0 else 0
                 if empty_run > (reader.num_units or 0) + state.stride:
-                    raise TitanError(f"dataset {source.name!r}{label}: the shards this stream reads hold no "
-                                     "documents; remove the empty files or use fewer dp ranks x workers")
+                    raise TitanError(
+                        f"dataset {source.name!r}{label}: the shards this stream reads hold no "
+                        "documents; remove the empty files or use fewer dp ranks x workers"
+                    )
                 continue
             empty_run = 0
             if epoch > state.epoch:
                 state.epoch = epoch
-                logger.warning(
-                    f"dataset {source.name!r}{label}: shard exhausted, re-looping over it (epoch {epoch})"
-                )
+                logger.warning(f"dataset {source.name!r}{label}: shard exhausted, re-looping over it (epoch {epoch})")
             toks = tokens_of(text)
             state.cur = None if reader.single_row else Cursor(pos, row + 1)
             state.docs += 1
@@ -192,7 +194,9 @@ def reshard_states(old: list[StreamState], new_slots: list[int], new_stride: int
         new[j % len(new)].segments.extend(s.segments)
     partial = sum(1 for e in pending if e.row > 0)
     if pending or partial:
-        logger.info(f"data loader re-deal: {len(pending)} unread unit(s) below position {cursor} "
-                    f"({partial} partly read, continued from their row) go to {len(new)} new stream(s); "
-                    "nothing is re-read or skipped")
+        logger.info(
+            f"data loader re-deal: {len(pending)} unread unit(s) below position {cursor} "
+            f"({partial} partly read, continued from their row) go to {len(new)} new stream(s); "
+            "nothing is re-read or skipped"
+        )
     return new

@@ -75,8 +75,11 @@ class DocumentReader:
             self.opened.append(-1)
         _, start, at, it = self._pass
         first = at
-        progress = SkipProgress(f"dataset {self.source.name!r}: reading up to document {index}",
-                                index - first) if index - first > 10_000 else None
+        progress = (
+            SkipProgress(f"dataset {self.source.name!r}: reading up to document {index}", index - first)
+            if index - first > 10_000
+            else None
+        )
         try:
             while at < index:  # documents of other streams: parsed, not tokenized
                 next(it)

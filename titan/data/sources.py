@@ -100,8 +100,9 @@ class ListSource(DocumentSource):
 
 
 def _not_utf8(name: str, e: UnicodeDecodeError) -> TitanError:
-    return TitanError(f"dataset {name!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
-                      "convert it, e.g. iconv -f latin1 -t utf-8")
+    return TitanError(
+        f"dataset {name!r} is not UTF-8 text ({e.reason} at byte {e.start}); convert it, e.g. iconv -f latin1 -t utf-8"
+    )
 
 
 class HFStreamSource(DocumentSource):
@@ -165,8 +166,9 @@ class HFStreamSource(DocumentSource):
     def iter_shard(self, shard: int, row: int = 0) -> Iterator[str]:
         if self.num_shards == 1:
             return self.iter_docs(row)
-        return self._rows(self.dataset.shard(num_shards=self.num_shards, index=shard, contiguous=True), row,
-                          self.shard_name(shard))
+        return self._rows(
+            self.dataset.shard(num_shards=self.num_shards, index=shard, contiguous=True), row, self.shard_name(shard)
+        )
 
     def _texts(self, column: list) -> Iterator[str]:
         for text in column:

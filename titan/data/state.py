@@ -17,8 +17,18 @@ import torch
 
 from titan.errors import TitanError
 
-__all__ = ["STATE_VERSION", "Cursor", "LoaderState", "MixtureState", "SavedRankStates", "Segment", "StreamBatch",
-           "StreamState", "WorkerError", "one_state_per_dp_rank"]
+__all__ = [
+    "STATE_VERSION",
+    "Cursor",
+    "LoaderState",
+    "MixtureState",
+    "SavedRankStates",
+    "Segment",
+    "StreamBatch",
+    "StreamState",
+    "WorkerError",
+    "one_state_per_dp_rank",
+]
 
 STATE_VERSION = 2
 MIXTURE_STATE_VERSION = 1
@@ -76,20 +86,32 @@ class StreamState:
         return Cursor(position)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"slot": self.slot, "stride": self.stride, "next": self.next,
-                "pending": [[c.position, c.row] for c in self.pending],
-                "cur": None if self.cur is None else [self.cur.position, self.cur.row],
-                "segments": [[s.position, s.row, s.offset] for s in self.segments],
-                "epoch": self.epoch, "num_units": self.num_units, "docs": self.docs}
+        return {
+            "slot": self.slot,
+            "stride": self.stride,
+            "next": self.next,
+            "pending": [[c.position, c.row] for c in self.pending],
+            "cur": None if self.cur is None else [self.cur.position, self.cur.row],
+            "segments": [[s.position, s.row, s.offset] for s in self.segments],
+            "epoch": self.epoch,
+            "num_units": self.num_units,
+            "docs": self.docs,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StreamState:
         cur = d["cur"]
-        return cls(slot=int(d["slot"]), stride=int(d["stride"]), next=int(d["next"]),
-                   pending=[Cursor(int(p), int(r)) for p, r in d["pending"]],
-                   cur=None if cur is None else Cursor(int(cur[0]), int(cur[1])),
-                   segments=[Segment(int(p), int(r), int(off)) for p, r, off in d["segments"]],
-                   epoch=int(d["epoch"]), num_units=d["num_units"], docs=int(d.get("docs", 0)))
+        return cls(
+            slot=int(d["slot"]),
+            stride=int(d["stride"]),
+            next=int(d["next"]),
+            pending=[Cursor(int(p), int(r)) for p, r in d["pending"]],
+            cur=None if cur is None else Cursor(int(cur[0]), int(cur[1])),
+            segments=[Segment(int(p), int(r), int(off)) for p, r, off in d["segments"]],
+            epoch=int(d["epoch"]),
+            num_units=d["num_units"],
+            docs=int(d.get("docs", 0)),
+        )
 
 
 @dataclass
@@ -108,10 +130,16 @@ class LoaderState:
     shuffle_seed: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"version": STATE_VERSION, "dataset": self.dataset, "layout": self.layout,
-                               "num_shards": self.num_shards, "dp_rank": self.dp_rank,
-                               "dp_world_size": self.dp_world_size, "num_workers": self.num_workers,
-                               "streams": [st.to_dict() for st in self.streams]}
+        out: dict[str, Any] = {
+            "version": STATE_VERSION,
+            "dataset": self.dataset,
+            "layout": self.layout,
+            "num_shards": self.num_shards,
+            "dp_rank": self.dp_rank,
+            "dp_world_size": self.dp_world_size,
+            "num_workers": self.num_workers,
+            "streams": [st.to_dict() for st in self.streams],
+        }
         if self.layout == "windows":
             out.update(num_windows=self.num_windows, shuffle_seed=self.shuffle_seed)
         return out
@@ -120,12 +148,21 @@ class LoaderState:
     def from_dict(cls, d: Any) -> LoaderState:
         if not isinstance(d, dict) or d.get("version") != STATE_VERSION:
             got = d.get("version") if isinstance(d, dict) else type(d).__name__
-            raise TitanError(f"data loader state has an unknown format (version {got}, expected {STATE_VERSION}); "
-                             "add 'dataloader' to checkpoint.exclude_from_loading to start the data afresh")
-        return cls(dataset=d["dataset"], layout=d["layout"], num_shards=d.get("num_shards"), dp_rank=d["dp_rank"],
-                   dp_world_size=d["dp_world_size"], num_workers=d["num_workers"],
-                   streams=[StreamState.from_dict(st) for st in d["streams"]], num_windows=d.get("num_windows"),
-                   shuffle_seed=d.get("shuffle_seed"))
+            raise TitanError(
+                f"data loader state has an unknown format (version {got}, expected {STATE_VERSION}); "
+                "add 'dataloader' to checkpoint.exclude_from_loading to start the data afresh"
+            )
+        return cls(
+            dataset=d["dataset"],
+            layout=d["layout"],
+            num_shards=d.get("num_shards"),
+            dp_rank=d["dp_rank"],
+            dp_world_size=d["dp_world_size"],
+            num_workers=d["num_workers"],
+            streams=[StreamState.from_dict(st) for st in d["streams"]],
+            num_windows=d.get("num_windows"),
+            shuffle_seed=d.get("shuffle_seed"),
+        )
 
 
 @dataclass
@@ -141,18 +178,35 @@ class MixtureState:
     sources: list[dict[str, Any]]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": MIXTURE_STATE_VERSION, "kind": "mixture", "names": list(self.names),
-                "weights": list(self.weights), "dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size,
-                "t": self.t, "tokens": list(self.tokens), "sources": list(self.sources)}
+        return {
+            "version": MIXTURE_STATE_VERSION,
+            "kind": "mixture",
+            "names": list(self.names),
+            "weights": list(self.weights),
+            "dp_rank": self.dp_rank,
+            "dp_world_size": self.dp_world_size,
+            "t": self.t,
+            "tokens": list(self.tokens),
+            "sources": list(self.sources),
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MixtureState:
         if d.get("version") != MIXTURE_STATE_VERSION:
-            raise TitanError(f"data mixture state has an unknown format (version {d.get('version')}, expected "
-                             f"{MIXTURE_STATE_VERSION}); add 'dataloader' to checkpoint.exclude_from_loading to "
-                             "start the data afresh")
-        return cls(names=list(d["names"]), weights=list(d["weights"]), dp_rank=d["dp_rank"],
-                   dp_world_size=d["dp_world_size"], t=d["t"], tokens=list(d["tokens"]), sources=list(d["sources"]))
+            raise TitanError(
+                f"data mixture state has an unknown format (version {d.get('version')}, expected "
+                f"{MIXTURE_STATE_VERSION}); add 'dataloader' to checkpoint.exclude_from_loading to "
+                "start the data afresh"
+            )
+        return cls(
+            names=list(d["names"]),
+            weights=list(d["weights"]),
+            dp_rank=d["dp_rank"],
+            dp_world_size=d["dp_world_size"],
+            t=d["t"],
+            tokens=list(d["tokens"]),
+            sources=list(d["sources"]),
+        )
 
 
 def is_mixture_state(d: Any) -> bool:
@@ -217,7 +271,9 @@ def restore_rank_states(loader: _Resumable, saved: SavedRankStates) -> None:
     all old dp ranks, re-dealt (another dp degree, or ranks renumbered by another TP/PP/CP layout)."""
     mine = saved.mine()
     if isinstance(mine, dict) and (mine.get("dp_world_size"), mine.get("dp_rank")) == (
-            loader.dp_world_size, loader.dp_rank):
+        loader.dp_world_size,
+        loader.dp_rank,
+    ):
         loader.load_state_dict(mine)
         return
     states = one_state_per_dp_rank(saved.all())

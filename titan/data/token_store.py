@@ -29,8 +29,16 @@ import numpy as np
 from titan.errors import TitanError
 
 __all__ = [
-    "FORMAT", "MANIFEST", "VERSION", "TokenStore", "is_token_store", "shard_entry", "token_dtype",
-    "tokenizer_fingerprint", "write_atomic", "write_shard",
+    "FORMAT",
+    "MANIFEST",
+    "VERSION",
+    "TokenStore",
+    "is_token_store",
+    "shard_entry",
+    "token_dtype",
+    "tokenizer_fingerprint",
+    "write_atomic",
+    "write_shard",
 ]
 
 FORMAT = "titan-token-store"
@@ -121,9 +129,14 @@ def write_shard(folder: Path, name: str, docs: list[list[int]], dtype: np.dtype,
     tokens = np.fromiter((t for d in docs for t in d), dtype=dtype, count=int(offsets[-1]))
     _write_array(folder / f"{name}.tokens", tokens)
     _write_array(folder / f"{name}.offsets", offsets)
-    entry = {"name": name, "tokens": int(offsets[-1]), "documents": len(docs), "text_bytes": text_bytes,
-             "tokens_xxh3": file_hash(folder / f"{name}.tokens"),
-             "offsets_xxh3": file_hash(folder / f"{name}.offsets")}
+    entry = {
+        "name": name,
+        "tokens": int(offsets[-1]),
+        "documents": len(docs),
+        "text_bytes": text_bytes,
+        "tokens_xxh3": file_hash(folder / f"{name}.tokens"),
+        "offsets_xxh3": file_hash(folder / f"{name}.offsets"),
+    }
     write_atomic(folder / f"{name}.json", json.dumps(entry))
     return entry
 
@@ -132,8 +145,9 @@ def shard_intact(folder: Path, entry: dict, itemsize: int) -> bool:
     """Sizes and checksums of a finished shard's files match its entry (reads the whole shard)."""
     tok, off = folder / f"{entry['name']}.tokens", folder / f"{entry['name']}.offsets"
     try:
-        sizes_ok = (tok.stat().st_size == entry["tokens"] * itemsize
-                    and off.stat().st_size == (entry["documents"] + 1) * 8)
+        sizes_ok = (
+            tok.stat().st_size == entry["tokens"] * itemsize and off.stat().st_size == (entry["documents"] + 1) * 8
+        )
     except OSError:
         return False
     return sizes_ok and file_hash(tok) == entry["tokens_xxh3"] and file_hash(off) == entry["offsets_xxh3"]
@@ -176,7 +190,7 @@ class TokenStore:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise self._bad(f"is not valid JSON ({e})") from None
         if not isinstance(m, dict) or m.get("format") != FORMAT:
-            raise self._bad(f"is not a {FORMAT} manifest (no \"format\": \"{FORMAT}\")")
+            raise self._bad(f'is not a {FORMAT} manifest (no "format": "{FORMAT}")')
         if m.get("version") != VERSION:
             raise self._bad(f"has version {m.get('version')!r}; this titan reads version {VERSION}")
         tok = m.get("tokenizer")
@@ -203,11 +217,14 @@ class TokenStore:
                 try:
                     got = f.stat().st_size
                 except OSError:
-                    raise TitanError(f"token store {self.path!r}: shard file {f.name} is missing; "
-                                     f"{_RETOKENIZE}") from None
+                    raise TitanError(
+                        f"token store {self.path!r}: shard file {f.name} is missing; {_RETOKENIZE}"
+                    ) from None
                 if got != want:
-                    raise TitanError(f"token store {self.path!r}: shard file {f.name} has {got} bytes, the manifest "
-                                     f"says {want} (truncated or overwritten); {_RETOKENIZE}")
+                    raise TitanError(
+                        f"token store {self.path!r}: shard file {f.name} has {got} bytes, the manifest "
+                        f"says {want} (truncated or overwritten); {_RETOKENIZE}"
+                    )
 
     def check_tokenizer(self, tokenizer: Any, key: str = "model.tokenizer_path") -> None:
         """Refuse a run whose tokenizer is not the one the store was made with."""
@@ -232,8 +249,11 @@ class TokenStore:
             s = self.shards[shard]
             f = self.folder / f"{s['name']}.tokens"
             # a zero-length file cannot be memory-mapped
-            m = np.memmap(f, dtype=self.dtype, mode="r", shape=(s["tokens"],)) if s["tokens"] else \
-                np.zeros(0, self.dtype)
+            m = (
+                np.memmap(f, dtype=self.dtype, mode="r", shape=(s["tokens"],))
+                if s["tokens"]
+                else np.zeros(0, self.dtype)
+            )
             self._maps[shard] = m
         return m
 
@@ -243,11 +263,11 @@ class TokenStore:
         offset = start - int(self.starts[shard])
         m = self._map(shard)
         if offset + count <= len(m):
-            return m[offset:offset + count]
+            return m[offset : offset + count]
         parts, left = [], count
         while left > 0:
             m = self._map(shard)
-            piece = m[offset:offset + left]
+            piece = m[offset : offset + left]
             parts.append(piece)
             left -= len(piece)
             shard, offset = shard + 1, 0

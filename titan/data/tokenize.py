@@ -76,8 +76,12 @@ class _Workers:
     def __init__(self, n: int, tokenizer_path: str, folder: str, dtype_name: str) -> None:
         ctx = mp.get_context("spawn")
         self.tasks, self.results = ctx.Queue(maxsize=2 * n), ctx.Queue()
-        self.procs = [ctx.Process(target=_worker_loop, args=(tokenizer_path, folder, dtype_name, self.tasks,
-                                                              self.results), daemon=True) for _ in range(n)]
+        self.procs = [
+            ctx.Process(
+                target=_worker_loop, args=(tokenizer_path, folder, dtype_name, self.tasks, self.results), daemon=True
+            )
+            for _ in range(n)
+        ]
         self.pending = 0
 
     def start(self) -> None:
@@ -151,15 +155,26 @@ def _check_plan(out: Path, plan: dict) -> None:
         except (OSError, json.JSONDecodeError):
             old = None
         if old != plan:
-            raise TitanError(f"output folder {str(out)!r} holds shards of another run ({_PLAN}: {old}); this run: "
-                             f"{plan}; use an empty folder or the same dataset, tokenizer and --shard_mb")
+            raise TitanError(
+                f"output folder {str(out)!r} holds shards of another run ({_PLAN}: {old}); this run: "
+                f"{plan}; use an empty folder or the same dataset, tokenizer and --shard_mb"
+            )
     else:
         write_atomic(file, json.dumps(plan, indent=1))
 
 
-def tokenize_to_store(*, dataset: str, dataset_path: str, tokenizer_path: str, out: str, workers: int,
-                      text_field: str = "text", txt_split: str = "paragraph", bad_lines: str = "fail",
-                      shard_mb: float = 64.0) -> dict:
+def tokenize_to_store(
+    *,
+    dataset: str,
+    dataset_path: str,
+    tokenizer_path: str,
+    out: str,
+    workers: int,
+    text_field: str = "text",
+    txt_split: str = "paragraph",
+    bad_lines: str = "fail",
+    shard_mb: float = 64.0,
+) -> dict:
     """Write (or finish) the token store in ``out``; returns the totals of the whole store and
     this run's seconds: {"text_bytes", "documents", "tokens", "seconds", "shards", "kept"}."""
     from .tokenizer import build_tokenizer
@@ -177,8 +192,14 @@ def tokenize_to_store(*, dataset: str, dataset_path: str, tokenizer_path: str, o
     for tmp in folder.glob("*.tmp"):  # left by an interrupted run; never part of a finished shard
         tmp.unlink()
     dtype = token_dtype(tokenizer.vocab_size)
-    plan = {"dataset": dataset, "dataset_path": dataset_path, "text_field": text_field, "txt_split": txt_split,
-            "tokenizer": fingerprint["fingerprint"], "shard_mb": shard_mb}
+    plan = {
+        "dataset": dataset,
+        "dataset_path": dataset_path,
+        "text_field": text_field,
+        "txt_split": txt_split,
+        "tokenizer": fingerprint["fingerprint"],
+        "shard_mb": shard_mb,
+    }
     _check_plan(folder, plan)
     if (folder / MANIFEST).exists():
         (folder / MANIFEST).unlink()  # rewritten when every shard is verified again
@@ -215,13 +236,21 @@ def tokenize_to_store(*, dataset: str, dataset_path: str, tokenizer_path: str, o
     shards = [entries[i] for i in sorted(entries)]
     totals = {k: sum(e[k] for e in shards) for k in ("text_bytes", "documents", "tokens")}
     manifest = {
-        "format": FORMAT, "version": VERSION, "tokenizer": fingerprint, "bos": True, "eos": True,
-        "documents_as": "BOS + tokens + EOS, concatenated in source order", "dtype": dtype.name,
+        "format": FORMAT,
+        "version": VERSION,
+        "tokenizer": fingerprint,
+        "bos": True,
+        "eos": True,
+        "documents_as": "BOS + tokens + EOS, concatenated in source order",
+        "dtype": dtype.name,
         "source": {k: plan[k] for k in ("dataset", "dataset_path", "text_field", "txt_split")},
-        **totals, "shards": shards,
+        **totals,
+        "shards": shards,
     }
     write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1))
     seconds = time.perf_counter() - start
-    logger.info(f"token store {out}: {len(shards)} shard(s) ({kept} kept from an earlier run), "
-                f"{totals['documents']:,} documents, {totals['tokens']:,} tokens in {seconds:.1f} s")
+    logger.info(
+        f"token store {out}: {len(shards)} shard(s) ({kept} kept from an earlier run), "
+        f"{totals['documents']:,} documents, {totals['tokens']:,} tokens in {seconds:.1f} s"
+    )
     return {**totals, "seconds": round(seconds, 3), "shards": len(shards), "kept": kept}

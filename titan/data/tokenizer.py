@@ -68,9 +68,7 @@ def llama3_special_tokens() -> list[str]:
         "<|eot_id|>",
         "<|python_tag|>",
     ]
-    reserved = [
-        f"<|reserved_special_token_{2 + i}|>" for i in range(NUM_LLAMA3_SPECIAL_TOKENS - len(named))
-    ]
+    reserved = [f"<|reserved_special_token_{2 + i}|>" for i in range(NUM_LLAMA3_SPECIAL_TOKENS - len(named))]
     return named + reserved
 
 
@@ -151,11 +149,13 @@ def _load_tiktoken_ranks(path: str) -> dict[bytes, int]:
     try:
         ranks = load_tiktoken_bpe(path)
     except ValueError as e:  # tiktoken: "Error parsing line ... in PATH"
-        raise TitanError(f"{path}: not a tiktoken ranks file (expected 'base64token rank' lines): "
-                         f"{str(e).splitlines()[0]}") from None
+        raise TitanError(
+            f"{path}: not a tiktoken ranks file (expected 'base64token rank' lines): {str(e).splitlines()[0]}"
+        ) from None
     except Exception as e:  # network, credentials, missing remote object
-        raise TitanError(f"cannot read tokenizer {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                         ) from None
+        raise TitanError(
+            f"cannot read tokenizer {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
     finally:
         if not _is_remote(path):
             if saved is None:
@@ -211,9 +211,7 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self.model = spm.SentencePieceProcessor(model_file=self.path)
         except (RuntimeError, OSError) as e:
-            raise TitanError(
-                f"{path}: unreadable tokenizer; accepted formats: {_FORMATS} ({e})"
-            ) from None
+            raise TitanError(f"{path}: unreadable tokenizer; accepted formats: {_FORMATS} ({e})") from None
         self.vocab_size = self.model.vocab_size()
         self.bos_id = self.model.bos_id()
         self.eos_id = self.model.eos_id()
@@ -322,8 +320,7 @@ def build_tokenizer(path: str | Path = "") -> Tokenizer:
             if (p / name).is_file():
                 return build_tokenizer(p / name)
         raise TitanError(
-            f"tokenizer folder {p} has no tokenizer.json, tokenizer.model or original/tokenizer.model;"
-            f" {_DOWNLOAD_HINT}"
+            f"tokenizer folder {p} has no tokenizer.json, tokenizer.model or original/tokenizer.model; {_DOWNLOAD_HINT}"
         )
     if not p.is_file():
         raise TitanError(f"tokenizer file {p} not found; {_DOWNLOAD_HINT}")

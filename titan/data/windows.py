@@ -59,8 +59,16 @@ def permute(i: int, n: int, seed: int, epoch: int) -> int:
             return x
 
 
-def window_stream(store: TokenStore, state: StreamState, *, seq_len: int, batch_size: int, infinite: bool,
-                  shuffle_seed: int | None, label: str = "") -> Iterator[PackedBatch]:
+def window_stream(
+    store: TokenStore,
+    state: StreamState,
+    *,
+    seq_len: int,
+    batch_size: int,
+    infinite: bool,
+    shuffle_seed: int | None,
+    label: str = "",
+) -> Iterator[PackedBatch]:
     """Like pack_stream, for a store: windows [batch_size, seq_len + 1], the state after them, no
     units opened. Finite mode ends before the first position of epoch 1 with an item without
     windows; a batch the epoch cannot fill is not emitted and its windows stay unread in the state."""
@@ -88,31 +96,68 @@ def window_stream(store: TokenStore, state: StreamState, *, seq_len: int, batch_
 class WindowDataset(PackedDataset):
     """PackedDataset over a token store's windows (one stream per worker)."""
 
-    def __init__(self, store: TokenStore, states: list[StreamState], *, seq_len: int, batch_size: int, infinite: bool,
-                 shuffle_seed: int | None, dp_rank: int = 0) -> None:
-        super().__init__(store, None, states, layout="windows", seq_len=seq_len, batch_size=batch_size,
-                         infinite=infinite, dp_rank=dp_rank)
+    def __init__(
+        self,
+        store: TokenStore,
+        states: list[StreamState],
+        *,
+        seq_len: int,
+        batch_size: int,
+        infinite: bool,
+        shuffle_seed: int | None,
+        dp_rank: int = 0,
+    ) -> None:
+        super().__init__(
+            store,
+            None,
+            states,
+            layout="windows",
+            seq_len=seq_len,
+            batch_size=batch_size,
+            infinite=infinite,
+            dp_rank=dp_rank,
+        )
         self.store, self.shuffle_seed = store, shuffle_seed
 
     def _stream(self, state: StreamState, label: str) -> Iterator[PackedBatch]:
-        return window_stream(self.store, state, seq_len=self.seq_len, batch_size=self.batch_size,
-                             infinite=self.infinite, shuffle_seed=self.shuffle_seed, label=label)
+        return window_stream(
+            self.store,
+            state,
+            seq_len=self.seq_len,
+            batch_size=self.batch_size,
+            infinite=self.infinite,
+            shuffle_seed=self.shuffle_seed,
+            label=label,
+        )
 
 
 class StoreDataLoader(TitanDataLoader):
     """TitanDataLoader over a token store: the same streams, state, exact resume and resharding,
     with windows as units (no tokenizer at train time; the run's tokenizer must be the store's)."""
 
-    def __init__(self, store: TokenStore, tokenizer, *, seq_len: int, local_batch_size: int, dp_rank: int,
-                 dp_world_size: int, num_workers: int = 0, infinite: bool = True,
-                 shuffle_seed: int | None = None, pin_memory: bool = False,
-                 prefetch_factor: int | None = None) -> None:
+    def __init__(
+        self,
+        store: TokenStore,
+        tokenizer,
+        *,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_world_size: int,
+        num_workers: int = 0,
+        infinite: bool = True,
+        shuffle_seed: int | None = None,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+    ) -> None:
         if tokenizer is not None:
             store.check_tokenizer(tokenizer)
         n = store.num_windows(seq_len)
         if n < 1:
-            raise TitanError(f"token store {store.path!r} holds {store.num_tokens} tokens, fewer than one window of "
-                             f"training.seq_len + 1 = {seq_len + 1}")
+            raise TitanError(
+                f"token store {store.path!r} holds {store.num_tokens} tokens, fewer than one window of "
+                f"training.seq_len + 1 = {seq_len + 1}"
+            )
         self.source, self.tokenizer = store, tokenizer
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
@@ -124,19 +169,31 @@ class StoreDataLoader(TitanDataLoader):
         self._opened: list[int] = []
         if dp_rank == 0:
             order = "in order" if shuffle_seed is None else f"shuffled (seed {shuffle_seed})"
-            logger.info(f"token store {store.path!r}: {store.num_tokens:,} tokens in {self.num_shards} shard(s), "
-                        f"{n:,} windows of {seq_len + 1} per epoch, read {order} by {dp_world_size} dp rank(s) x "
-                        f"{self._num_streams} stream(s)")
+            logger.info(
+                f"token store {store.path!r}: {store.num_tokens:,} tokens in {self.num_shards} shard(s), "
+                f"{n:,} windows of {seq_len + 1} per epoch, read {order} by {dp_world_size} dp rank(s) x "
+                f"{self._num_streams} stream(s)"
+            )
 
     def _dataset(self, states: list[StreamState]) -> IterableDataset:
-        return WindowDataset(self.source, states, seq_len=self.seq_len, batch_size=self.local_batch_size,
-                             infinite=self.infinite, shuffle_seed=self.shuffle_seed, dp_rank=self.dp_rank)
+        return WindowDataset(
+            self.source,
+            states,
+            seq_len=self.seq_len,
+            batch_size=self.local_batch_size,
+            infinite=self.infinite,
+            shuffle_seed=self.shuffle_seed,
+            dp_rank=self.dp_rank,
+        )
 
     def read_stats(self) -> dict:
         """Bytes of the windows read (the store is read window by window, not by whole files)."""
         windows = sum(st.docs for st in self._states)
-        return {"opened": [], "bytes_read": windows * (self.seq_len + 1) * self.source.dtype.itemsize,
-                "bytes_total": self.source.num_tokens * self.source.dtype.itemsize}
+        return {
+            "opened": [],
+            "bytes_read": windows * (self.seq_len + 1) * self.source.dtype.itemsize,
+            "bytes_total": self.source.num_tokens * self.source.dtype.itemsize,
+        }
 
     def _state(self) -> LoaderState:
         state = super()._state()

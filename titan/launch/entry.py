@@ -18,8 +18,14 @@ from titan.launch.report import PEER_LOST_PHRASE, PEER_LOST_STATUS, debug_reques
 if TYPE_CHECKING:
     from titan.config import JobConfig
 
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "communicator was aborted",
-              "Broken pipe", "NCCL error", "Socket Timeout")
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "communicator was aborted",
+    "Broken pipe",
+    "NCCL error",
+    "Socket Timeout",
+)
 
 
 def _peer_lost(error: BaseException) -> bool:
@@ -51,9 +57,11 @@ def _train(config: JobConfig, debug: bool) -> int:
         # torchrun's "Root Cause") has the real message; this one only says why it stops too.
         if debug or not (dist.is_initialized() and _peer_lost(e)):
             raise
-        line = (f"titan: error on rank {os.environ.get('RANK', '0')}: {PEER_LOST_PHRASE}"
-                f" ({_peer_lost_cause(e)}); that rank's message (the launcher's last line, or torchrun's 'Root Cause')"
-                " says why")
+        line = (
+            f"titan: error on rank {os.environ.get('RANK', '0')}: {PEER_LOST_PHRASE}"
+            f" ({_peer_lost_cause(e)}); that rank's message (the launcher's last line, or torchrun's 'Root Cause')"
+            " says why"
+        )
         print(line, file=sys.stderr)
         write_error_file(line)
         return PEER_LOST_STATUS

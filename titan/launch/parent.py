@@ -43,8 +43,12 @@ def _set_pdeathsig(sig: int) -> bool:
 
 
 def _stop(parent: int, grace: float) -> None:
-    print(f"titan: the launcher (pid {parent}) is gone: saving a checkpoint if one is configured, then"
-          f" stopping (killed after {grace:.0f} s)", file=sys.stderr, flush=True)
+    print(
+        f"titan: the launcher (pid {parent}) is gone: saving a checkpoint if one is configured, then"
+        f" stopping (killed after {grace:.0f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -37,8 +37,9 @@ class RestartPolicy:
     torchrun's failures (by global rank) into (titan's one line, exit status); ``stopping``
     says whether the launcher was asked to stop."""
 
-    def __init__(self, max_restarts: int, explain: Callable[[Failures], tuple[str, int]],
-                 stopping: Callable[[], bool]) -> None:
+    def __init__(
+        self, max_restarts: int, explain: Callable[[Failures], tuple[str, int]], stopping: Callable[[], bool]
+    ) -> None:
         self.max_restarts = max_restarts
         self.explain = explain
         self.stopping = stopping
@@ -53,14 +54,21 @@ class RestartPolicy:
         if remaining <= 0:
             return 0
         if status == USER_ERROR_STATUS:
-            print("titan launcher: not restarting after a titan error (it would fail again on every attempt)",
-                  file=sys.stderr, flush=True)
+            print(
+                "titan launcher: not restarting after a titan error (it would fail again on every attempt)",
+                file=sys.stderr,
+                flush=True,
+            )
             return 0
         if self.stopping():
             return 0
         self.restarts += 1
-        print(f"titan launcher: {line}; restarting the ranks (restart {self.restarts} of {self.max_restarts});"
-              " they resume from the newest intact checkpoint", file=sys.stderr, flush=True)
+        print(
+            f"titan launcher: {line}; restarting the ranks (restart {self.restarts} of {self.max_restarts});"
+            " they resume from the newest intact checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
         os.environ[RESTART_CAUSE_ENV] = line  # the next ranks' environment is a copy of ours
         return remaining
 

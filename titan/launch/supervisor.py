@@ -36,8 +36,9 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 # signal to the launcher -> signal to the ranks (titan's ranks save and stop on SIGTERM / SIGUSR1)
-FORWARD = MappingProxyType({signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGTERM,
-                            signal.SIGUSR1: signal.SIGUSR1})
+FORWARD = MappingProxyType(
+    {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGTERM, signal.SIGUSR1: signal.SIGUSR1}
+)
 
 
 def child_pids(pid: int) -> list[int]:
@@ -77,8 +78,12 @@ class Forwarder:
             forward = signal.SIGKILL
         else:
             forward = FORWARD[signal.Signals(signum)]
-            print(f"titan launcher: {name}: asking the {len(ranks)} ranks to save a checkpoint and stop"
-                  f" (sent {forward.name})", file=sys.stderr, flush=True)
+            print(
+                f"titan launcher: {name}: asking the {len(ranks)} ranks to save a checkpoint and stop"
+                f" (sent {forward.name})",
+                file=sys.stderr,
+                flush=True,
+            )
         for pid in ranks:
             try:
                 os.kill(pid, forward)
@@ -92,9 +97,9 @@ def titan_args(argv: list[str]) -> list[str] | None:
     The script is the first argument ending in .py, or the one after -m."""
     for i, arg in enumerate(argv):
         if i and argv[i - 1] in ("-m", "--module"):
-            return argv[i + 1:] if arg == "titan.train" else None
+            return argv[i + 1 :] if arg == "titan.train" else None
         if arg.endswith(".py"):
-            return argv[i + 1:] if os.path.basename(arg) == "train.py" else None
+            return argv[i + 1 :] if os.path.basename(arg) == "train.py" else None
     return None
 
 
@@ -122,10 +127,16 @@ def failure_line(failures: Failures, received: list[int]) -> tuple[str, int]:
     if f.exitcode < 0:
         sig = f.signal_name()
         if received and -f.exitcode == FORWARD.get(signal.Signals(received[0]), received[0]):
-            return (f"titan: stopped by {signal.Signals(received[0]).name} while the ranks were starting"
-                    " (nothing to save yet)", 128 - f.exitcode)
-        return (f"titan: error: rank {rank} (pid {f.pid}) was killed by {sig}; the other ranks stopped with it"
-                " (out of memory? see the system log)", 128 - f.exitcode)
+            return (
+                f"titan: stopped by {signal.Signals(received[0]).name} while the ranks were starting"
+                " (nothing to save yet)",
+                128 - f.exitcode,
+            )
+        return (
+            f"titan: error: rank {rank} (pid {f.pid}) was killed by {sig}; the other ranks stopped with it"
+            " (out of memory? see the system log)",
+            128 - f.exitcode,
+        )
     return f"titan: error: rank {rank} exited with status {f.exitcode}; its output above says why", f.exitcode
 
 
@@ -174,8 +185,9 @@ def _torchrun(argv: list[str]) -> int:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     forwarder = Forwarder()
     forwarder.install()
-    policy = RestartPolicy(args.max_restarts, lambda failures: failure_line(failures, forwarder.received),
-                           lambda: bool(forwarder.received))
+    policy = RestartPolicy(
+        args.max_restarts, lambda failures: failure_line(failures, forwarder.received), lambda: bool(forwarder.received)
+    )
     try:
         with policy_installed(policy):
             run(args)
@@ -184,17 +196,26 @@ def _torchrun(argv: list[str]) -> int:
         _end_with(policy.final_line(line))
         return status
     except SignalException as e:
-        print(f"titan: stopped by {e.sigval.name} (torchrun sent it to the ranks, if any were running)",
-              file=sys.stderr, flush=True)
+        print(
+            f"titan: stopped by {e.sigval.name} (torchrun sent it to the ranks, if any were running)",
+            file=sys.stderr,
+            flush=True,
+        )
         return 128 + int(e.sigval)
     except RendezvousClosedError:
         # Another node's launcher ended the run (a titan error there, or its restarts ran out)
         # while this node was restarting its ranks.
-        _end_with(policy.final_line(
-            "titan: error: the run ended on another node while this one restarted its ranks"
-            f" (this node's last failure: {policy.last_cause}); that node's last line says why"))
+        _end_with(
+            policy.final_line(
+                "titan: error: the run ended on another node while this one restarted its ranks"
+                f" (this node's last failure: {policy.last_cause}); that node's last line says why"
+            )
+        )
         return 1
     if forwarder.received:
-        print(f"titan launcher: the ranks stopped cleanly after {signal.Signals(forwarder.received[0]).name}",
-              file=sys.stderr, flush=True)
+        print(
+            f"titan launcher: the ranks stopped cleanly after {signal.Signals(forwarder.received[0]).name}",
+            file=sys.stderr,
+            flush=True,
+        )
     return 0

@@ -60,9 +60,16 @@ def _llama3() -> ModelSpec:
     from titan.models.llama.state_dict_adapter import LlamaStateDictAdapter
 
     return ModelSpec(
-        "llama3", llama_model.Transformer, llama_args.TransformerModelArgs,
-        llama_args.llama3_configs, parallelize_llama, llama_args.get_nparams_and_flops, pipeline_llama,
-        tensor_parallel_fn=apply_tp, cp_buffers_fn=cp_buffers, state_dict_adapter=LlamaStateDictAdapter,
+        "llama3",
+        llama_model.Transformer,
+        llama_args.TransformerModelArgs,
+        llama_args.llama3_configs,
+        parallelize_llama,
+        llama_args.get_nparams_and_flops,
+        pipeline_llama,
+        tensor_parallel_fn=apply_tp,
+        cp_buffers_fn=cp_buffers,
+        state_dict_adapter=LlamaStateDictAdapter,
     )
 
 
@@ -98,12 +105,12 @@ def register_flavor(name: str, flavor: str, args: Any, *, replace: bool = False)
     A flavor it has already is refused unless ``replace``."""
     spec = get_model_spec(name)
     if not isinstance(args, spec.args_cls):
-        raise TitanError(f"flavor {flavor!r} of model {name!r} must be a {spec.args_cls.__name__},"
-                         f" got {type(args).__name__}")
+        raise TitanError(
+            f"flavor {flavor!r} of model {name!r} must be a {spec.args_cls.__name__}, got {type(args).__name__}"
+        )
     if flavor in spec.flavors and not replace:
         raise TitanError(f"model {name!r} has a flavor {flavor!r} already; pass replace=True to replace it")
-    register_model_spec(dataclasses.replace(spec, flavors={**spec.flavors, flavor: copy.deepcopy(args)}),
-                        replace=True)
+    register_model_spec(dataclasses.replace(spec, flavors={**spec.flavors, flavor: copy.deepcopy(args)}), replace=True)
 
 
 def get_model_spec(name: str) -> ModelSpec:

@@ -30,17 +30,19 @@ aten = torch.ops.aten
 MATMUL_OPS = frozenset({aten.mm.default, aten._scaled_mm.default})
 # Always kept: attention (recomputing it costs as much as the forward) and TP reduce-scatters
 # (recomputing would repeat the communication).
-SAVED_OPS = frozenset({
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    # torchao computes float8 scales from abs().max(); keeping the amax avoids re-reducing.
-    aten.max.default,
-    # flex attention is a higher-order op of newer torch releases
-    *([torch.ops.higher_order.flex_attention] if hasattr(torch.ops.higher_order, "flex_attention") else []),
-})
+SAVED_OPS = frozenset(
+    {
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        # torchao computes float8 scales from abs().max(); keeping the amax avoids re-reducing.
+        aten.max.default,
+        # flex attention is a higher-order op of newer torch releases
+        *([torch.ops.higher_order.flex_attention] if hasattr(torch.ops.higher_order, "flex_attention") else []),
+    }
+)
 
 
 def _op_policy() -> Callable:

@@ -104,7 +104,7 @@ def cp_shard_batch(
     seq_dims = [1] * len(batch) + [d for _, _, d in buffers]
     # Typed list[Tensor | BlockMask] for mixed inputs; each shard has its input's type, and these are tensors.
     shards = cast(list[torch.Tensor], _context_parallel_shard(cp_mesh, batch + originals, seq_dims, balancer))
-    for (m, name, _), shard in zip(buffers, shards[len(batch):]):
+    for (m, name, _), shard in zip(buffers, shards[len(batch) :]):
         setattr(m, name, shard)
     it = iter(shards)
     local_inputs = next(it) if inputs is not None else None

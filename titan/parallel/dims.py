@@ -123,8 +123,11 @@ class ParallelDims:
         names = self._mesh.mesh_dim_names or ()
         if name in names:
             return self._mesh[name]
-        flat = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
-                "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+        flat = {
+            "dp": ("dp_replicate", "dp_shard"),
+            "dp_shard_cp": ("dp_shard", "cp"),
+            "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+        }
         present = [p for p in flat.get(name, ()) if p in names]
         if len(present) == 1:
             return self._mesh[present[0]]
@@ -150,8 +153,13 @@ class ParallelDims:
 
 
 def check_layout(
-    dims: ParallelDims, par: Parallelism | None, model_args: Any, seq_len: int, device_type: str,
-    attn_type: str = "sdpa", compiled: bool = False,
+    dims: ParallelDims,
+    par: Parallelism | None,
+    model_args: Any,
+    seq_len: int,
+    device_type: str,
+    attn_type: str = "sdpa",
+    compiled: bool = False,
 ) -> None:
     """Checks that need the degrees, the model shape and the device, but no process group: run
     on every rank before init_distributed so a bad layout fails at once instead of hanging.
@@ -188,8 +196,10 @@ def check_layout(
         assert par is not None, "check_layout needs the [parallelism] section with PP"
         split_modules(model_args.n_layers, dims.pp, par)
         if model_args.tie_embeddings:
-            raise TitanError("model tie_embeddings cannot be split across pipeline stages; untie it or set"
-                             " pipeline_parallel_degree 1")
+            raise TitanError(
+                "model tie_embeddings cannot be split across pipeline stages; untie it or set"
+                " pipeline_parallel_degree 1"
+            )
     if dims.cp_enabled:
         check_cp_seq_len(seq_len, dims.cp, attn_type)
         if device_type != "cuda":

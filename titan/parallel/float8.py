@@ -18,8 +18,13 @@ from titan.config.job_config import Float8 as Float8Config
 from titan.errors import TitanError
 from titan.log import import_torchao, logger
 
-__all__ = ["check_float8_hardware", "convert_to_float8", "apply_float8",
-           "build_precompute_hook", "register_float8_precompute"]
+__all__ = [
+    "check_float8_hardware",
+    "convert_to_float8",
+    "apply_float8",
+    "build_precompute_hook",
+    "register_float8_precompute",
+]
 
 # Which options combine is Float8.validate's (titan/config/sections/float8.py); this module checks
 # what needs the device and torchao.
@@ -119,8 +124,7 @@ def build_precompute_hook(
     return hook
 
 
-def register_float8_precompute(optimizers, model_parts: list[nn.Module], cfg: Float8Config,
-                               fsdp_enabled: bool) -> None:
+def register_float8_precompute(optimizers, model_parts: list[nn.Module], cfg: Float8Config, fsdp_enabled: bool) -> None:
     """Run the scale precompute after every optimizer step, when the config asks for it.
     ``optimizers``: anything with ``register_step_post_hook`` (titan's OptimizersContainer)."""
     hook = build_precompute_hook(model_parts, cfg, fsdp_enabled)

@@ -54,10 +54,13 @@ def apply_fsdp(
         for block in layers.values():
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
     # The root is used last in forward and first in backward: keeping it gathered saves a re-gather.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward == "always",
-                offload_policy=offload)
-    logger.info(f"applied FSDP2 (mesh {tuple(mesh.shape)}, param {param_dtype}, reduce {reduce_dtype}"
-                + (", parameters, gradients and optimizer states offloaded to the CPU)" if cpu_offload else ")"))
+    fully_shard(
+        model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward == "always", offload_policy=offload
+    )
+    logger.info(
+        f"applied FSDP2 (mesh {tuple(mesh.shape)}, param {param_dtype}, reduce {reduce_dtype}"
+        + (", parameters, gradients and optimizer states offloaded to the CPU)" if cpu_offload else ")")
+    )
 
 
 def offload_init_device(device: torch.device, cpu_offload: bool) -> torch.device:

@@ -21,21 +21,30 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 # In-place random Tensor methods, caught by a TorchFunctionMode when called on a parameter.
-_RANDOM_METHODS: frozenset[Callable] = frozenset({
-    torch.Tensor.normal_,
-    torch.Tensor.uniform_,
-    torch.Tensor.bernoulli_,
-    torch.Tensor.exponential_,
-    torch.Tensor.random_,
-    torch.Tensor.cauchy_,
-    torch.Tensor.log_normal_,
-    torch.Tensor.geometric_,
-})
+_RANDOM_METHODS: frozenset[Callable] = frozenset(
+    {
+        torch.Tensor.normal_,
+        torch.Tensor.uniform_,
+        torch.Tensor.bernoulli_,
+        torch.Tensor.exponential_,
+        torch.Tensor.random_,
+        torch.Tensor.cauchy_,
+        torch.Tensor.log_normal_,
+        torch.Tensor.geometric_,
+    }
+)
 # nn.init functions are swapped for the duration of init: some (trunc_normal_) resample into
 # temporaries with extra RNG draws, so only wrapping the whole call makes them layout-independent.
 _INIT_FUNCTIONS = (
-    "normal_", "uniform_", "trunc_normal_", "xavier_normal_", "xavier_uniform_",
-    "kaiming_normal_", "kaiming_uniform_", "orthogonal_", "sparse_",
+    "normal_",
+    "uniform_",
+    "trunc_normal_",
+    "xavier_normal_",
+    "xavier_uniform_",
+    "kaiming_normal_",
+    "kaiming_uniform_",
+    "orthogonal_",
+    "sparse_",
 )
 
 # Wrappers (compile, activation checkpointing) add these to names; the init seed must not change.

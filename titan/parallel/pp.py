@@ -27,8 +27,15 @@ from titan.config.job_config import Parallelism
 from titan.errors import TitanError
 
 SCHEDULES = (
-    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV",
-    "PipelineScheduleSingle", "PipelineScheduleMulti",
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+    "PipelineScheduleSingle",
+    "PipelineScheduleMulti",
 )
 # Base classes: they carry no order of their own, only the one a CSV file gives them.
 CSV_ONLY = ("PipelineScheduleSingle", "PipelineScheduleMulti")
@@ -79,8 +86,10 @@ def num_stages(n_layers: int, pp: int, par) -> int:
     elif lps != -1:
         units = n_layers + par.pipeline_parallel_first_stage_less_layers + par.pipeline_parallel_last_stage_less_layers
         stages = math.ceil(units / lps)
-        why = (f"{n_layers} layers + embedding and output counted as {units - n_layers} at"
-               f" pipeline_parallel_layers_per_stage {lps} make")
+        why = (
+            f"{n_layers} layers + embedding and output counted as {units - n_layers} at"
+            f" pipeline_parallel_layers_per_stage {lps} make"
+        )
     else:
         return pp * (2 if multi else 1)
     if stages % pp:
@@ -110,8 +119,9 @@ def split_modules(n_layers: int, pp: int, par) -> list[list[str]]:
     stages = num_stages(n_layers, pp, par)
     if par.module_fqns_per_model_part:
         return check_module_split(par.module_fqns_per_model_part, n_layers)
-    return spread_modules(n_layers, stages, par.pipeline_parallel_first_stage_less_layers,
-                          par.pipeline_parallel_last_stage_less_layers)
+    return spread_modules(
+        n_layers, stages, par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers
+    )
 
 
 def spread_modules(n_layers: int, stages: int, first_less: int = 1, last_less: int = 1) -> list[list[str]]:
@@ -183,9 +193,7 @@ def describe_split(n_layers: int, parts: list[list[str]]) -> str:
     return f"pipeline split of {n_layers} layers into {len(parts)} stages: {stages}"
 
 
-def build_schedule(
-    stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, par
-) -> _PipelineSchedule:
+def build_schedule(stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, par) -> _PipelineSchedule:
     """The schedule by name, or with a CSV file torch's runtime running the file's order (any
     schedule name then only sets the stages per rank, as in torchtitan); gradients are *not*
     scaled by the schedule: the loss function already normalises by the global token count."""
@@ -195,8 +203,9 @@ def build_schedule(
     schedule: _PipelineSchedule
     try:
         if csv:
-            schedule = runtime = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
-                                                          scale_grads=False)
+            schedule = runtime = _PipelineScheduleRuntime(
+                stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False
+            )
         else:
             cls = schedule_class(par.pipeline_parallel_schedule)
             if issubclass(cls, PipelineScheduleSingle):
@@ -217,8 +226,13 @@ def build_schedule(
             runtime._load_csv(csv)
         except (ValueError, RuntimeError, AssertionError, KeyError) as e:  # the same file on every rank: no hang
             text = str(e).strip()
-            first_line = (f"it names stage {text}, which the run lacks" if isinstance(e, KeyError)
-                          else text.splitlines()[0] if text else type(e).__name__)
+            first_line = (
+                f"it names stage {text}, which the run lacks"
+                if isinstance(e, KeyError)
+                else text.splitlines()[0]
+                if text
+                else type(e).__name__
+            )
             raise TitanError(
                 f"config key 'parallelism.pipeline_parallel_schedule_csv' got {csv!r}, which does not fit"
                 f" {len(stages) * par.pipeline_parallel_degree} stages x {n_microbatches} micro-batches: {first_line}"
@@ -226,7 +240,5 @@ def build_schedule(
     return schedule
 
 
-def make_stages(
-    parts: list[nn.Module], stage_ids: list[int], stages: int, device, group
-) -> list[PipelineStage]:
+def make_stages(parts: list[nn.Module], stage_ids: list[int], stages: int, device, group) -> list[PipelineStage]:
     return [PipelineStage(m, sid, stages, device, group=group) for m, sid in zip(parts, stage_ids)]

@@ -60,8 +60,11 @@ def estimate_shared_memory(config: JobConfig, degrees: dict[str, int], world: in
         est = estimate_memory(config, world)
     except TitanError as e:  # a setting the estimator does not model: the plan itself is still valid
         return {}, states + f"; grads: fp32 sharded; activations not estimated ({e})"
-    extra = {"gathered": est.gathered_param_bytes / GIB, "act+grads": est.activation_bytes / GIB,
-             "step": est.step_extra_bytes / GIB}
+    extra = {
+        "gathered": est.gathered_param_bytes / GIB,
+        "act+grads": est.activation_bytes / GIB,
+        "step": est.step_extra_bytes / GIB,
+    }
     t = config.training
     return extra, (
         states + "; gathered: FSDP's unsharded root + 2 blocks; act+grads: peak of a fake-tensor"
@@ -124,7 +127,7 @@ def _describe_stage(parts: list[nn.Module]) -> str:
     return "; ".join(pieces)
 
 
-def _groups(mesh) -> torch.Tensor:  # noqa: ANN001
+def _groups(mesh) -> torch.Tensor:
     """All copies of `mesh` across the world: shape (copies, *mesh.shape) of global ranks."""
     root = mesh._get_root_mesh()
     try:
@@ -176,7 +179,8 @@ def _count_stage(parts: list[nn.Module], stage_ranks: list[int], world_size: int
                 coords, sizes = _shard_sizes(p)
                 # Mesh dims where p is replicated hold copies: count coordinate 0 there.
                 one_copy = sum(
-                    s for c, s in zip(coords, sizes)
+                    s
+                    for c, s in zip(coords, sizes)
                     if all(c[i] == 0 for i, pl in enumerate(placements) if isinstance(pl, Replicate))
                 )
                 cache[key] = (_groups(p.device_mesh).flatten(1).tolist(), sizes, one_copy)
@@ -235,8 +239,19 @@ def run_dry_run(config: JobConfig) -> DryRunReport:
     shared, note = estimate_shared_memory(config, degrees, world)
     # The estimator's peak already holds the gradients: the grads column would count them twice.
     memory = [estimate_rank_memory(n, config, with_grads=not shared) | shared for n in per_rank]
-    return DryRunReport(plan, world, first.mesh_text, degrees, stages, first.model.num_params, per_rank, distinct,
-                        memory, note, plan.model_plan.transforms(len(first.model.float8_fqns)))
+    return DryRunReport(
+        plan,
+        world,
+        first.mesh_text,
+        degrees,
+        stages,
+        first.model.num_params,
+        per_rank,
+        distinct,
+        memory,
+        note,
+        plan.model_plan.transforms(len(first.model.float8_fqns)),
+    )
 
 
 def format_report(report: DryRunReport, config: JobConfig) -> str:

@@ -48,8 +48,16 @@ def _cast_floats(model: nn.Module, dtype: torch.dtype) -> None:
     model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
-def load_model(path: str | Path, *, max_seq_len: int, device: torch.device, dtype: torch.dtype = torch.float32,
-               flavor: str | None = None, tp_mesh: DeviceMesh | None = None, model: str = "llama3") -> nn.Module:
+def load_model(
+    path: str | Path,
+    *,
+    max_seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    flavor: str | None = None,
+    tp_mesh: DeviceMesh | None = None,
+    model: str = "llama3",
+) -> nn.Module:
     kind, args = checkpoint_args(path, flavor, model)
     spec: ModelSpec = spec_for_args(args)
     # The RoPE table only needs the positions we will generate; 3.1 configs say 131072.
@@ -83,9 +91,18 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, generato
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int | None = None, seed: int = 0, stop_ids: AbstractSet[int] = frozenset(), use_cache: bool = True,
-             pad_multiple: int = 1) -> tuple[list[int], float]:
+def generate(
+    model: nn.Module,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int = 0,
+    stop_ids: AbstractSet[int] = frozenset(),
+    use_cache: bool = True,
+    pad_multiple: int = 1,
+) -> tuple[list[int], float]:
     """New token ids after `prompt`, and tokens/s of the decode loop. Under TP every rank calls it."""
     if not prompt:
         raise TitanError("the prompt is empty; give at least one token")

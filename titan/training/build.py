@@ -47,8 +47,13 @@ class BuiltModel:
     float8_fqns: list[str]
 
 
-def build_model(config: JobConfig, plan: RunPlan, dims: ParallelDims, device: torch.device,
-                pp_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> BuiltModel:
+def build_model(
+    config: JobConfig,
+    plan: RunPlan,
+    dims: ParallelDims,
+    device: torch.device,
+    pp_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> BuiltModel:
     """The planned model on meta, float8-converted, then split into the plan's pipeline stages or
     parallelized whole. ``dims``: the plan's layout with this rank's mesh. Nothing is allocated:
     init_weights materializes the parts."""
@@ -83,7 +88,7 @@ def init_weights(parts: list[nn.Module], seed: int, device: torch.device, cpu_of
         part.train()
 
 
-def build_optimizers_and_schedulers(config: JobConfig, parts: list[nn.Module], dims: ParallelDims):  # noqa: ANN201
+def build_optimizers_and_schedulers(config: JobConfig, parts: list[nn.Module], dims: ParallelDims):
     """Optimizers over the parts (with float8's scale precompute after each step when configured)
     and their LR schedulers."""
     container = OptimizersInBackward if config.optimizer.early_step_in_backward else OptimizersContainer
@@ -92,8 +97,9 @@ def build_optimizers_and_schedulers(config: JobConfig, parts: list[nn.Module], d
     return optimizers, build_lr_schedulers(optimizers, config.lr_scheduler, config.training.steps)
 
 
-def build_loader(config: JobConfig, tokenizer: Any, dims: ParallelDims, *,
-                 validation: bool = False) -> TitanDataLoader | MixtureLoader:
+def build_loader(
+    config: JobConfig, tokenizer: Any, dims: ParallelDims, *, validation: bool = False
+) -> TitanDataLoader | MixtureLoader:
     """This dp rank's loader: the training data (endless if training.dataset_infinite), or the
     held-out set (one pass, rewound by the validator; no worker processes to restart each time)."""
     t, v = config.training, config.validation

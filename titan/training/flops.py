@@ -83,9 +83,7 @@ def mfu(tokens_per_second_per_device: float, flops_per_token: float, peak: float
     return 100.0 * tokens_per_second_per_device * flops_per_token / peak
 
 
-def transformer_flops_per_token(
-    num_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int
-) -> int:
+def transformer_flops_per_token(num_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
     """Training FLOPs per token of a decoder-only transformer (forward + backward).
 
     6 * N for the matmuls with the weights (``num_params`` should exclude the input embedding,

@@ -34,9 +34,18 @@ class ModelForward:
     ``pp_loss`` (built around ``loss_fn``) on the last stage; ``pp_group``: the pp process group."""
 
     def __init__(
-        self, parts: list[nn.Module], loss_fn: LossFn, *, device: torch.device, loss_parallel_enabled: bool,
-        amp: contextlib.AbstractContextManager, eos_id: int | None, pp_schedule: Any = None,
-        pp_loss: ScaledLoss | None = None, pp_has_first: bool = True, pp_has_last: bool = True,
+        self,
+        parts: list[nn.Module],
+        loss_fn: LossFn,
+        *,
+        device: torch.device,
+        loss_parallel_enabled: bool,
+        amp: contextlib.AbstractContextManager,
+        eos_id: int | None,
+        pp_schedule: Any = None,
+        pp_loss: ScaledLoss | None = None,
+        pp_has_first: bool = True,
+        pp_has_last: bool = True,
         pp_group: dist.ProcessGroup | None = None,
     ) -> None:
         if pp_schedule is not None and (pp_loss is None or pp_group is None):

@@ -76,8 +76,10 @@ def read_attempts(path: str) -> list[dict[str, Any]]:
 def summary(figures: dict[str, float]) -> str:
     wall = figures["wall"]
     lost = ", ".join(f"{k.replace('startup', 'start-up')} {figures[k]:.1f}" for k in LOST)
-    return (f"wall {wall:.1f} s = productive {figures['productive']:.1f} s + lost {wall - figures['productive']:.1f} s"
-            f" ({lost}); goodput {100 * goodput(figures):.1f}%")
+    return (
+        f"wall {wall:.1f} s = productive {figures['productive']:.1f} s + lost {wall - figures['productive']:.1f} s"
+        f" ({lost}); goodput {100 * goodput(figures):.1f}%"
+    )
 
 
 def goodput(figures: dict[str, float]) -> float:
@@ -105,8 +107,10 @@ class GoodputRecorder:
         prev = attempts[-1] if attempts else None
         continuing = restart > 0 and prev is not None and prev.get("launch") == self.launch
         if restart > 0 and not config.checkpoint.enable:
-            logger.warning(f"restart {restart} of the ranks without checkpoint.enable: training starts again"
-                           " from step 0 (every step so far is recomputed)")
+            logger.warning(
+                f"restart {restart} of the ranks without checkpoint.enable: training starts again"
+                " from step 0 (every step so far is recomputed)"
+            )
         started = min(process_start_time(), self.now())
         # A new run starts at step 0, unless the launcher restarted the ranks of this one.
         self.run = (prev["run"] + (0 if continuing or step > 0 else 1)) if prev else 1
@@ -123,9 +127,15 @@ class GoodputRecorder:
         self._pending = 0.0  # checkpoint/validation time inside the current step
         self.first_step: float | None = None
         self.step, self.committed = step, -1
-        self._start_record = {"kind": "start", "time": self.start, "process_start": started, "step": step,
-                              "launch": self.launch, "restart": restart,
-                              "restart_cause": os.environ.get(RESTART_CAUSE_ENV) if restart > 0 else None}
+        self._start_record = {
+            "kind": "start",
+            "time": self.start,
+            "process_start": started,
+            "step": step,
+            "launch": self.launch,
+            "restart": restart,
+            "restart_cause": os.environ.get(RESTART_CAUSE_ENV) if restart > 0 else None,
+        }
 
     def now(self) -> float:
         return self._epoch0 + (time.monotonic() - self._mono0)
@@ -138,8 +148,10 @@ class GoodputRecorder:
         if "wall" not in end:  # killed before its first step: its time is in the next attempt's restart
             end.update(dict.fromkeys(FIGURES, 0.0), wall=0.0)
         self._write(end)
-        logger.warning(f"goodput: attempt {end['attempt']} ended at step {end.get('step', 0)} without its record"
-                       f" ({cause}); from its last record: {summary(end)}")
+        logger.warning(
+            f"goodput: attempt {end['attempt']} ended at step {end.get('step', 0)} without its record"
+            f" ({cause}); from its last record: {summary(end)}"
+        )
         return end
 
     def _write(self, record: dict[str, Any]) -> None:
@@ -193,8 +205,14 @@ class GoodputRecorder:
         return {"wall": now - self.start, **fig}
 
     def _record(self, kind: str, now: float) -> dict[str, Any]:
-        return {"kind": kind, "time": now, "step": self.step, "committed": self.committed,
-                "first_step": self.first_step, **self.figures(now)}
+        return {
+            "kind": kind,
+            "time": now,
+            "step": self.step,
+            "committed": self.committed,
+            "first_step": self.first_step,
+            **self.figures(now),
+        }
 
     def end(self, step: int, committed: int, cause: str) -> dict[str, float] | None:
         """Close the attempt: the end record, the log line and the metrics outputs. Returns the

@@ -77,8 +77,7 @@ def resolve_schedule(cfg: LRSchedulerConfig, training_steps: int) -> dict[str, A
     warmup = cfg.warmup_steps
     if warmup > training_steps:
         logger.warning(
-            f"lr_scheduler.warmup_steps ({warmup}) > {plan} ({training_steps}); "
-            f"clamping warmup to {training_steps}"
+            f"lr_scheduler.warmup_steps ({warmup}) > {plan} ({training_steps}); clamping warmup to {training_steps}"
         )
         warmup = training_steps
     if cfg.decay_ratio is None:

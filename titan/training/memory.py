@@ -186,8 +186,11 @@ def _fake_forward_backward_peak(model_cls: type, model_args, config: JobConfig, 
         tokens = torch.randint(0, model_args.vocab_size, (t.local_batch_size, t.seq_len + 1))
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         # block_causal: one document per row (the trainer's document ids are as large whatever they hold)
-        docs = {"doc_ids": torch.zeros_like(inputs, dtype=torch.int32)} \
-            if getattr(model_args, "attn_mask_type", "causal") == "block_causal" else {}
+        docs = (
+            {"doc_ids": torch.zeros_like(inputs, dtype=torch.int32)}
+            if getattr(model_args, "attn_mask_type", "causal") == "block_causal"
+            else {}
+        )
         tracker = LiveBytes()
         tracker.ignore([*model.parameters(), *model.buffers(), tokens, *docs.values()])
         with tracker:
@@ -222,9 +225,11 @@ def _optimizer_step_bytes(model: nn.Module, shards: int, config: JobConfig) -> i
 def _check_supported(config: JobConfig) -> None:
     """The formulas cover FSDP / HSDP / DDP with AdamW or Adam in fp32 states: refuse the rest."""
     par = config.parallelism
-    for key, value in (("tensor_parallel_degree", par.tensor_parallel_degree),
-                       ("pipeline_parallel_degree", par.pipeline_parallel_degree),
-                       ("context_parallel_degree", par.context_parallel_degree)):
+    for key, value in (
+        ("tensor_parallel_degree", par.tensor_parallel_degree),
+        ("pipeline_parallel_degree", par.pipeline_parallel_degree),
+        ("context_parallel_degree", par.context_parallel_degree),
+    ):
         if value != 1:
             raise TitanError(
                 f"the memory estimator models FSDP / HSDP / DDP layouts only, not parallelism.{key} {value};"
@@ -236,11 +241,15 @@ def _check_supported(config: JobConfig) -> None:
             "the memory estimator models fp32 parameters and AdamW states, not"
             " optimizer.bf16_stochastic_round (bf16 parameters); set it to false to estimate"
         )
-    for key, on in (("training.enable_cpu_offload", config.training.enable_cpu_offload),
-                    ("optimizer.early_step_in_backward", config.optimizer.early_step_in_backward)):
+    for key, on in (
+        ("training.enable_cpu_offload", config.training.enable_cpu_offload),
+        ("optimizer.early_step_in_backward", config.optimizer.early_step_in_backward),
+    ):
         if on:
-            raise TitanError(f"the memory estimator models device-resident states with a whole-model gradient,"
-                             f" not {key}; set it to false to estimate")
+            raise TitanError(
+                f"the memory estimator models device-resident states with a whole-model gradient,"
+                f" not {key}; set it to false to estimate"
+            )
 
 
 def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
@@ -251,8 +260,12 @@ def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
     _check_supported(config)
     par = config.parallelism
     dims = ParallelDims(
-        dp_replicate=par.data_parallel_replicate_degree, dp_shard=par.data_parallel_shard_degree,
-        cp=1, tp=1, pp=1, world_size=world_size,
+        dp_replicate=par.data_parallel_replicate_degree,
+        dp_shard=par.data_parallel_shard_degree,
+        cp=1,
+        tp=1,
+        pp=1,
+        world_size=world_size,
     )
     spec = get_model_spec(config.model.name)
     args = model_args_from_config(spec, config.model)

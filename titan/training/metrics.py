@@ -108,8 +108,10 @@ class MetricsProcessor:
         self.non_data_parallel_size = max(1, non_data_parallel_size)
         world = int(os.environ.get("WORLD_SIZE", 1))
         if not -1 <= self.cfg.log_rank < world:
-            raise TitanError(f"config key 'metrics.log_rank' got {self.cfg.log_rank}; valid: -1 (all ranks) or a rank"
-                             f" below the world size {world}")
+            raise TitanError(
+                f"config key 'metrics.log_rank' got {self.cfg.log_rank}; valid: -1 (all ranks) or a rank"
+                f" below the world size {world}"
+            )
         if log_this_rank is None:
             log_this_rank = self.cfg.log_rank in (-1, rank)
         self.log_this_rank = log_this_rank
@@ -130,9 +132,14 @@ class MetricsProcessor:
             if self.peak_flops is None:
                 logger.warning(f"peak FLOPs of {self.device_name!r} unknown; MFU shows n/a")
             else:
-                logger.info(f"mfu is against the bf16 peak of {self.device_name}, {self.peak_flops / 1e12:,.0f} TFLOP/s"
-                            + (f"; mfu_float8 against its float8 peak, {self.peak_flops_float8 / 1e12:,.0f} TFLOP/s"
-                               if self.peak_flops_float8 else ""))
+                logger.info(
+                    f"mfu is against the bf16 peak of {self.device_name}, {self.peak_flops / 1e12:,.0f} TFLOP/s"
+                    + (
+                        f"; mfu_float8 against its float8 peak, {self.peak_flops_float8 / 1e12:,.0f} TFLOP/s"
+                        if self.peak_flops_float8
+                        else ""
+                    )
+                )
             torch.cuda.reset_peak_memory_stats(self.device)
 
         self.writer: Any = None
@@ -293,9 +300,11 @@ class MetricsProcessor:
     def log_validation(self, step: int, *, loss: float, perplexity: float, tokens: int, seconds: float) -> None:
         if self.log_this_rank:
             c = self.color
-            logger.info(f"{c.red}validation step: {step:2}  {c.green}loss: {loss:7.4f}  "
-                        f"{c.yellow}perplexity: {perplexity:.4g}  {c.blue}tokens: {tokens:,}  "
-                        f"{c.cyan}time: {seconds:.2f}s{c.reset}")
+            logger.info(
+                f"{c.red}validation step: {step:2}  {c.green}loss: {loss:7.4f}  "
+                f"{c.yellow}perplexity: {perplexity:.4g}  {c.blue}tokens: {tokens:,}  "
+                f"{c.cyan}time: {seconds:.2f}s{c.reset}"
+            )
         self.write(step, {"validation/loss": loss, "validation/perplexity": perplexity})
 
     def close(self) -> None:
@@ -315,8 +324,10 @@ def _init_wandb(cfg: Metrics, dump_folder: str, run_config: dict[str, Any], suff
     try:
         import wandb
     except ImportError:
-        raise TitanError("metrics.enable_wandb needs the wandb package: pip install 'titan[wandb]'"
-                         " (or pip install wandb), or set metrics.enable_wandb = false") from None
+        raise TitanError(
+            "metrics.enable_wandb needs the wandb package: pip install 'titan[wandb]'"
+            " (or pip install wandb), or set metrics.enable_wandb = false"
+        ) from None
     project = cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "titan"
     name = cfg.wandb_run_name or os.environ.get("WANDB_NAME") or None
     os.makedirs(dump_folder, exist_ok=True)

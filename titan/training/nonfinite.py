@@ -141,5 +141,4 @@ class UpdateMask:
                     flag = flags[t.device] = apply.to(t.device)
                 # State created by this step (the first one) had been zeros: a fresh optimizer's.
                 old = copies.get(key)
-                torch.where(flag, t, old if old is not None else torch.zeros((), dtype=t.dtype, device=t.device),
-                            out=t)
+                torch.where(flag, t, old if old is not None else torch.zeros((), dtype=t.dtype, device=t.device), out=t)

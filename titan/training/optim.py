@@ -28,29 +28,41 @@ from titan.errors import TitanError, require
 from titan.log import import_torchao
 from titan.parallel.utils import clip_grad_norm_
 
-__all__ = ["OptimizersContainer", "build_optimizers", "OPTIMIZERS", "IMPLEMENTATIONS", "param_groups",
-           "WEIGHT_DECAY_EXCLUDE"]
+__all__ = [
+    "OptimizersContainer",
+    "build_optimizers",
+    "OPTIMIZERS",
+    "IMPLEMENTATIONS",
+    "param_groups",
+    "WEIGHT_DECAY_EXCLUDE",
+]
 
-OPTIMIZERS: Mapping[str, type[torch.optim.Optimizer]] = MappingProxyType({
-    "AdamW": torch.optim.AdamW,
-    "Adam": torch.optim.Adam,
-})
+OPTIMIZERS: Mapping[str, type[torch.optim.Optimizer]] = MappingProxyType(
+    {
+        "AdamW": torch.optim.AdamW,
+        "Adam": torch.optim.Adam,
+    }
+)
 # optimizer.implementation choice -> constructor kwargs. "for-loop" forces the per-tensor path: torch would
 # otherwise silently pick foreach when foreach=None.
-IMPLEMENTATIONS: Mapping[str, Mapping[str, bool]] = MappingProxyType({
-    "for-loop": MappingProxyType({"foreach": False, "fused": False}),
-    "foreach": MappingProxyType({"foreach": True, "fused": False}),
-    "fused": MappingProxyType({"foreach": False, "fused": True}),
-})
+IMPLEMENTATIONS: Mapping[str, Mapping[str, bool]] = MappingProxyType(
+    {
+        "for-loop": MappingProxyType({"foreach": False, "fused": False}),
+        "foreach": MappingProxyType({"foreach": True, "fused": False}),
+        "fused": MappingProxyType({"foreach": False, "fused": True}),
+    }
+)
 
 _STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 # optimizer.weight_decay_exclude kinds -> does this module's own parameters belong to the kind.
 # Norms by class name so any norm class (RMSNorm, LayerNorm, wrapped by FSDP or not) matches.
-WEIGHT_DECAY_EXCLUDE: Mapping[str, Callable[[nn.Module], bool]] = MappingProxyType({
-    "norms": lambda m: "Norm" in type(m).__name__,
-    "embeddings": lambda m: isinstance(m, nn.Embedding),
-})
+WEIGHT_DECAY_EXCLUDE: Mapping[str, Callable[[nn.Module], bool]] = MappingProxyType(
+    {
+        "norms": lambda m: "Norm" in type(m).__name__,
+        "embeddings": lambda m: isinstance(m, nn.Embedding),
+    }
+)
 
 
 def param_groups(part: nn.Module, exclude: Sequence[str] = ()) -> list[dict[str, Any]]:
@@ -62,11 +74,11 @@ def param_groups(part: nn.Module, exclude: Sequence[str] = ()) -> list[dict[str,
     if not exclude:
         return [{"params": params}]
     checks = [WEIGHT_DECAY_EXCLUDE[kind] for kind in exclude]
-    skip = {
-        id(p) for m in part.modules() if any(check(m) for check in checks) for p in m.parameters(recurse=False)
-    }
-    groups = [{"params": [p for p in params if id(p) not in skip]},
-              {"params": [p for p in params if id(p) in skip], "weight_decay": 0.0}]
+    skip = {id(p) for m in part.modules() if any(check(m) for check in checks) for p in m.parameters(recurse=False)}
+    groups = [
+        {"params": [p for p in params if id(p) not in skip]},
+        {"params": [p for p in params if id(p) in skip], "weight_decay": 0.0},
+    ]
     return [g for g in groups if g["params"]]
 
 
@@ -88,12 +100,14 @@ class OptimizersContainer:
         self.optimizer_kwargs = dict(optimizer_kwargs)
         self._post_step_hooks: list[Callable[[], None]] = []
         # part_optimizers[i]: the optimizers of model_parts[i] (one here; one per parameter in a subclass).
-        self.part_optimizers = [self._build_part(part, optimizer_cls, weight_decay_exclude)
-                                for part in self.model_parts]
+        self.part_optimizers = [
+            self._build_part(part, optimizer_cls, weight_decay_exclude) for part in self.model_parts
+        ]
         self.optimizers = [o for optimizers in self.part_optimizers for o in optimizers]
 
-    def _build_part(self, part: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
-                    weight_decay_exclude: Sequence[str]) -> list[torch.optim.Optimizer]:
+    def _build_part(
+        self, part: nn.Module, optimizer_cls: type[torch.optim.Optimizer], weight_decay_exclude: Sequence[str]
+    ) -> list[torch.optim.Optimizer]:
         return [optimizer_cls(param_groups(part, weight_decay_exclude), **self.optimizer_kwargs)]
 
     def __iter__(self) -> Iterator[torch.optim.Optimizer]:
@@ -112,8 +126,9 @@ class OptimizersContainer:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
-    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None
-                        ) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None
+    ) -> torch.Tensor:
         """Clip the gradients of `params` to max_norm (if > 0); returns their total norm before clipping."""
         return clip_grad_norm_(params, max_norm, pp_group)
 
@@ -131,9 +146,7 @@ class OptimizersContainer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Each part picks the FQN keys of its own parameters out of the merged dict.
         for part, optimizers in zip(self.model_parts, self.part_optimizers):
-            set_optimizer_state_dict(
-                part, optimizers, optim_state_dict=state_dict, options=_STATE_DICT_OPTIONS
-            )
+            set_optimizer_state_dict(part, optimizers, optim_state_dict=state_dict, options=_STATE_DICT_OPTIONS)
 
 
 def validate_optimizer_config(cfg: OptimizerConfig) -> None:
@@ -154,10 +167,18 @@ def build_optimizers(
     or titan.training.optim_in_backward's for optimizer.early_step_in_backward.
     """
     if cfg.bf16_stochastic_round:
-        return container(model_parts, _bf16_sr_adamw(), {
-            "lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "weight_decay": cfg.weight_decay,
-            "bf16_stochastic_round": True,
-        }, cfg.weight_decay_exclude)
+        return container(
+            model_parts,
+            _bf16_sr_adamw(),
+            {
+                "lr": cfg.lr,
+                "betas": (cfg.beta1, cfg.beta2),
+                "eps": cfg.eps,
+                "weight_decay": cfg.weight_decay,
+                "bf16_stochastic_round": True,
+            },
+            cfg.weight_decay_exclude,
+        )
     name = {n.lower(): n for n in OPTIMIZERS}[cfg.name.lower()]
     kwargs: dict[str, Any] = {
         "lr": cfg.lr,
@@ -177,8 +198,10 @@ def _bf16_sr_adamw() -> type[torch.optim.Optimizer]:
     try:
         return import_torchao("torchao.optim")._AdamW
     except (ImportError, AttributeError):
-        raise TitanError("optimizer.bf16_stochastic_round needs torchao >= 0.18 (its torchao.optim._AdamW);"
-                         " pip install 'torchao>=0.18'") from None
+        raise TitanError(
+            "optimizer.bf16_stochastic_round needs torchao >= 0.18 (its torchao.optim._AdamW);"
+            " pip install 'torchao>=0.18'"
+        ) from None
 
 
 def cast_params_for_optimizer(model: nn.Module, cfg: OptimizerConfig) -> None:
@@ -212,9 +235,7 @@ def _check_fused_supported(model_parts: list[nn.Module]) -> None:
         return
     for part in model_parts:
         for fqn, p in part.named_parameters():
-            if p.requires_grad and (
-                p.device.type not in supported or not torch.is_floating_point(p)
-            ):
+            if p.requires_grad and (p.device.type not in supported or not torch.is_floating_point(p)):
                 raise TitanError(
                     f"optimizer.implementation=fused is not supported for parameter {fqn} "
                     f"({p.dtype} on {p.device.type}; fused needs floating point on one of "

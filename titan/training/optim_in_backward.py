@@ -37,18 +37,28 @@ def check_step_in_backward(cfg: Optimizer, training: Training, dims: ParallelDim
     """One line naming everything set that cannot run with the step in backward."""
     if not cfg.early_step_in_backward:
         return
-    clashes = [what for what, on in (
-        (f"grad clipping (training.max_norm = {training.max_norm}; set it to 0)", training.max_norm > 0),
-        ("gradient accumulation (training.global_batch_size > local_batch_size x data-parallel degree)",
-         training.global_batch_size not in (-1, training.local_batch_size * dims.dp_degree)),
-        ("pipeline parallel (parallelism.pipeline_parallel_degree > 1)", dims.pp_enabled),
-        ("DDP (data_parallel_replicate_degree > 1 without sharding; use FSDP or HSDP)",
-         dims.dp_replicate_enabled and not dims.fsdp_enabled),
-        ("training.nonfinite = skip_step (the step is taken before the check)", training.nonfinite == "skip_step"),
-    ) if on]
+    clashes = [
+        what
+        for what, on in (
+            (f"grad clipping (training.max_norm = {training.max_norm}; set it to 0)", training.max_norm > 0),
+            (
+                "gradient accumulation (training.global_batch_size > local_batch_size x data-parallel degree)",
+                training.global_batch_size not in (-1, training.local_batch_size * dims.dp_degree),
+            ),
+            ("pipeline parallel (parallelism.pipeline_parallel_degree > 1)", dims.pp_enabled),
+            (
+                "DDP (data_parallel_replicate_degree > 1 without sharding; use FSDP or HSDP)",
+                dims.dp_replicate_enabled and not dims.fsdp_enabled,
+            ),
+            ("training.nonfinite = skip_step (the step is taken before the check)", training.nonfinite == "skip_step"),
+        )
+        if on
+    ]
     if clashes:
-        raise TitanError("optimizer.early_step_in_backward steps each parameter before the whole gradient exists,"
-                         " so it cannot run with " + "; ".join(clashes))
+        raise TitanError(
+            "optimizer.early_step_in_backward steps each parameter before the whole gradient exists,"
+            " so it cannot run with " + "; ".join(clashes)
+        )
 
 
 def _square_share(grad: torch.Tensor, world: int) -> torch.Tensor:
@@ -73,8 +83,9 @@ class OptimizersInBackward(OptimizersContainer):
         self._square_sum: torch.Tensor | None = None
         super().__init__(*args, **kwargs)
 
-    def _build_part(self, part: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
-                    weight_decay_exclude: Sequence[str]) -> list[torch.optim.Optimizer]:
+    def _build_part(
+        self, part: nn.Module, optimizer_cls: type[torch.optim.Optimizer], weight_decay_exclude: Sequence[str]
+    ) -> list[torch.optim.Optimizer]:
         optimizers = []
         for group in param_groups(part, weight_decay_exclude):
             for param in group["params"]:
@@ -101,8 +112,9 @@ class OptimizersInBackward(OptimizersContainer):
         for hook in self._post_step_hooks:
             hook()
 
-    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None
-                        ) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None
+    ) -> torch.Tensor:
         """The L2 norm of the step's gradients, from the shares the hooks summed (max_norm is 0,
         check_step_in_backward refuses clipping; pp_group is None as PP is refused too)."""
         total = self._square_sum

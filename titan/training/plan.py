@@ -80,8 +80,9 @@ def plan_run(config: JobConfig, world_size: int, device_type: str, *, data_here:
     grad_accum_steps = grad_accumulation_steps(config, dims.dp_degree)
     spec = get_model_spec(config.model.name)
     if dims.pp_enabled and spec.pipelining_fn is None:
-        raise TitanError(f"model.name {spec.name!r} has no pipeline split; set parallelism.pipeline_parallel_degree"
-                         " to 1")
+        raise TitanError(
+            f"model.name {spec.name!r} has no pipeline split; set parallelism.pipeline_parallel_degree to 1"
+        )
     if data_here:
         tokenizer = build_tokenizer(config.model.tokenizer_path)
         check_data(config, tokenizer)  # a typo'd dataset or a store of another tokenizer fails before the model
@@ -97,17 +98,25 @@ def check_run(config: JobConfig, dims: ParallelDims, model_args: Any, device_typ
     """Every check that needs the world size, the model args or the device, for GPUs of
     ``device_type`` (the dry run checks for the GPUs it stands in for, on a CPU). The Trainer runs
     it again when weights brought in changed the model args."""
-    if (config.model.attn_type == "varlen" and device_type == "cuda"
-            and config.training.mixed_precision_param == "float32"):
-        raise TitanError('model.attn_type = "varlen" runs torch\'s flash varlen kernel on CUDA, which takes bfloat16 or'
-                         ' float16: set training.mixed_precision_param = "bfloat16", or use sdpa or flex with'
-                         ' attn_mask_type = "block_causal" in float32')
+    if (
+        config.model.attn_type == "varlen"
+        and device_type == "cuda"
+        and config.training.mixed_precision_param == "float32"
+    ):
+        raise TitanError(
+            'model.attn_type = "varlen" runs torch\'s flash varlen kernel on CUDA, which takes bfloat16 or'
+            ' float16: set training.mixed_precision_param = "bfloat16", or use sdpa or flex with'
+            ' attn_mask_type = "block_causal" in float32'
+        )
     compiled = config.compile.enable and "model" in config.compile.components
-    check_layout(dims, config.parallelism, model_args, config.training.seq_len, device_type,
-                 config.model.attn_type, compiled)
+    check_layout(
+        dims, config.parallelism, model_args, config.training.seq_len, device_type, config.model.attn_type, compiled
+    )
     if config.profiling.enable_memory_snapshot and device_type != "cuda":
-        raise TitanError("profiling.enable_memory_snapshot needs CUDA (it records the CUDA caching allocator's"
-                         f" history); this run is on {device_type}: set it to false")
+        raise TitanError(
+            "profiling.enable_memory_snapshot needs CUDA (it records the CUDA caching allocator's"
+            f" history); this run is on {device_type}: set it to false"
+        )
     if config.training.enable_cpu_offload:
         check_cpu_offload(dims.fsdp_enabled, config.float8, config.training.nonfinite, device_type)
     check_step_in_backward(config.optimizer, config.training, dims)

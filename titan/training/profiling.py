@@ -57,8 +57,10 @@ class Profiler:
             self.torch_profiler.start()
             # A resumed run keeps the same trace steps as an uninterrupted one.
             self.torch_profiler.step_num = start_step
-            logger.info(f"profiling every {self.freq} steps ({p.warmup_steps} warm-up, {p.active_steps} active)"
-                        f" into {self.trace_folder}")
+            logger.info(
+                f"profiling every {self.freq} steps ({p.warmup_steps} warm-up, {p.active_steps} active)"
+                f" into {self.trace_folder}"
+            )
 
     def _save_trace(self, prof: torch.profiler.profile) -> None:
         folder = os.path.join(self.trace_folder, f"iteration_{prof.step_num}")
@@ -79,8 +81,10 @@ class Profiler:
 
     def _on_oom(self, device: int, alloc: int, device_alloc: int, device_free: int) -> None:
         path = self._dump_memory("oom")
-        logger.error(f"CUDA out of memory on device {device} (asked {alloc / 2**30:.2f} GiB, free"
-                     f" {device_free / 2**30:.2f} GiB): memory snapshot written to {path}")
+        logger.error(
+            f"CUDA out of memory on device {device} (asked {alloc / 2**30:.2f} GiB, free"
+            f" {device_free / 2**30:.2f} GiB): memory snapshot written to {path}"
+        )
 
     def step(self, step: int) -> None:
         """Call once after training step ``step`` finished."""

@@ -58,8 +58,10 @@ class SpikeDetector:
         if spike:
             if self.current == 0:
                 self.events += 1
-                logger.warning(f"{self.name} spike at step {step}: {value:.4g} > {limit:.4g} (running average"
-                               f" {sum(self.history) / len(self.history):.4g} over {len(self.history)} values)")
+                logger.warning(
+                    f"{self.name} spike at step {step}: {value:.4g} > {limit:.4g} (running average"
+                    f" {sum(self.history) / len(self.history):.4g} over {len(self.history)} values)"
+                )
             self.current += 1
             self.spike_steps += 1
             self.longest = max(self.longest, self.current)
@@ -113,8 +115,9 @@ class StabilityMonitor:
         and training.nonfinite_max_consecutive_skips."""
         self.policy = nonfinite
         self.max_consecutive_skips = max_consecutive_skips
-        self.grad_norm = SpikeDetector("grad-norm", s.grad_norm_spike_window, s.grad_norm_spike_threshold,
-                                       relative=True)
+        self.grad_norm = SpikeDetector(
+            "grad-norm", s.grad_norm_spike_window, s.grad_norm_spike_threshold, relative=True
+        )
         self.loss = SpikeDetector("loss", s.loss_spike_window, s.loss_spike_threshold, relative=True)
         self.skipped_steps = 0  # host copy, as of the last read
         self._state: torch.Tensor | None = None
@@ -143,18 +146,19 @@ class StabilityMonitor:
         new[_SKIPPED] += bad
         new[_IN_A_ROW] = (state[_IN_A_ROW] + 1) * bad
         first = bad & (state[_FIRST] == 0)
-        new[_FIRST:_FIRST + 3] = torch.where(first, row, state[_FIRST:_FIRST + 3])
-        new[_LAST:_LAST + 3] = torch.where(bad, row, state[_LAST:_LAST + 3])
+        new[_FIRST : _FIRST + 3] = torch.where(first, row, state[_FIRST : _FIRST + 3])
+        new[_LAST : _LAST + 3] = torch.where(bad, row, state[_LAST : _LAST + 3])
         over = (new[_IN_A_ROW] > self.max_consecutive_skips) & (state[_LIMIT] == 0)
-        new[_LIMIT:_LIMIT + 3] = torch.where(over, row, state[_LIMIT:_LIMIT + 3])
+        new[_LIMIT : _LIMIT + 3] = torch.where(over, row, state[_LIMIT : _LIMIT + 3])
         higher = ok & (x[1] > state[_GN_MAX])  # skipped steps never reach the spike detectors
-        new[_GN_MAX:_GN_MAX + 2] = torch.where(higher, torch.cat([x[1:], row[:1]]), state[_GN_MAX:_GN_MAX + 2])
+        new[_GN_MAX : _GN_MAX + 2] = torch.where(higher, torch.cat([x[1:], row[:1]]), state[_GN_MAX : _GN_MAX + 2])
         state.copy_(new)
         self._unread = True
         return ok
 
-    def read(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
-             extra: dict[str, torch.Tensor] | None = None) -> StepValues:
+    def read(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, extra: dict[str, torch.Tensor] | None = None
+    ) -> StepValues:
         """Log step: ``loss``, ``grad_norm`` and any other logged scalars (``extra``), globally reduced,
         and the device record in one host read. Reports non-finite steps (raises TitanError for
         ``stop`` or too many skips in a row), feeds the spike detectors and returns the values."""
@@ -162,9 +166,9 @@ class StabilityMonitor:
         tensors = [v.detach().reshape(()).to(torch.float64) for v in (loss, grad_norm, *extra.values())]
         state = self._record(tensors[0].device)
         read = torch.cat([torch.stack(tensors), state]).tolist()  # the one host read of a log step
-        out = StepValues(read[0], read[1], dict(zip(extra, read[2:len(tensors)])))
+        out = StepValues(read[0], read[1], dict(zip(extra, read[2 : len(tensors)])))
         self._unread = False
-        self._report(step, read[len(tensors):])
+        self._report(step, read[len(tensors) :])
         state[_GN_MAX].fill_(-math.inf)  # a new window (fills: no host-to-device copy)
         state[_GN_MAX_STEP].fill_(0)
         if math.isfinite(out.loss) and math.isfinite(out.grad_norm):
@@ -182,27 +186,34 @@ class StabilityMonitor:
 
     def _report(self, step: int, state: list[float]) -> None:
         def where(at: int) -> str:  # "loss = nan, grad_norm = nan at step 12"
-            pairs = zip(("loss", "grad_norm"), state[at + 1:at + 3])
-            return (", ".join(f"{name} = {v}" for name, v in pairs if not math.isfinite(v))
-                    + f" at step {int(state[at])}")
+            pairs = zip(("loss", "grad_norm"), state[at + 1 : at + 3])
+            return (
+                ", ".join(f"{name} = {v}" for name, v in pairs if not math.isfinite(v)) + f" at step {int(state[at])}"
+            )
 
         def seen(at: int) -> str:  # a report later than the step itself says when it was read
             return "" if int(state[at]) == step else f" (found at step {step})"
 
         if self.policy == "stop" and state[_FIRST]:
-            raise TitanError(f"non-finite {where(_FIRST)} (training.nonfinite = stop): stopping without saving;"
-                             " restart from the last checkpoint, maybe with a lower lr or skip_step" + seen(_FIRST))
+            raise TitanError(
+                f"non-finite {where(_FIRST)} (training.nonfinite = stop): stopping without saving;"
+                " restart from the last checkpoint, maybe with a lower lr or skip_step" + seen(_FIRST)
+            )
         if state[_LIMIT]:
-            raise TitanError(f"non-finite {where(_LIMIT)}: {self.max_consecutive_skips + 1} consecutive steps skipped,"
-                             " more than training.nonfinite_max_consecutive_skips ="
-                             f" {self.max_consecutive_skips}" + seen(_LIMIT))
+            raise TitanError(
+                f"non-finite {where(_LIMIT)}: {self.max_consecutive_skips + 1} consecutive steps skipped,"
+                " more than training.nonfinite_max_consecutive_skips ="
+                f" {self.max_consecutive_skips}" + seen(_LIMIT)
+            )
         skipped = int(state[_SKIPPED])
         if skipped > self.skipped_steps:
             new = skipped - self.skipped_steps
             self.skipped_steps = skipped
-            logger.warning(f"non-finite {where(_LAST)}: optimizer step skipped"
-                           + (f" (with {new - 1} earlier step(s) since the last report)" if new > 1 else "")
-                           + f" ({skipped} skipped so far, {int(state[_IN_A_ROW])} in a row)")
+            logger.warning(
+                f"non-finite {where(_LAST)}: optimizer step skipped"
+                + (f" (with {new - 1} earlier step(s) since the last report)" if new > 1 else "")
+                + f" ({skipped} skipped so far, {int(state[_IN_A_ROW])} in a row)"
+            )
 
     def scalars(self) -> dict[str, float]:
         return {

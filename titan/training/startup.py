@@ -21,6 +21,7 @@ from titan.parallel.dims import ParallelDims
 
 __all__ = ["summary_rows", "log_summary"]
 
+
 def _size(nbytes: float) -> str:
     return f"{nbytes / 1024**3:.2f} GiB" if nbytes >= 1024**3 else f"{nbytes / 1024**2:.1f} MiB"
 
@@ -52,8 +53,10 @@ def _param_bytes(model_parts: list[nn.Module], num_params: int) -> tuple[int, fl
 def _peak_text(peak_flops: float | None, device_name: str, device: torch.device, float8: bool) -> str:
     if peak_flops:
         precision = "float8" if float8 else "bf16"
-        return (f"{peak_flops / 1e12:,.1f} TFLOP/s dense {precision} (titan/training/flops.py peak table,"
-                f" by device name {device_name!r})")
+        return (
+            f"{peak_flops / 1e12:,.1f} TFLOP/s dense {precision} (titan/training/flops.py peak table,"
+            f" by device name {device_name!r})"
+        )
     if device.type != "cuda":
         return "n/a (no peak for CPUs in titan/training/flops.py; MFU shows n/a)"
     return f"n/a ({device_name!r} is not in the titan/training/flops.py peak table; MFU shows n/a)"
@@ -64,7 +67,7 @@ def _memory_text(config: JobConfig, world_size: int, capacity: float | None, wha
 
     try:
         estimate = estimate_memory(config, world_size).total_bytes
-    except Exception as e:  # noqa: BLE001 - the estimate informs; training does not depend on it
+    except Exception as e:  # the estimate informs; training does not depend on it
         first = str(e).splitlines()[0] if str(e) else ""
         return f"n/a (titan/training/memory.py: {type(e).__name__}: {first[:200]})"
     if not capacity:
@@ -91,8 +94,11 @@ def summary_rows(
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for part in model_parts for p in part.parameters()})
     return [
         ("device", f"{pd.world_size} x {name}"),
-        ("world size, layout", f"{pd.world_size}: dp_replicate {pd.dp_replicate}, dp_shard {pd.dp_shard},"
-                               f" tp {pd.tp}, pp {pd.pp}, cp {pd.cp}"),
+        (
+            "world size, layout",
+            f"{pd.world_size}: dp_replicate {pd.dp_replicate}, dp_shard {pd.dp_shard},"
+            f" tp {pd.tp}, pp {pd.pp}, cp {pd.cp}",
+        ),
         ("model", f"{config.model.name} {config.model.flavor}: {num_params:,} parameters"),
         ("parameter memory", f"{_size(full_bytes)} in all ({', '.join(dtypes)}), {_size(local_bytes)} on rank 0"),
         ("FLOPs per token", f"{flops_per_token:,} (forward + backward at seq_len {config.training.seq_len})"),

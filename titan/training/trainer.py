@@ -85,15 +85,17 @@ class Trainer:
             self.plan = self._replan(world_size)
             self.grad_accum_steps = self.plan.grad_accum_steps
         plan, tokenizer = self.plan, self.plan.tokenizer
-        self.stability = StabilityMonitor(config.stability, nonfinite=t.nonfinite,
-                                          max_consecutive_skips=t.nonfinite_max_consecutive_skips)
+        self.stability = StabilityMonitor(
+            config.stability, nonfinite=t.nonfinite, max_consecutive_skips=t.nonfinite_max_consecutive_skips
+        )
         seed = DEFAULT_SEED if t.seed is None else t.seed
         set_seed(seed)
 
         # Model: built on meta, parallelized, then materialized and initialized.
         # Weights brought in (HF folder, converted DCP) decide or veto the model settings first.
-        if settle_model_settings(config, plan.spec, plan.model_args, self.run_start.found is not None,
-                                 tokenizer.vocab_size):
+        if settle_model_settings(
+            config, plan.spec, plan.model_args, self.run_start.found is not None, tokenizer.vocab_size
+        ):
             check_run(config, self.parallel_dims, plan.model_args, self.device.type)
         self.loss_fn = build_loss_fn(cross_entropy_sum, config.compile.enable and "loss" in config.compile.components)
         pp_loss = ScaledLoss(self.loss_fn)
@@ -108,14 +110,22 @@ class Trainer:
         pp = self.parallel_dims.submesh("pp")
         self._pp_group = pp.get_group() if pp is not None else None
         self.forward = ModelForward(
-            self.model_parts, self.loss_fn, device=self.device,
+            self.model_parts,
+            self.loss_fn,
+            device=self.device,
             loss_parallel_enabled=self.parallel_dims.loss_parallel_enabled,
-            amp=self._autocast_context(), eos_id=plan.eos_id, pp_schedule=built.pp_schedule, pp_loss=pp_loss,
-            pp_has_first=built.pp_has_first, pp_has_last=built.pp_has_last, pp_group=self._pp_group,
+            amp=self._autocast_context(),
+            eos_id=plan.eos_id,
+            pp_schedule=built.pp_schedule,
+            pp_loss=pp_loss,
+            pp_has_first=built.pp_has_first,
+            pp_has_last=built.pp_has_last,
+            pp_group=self._pp_group,
         )
 
         self.optimizers, self.lr_schedulers = build_optimizers_and_schedulers(
-            config, self.model_parts, self.parallel_dims)
+            config, self.model_parts, self.parallel_dims
+        )
         # Before any optimizer state exists (the checkpoint load below creates it).
         self.update_mask = UpdateMask(self.optimizers, self.device, enabled=t.nonfinite == "skip_step")
         # Fixed from here on (checkpoint loads copy into them): not rebuilt every step.
@@ -124,31 +134,51 @@ class Trainer:
         self.dp_rank = self.parallel_dims.dp_rank()
         self.dataloader = build_loader(config, tokenizer, self.parallel_dims)
         self.metrics = MetricsProcessor(
-            config.metrics, dump_folder=config.job.dump_folder, run_config=to_dict(config), rank=self.rank,
-            device=self.device, num_flops_per_token=self.flops_per_token,
+            config.metrics,
+            dump_folder=config.job.dump_folder,
+            run_config=to_dict(config),
+            rank=self.rank,
+            device=self.device,
+            num_flops_per_token=self.flops_per_token,
             non_data_parallel_size=self.parallel_dims.non_data_parallel_size,
             float8=bool(self.float8_fqns),
         )
         self.validator = None
         if config.validation.enable:
             self.validator = Validator(
-                config.validation, last_step=t.steps, model_parts=self.model_parts,
-                parallel_dims=self.parallel_dims, device=self.device, metrics=self.metrics,
+                config.validation,
+                last_step=t.steps,
+                model_parts=self.model_parts,
+                parallel_dims=self.parallel_dims,
+                device=self.device,
+                metrics=self.metrics,
                 loader=build_loader(config, tokenizer, self.parallel_dims, validation=True),
-                loss_sum=self.forward.eval_loss_sum, cp_buffers=self._cp_buffers,
-                cp_rotate_method=config.parallelism.context_parallel_rotate_method)
+                loss_sum=self.forward.eval_loss_sum,
+                cp_buffers=self._cp_buffers,
+                cp_rotate_method=config.parallelism.context_parallel_rotate_method,
+            )
         self.train_state = TrainState()  # step and tokens seen: saved and restored with the checkpoint
         self._batches: Iterator | None = None
         # Last in set-up: the manager saves the states above and restores them (auto-resume) if there is a checkpoint.
         dp_degree = self.parallel_dims.dp_degree
         self.checkpointer = CheckpointManager(
             config.checkpoint,
-            states={"model": ModelParts(self.model_parts), "optimizer": self.optimizers,
-                    "lr_scheduler": self.lr_schedulers, "train_state": self.train_state},
+            states={
+                "model": ModelParts(self.model_parts),
+                "optimizer": self.optimizers,
+                "lr_scheduler": self.lr_schedulers,
+                "train_state": self.train_state,
+            },
             rank_states={"rng": RNGState(), "dataloader": self.dataloader},
-            dump_folder=config.job.dump_folder, overwrite=config.job.overwrite, total_steps=config.training.steps,
-            config_record=config_diff.snapshot(config, dp_degree), world_size=self.parallel_dims.world_size,
-            rank=self.rank, dp_rank=self.dp_rank, dp_degree=dp_degree, num_params=self.num_params,
+            dump_folder=config.job.dump_folder,
+            overwrite=config.job.overwrite,
+            total_steps=config.training.steps,
+            config_record=config_diff.snapshot(config, dp_degree),
+            world_size=self.parallel_dims.world_size,
+            rank=self.rank,
+            dp_rank=self.dp_rank,
+            dp_degree=dp_degree,
+            num_params=self.num_params,
             start=self.run_start,
         )
         # Every save first reads the non-finite record: a stopped run writes no checkpoint after a NaN.
@@ -156,11 +186,18 @@ class Trainer:
         self.checkpointer.load()
         self.goodput = GoodputRecorder(config, rank=self.rank, step=self.step, metrics=self.metrics)
         if self.rank == 0:  # the run is committed to start here (its checkpoint folder checked or resumed)
-            log_summary(summary_rows(
-                config, device=self.device, parallel_dims=self.parallel_dims, model_parts=self.model_parts,
-                num_params=self.num_params, flops_per_token=self.flops_per_token,
-                peak_flops=self.metrics.peak_flops, float8=bool(self.float8_fqns),
-            ))
+            log_summary(
+                summary_rows(
+                    config,
+                    device=self.device,
+                    parallel_dims=self.parallel_dims,
+                    model_parts=self.model_parts,
+                    num_params=self.num_params,
+                    flops_per_token=self.flops_per_token,
+                    peak_flops=self.metrics.peak_flops,
+                    float8=bool(self.float8_fqns),
+                )
+            )
             logger.info(f"merged config saved to {save_config(config)} (repeat the run with --job.config_file)")
 
     def _replan(self, world_size: int) -> RunPlan:
@@ -230,8 +267,9 @@ class Trainer:
         (titan/training/stability.py, titan/training/nonfinite.py). On log steps the loss is summed
         over the dp (x cp) ranks and the result carries every logged tensor for the loop's one read.
         """
-        microbatches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-                        for x, y in microbatches]
+        microbatches = [
+            (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in microbatches
+        ]
         self.optimizers.zero_grad()
         global_tokens = self._global_token_count(microbatches)
         # Data-parallel wrappers average gradients over dp (x cp) ranks; scaling by that turns it
@@ -299,8 +337,13 @@ class Trainer:
         self.metrics.reset(self.step)
         self.checkpointer.install_signal_handlers()
         preempted = False
-        profiler = Profiler(self.config.profiling, dump_folder=self.config.job.dump_folder, rank=self.rank,
-                            device=self.device, start_step=self.step)
+        profiler = Profiler(
+            self.config.profiling,
+            dump_folder=self.config.job.dump_folder,
+            rank=self.rank,
+            device=self.device,
+            start_step=self.step,
+        )
         first_step = True
         self.goodput.begin()
         while self.step < t.steps:
@@ -319,7 +362,10 @@ class Trainer:
                 values = self.stability.read(self.step, result.loss, result.grad_norm, result.extra)
                 losses[self.step] = values.loss
                 self.metrics.log(
-                    self.step, loss=values.loss, grad_norm=values.grad_norm, lr=self.lr_schedulers.get_last_lr(),
+                    self.step,
+                    loss=values.loss,
+                    grad_norm=values.grad_norm,
+                    lr=self.lr_schedulers.get_last_lr(),
                     extra={**values.extra, **self.stability.console()},
                     extra_scalars={**self.stability.scalars(), **self.dataloader.scalars()},
                 )
@@ -338,8 +384,9 @@ class Trainer:
         profiler.close()
         self.stability.resolve(self.step)  # non-finite steps after the last log step are reported too
         self._checkpoint_timed(self.checkpointer.finish, self.step, preempted)
-        self.goodput.end(self.step, self.checkpointer.last_saved_step,
-                         "stopped after a signal" if preempted else "finished")
+        self.goodput.end(
+            self.step, self.checkpointer.last_saved_step, "stopped after a signal" if preempted else "finished"
+        )
         self.metrics.close()
         logger.info("training done")
         return losses

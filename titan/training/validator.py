@@ -114,8 +114,11 @@ class Validator:
             assert batch is not None
             n += 1
             # a validation mixture says which source the batch came from (a loss per source)
-            yield (batch[0].to(self.device, non_blocking=True), batch[1].to(self.device, non_blocking=True),
-                   getattr(self.loader, "last_source", 0))
+            yield (
+                batch[0].to(self.device, non_blocking=True),
+                batch[1].to(self.device, non_blocking=True),
+                getattr(self.loader, "last_source", 0),
+            )
 
     @torch.no_grad()
     def validate(self, step: int) -> float:
@@ -145,13 +148,16 @@ class Validator:
             dist.all_reduce(per_source, op=dist.ReduceOp.SUM, group=group)
         loss_sum, tokens = per_source.sum(0).tolist()
         if tokens == 0:
-            raise TitanError("validation data yielded no batch: the held-out set is smaller than one batch per dp"
-                             " rank (validation.dataset / local_batch_size / training.seq_len)")
+            raise TitanError(
+                "validation data yielded no batch: the held-out set is smaller than one batch per dp"
+                " rank (validation.dataset / local_batch_size / training.seq_len)"
+            )
         loss = loss_sum / tokens
         seconds = time.perf_counter() - t0
         self.history[step] = loss
-        self.metrics.log_validation(step, loss=loss, perplexity=math.exp(min(loss, 700.0)),
-                                    tokens=int(tokens), seconds=seconds)
+        self.metrics.log_validation(
+            step, loss=loss, perplexity=math.exp(min(loss, 700.0)), tokens=int(tokens), seconds=seconds
+        )
         if len(names) > 1:
             losses = {name: ls / n for name, (ls, n) in zip(names, per_source.tolist()) if n > 0}
             if self.metrics.log_this_rank:

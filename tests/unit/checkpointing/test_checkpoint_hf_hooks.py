@@ -11,14 +11,33 @@ from titan.errors import TitanError
 from titan.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
-TINY = ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--training.seq_len", "32",
-        "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false", "--training.steps", "2",
-        "--checkpoint.enable"]
+TINY = [
+    "--job.config_file",
+    str(REPO / "train_configs/debug_model.toml"),
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--training.steps",
+    "2",
+    "--checkpoint.enable",
+]
 
 
 def test_export_then_start_from_hf(tmp_path):
-    first = Trainer(load_config([*TINY, "--job.dump_folder", str(tmp_path / "a"), "--checkpoint.last_save_in_hf",
-                                 "--checkpoint.last_save_model_only"]))
+    first = Trainer(
+        load_config(
+            [
+                *TINY,
+                "--job.dump_folder",
+                str(tmp_path / "a"),
+                "--checkpoint.last_save_in_hf",
+                "--checkpoint.last_save_model_only",
+            ]
+        )
+    )
     first.train()
     # at step-N itself, where a torchtitan user loads it back from; no DCP folder beside it
     hf = tmp_path / "a" / "checkpoint" / "step-2"
@@ -26,14 +45,26 @@ def test_export_then_start_from_hf(tmp_path):
     assert list(hf.glob("*.safetensors")) and not (hf / ".metadata").exists()
     assert sorted(p.name for p in hf.parent.iterdir()) == ["step-2"]
 
-    second = Trainer(load_config([*TINY, "--job.dump_folder", str(tmp_path / "b"),
-                                  "--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf"]))
+    second = Trainer(
+        load_config(
+            [
+                *TINY,
+                "--job.dump_folder",
+                str(tmp_path / "b"),
+                "--checkpoint.initial_load_path",
+                str(hf),
+                "--checkpoint.initial_load_in_hf",
+            ]
+        )
+    )
     trained = dict(first.model_parts[0].named_parameters())
     for name, p in second.model_parts[0].named_parameters():
         assert torch.equal(p, trained[name]), name
 
     with pytest.raises(TitanError, match="not a DCP checkpoint folder but a Hugging Face folder: add --checkpoint"):
-        Trainer(load_config([*TINY, "--job.dump_folder", str(tmp_path / "c"), "--checkpoint.initial_load_path", str(hf)]))
+        Trainer(
+            load_config([*TINY, "--job.dump_folder", str(tmp_path / "c"), "--checkpoint.initial_load_path", str(hf)])
+        )
 
     # the same folder again: auto-resume passes over the export (nothing to resume, a fresh start) ...
     again = Trainer(load_config([*TINY, "--job.dump_folder", str(tmp_path / "a"), "--training.steps", "3"]))
@@ -47,7 +78,14 @@ def test_hf_options_need_their_companions(tmp_path):
     with pytest.raises(TitanError, match="initial_load_in_hf' needs checkpoint.initial_load_path"):
         load_config([*TINY, "--checkpoint.initial_load_in_hf"])
     with pytest.raises(TitanError, match="last_save_in_hf' is not supported with pipeline parallelism"):
-        load_config([*TINY, "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only",
-                     "--parallelism.pipeline_parallel_degree", "2"])
+        load_config(
+            [
+                *TINY,
+                "--checkpoint.last_save_in_hf",
+                "--checkpoint.last_save_model_only",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+            ]
+        )
     with pytest.raises(TitanError, match="last_save_in_hf' writes the final step-N .*last_save_model_only"):
         load_config([*TINY, "--checkpoint.last_save_in_hf"])

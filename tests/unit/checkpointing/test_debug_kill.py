@@ -56,8 +56,9 @@ def test_kill_env_puts_the_site_hook_first_on_the_path():
 
 @pytest.mark.slow
 def test_train_subprocess_is_killed_at_the_step_point(tmp_path):
-    rc, text, steps = train_subprocess(tmp_path, "--training.steps", "3", "--checkpoint.interval", "2",
-                                       kill_at="step=2")
+    rc, text, steps = train_subprocess(
+        tmp_path, "--training.steps", "3", "--checkpoint.interval", "2", kill_at="step=2"
+    )
     assert rc == -signal.SIGKILL and sorted(steps) == [1, 2], text[-3000:]
     assert "TITAN_DEBUG_KILL_AT: SIGKILL at step of step 2" in text
     assert not (tmp_path / "checkpoint" / "step-2").exists()  # killed before its save

@@ -18,15 +18,34 @@ NEW_LAYOUT = ["--training.steps", "3", "--checkpoint.enable", "--parallelism.ten
 
 def test_excluded_parts_are_not_compared():
     base = load_config([])
-    changed = load_config(["--optimizer.lr", "1e-3", "--lr_scheduler.warmup_steps", "7", "--training.seq_len", "64",
-                           "--training.seed", "3", "--training.max_norm", "2"])
+    changed = load_config(
+        [
+            "--optimizer.lr",
+            "1e-3",
+            "--lr_scheduler.warmup_steps",
+            "7",
+            "--training.seq_len",
+            "64",
+            "--training.seed",
+            "3",
+            "--training.max_norm",
+            "2",
+        ]
+    )
     diff = differences(snapshot(base, 4), snapshot(changed, 2))
-    assert set(diff) == {"optimizer.lr", "lr_scheduler.warmup_steps", "training.seq_len", "training.seed",
-                         "training.max_norm", "effective.global_batch"}
+    assert set(diff) == {
+        "optimizer.lr",
+        "lr_scheduler.warmup_steps",
+        "training.seq_len",
+        "training.seed",
+        "training.max_norm",
+        "effective.global_batch",
+    }
     kept = differences(snapshot(base, 4), snapshot(changed, 2), ("lr_scheduler", "dataloader", "optimizer"))
     assert kept == {"training.seed": (None, 3)}
-    assert differences(snapshot(base, 4), snapshot(changed, 2), ("dataloader", "optimizer", "lr_scheduler",
-                                                                 "rng")) == {}
+    assert (
+        differences(snapshot(base, 4), snapshot(changed, 2), ("dataloader", "optimizer", "lr_scheduler", "rng")) == {}
+    )
 
 
 def _save_then_resume_on_tp(rank: int, world: int, tmp: str) -> tuple[int, dict, str]:
@@ -38,8 +57,9 @@ def _save_then_resume_on_tp(rank: int, world: int, tmp: str) -> tuple[int, dict,
         refused = ""
     except TitanError as e:
         refused = str(e)
-    resumed = tiny_trainer(Path(tmp), *NEW_LAYOUT, "--checkpoint.exclude_from_loading",
-                           "lr_scheduler,dataloader,optimizer")
+    resumed = tiny_trainer(
+        Path(tmp), *NEW_LAYOUT, "--checkpoint.exclude_from_loading", "lr_scheduler,dataloader,optimizer"
+    )
     start = resumed.step
     same = all(p.full_tensor().equal(saved[n]) for n, p in resumed.model_parts[0].named_parameters())
     losses = resumed.train()

@@ -27,8 +27,23 @@ from titan.checkpointing.manifest import verify
 pytestmark = pytest.mark.slow
 STEPS = 14
 # a 2-layer, dim-64 debug model: small checkpoints, fast steps
-ARGS = [*TINY_CKPT, "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--training.steps", str(STEPS), "--checkpoint.interval", "2", "--checkpoint.async_mode", "async"]
+ARGS = [
+    *TINY_CKPT,
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.steps",
+    str(STEPS),
+    "--checkpoint.interval",
+    "2",
+    "--checkpoint.async_mode",
+    "async",
+]
 RESUMED = re.compile(r"resumed from (\S+): step (\d+)")
 
 
@@ -121,12 +136,14 @@ def test_kill_9_at_random_points_resumes_exactly(tmp_path):
         target = min(expected + rng.randint(3, 4), STEPS - 1)  # past the next save, so runs make progress
         if kind == "save":  # as soon as a new save is on disk but not yet committed
             old = _torn(root)
-            stop = lambda: bool(_torn(root) - old)  # noqa: E731
+            stop = lambda old=old: bool(_torn(root) - old)  # noqa: E731
         else:  # right after a random later step was logged
             # ...and a newer save has committed: an async save may still be writing when the
             # target step is logged, and a kill before its commit would make no progress
             progress = expected + 2 < STEPS  # the next save is not the final one
-            stop = lambda: max(_losses(log), default=0) >= target and (_newest(root) > expected or not progress)  # noqa: E731
+            stop = lambda log=log, target=target, expected=expected, progress=progress: (  # noqa: E731
+                max(_losses(log), default=0) >= target and (_newest(root) > expected or not progress)
+            )
         code, was_inside = _run_until(ctx, run, log, stop)
         text = log.read_text()
         assert code is None, f"run {i} ended before its kill point: {text[-3000:]}"

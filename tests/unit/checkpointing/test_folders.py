@@ -52,8 +52,13 @@ def test_load_step_and_exports(tmp_path):
 
 
 def test_keep_latest_k_never_deletes_last_complete_full(tmp_path):
-    for step, complete, model_only in [(2, True, False), (3, False, False), (4, True, False),
-                                       (6, True, True), (8, False, False)]:
+    for step, complete, model_only in [
+        (2, True, False),
+        (3, False, False),
+        (4, True, False),
+        (6, True, True),
+        (8, False, False),
+    ]:
         _step(tmp_path, step, complete, model_only)
     prune(str(tmp_path), 0)  # 0 keeps everything
     assert len(scan(str(tmp_path))) == 5
@@ -95,11 +100,13 @@ def test_signal_sets_flag_and_handlers_are_restored():
 def test_checkpoint_config():
     c = load_config(["--checkpoint.enable", "--checkpoint.exclude_from_loading", "dataloader,optimizer"])
     assert c.checkpoint.enable and c.checkpoint.exclude_from_loading == ["dataloader", "optimizer"]
-    for args, key in [(["--checkpoint.async_mode", "thread"], "checkpoint.async_mode"),
-                      (["--checkpoint.export_dtype", "int8"], "checkpoint.export_dtype"),
-                      (["--checkpoint.exclude_from_loading", "model,weights"], "checkpoint.exclude_from_loading"),
-                      (["--checkpoint.interval", "0"], "checkpoint.interval"),
-                      (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k")]:
+    for args, key in [
+        (["--checkpoint.async_mode", "thread"], "checkpoint.async_mode"),
+        (["--checkpoint.export_dtype", "int8"], "checkpoint.export_dtype"),
+        (["--checkpoint.exclude_from_loading", "model,weights"], "checkpoint.exclude_from_loading"),
+        (["--checkpoint.interval", "0"], "checkpoint.interval"),
+        (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k"),
+    ]:
         with pytest.raises(TitanError, match=key):
             load_config(args)
     with pytest.raises(TitanError, match="'checkpoint.initial_load_path' needs checkpoint.enable"):
@@ -117,8 +124,17 @@ def _manager(config, **facts) -> CheckpointManager:
 
 
 def test_should_save_every_interval_and_the_last_step(tmp_path):
-    config = load_config(["--checkpoint.enable", "--checkpoint.interval", "4", "--training.steps", "10",
-                          "--job.dump_folder", str(tmp_path)])
+    config = load_config(
+        [
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "4",
+            "--training.steps",
+            "10",
+            "--job.dump_folder",
+            str(tmp_path),
+        ]
+    )
     manager = _manager(config)
     assert [s for s in range(1, 11) if manager.should_save(s)] == [4, 8, 10]
     assert [manager.next_save(s) for s in (0, 3, 4, 8, 9)] == [4, 4, 8, 10, 10]

@@ -52,8 +52,18 @@ def test_config_round_trip_for_published_flavors():
         assert cfg["rope_scaling"]["rope_type"] == "llama3"
         back = hf_config_to_args(cfg)
         assert ffn_hidden_dim(back) == ffn_hidden_dim(args) == cfg["intermediate_size"]
-        for f in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "rope_theta", "rope_scale_factor",
-                  "use_rope_scaling", "rope_original_max_position_embeddings", "norm_eps"):
+        for f in (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "kv_heads",
+            "vocab_size",
+            "rope_theta",
+            "rope_scale_factor",
+            "use_rope_scaling",
+            "rope_original_max_position_embeddings",
+            "norm_eps",
+        ):
             assert getattr(back, f) == getattr(args, f), (flavor, f)
     assert hf_config_to_args(args_to_hf_config(small_args(ffn_dim_multiplier=1.3))).dim == 64
 
@@ -134,27 +144,75 @@ def test_convert_script_on_a_training_checkpoint_and_torch_save_round_trip(tmp_p
 
 def test_published_hf_configs_map_to_the_titan_flavors():
     llama31_8b = {  # meta-llama/Llama-3.1-8B config.json
-        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
-        "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
-        "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
-        "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 131072,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 128256,
     }
     args, flavor = hf_config_to_args(llama31_8b), get_model_spec("llama3").flavors["8B"]
-    for f in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "rope_theta", "use_rope_scaling",
-              "rope_scale_factor", "rope_low_freq_factor", "rope_high_freq_factor", "norm_eps", "tie_embeddings"):
+    for f in (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "kv_heads",
+        "vocab_size",
+        "rope_theta",
+        "use_rope_scaling",
+        "rope_scale_factor",
+        "rope_low_freq_factor",
+        "rope_high_freq_factor",
+        "norm_eps",
+        "tie_embeddings",
+    ):
         assert getattr(args, f) == getattr(flavor, f), f
     assert ffn_hidden_dim(args) == 14336
     # Llama 3.2 1B: tied embeddings, explicit head_dim, RoPE factor 32; transformers 5 style rope_parameters.
     llama32_1b = llama31_8b | {
-        "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32, "num_hidden_layers": 16,
-        "head_dim": 64, "tie_word_embeddings": True, "rope_scaling": None,
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 16,
+        "head_dim": 64,
+        "tie_word_embeddings": True,
+        "rope_scaling": None,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     }
     del llama32_1b["rope_theta"]
     small = hf_config_to_args(llama32_1b)
-    assert (small.tie_embeddings, small.rope_scale_factor, small.rope_theta, ffn_hidden_dim(small)) == (True, 32.0, 500000.0, 8192)
+    assert (small.tie_embeddings, small.rope_scale_factor, small.rope_theta, ffn_hidden_dim(small)) == (
+        True,
+        32.0,
+        500000.0,
+        8192,
+    )

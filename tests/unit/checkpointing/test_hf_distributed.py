@@ -21,8 +21,13 @@ def _fsdp_round_trip(rank: int, world: int, src: str, out: str):
     args = small_args()
     with torch.device("meta"):
         model = Transformer(args)
-    apply_fsdp(model, init_device_mesh("cpu", (world,)), param_dtype="float32", reduce_dtype="float32",
-               reshard_after_forward="default")
+    apply_fsdp(
+        model,
+        init_device_mesh("cpu", (world,)),
+        param_dtype="float32",
+        reduce_dtype="float32",
+        reshard_after_forward="default",
+    )
     model.to_empty(device="cpu")
     load_hf_into_model([model], src)
     sharded = all(isinstance(p, DTensor) for p in model.parameters())

@@ -42,8 +42,11 @@ DAMAGE = {
     "truncated distcp": (_truncate, "__0_0.distcp is", "(truncated)"),
     "empty metadata": (lambda p: (p / ".metadata").write_bytes(b""), ".metadata is 0 bytes", "(empty)"),
     "missing metadata": (lambda p: (p / ".metadata").unlink(), ".metadata is missing", ""),
-    "garbage metadata": (lambda p: _garbage(p / ".metadata"), ".metadata has the right size but different bytes",
-                         "checksum"),
+    "garbage metadata": (
+        lambda p: _garbage(p / ".metadata"),
+        ".metadata has the right size but different bytes",
+        "checksum",
+    ),
     "one flipped bit": (lambda p: _flip(p, 1, 1, True), "__0_0.distcp has the right size", "checksum"),
     "3 x 64 flipped bytes": (lambda p: _flip(p, 3, 64, False), "__0_0.distcp has the right size", "checksum"),
     # the per-rank file is committed with the DCP files: torn or lost, the checkpoint is damaged

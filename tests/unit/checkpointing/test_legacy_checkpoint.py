@@ -14,8 +14,22 @@ from tests.helpers.runs import TINY_RUN
 pytestmark = pytest.mark.slow
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures/legacy_checkpoint/step-4"
 # How the fixture was made (its README.md).
-ARGS = [*TINY_RUN, "--model.dim", "4", "--model.n_layers", "1", "--model.n_heads", "1", "--model.n_kv_heads", "1",
-        "--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "4"]
+ARGS = [
+    *TINY_RUN,
+    "--model.dim",
+    "4",
+    "--model.n_layers",
+    "1",
+    "--model.n_heads",
+    "1",
+    "--model.n_kv_heads",
+    "1",
+    "--training.steps",
+    "8",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "4",
+]
 # Trainer.train()'s losses recorded with the code that wrote the fixture.
 FIRST = {1: 8.144109725952148, 2: 8.048494338989258, 3: 8.257222175598145, 4: 8.124879837036133}
 UNINTERRUPTED = {5: 8.162956237792969, 6: 8.124430656433105, 7: 7.812318801879883, 8: 7.961215019226074}

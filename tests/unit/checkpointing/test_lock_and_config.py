@@ -25,8 +25,19 @@ def _files(folder: Path) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_second_run_on_same_folder_is_refused_and_writes_nothing(tmp_path):
-    cmd = [sys.executable, "train.py", *TINY_CKPT, "--job.dump_folder", str(tmp_path), "--training.steps", "400",
-           "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        *TINY_CKPT,
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "400",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "2",
+    ]
     first = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in first.stdout:  # the first run holds the lock and has saved checkpoints
@@ -56,8 +67,9 @@ def test_second_run_on_same_folder_is_refused_and_writes_nothing(tmp_path):
 def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, caplog):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(),
-                                                  "start_ticks": "1", "started": "earlier"}))
+    (tmp_path / LOCK_NAME).write_text(
+        json.dumps({"pid": dead.pid, "host": socket.gethostname(), "start_ticks": "1", "started": "earlier"})
+    )
     lock = RunLock(str(tmp_path))
     lock.acquire()
     assert f"taking over the stale lock {tmp_path / LOCK_NAME}" in caplog.text and f"pid {dead.pid}" in caplog.text
@@ -76,9 +88,26 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, caplog):
 
 def test_training_relevant_keys_by_section():
     base = load_config([])
-    changed = load_config(["--optimizer.lr", "1e-3", "--lr_scheduler.warmup_steps", "7", "--training.steps", "9",
-                           "--metrics.log_freq", "3", "--checkpoint.interval", "5", "--job.dump_folder", "/else",
-                           "--optimizer.implementation", "for-loop", "--parallelism.data_parallel_shard_degree", "2"])
+    changed = load_config(
+        [
+            "--optimizer.lr",
+            "1e-3",
+            "--lr_scheduler.warmup_steps",
+            "7",
+            "--training.steps",
+            "9",
+            "--metrics.log_freq",
+            "3",
+            "--checkpoint.interval",
+            "5",
+            "--job.dump_folder",
+            "/else",
+            "--optimizer.implementation",
+            "for-loop",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+        ]
+    )
     diff = differences(snapshot(base, 1), snapshot(changed, 1))
     assert diff == {"optimizer.lr": (8e-4, 1e-3), "lr_scheduler.warmup_steps": (200, 7)}
     # dp 1 -> 2 without a global batch doubles it: that is training-relevant
@@ -92,16 +121,27 @@ def test_changed_lr_on_resume_error_use_new_use_checkpoint(tmp_path):
     with pytest.raises(TitanError, match=r"optimizer.lr = 0.003 there, 0.002 now.*config_mismatch use_checkpoint"):
         tiny_trainer(tmp_path, *steps, "--training.steps", "6", "--optimizer.lr", "2e-3")
     # use_new: today's lr really drives the optimizer after the checkpoint's state was loaded
-    new = tiny_trainer(tmp_path, *steps, "--training.steps", "6", "--optimizer.lr", "2e-3",
-                   "--checkpoint.config_mismatch", "use_new")
+    new = tiny_trainer(
+        tmp_path, *steps, "--training.steps", "6", "--optimizer.lr", "2e-3", "--checkpoint.config_mismatch", "use_new"
+    )
     ref = tiny_trainer(tmp_path / "ref", "--training.steps", "6", "--optimizer.lr", "2e-3")
     for _ in range(4):  # the uninterrupted lr schedule at lr 2e-3, at step 4
         ref.optimizers.step()
         ref.lr_schedulers.step()
     assert new.step == 4 and new.lr_schedulers.schedulers[0].base_lrs == [2e-3]
     assert new.lr_schedulers.get_last_lr() == pytest.approx(ref.lr_schedulers.get_last_lr())
-    assert all(g["lr"] == pytest.approx(ref.lr_schedulers.get_last_lr()) for o in new.optimizers for g in o.param_groups)
+    assert all(
+        g["lr"] == pytest.approx(ref.lr_schedulers.get_last_lr()) for o in new.optimizers for g in o.param_groups
+    )
     # use_checkpoint: the run continues with the checkpoint's lr
-    old = tiny_trainer(tmp_path, *steps, "--training.steps", "6", "--optimizer.lr", "2e-3",
-                   "--checkpoint.config_mismatch", "use_checkpoint")
+    old = tiny_trainer(
+        tmp_path,
+        *steps,
+        "--training.steps",
+        "6",
+        "--optimizer.lr",
+        "2e-3",
+        "--checkpoint.config_mismatch",
+        "use_checkpoint",
+    )
     assert old.config.optimizer.lr == 3e-3 and old.lr_schedulers.schedulers[0].base_lrs == [3e-3]

@@ -26,6 +26,7 @@ from tests.helpers.runs import trainer as tiny_trainer
 
 pytestmark = pytest.mark.slow
 
+
 @contextlib.contextmanager
 def _alone():
     """Run as a 1-process job on rank 0 while the 2-rank process group stays up."""
@@ -42,7 +43,7 @@ def _probe(trainer, dp_rank: int, dp: int) -> tuple[float, float, float]:
     loss after that step: weights, optimizer moments and LR must all have been restored."""
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, trainer.model_parts[0].vocab_size, (4, 33), generator=g)
-    mine = tokens[dp_rank * 4 // dp:(dp_rank + 1) * 4 // dp]
+    mine = tokens[dp_rank * 4 // dp : (dp_rank + 1) * 4 // dp]
     batch = [(mine[:, :-1].contiguous(), mine[:, 1:].contiguous())]
     loss, norm = trainer.train_step(batch)
     after, _ = trainer.train_step(batch)
@@ -65,7 +66,9 @@ def _scenario(rank: int, world: int, tmp: str) -> dict:
     seed = str(tmp_path / "seed/checkpoint/step-0")
 
     # --- 2-rank FSDP2
-    t = tiny_trainer(tmp_path / "a1", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode", "async")
+    t = tiny_trainer(
+        tmp_path / "a1", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode", "async"
+    )
     out["ref"] = t.train()
     out["ref_tokens"] = t.train_state.tokens_seen
     out["a1_steps"] = sorted(int(p.name[5:]) for p in (tmp_path / "a1/checkpoint").glob("step-*"))
@@ -82,11 +85,18 @@ def _scenario(rank: int, world: int, tmp: str) -> dict:
         (tmp_path / "a3/checkpoint").mkdir(parents=True)
         shutil.copytree(tmp_path / "a1/checkpoint/step-2", tmp_path / "a3/checkpoint/step-2")
     dist.barrier()
-    out["a3_resumed"] = tiny_trainer(tmp_path / "a3", "--checkpoint.enable", "--checkpoint.interval", "2",
-                                 "--checkpoint.async_mode", "async").train()
+    out["a3_resumed"] = tiny_trainer(
+        tmp_path / "a3", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode", "async"
+    ).train()
     # same-layout probe of the step-3 checkpoint (full load through initial_load_path)
-    probe = tiny_trainer(tmp_path / "a4", "--checkpoint.enable", "--checkpoint.initial_load_path",
-                     str(tmp_path / "a2/checkpoint/step-3"), "--checkpoint.initial_load_model_only", "false")
+    probe = tiny_trainer(
+        tmp_path / "a4",
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "a2/checkpoint/step-3"),
+        "--checkpoint.initial_load_model_only",
+        "false",
+    )
     out["a4_step"] = probe.step
     out["probe2"] = _probe(probe, probe.dp_rank, 2)
     # seed checkpoint into two layouts: FSDP2 (auto-loaded from its own folder) and DDP (initial_load_path)
@@ -94,30 +104,64 @@ def _scenario(rank: int, world: int, tmp: str) -> dict:
         shutil.copytree(tmp_path / "seed/checkpoint", tmp_path / "s_fsdp/checkpoint")
     dist.barrier()
     out["seed_fsdp"] = tiny_trainer(tmp_path / "s_fsdp", "--checkpoint.enable", "--training.steps", "1").train()
-    out["seed_ddp"] = tiny_trainer(tmp_path / "s_ddp", "--checkpoint.enable", "--training.steps", "1",
-                               "--checkpoint.initial_load_path", seed,
-                               "--parallelism.data_parallel_replicate_degree", "2",
-                               "--parallelism.data_parallel_shard_degree", "1").train()
+    out["seed_ddp"] = tiny_trainer(
+        tmp_path / "s_ddp",
+        "--checkpoint.enable",
+        "--training.steps",
+        "1",
+        "--checkpoint.initial_load_path",
+        seed,
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ).train()
     dist.barrier()
     if rank == 1:
         return out
 
     # --- rank 0 alone: load the 2-rank FSDP2 checkpoint into 1 process
     with _alone():
-        one = tiny_trainer(tmp_path / "b1", "--checkpoint.enable", "--checkpoint.initial_load_path",
-                       str(tmp_path / "a2/checkpoint/step-3"), "--checkpoint.initial_load_model_only", "false")
+        one = tiny_trainer(
+            tmp_path / "b1",
+            "--checkpoint.enable",
+            "--checkpoint.initial_load_path",
+            str(tmp_path / "a2/checkpoint/step-3"),
+            "--checkpoint.initial_load_model_only",
+            "false",
+        )
         out["b1_step"] = one.step
         out["b1_loader"] = one.dataloader.state_dict()
         out["probe1"] = _probe(one, 0, 1)
-        part = tiny_trainer(tmp_path / "b4", "--checkpoint.enable", "--checkpoint.initial_load_path",
-                        str(tmp_path / "a2/checkpoint/step-3"), "--checkpoint.initial_load_model_only", "false",
-                        "--checkpoint.exclude_from_loading", "dataloader,optimizer")
-        out["b4"] = (part.step, part.dataloader.state_dict()["streams"][0]["next"],
-                     any(o.state for o in part.optimizers))
+        part = tiny_trainer(
+            tmp_path / "b4",
+            "--checkpoint.enable",
+            "--checkpoint.initial_load_path",
+            str(tmp_path / "a2/checkpoint/step-3"),
+            "--checkpoint.initial_load_model_only",
+            "false",
+            "--checkpoint.exclude_from_loading",
+            "dataloader,optimizer",
+        )
+        out["b4"] = (
+            part.step,
+            part.dataloader.state_dict()["streams"][0]["next"],
+            any(o.state for o in part.optimizers),
+        )
         # 1 rank, pinned-memory async mode, bf16 model-only export at the end, keep_latest_k=1
-        b2 = tiny_trainer(tmp_path / "b2", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode",
-                      "async_with_pinned_mem", "--checkpoint.last_save_model_only", "--checkpoint.export_dtype",
-                      "bfloat16", "--checkpoint.keep_latest_k", "1")
+        b2 = tiny_trainer(
+            tmp_path / "b2",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "2",
+            "--checkpoint.async_mode",
+            "async_with_pinned_mem",
+            "--checkpoint.last_save_model_only",
+            "--checkpoint.export_dtype",
+            "bfloat16",
+            "--checkpoint.keep_latest_k",
+            "1",
+        )
         out["ref1"] = b2.train()
         out["b2_steps"] = sorted(p.name for p in (tmp_path / "b2/checkpoint").glob("step-*"))
         weights = {k: v.to(torch.bfloat16) for k, v in b2.model_parts[0].state_dict().items()}
@@ -131,13 +175,16 @@ def _scenario(rank: int, world: int, tmp: str) -> dict:
         meta = dcp.FileSystemReader(str(export)).read_metadata().state_dict_metadata
         out["export_dtypes"] = {m.properties.dtype for m in meta.values()}
         out["export_equal"] = sorted(loaded) == sorted(weights) and all(
-            torch.equal(loaded[k], weights[k]) for k in weights)
-        out["export_fresh_ok"] = all(torch.equal(v.to(torch.bfloat16), weights[k])
-                                     for k, v in fresh.state_dict().items())
+            torch.equal(loaded[k], weights[k]) for k in weights
+        )
+        out["export_fresh_ok"] = all(
+            torch.equal(v.to(torch.bfloat16), weights[k]) for k, v in fresh.state_dict().items()
+        )
         (tmp_path / "b3/checkpoint").mkdir(parents=True)
         shutil.copytree(tmp_path / "b2/checkpoint/step-4", tmp_path / "b3/checkpoint/step-4")
-        out["b3_resumed"] = tiny_trainer(tmp_path / "b3", "--checkpoint.enable", "--checkpoint.interval", "2",
-                                     "--checkpoint.async_mode", "async").train()
+        out["b3_resumed"] = tiny_trainer(
+            tmp_path / "b3", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode", "async"
+        ).train()
     return out
 
 

@@ -20,8 +20,18 @@ SEQ = 32
 # Meta's fairscale layout: column-parallel weights split the output dim (0), row-parallel the
 # input dim (1); Llama 3's VocabParallelEmbedding splits the vocab (0); norms are replicated.
 _SPLIT_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "tok_embeddings": 0, "wo": 1, "w2": 1}
-PARAMS = {"dim": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": 8, "vocab_size": 2048, "multiple_of": 256,
-          "ffn_dim_multiplier": None, "norm_eps": 1e-5, "rope_theta": 500000.0, "use_scaled_rope": False}
+PARAMS = {
+    "dim": 256,
+    "n_layers": 6,
+    "n_heads": 16,
+    "n_kv_heads": 8,
+    "vocab_size": 2048,
+    "multiple_of": 256,
+    "ffn_dim_multiplier": None,
+    "norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "use_scaled_rope": False,
+}
 
 
 def write_fake_meta(folder: Path, truth: dict[str, torch.Tensor], n_shards: int = 2) -> None:
@@ -39,13 +49,25 @@ def write_fake_meta(folder: Path, truth: dict[str, torch.Tensor], n_shards: int 
 
 
 def _args(dump: str) -> list[str]:
-    return ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", dump,
-            "--training.seq_len", str(SEQ), "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false"]
+    return [
+        "--job.config_file",
+        str(REPO / "train_configs/debug_model.toml"),
+        "--job.dump_folder",
+        dump,
+        "--training.seq_len",
+        str(SEQ),
+        "--training.local_batch_size",
+        "2",
+        "--metrics.enable_tensorboard",
+        "false",
+    ]
 
 
 def _trainer_from(dump: str, dcp_dir: Path) -> Trainer:
     """Through [checkpoint] initial_load_path, as a user starts from a converted checkpoint."""
-    return Trainer(load_config([*_args(dump), "--checkpoint.enable", "true", "--checkpoint.initial_load_path", str(dcp_dir)]))
+    return Trainer(
+        load_config([*_args(dump), "--checkpoint.enable", "true", "--checkpoint.initial_load_path", str(dcp_dir)])
+    )
 
 
 @pytest.mark.slow
@@ -53,7 +75,9 @@ def test_two_shard_meta_checkpoint_converts_and_trains(tmp_path, capsys):
     from scripts.convert_llama_to_dcp import main
 
     with torch.device("meta"):
-        shapes = Transformer(get_model_args("debugmodel", vocab_size=PARAMS["vocab_size"], max_seq_len=SEQ)).state_dict()
+        shapes = Transformer(
+            get_model_args("debugmodel", vocab_size=PARAMS["vocab_size"], max_seq_len=SEQ)
+        ).state_dict()
     torch.manual_seed(7)
     # Meta releases are bf16: make the truth bf16-representable so the fp32 model gets it exactly.
     truth = {k: torch.randn(v.shape).mul(0.05).bfloat16().float() for k, v in shapes.items()}

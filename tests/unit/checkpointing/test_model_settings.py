@@ -38,8 +38,19 @@ def _hf_folder(tmp_path: Path, **changes) -> tuple[Path, Transformer]:
 
 
 def _trainer(tmp_path: Path, hf: Path, *extra: str) -> Trainer:
-    return Trainer(load_config([*RUN, "--job.dump_folder", str(tmp_path / "dump"), "--checkpoint.initial_load_path",
-                                str(hf), "--checkpoint.initial_load_in_hf", *extra]))
+    return Trainer(
+        load_config(
+            [
+                *RUN,
+                "--job.dump_folder",
+                str(tmp_path / "dump"),
+                "--checkpoint.initial_load_path",
+                str(hf),
+                "--checkpoint.initial_load_in_hf",
+                *extra,
+            ]
+        )
+    )
 
 
 def test_other_rope_theta_and_norm_eps_are_refused_by_default(tmp_path: Path) -> None:
@@ -49,7 +60,8 @@ def test_other_rope_theta_and_norm_eps_are_refused_by_default(tmp_path: Path) ->
     assert str(e.value) == (
         f"checkpoint.initial_load_path {hf}: the Hugging Face folder's model differs from this run's: norm_eps = 1e-06"
         " there, 1e-05 in this run, rope_theta = 10000.0 there, 500000.0 in this run; train with its values with"
-        " --checkpoint.config_mismatch use_checkpoint, keep this run's with use_new, or change the model settings")
+        " --checkpoint.config_mismatch use_checkpoint, keep this run's with use_new, or change the model settings"
+    )
 
 
 @pytest.mark.slow
@@ -60,7 +72,7 @@ def test_use_checkpoint_trains_with_the_folders_values(tmp_path: Path) -> None:
     args = trainer.model_parts[0].model_args
     assert (args.rope_theta, args.norm_eps) == (1e4, 1e-6)
     microbatches = trainer.next_microbatches()
-    (inputs, labels), = microbatches
+    ((inputs, labels),) = microbatches
     ref = transformers.LlamaForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32).eval()
     with torch.no_grad():
         expected = F.cross_entropy(ref(inputs).logits.flatten(0, 1).float(), labels.flatten()).item()
@@ -78,8 +90,11 @@ def test_use_new_keeps_the_runs_values_but_not_other_shapes(tmp_path: Path) -> N
     trainer = _trainer(tmp_path, hf, "--checkpoint.config_mismatch", "use_new")
     assert trainer.model_parts[0].model_args.rope_theta == 500000.0
     other, _ = _hf_folder(tmp_path / "b", n_kv_heads=16)
-    with pytest.raises(TitanError, match=r"use_new cannot load weights of another shape \(n_kv_heads = 16 there, 8 in"
-                                         r" this run\)"):
+    with pytest.raises(
+        TitanError,
+        match=r"use_new cannot load weights of another shape \(n_kv_heads = 16 there, 8 in"
+        r" this run\)",
+    ):
         _trainer(tmp_path / "b", other, "--checkpoint.config_mismatch", "use_new")
 
 
@@ -87,10 +102,20 @@ def test_converted_dcp_folder_is_checked_too(tmp_path: Path) -> None:
     hf, _ = _hf_folder(tmp_path, rope_theta=1e4)
     import_hf_to_dcp(hf, tmp_path / "dcp")
     with pytest.raises(TitanError) as e:
-        Trainer(load_config([*RUN, "--job.dump_folder", str(tmp_path / "dump"), "--checkpoint.initial_load_path",
-                             str(tmp_path / "dcp")]))
-    assert "the checkpoint's model differs from this run's: rope_theta = 10000.0 there, 500000.0 in this run" \
-        in str(e.value)
+        Trainer(
+            load_config(
+                [
+                    *RUN,
+                    "--job.dump_folder",
+                    str(tmp_path / "dump"),
+                    "--checkpoint.initial_load_path",
+                    str(tmp_path / "dcp"),
+                ]
+            )
+        )
+    assert "the checkpoint's model differs from this run's: rope_theta = 10000.0 there, 500000.0 in this run" in str(
+        e.value
+    )
 
 
 def test_matching_folder_loads_without_a_word(tmp_path: Path) -> None:

@@ -16,8 +16,17 @@ from torch.distributed.checkpoint import state_dict_saver
 from tests.helpers.runs import trainer as tiny_trainer
 from titan.errors import TitanError
 
-PINNED = ["--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2",
-          "--checkpoint.async_mode", "async_with_pinned_mem", "--checkpoint.keep_latest_k", "0"]  # keep all 4
+PINNED = [
+    "--training.steps",
+    "8",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "2",
+    "--checkpoint.async_mode",
+    "async_with_pinned_mem",
+    "--checkpoint.keep_latest_k",
+    "0",
+]  # keep all 4
 
 
 def _committed(folder: Path) -> list[str]:

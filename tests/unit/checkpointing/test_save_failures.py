@@ -49,8 +49,17 @@ def _check_failed_run(rc: int, text: str, folder: Path, failed_step: int, cause:
 @pytest.mark.parametrize("mode", ["async", "disabled"])
 def test_full_disk_on_real_tmpfs(tmp_path, tmpfs, mode):
     ckpt = tmpfs / "ckpt"
-    rc, text, _ = train_subprocess(tmp_path / "run", "--training.steps", "6", "--checkpoint.interval", "2",
-                         "--checkpoint.folder", str(ckpt), "--checkpoint.async_mode", mode)
+    rc, text, _ = train_subprocess(
+        tmp_path / "run",
+        "--training.steps",
+        "6",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.folder",
+        str(ckpt),
+        "--checkpoint.async_mode",
+        mode,
+    )
     _check_failed_run(rc, text, ckpt, 4, "no space left on device")
     assert "free disk space" in text
     assert (ckpt / "step-2/COMPLETE").is_file() and sorted(p.name for p in ckpt.iterdir()) == ["step-2"]
@@ -60,9 +69,21 @@ def test_full_disk_on_real_tmpfs(tmp_path, tmpfs, mode):
 @pytest.mark.slow
 def test_full_disk_retry_keeps_training(tmp_path, tmpfs):
     ckpt = tmpfs / "ckpt"
-    rc, text, steps = train_subprocess(tmp_path / "run", "--training.steps", "7", "--checkpoint.interval", "2",
-                             "--checkpoint.folder", str(ckpt), "--checkpoint.async_mode", "async",
-                             "--checkpoint.on_save_error", "retry", "--checkpoint.keep_latest_k", "1")
+    rc, text, steps = train_subprocess(
+        tmp_path / "run",
+        "--training.steps",
+        "7",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.folder",
+        str(ckpt),
+        "--checkpoint.async_mode",
+        "async",
+        "--checkpoint.on_save_error",
+        "retry",
+        "--checkpoint.keep_latest_k",
+        "1",
+    )
     # step-4 and step-6 fail (a second checkpoint never fits), training reaches 7, whose final save stops
     assert sorted(steps) == list(range(1, 8)), text[-3000:]
     assert text.count("on_save_error=retry: training goes on") == 2, text[-3000:]
@@ -73,8 +94,21 @@ def test_full_disk_retry_keeps_training(tmp_path, tmpfs):
 @pytest.mark.slow
 def test_read_only_file_system_mid_run(tmp_path, tmpfs):
     ckpt = tmpfs / "ckpt"
-    cmd = [sys.executable, "train.py", *TINY_CKPT, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "12",
-           "--checkpoint.interval", "6", "--checkpoint.folder", str(ckpt), "--checkpoint.async_mode", "async"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        *TINY_CKPT,
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--training.steps",
+        "12",
+        "--checkpoint.interval",
+        "6",
+        "--checkpoint.folder",
+        str(ckpt),
+        "--checkpoint.async_mode",
+        "async",
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 240

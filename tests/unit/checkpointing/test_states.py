@@ -25,8 +25,18 @@ DCP_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
 
 def _manager(folder: Path, seed: int, *args: str):
-    config = load_config(["--checkpoint.enable", "--job.dump_folder", str(folder), "--training.steps", "10",
-                          "--lr_scheduler.warmup_steps", "2", *args])
+    config = load_config(
+        [
+            "--checkpoint.enable",
+            "--job.dump_folder",
+            str(folder),
+            "--training.steps",
+            "10",
+            "--lr_scheduler.warmup_steps",
+            "2",
+            *args,
+        ]
+    )
     torch.manual_seed(seed)
     # Two parts with disjoint FQNs, as pipeline stages have.
     parts = [nn.ModuleDict({"a": nn.Linear(8, 16), "b": nn.Linear(16, 4)}), nn.ModuleDict({"c": nn.Linear(4, 4)})]
@@ -116,6 +126,8 @@ def test_train_state_round_trip_and_saved_bytes():
 
 def test_importing_the_manager_installs_no_warning_filter():
     # A fresh interpreter: pytest restores the filters after collecting, which would hide one.
-    code = ("import warnings, titan.checkpointing.manager as m;"
-            f" assert not [f for f in warnings.filters if f[1] is not None and f[1].match({DCP_WARNING!r})]")
+    code = (
+        "import warnings, titan.checkpointing.manager as m;"
+        f" assert not [f for f in warnings.filters if f[1] is not None and f[1].match({DCP_WARNING!r})]"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=300)

@@ -83,12 +83,24 @@ def test_toml_int_accepted_for_float(tmp_path):
         (["--training.steps"], "'--training.steps' needs a value"),
         (["steps"], "unexpected command-line argument 'steps'"),
         (["--training.steps", "0"], "config key 'training.steps' got 0; valid: an integer >= 1"),
-        (["--lr_scheduler.decay_type", "exp"], "config key 'lr_scheduler.decay_type' got 'exp'; valid: linear, sqrt, cosine"),
+        (
+            ["--lr_scheduler.decay_type", "exp"],
+            "config key 'lr_scheduler.decay_type' got 'exp'; valid: linear, sqrt, cosine",
+        ),
         (["--training.mixed_precision_param", "fp8"], "valid: float32, bfloat16"),
-        (["--checkpoint.export_dtype", "float64"], "config key 'checkpoint.export_dtype' got 'float64'; valid: float32, bfloat16, float16"),
-        (["--compile.components", "model,optimizer"], "config key 'compile.components' got 'optimizer'; valid: model, loss"),
+        (
+            ["--checkpoint.export_dtype", "float64"],
+            "config key 'checkpoint.export_dtype' got 'float64'; valid: float32, bfloat16, float16",
+        ),
+        (
+            ["--compile.components", "model,optimizer"],
+            "config key 'compile.components' got 'optimizer'; valid: model, loss",
+        ),
         (["--activation_checkpoint.mode", "partial"], "got 'partial'; valid: none, full, selective"),
-        (["--optimizer.implementation", "apex"], "'optimizer.implementation' got 'apex'; valid: for-loop, foreach, fused"),
+        (
+            ["--optimizer.implementation", "apex"],
+            "'optimizer.implementation' got 'apex'; valid: for-loop, foreach, fused",
+        ),
         (["--model.n_layers", "0"], "config key 'model.n_layers' got 0; valid: an integer >= 1, or unset"),
         (["--parallelism.data_parallel_shard_degree", "0"], "-1 (the rest) or an integer >= 1"),
         (["--job.config_file", "/nonexistent/x.toml"], "config file '/nonexistent/x.toml' does not exist"),
@@ -106,14 +118,14 @@ def test_bad_cli(argv, message):
     [
         ("[training]\nstepz = 5\n", "unknown config key 'training.stepz'; did you mean 'training.steps'?"),
         ("[trainig]\nsteps = 5\n", "unknown config section 'trainig'; did you mean 'training'?"),
-        ("[training]\nsteps = \"ten\"\n", "config key 'training.steps' got 'ten', expected int"),
+        ('[training]\nsteps = "ten"\n', "config key 'training.steps' got 'ten', expected int"),
         ("[training]\nsteps = true\n", "got True, expected int"),
-        ("[metrics]\nenable_tensorboard = \"yes\"\n", "expected bool"),
+        ('[metrics]\nenable_tensorboard = "yes"\n', "expected bool"),
         ("[model]\nflavor = 8\n", "expected str"),
-        ("[model]\nattn_type = \"flash\"\n", "config key 'model.attn_type' got 'flash'; valid: sdpa, flex, varlen"),
+        ('[model]\nattn_type = "flash"\n', "config key 'model.attn_type' got 'flash'; valid: sdpa, flex, varlen"),
         ("[model]\nattn_type = 1\n", "config key 'model.attn_type' got 1; valid: sdpa, flex, varlen"),
-        ("[float8]\nrecipe = [\"rowwise\"]\n", "config key 'float8.recipe' got ['rowwise']; valid: tensorwise, rowwise"),
-        ("[checkpoint]\nexclude_from_loading = \"model\"\n", "got 'model', expected list['model' | 'optimizer'"),
+        ('[float8]\nrecipe = ["rowwise"]\n', "config key 'float8.recipe' got ['rowwise']; valid: tensorwise, rowwise"),
+        ('[checkpoint]\nexclude_from_loading = "model"\n', "got 'model', expected list['model' | 'optimizer'"),
         ("steps = 5\n", "unknown config section 'steps'"),
         ("[training\nsteps = 5\n", "is not valid TOML"),
         ("[training.sub]\nx = 1\n", "sections are one level deep"),
@@ -150,17 +162,27 @@ def test_help_and_reference_show_the_choices():
 
 def test_literal_choices_load_from_cli_and_toml(tmp_path):
     path = _toml(tmp_path, '[checkpoint]\nexclude_from_loading = ["dataloader"]\n[float8]\nrecipe = "rowwise"\n')
-    c = load_config(["--job.config_file", path, "--model.attn_type", "flex", "--checkpoint.exclude_from_loading",
-                     "optimizer,dataloader"])
+    c = load_config(
+        [
+            "--job.config_file",
+            path,
+            "--model.attn_type",
+            "flex",
+            "--checkpoint.exclude_from_loading",
+            "optimizer,dataloader",
+        ]
+    )
     assert (c.model.attn_type, c.float8.recipe) == ("flex", "rowwise")
     assert c.checkpoint.exclude_from_loading == ["optimizer", "dataloader"]
 
 
 def test_config_package_imports_nothing_above_it():
     """titan.config is the ground floor: loading a config imports neither torch nor the rest of titan."""
-    code = ("import sys; from titan.config import load_config; load_config([]);"
-            " above = sorted(m for m in sys.modules if m == 'torch' or (m.startswith('titan.')"
-            " and not m.startswith('titan.config') and m != 'titan.errors')); print(above)")
+    code = (
+        "import sys; from titan.config import load_config; load_config([]);"
+        " above = sorted(m for m in sys.modules if m == 'torch' or (m.startswith('titan.')"
+        " and not m.startswith('titan.config') and m != 'titan.errors')); print(above)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -168,6 +190,8 @@ def test_config_package_imports_nothing_above_it():
 def test_train_py_help_and_bad_flag_exit_codes():
     out = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0 and "--training.steps" in out.stdout
-    out = subprocess.run([sys.executable, "train.py", "--training.stepz", "1"], cwd=REPO, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "train.py", "--training.stepz", "1"], cwd=REPO, capture_output=True, text=True
+    )
     assert out.returncode != 0
     assert out.stderr.strip() == "titan: error: unknown config key 'training.stepz'; did you mean 'training.steps'?"

@@ -444,33 +444,76 @@ def test_the_files_cover_every_translated_key(tmp_path: Path) -> None:
     used = set()
     for old, _ in CASES.values():
         used |= {key for key, _ in flatten_toml(tomllib.loads(old))[0]}
-    cli_only = {"comm.mode", "metrics.disable_logging_from_checkpoint", "validation.enabled",
-                "experimental.custom_model_path", "training.enable_fp8_linear", "training.enable_fsdp_fp8_all_gather",
-                "training.data_parallel_replicate_degree", "training.data_parallel_shard_degree",
-                "training.disable_loss_parallel", "training.fsdp_reshard_after_forward",
-                "training.pipeline_parallel_degree", "quantize.linear.float8.filter_fqns",
-                "experimental.pipeline_parallel_schedule_csv", "parallelism.pipeline_parallel_schedule_csv"}
+    cli_only = {
+        "comm.mode",
+        "metrics.disable_logging_from_checkpoint",
+        "validation.enabled",
+        "experimental.custom_model_path",
+        "training.enable_fp8_linear",
+        "training.enable_fsdp_fp8_all_gather",
+        "training.data_parallel_replicate_degree",
+        "training.data_parallel_shard_degree",
+        "training.disable_loss_parallel",
+        "training.fsdp_reshard_after_forward",
+        "training.pipeline_parallel_degree",
+        "quantize.linear.float8.filter_fqns",
+        "experimental.pipeline_parallel_schedule_csv",
+        "parallelism.pipeline_parallel_schedule_csv",
+    }
     missing = sorted(k for k, r in RULES.items() if not r.refused and k not in used | cli_only)
     assert not missing, missing
 
 
-@pytest.mark.parametrize("argv, native", [
-    (["--comm.mode", "fake_backend"], ["--job.dry_run"]),
-    (["--validation.enabled"], ["--validation.enable"]),
-    (["--training.enable_fp8_linear", "--training.enable_fsdp_fp8_all_gather"],
-     ["--float8.enable_float8_linear", "--float8.enable_fsdp_float8_all_gather"]),
-    (["--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree", "2",
-      "--training.disable_loss_parallel", "--training.fsdp_reshard_after_forward", "always",
-      "--training.pipeline_parallel_degree", "2"],
-     ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
-      "--parallelism.disable_loss_parallel", "--parallelism.fsdp_reshard_after_forward", "always",
-      "--parallelism.pipeline_parallel_degree", "2"]),
-    (["--quantize.linear.float8.filter_fqns", "output,wo"], ["--float8.filter_fqns", "output,wo"]),
-    (["--experimental.pipeline_parallel_schedule_csv", "s.csv"], ["--parallelism.pipeline_parallel_schedule_csv", "s.csv"]),
-    (["--parallelism.pipeline_parallel_schedule_csv", "None", "--parallelism.pipeline_parallel_layers_per_stage", "None"],
-     []),
-    (["--metrics.disable_logging_from_checkpoint", "false", "--experimental.custom_model_path", ""], []),
-])
+@pytest.mark.parametrize(
+    "argv, native",
+    [
+        (["--comm.mode", "fake_backend"], ["--job.dry_run"]),
+        (["--validation.enabled"], ["--validation.enable"]),
+        (
+            ["--training.enable_fp8_linear", "--training.enable_fsdp_fp8_all_gather"],
+            ["--float8.enable_float8_linear", "--float8.enable_fsdp_float8_all_gather"],
+        ),
+        (
+            [
+                "--training.data_parallel_replicate_degree",
+                "2",
+                "--training.data_parallel_shard_degree",
+                "2",
+                "--training.disable_loss_parallel",
+                "--training.fsdp_reshard_after_forward",
+                "always",
+                "--training.pipeline_parallel_degree",
+                "2",
+            ],
+            [
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "2",
+                "--parallelism.disable_loss_parallel",
+                "--parallelism.fsdp_reshard_after_forward",
+                "always",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+            ],
+        ),
+        (["--quantize.linear.float8.filter_fqns", "output,wo"], ["--float8.filter_fqns", "output,wo"]),
+        (
+            ["--experimental.pipeline_parallel_schedule_csv", "s.csv"],
+            ["--parallelism.pipeline_parallel_schedule_csv", "s.csv"],
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_schedule_csv",
+                "None",
+                "--parallelism.pipeline_parallel_layers_per_stage",
+                "None",
+            ],
+            [],
+        ),
+        (["--metrics.disable_logging_from_checkpoint", "false", "--experimental.custom_model_path", ""], []),
+    ],
+)
 def test_cli_spellings_equal_native(argv: list[str], native: list[str]) -> None:
     assert to_dict(load_config(argv)) == to_dict(load_config(native))
 
@@ -486,16 +529,25 @@ def test_each_translation_logs_once_naming_titans_key(tmp_path: Path, caplog: py
     assert sum("'job.print_args'" in line and "job.print_config" in line for line in lines) == 1
 
 
-@pytest.mark.parametrize("text, line", [
-    ("[training]\ncompile = true\n[compile]\nenable = false\n",
-     "'training.compile' = True and 'compile.enable' = False set the same titan key 'compile.enable' to different"
-     " values; keep one of them"),
-    ("[model]\nhf_assets_path = \"a\"\ntokenizer_path = \"b/tokenizer.model\"\n",
-     "'model.hf_assets_path' = 'a' and 'model.tokenizer_path' = 'b/tokenizer.model' set the same titan key"
-     " 'model.tokenizer_path'"),
-    ("[model]\nconverters = [\"float8\"]\n[float8]\nenable_float8_linear = false\n",
-     "'model.converters' = ['float8'] and 'float8.enable_float8_linear' = False set the same titan key"),
-])
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        (
+            "[training]\ncompile = true\n[compile]\nenable = false\n",
+            "'training.compile' = True and 'compile.enable' = False set the same titan key 'compile.enable' to"
+            " different values; keep one of them",
+        ),
+        (
+            '[model]\nhf_assets_path = "a"\ntokenizer_path = "b/tokenizer.model"\n',
+            "'model.hf_assets_path' = 'a' and 'model.tokenizer_path' = 'b/tokenizer.model' set the same titan key"
+            " 'model.tokenizer_path'",
+        ),
+        (
+            '[model]\nconverters = ["float8"]\n[float8]\nenable_float8_linear = false\n',
+            "'model.converters' = ['float8'] and 'float8.enable_float8_linear' = False set the same titan key",
+        ),
+    ],
+)
 def test_two_spellings_that_disagree_get_one_line(tmp_path: Path, text: str, line: str) -> None:
     path = tmp_path / "c.toml"
     path.write_text(text)
@@ -507,18 +559,20 @@ def test_two_spellings_that_disagree_get_one_line(tmp_path: Path, text: str, lin
 
 def test_agreeing_spellings_load(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text("[training]\ncompile = true\n[compile]\nenable = true\n[model]\nflavor = \"debugmodel_flex_attn\"\n"
-                    "attn_type = \"flex\"\n")
+    path.write_text(
+        '[training]\ncompile = true\n[compile]\nenable = true\n[model]\nflavor = "debugmodel_flex_attn"\n'
+        'attn_type = "flex"\n'
+    )
     c = load_config(["--job.config_file", str(path)])
     assert c.compile.enable and c.model.attn_type == "flex" and c.model.flavor == "debugmodel"
 
 
 def test_explicit_filter_fqns_beats_torchtitans_implied_default(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text("[model]\nconverters = [\"float8\"]\n[float8]\nfilter_fqns = [\"output\"]\n")
+    path.write_text('[model]\nconverters = ["float8"]\n[float8]\nfilter_fqns = ["output"]\n')
     assert load_config(["--job.config_file", str(path)]).float8.filter_fqns == ["output"]
     # A command-line converter does not undo the file's filter either.
-    path.write_text("[float8]\nfilter_fqns = [\"wq\"]\n")
+    path.write_text('[float8]\nfilter_fqns = ["wq"]\n')
     assert load_config(["--job.config_file", str(path), "--model.converters", "float8"]).float8.filter_fqns == ["wq"]
     assert load_config(["--model.converters", "float8"]).float8.filter_fqns == []
 
@@ -533,45 +587,57 @@ def test_validation_seq_len_must_equal_training_seq_len(tmp_path: Path) -> None:
     assert load_config(["--validation.seq_len", "2048"]).training.seq_len == 2048
     with pytest.raises(TitanError) as e:
         load_config(["--validation.seq_len", "512", "--training.seq_len", "256"])
-    assert str(e.value) == ("torchtitan key 'validation.seq_len' is not supported by titan: titan validates at"
-                            " training.seq_len; set both to the same length (got '512', training.seq_len is 256)")
+    assert str(e.value) == (
+        "torchtitan key 'validation.seq_len' is not supported by titan: titan validates at"
+        " training.seq_len; set both to the same length (got '512', training.seq_len is 256)"
+    )
 
 
 def test_unknown_key_in_a_torchtitan_file_names_dialect_and_closest_titan_key(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text("[model]\nhf_assets_path = \"x\"\n[training]\nlocal_batch = 2\n")
+    path.write_text('[model]\nhf_assets_path = "x"\n[training]\nlocal_batch = 2\n')
     with pytest.raises(TitanError) as e:
         load_config(["--job.config_file", str(path)])
-    assert str(e.value) == (f"config file '{path}': unknown config key 'training.local_batch' in a config that looks"
-                            " like torchtitan v0.2.x's (like 'model.hf_assets_path'); closest titan key:"
-                            " 'training.local_batch_size'")
+    assert str(e.value) == (
+        f"config file '{path}': unknown config key 'training.local_batch' in a config that looks"
+        " like torchtitan v0.2.x's (like 'model.hf_assets_path'); closest titan key:"
+        " 'training.local_batch_size'"
+    )
 
 
 def test_unknown_key_exits_2_and_writes_nothing(tmp_path: Path) -> None:
     dump = tmp_path / "dump"
     path = tmp_path / "c.toml"
-    path.write_text(f"[job]\ndump_folder = \"{dump}\"\n[quantize.linear.float8]\nemulat = true\n")
-    out = subprocess.run([sys.executable, "train.py", "--job.config_file", str(path)], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    path.write_text(f'[job]\ndump_folder = "{dump}"\n[quantize.linear.float8]\nemulat = true\n')
+    out = subprocess.run(
+        [sys.executable, "train.py", "--job.config_file", str(path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines()[-1] == (
         f"titan: error: config file '{path}': unknown config key 'quantize.linear.float8.emulat' in a config that"
         " looks like torchtitan v0.2.x's (nested tables are torchtitan's spelling; titan's sections are one level"
-        " deep); closest titan key: 'float8.emulate'")
+        " deep); closest titan key: 'float8.emulate'"
+    )
     assert not dump.exists()
 
 
 def test_prefetch_factor_needs_workers() -> None:
     with pytest.raises(TitanError) as e:
         load_config(["--training.dataloader.prefetch_factor", "4"])
-    assert str(e.value) == ("config key 'training.dataloader_prefetch_factor' got 4; valid: unset, or an integer >= 1"
-                            " together with training.dataloader_num_workers > 0")
+    assert str(e.value) == (
+        "config key 'training.dataloader_prefetch_factor' got 4; valid: unset, or an integer >= 1"
+        " together with training.dataloader_num_workers > 0"
+    )
 
 
 def test_a_titan_config_keeps_titans_unknown_key_line(tmp_path: Path) -> None:
     # model.flavor has a torchtitan value map, but it is titan's key: the file still reads as titan's.
     path = tmp_path / "c.toml"
-    path.write_text("[model]\nflavor = \"debugmodel\"\n[training]\nstepz = 5\n")
+    path.write_text('[model]\nflavor = "debugmodel"\n[training]\nstepz = 5\n')
     with pytest.raises(TitanError) as e:
         load_config(["--job.config_file", str(path)])
     assert str(e.value) == f"config file '{path}': unknown config key 'training.stepz'; did you mean 'training.steps'?"

@@ -49,8 +49,9 @@ enable = false
 
 
 def _convert(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/convert_config.py", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "scripts/convert_config.py", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
 
 
 def _merged(path: Path) -> dict:
@@ -66,13 +67,25 @@ def test_converted_file_loads_to_the_same_config(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     text = new.read_text()
     # Only titan's own keys: no torchtitan spelling survives.
-    for gone in ("print_args", "hf_assets_path", "converters", "lr_min", "\nbatch_size =", "quantize", "[debug]",
-                 "fault_tolerance", "dataloader]"):
+    for gone in (
+        "print_args",
+        "hf_assets_path",
+        "converters",
+        "lr_min",
+        "\nbatch_size =",
+        "quantize",
+        "[debug]",
+        "fault_tolerance",
+        "dataloader]",
+    ):
         assert gone not in text
     assert _merged(old) == _merged(new)
     c = load_config(["--job.config_file", str(new)], env={})
-    assert (c.model.attn_type, c.checkpoint.initial_load_path, c.float8.filter_fqns) == \
-        ("flex", "./assets/hf/Llama-3.1-8B", [])
+    assert (c.model.attn_type, c.checkpoint.initial_load_path, c.float8.filter_fqns) == (
+        "flex",
+        "./assets/hf/Llama-3.1-8B",
+        [],
+    )
 
 
 def test_stdout_and_refusals(tmp_path: Path) -> None:
@@ -81,12 +94,15 @@ def test_stdout_and_refusals(tmp_path: Path) -> None:
     out = _convert(str(old))
     assert out.returncode == 0 and out.stdout.startswith("# titan config converted from")
     bad = tmp_path / "bad.toml"
-    bad.write_text("[training]\ndtype = \"bfloat16\"\n")
+    bad.write_text('[training]\ndtype = "bfloat16"\n')
     target = tmp_path / "never.toml"
     out = _convert(str(bad), "-o", str(target))
     assert out.returncode == 2 and not target.exists()
-    assert out.stderr.strip().splitlines()[-1].startswith(
-        f"titan: error: config file '{bad}': torchtitan key 'training.dtype' is not supported by titan: ")
+    assert (
+        out.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"titan: error: config file '{bad}': torchtitan key 'training.dtype' is not supported by titan: ")
+    )
 
 
 def test_an_existing_output_is_not_replaced(tmp_path: Path) -> None:

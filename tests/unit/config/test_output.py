@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[3]
 AWKWARD = 'a "quoted" C:\\path\tü \u2603\nline2 # not a comment'
 
 
-def _other_value(tp, default):  # noqa: ANN001, ANN202
+def _other_value(tp, default):
     """A value of type ``tp`` that differs from ``default`` (and is awkward to write)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -91,9 +91,18 @@ def test_options_that_can_be_none_default_to_none():
 
 
 def test_dumped_config_repeats_the_run(tmp_path):
-    argv = ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder",
-            str(tmp_path / "run"), "--optimizer.lr", "1.5e-3", "--training.seed", "7",
-            "--checkpoint.exclude_from_loading", "dataloader,lr_scheduler"]
+    argv = [
+        "--job.config_file",
+        str(REPO / "train_configs/debug_model.toml"),
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--optimizer.lr",
+        "1.5e-3",
+        "--training.seed",
+        "7",
+        "--checkpoint.exclude_from_loading",
+        "dataloader,lr_scheduler",
+    ]
     config = load_config(argv)
     path = save_config(config)
     assert path == str(tmp_path / "run" / "config.toml")
@@ -143,11 +152,13 @@ def test_help_for_one_section_or_option():
 
 @pytest.mark.parametrize("entry", [["train.py"], ["-m", "titan.train"]])
 def test_entry_points_help(entry):
-    run = subprocess.run([sys.executable, *entry, "--help", "checkpoint"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        [sys.executable, *entry, "--help", "checkpoint"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("[checkpoint]") and "--training.steps" not in run.stdout
-    bad = subprocess.run([sys.executable, *entry, "--help", "chekpoint"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
+    bad = subprocess.run(
+        [sys.executable, *entry, "--help", "chekpoint"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 2
     assert bad.stderr.strip() == "titan: error: --help: unknown config section 'chekpoint'; did you mean 'checkpoint'?"

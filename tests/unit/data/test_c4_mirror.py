@@ -43,9 +43,18 @@ def _rows(path: Path) -> list[str]:
 
 
 def _loader(mirror, world=1, rank=0, workers=2, infinite=True, dataset="c4"):
-    return build_dataloader(dataset=dataset, dataset_path=str(mirror), text_field="text", tokenizer=ByteTokenizer(),
-                            seq_len=SEQ, local_batch_size=BATCH, dp_rank=rank, dp_world_size=world,
-                            num_workers=workers, infinite=infinite)
+    return build_dataloader(
+        dataset=dataset,
+        dataset_path=str(mirror),
+        text_field="text",
+        tokenizer=ByteTokenizer(),
+        seq_len=SEQ,
+        local_batch_size=BATCH,
+        dp_rank=rank,
+        dp_world_size=world,
+        num_workers=workers,
+        infinite=infinite,
+    )
 
 
 def _tokens(batches) -> Counter:
@@ -68,8 +77,12 @@ def _leftover(mirror, state) -> Counter:
 
 def _all_tokens(mirror) -> Counter:
     tok = ByteTokenizer()
-    return Counter(t for i in range(SHARDS) for d in _rows(c4_shard_path(mirror, "train", i))
-                   for t in tok.encode(d, bos=True, eos=True))
+    return Counter(
+        t
+        for i in range(SHARDS)
+        for d in _rows(c4_shard_path(mirror, "train", i))
+        for t in tok.encode(d, bos=True, eos=True)
+    )
 
 
 def test_c4_mirror_layout_picks_the_split(mirror, tmp_path):
@@ -114,7 +127,7 @@ def _check_resume(mirror, world, at=(3, 70, 150), n=6):
             resumed.load_state_dict(states[k])
             got = [b for _, b in zip(range(n), resumed)]
             assert len(got) == n
-            for (x, y), (rx, ry) in zip(reference[k:k + n], got):
+            for (x, y), (rx, ry) in zip(reference[k : k + n], got):
                 assert torch.equal(x, rx) and torch.equal(y, ry), (world, rank, k)
 
 
@@ -171,10 +184,26 @@ def test_broken_shard_through_train(mirror, tmp_path, capsys):
 
     bad = _break(mirror, tmp_path, "truncated", shard=0)  # met by the start-up check (later ones: above)
     repo = Path(__file__).resolve().parents[3]
-    rc = train.main(["--job.config_file", str(repo / "train_configs/debug_model.toml"), "--job.dump_folder",
-                     str(tmp_path / "out"), "--training.dataset", "c4", "--training.dataset_path",
-                     str(tmp_path / "c4"), "--training.seq_len", "32", "--training.local_batch_size", "2",
-                     "--training.steps", "2", "--metrics.enable_tensorboard", "false"])
+    rc = train.main(
+        [
+            "--job.config_file",
+            str(repo / "train_configs/debug_model.toml"),
+            "--job.dump_folder",
+            str(tmp_path / "out"),
+            "--training.dataset",
+            "c4",
+            "--training.dataset_path",
+            str(tmp_path / "c4"),
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            "2",
+            "--metrics.enable_tensorboard",
+            "false",
+        ]
+    )
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("titan: error")]
     assert rc == 2 and len(lines) == 1 and str(bad) in lines[0] and "Traceback" not in err, err[-2000:]
@@ -187,10 +216,22 @@ def test_hub_code_path_on_a_real_stream(mirror, monkeypatch):
     from titan.data import datasets as ds_mod
 
     files = [str(c4_shard_path(mirror, "train", i)) for i in range(SHARDS)]
-    monkeypatch.setattr(ds_mod, "_load_dataset", lambda *a, **k: datasets.load_dataset(
-        "json", data_files=files, split="train", streaming=True))
-    kw = dict(dataset="c4", dataset_path="", text_field="text", tokenizer=ByteTokenizer(), seq_len=SEQ,
-              local_batch_size=BATCH, dp_world_size=2, dp_rank=1, num_workers=0)
+    monkeypatch.setattr(
+        ds_mod,
+        "_load_dataset",
+        lambda *a, **k: datasets.load_dataset("json", data_files=files, split="train", streaming=True),
+    )
+    kw = dict(
+        dataset="c4",
+        dataset_path="",
+        text_field="text",
+        tokenizer=ByteTokenizer(),
+        seq_len=SEQ,
+        local_batch_size=BATCH,
+        dp_world_size=2,
+        dp_rank=1,
+        num_workers=0,
+    )
     reference = [b for _, b in zip(range(12), build_dataloader(**kw))]
     first = build_dataloader(**kw)
     it = iter(first)
@@ -213,8 +254,24 @@ def test_benchmark_loader_json_line(mirror, capsys):
     spec = importlib.util.spec_from_file_location("benchmark_loader", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    rc = bench.main(["--dataset", "c4", "--dataset_path", str(mirror), "--dp", "2", "--workers", "0",
-                     "--resume_at", "10,300", "--seq_len", "64", "--batch_size", "2"])
+    rc = bench.main(
+        [
+            "--dataset",
+            "c4",
+            "--dataset_path",
+            str(mirror),
+            "--dp",
+            "2",
+            "--workers",
+            "0",
+            "--resume_at",
+            "10,300",
+            "--seq_len",
+            "64",
+            "--batch_size",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out.strip().splitlines()
     result = json.loads(out[-1])
     assert rc == 0 and set(result["resume_s"]) == {"10", "300"} and result["docs_per_s"] > 0

@@ -142,8 +142,12 @@ def test_registered_dataset_builds_and_the_table_is_read_only():
 
     with pytest.raises(TypeError):
         DATASETS["unit_test_docs"] = None  # type: ignore[index]
-    spec = register_dataset("unit_test_docs", lambda field: ListSource("unit_test_docs", [field, "b"]),
-                            text_field="body", description="two documents")
+    spec = register_dataset(
+        "unit_test_docs",
+        lambda field: ListSource("unit_test_docs", [field, "b"]),
+        text_field="body",
+        description="two documents",
+    )
     assert DATASETS["unit_test_docs"] is spec
     assert _texts(build_source("unit_test_docs")) == ["body", "b"]  # the registered default text field
     check_dataset("unit_test_docs")

@@ -60,7 +60,7 @@ class ShardedDocs(DocumentSource):
         return iter(self.docs[start:])
 
     def iter_shard(self, shard: int, row: int = 0) -> Iterator[str]:
-        return iter(self.docs[shard * self.per_shard:(shard + 1) * self.per_shard][row:])
+        return iter(self.docs[shard * self.per_shard : (shard + 1) * self.per_shard][row:])
 
 
 def docs(n: int) -> list[str]:
@@ -74,38 +74,86 @@ def token_store(folder: Path) -> TokenStore:
         rows = [list(range(t + d * 9, t + (d + 1) * 9)) for d in range(n)]
         t += n * 9
         entries.append(write_shard(folder, f"{i:05d}", rows, np.dtype(np.uint32), 0))
-    (folder / MANIFEST).write_text(json.dumps({
-        "format": FORMAT, "version": VERSION, "tokenizer": tokenizer_fingerprint(DocTokenizer()), "bos": True,
-        "eos": True, "dtype": "uint32", "shards": entries}))
+    (folder / MANIFEST).write_text(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "version": VERSION,
+                "tokenizer": tokenizer_fingerprint(DocTokenizer()),
+                "bos": True,
+                "eos": True,
+                "dtype": "uint32",
+                "shards": entries,
+            }
+        )
+    )
     return TokenStore(str(folder))
 
 
 def documents_loader(tmp: Path, world: int, rank: int, workers: int) -> TitanDataLoader:
-    return TitanDataLoader(ShardedDocs("docs", docs(37), 37), DocTokenizer(), seq_len=SEQ, local_batch_size=BATCH,
-                           dp_rank=rank, dp_world_size=world, num_workers=workers)
+    return TitanDataLoader(
+        ShardedDocs("docs", docs(37), 37),
+        DocTokenizer(),
+        seq_len=SEQ,
+        local_batch_size=BATCH,
+        dp_rank=rank,
+        dp_world_size=world,
+        num_workers=workers,
+    )
 
 
 def shards_loader(tmp: Path, world: int, rank: int, workers: int) -> TitanDataLoader:
-    return TitanDataLoader(ShardedDocs("sharded", docs(40), 5), DocTokenizer(), seq_len=SEQ, local_batch_size=BATCH,
-                           dp_rank=rank, dp_world_size=world, num_workers=workers)
+    return TitanDataLoader(
+        ShardedDocs("sharded", docs(40), 5),
+        DocTokenizer(),
+        seq_len=SEQ,
+        local_batch_size=BATCH,
+        dp_rank=rank,
+        dp_world_size=world,
+        num_workers=workers,
+    )
 
 
 def store_loader(tmp: Path, world: int, rank: int, workers: int) -> StoreDataLoader:
-    return StoreDataLoader(token_store(tmp / "store"), DocTokenizer(), seq_len=SEQ, local_batch_size=BATCH,
-                           dp_rank=rank, dp_world_size=world, num_workers=workers, shuffle_seed=3)
+    return StoreDataLoader(
+        token_store(tmp / "store"),
+        DocTokenizer(),
+        seq_len=SEQ,
+        local_batch_size=BATCH,
+        dp_rank=rank,
+        dp_world_size=world,
+        num_workers=workers,
+        shuffle_seed=3,
+    )
 
 
 def mixture_loader(tmp: Path, world: int, rank: int, workers: int) -> MixtureLoader:
-    parts = [StoreDataLoader(token_store(tmp / "store"), DocTokenizer(), seq_len=SEQ, local_batch_size=1,
-                             dp_rank=rank, dp_world_size=world, num_workers=workers),
-             TitanDataLoader(ShardedDocs("docs", docs(37), 37), DocTokenizer(), seq_len=SEQ, local_batch_size=1,
-                             dp_rank=rank, dp_world_size=world, num_workers=workers)]
-    return MixtureLoader(["store", "docs"], parts, [0.6, 0.4], local_batch_size=BATCH, seq_len=SEQ, dp_rank=rank,
-                         dp_world_size=world)
+    parts = [
+        StoreDataLoader(
+            token_store(tmp / "store"),
+            DocTokenizer(),
+            seq_len=SEQ,
+            local_batch_size=1,
+            dp_rank=rank,
+            dp_world_size=world,
+            num_workers=workers,
+        ),
+        TitanDataLoader(
+            ShardedDocs("docs", docs(37), 37),
+            DocTokenizer(),
+            seq_len=SEQ,
+            local_batch_size=1,
+            dp_rank=rank,
+            dp_world_size=world,
+            num_workers=workers,
+        ),
+    ]
+    return MixtureLoader(
+        ["store", "docs"], parts, [0.6, 0.4], local_batch_size=BATCH, seq_len=SEQ, dp_rank=rank, dp_world_size=world
+    )
 
 
-BUILDERS = {"documents": documents_loader, "shards": shards_loader, "store": store_loader,
-            "mixture": mixture_loader}
+BUILDERS = {"documents": documents_loader, "shards": shards_loader, "store": store_loader, "mixture": mixture_loader}
 
 
 def flat(batch: tuple[torch.Tensor, torch.Tensor]) -> list[int]:

@@ -43,8 +43,16 @@ ALL_TOKENS = Counter(t for d in DOC_SOURCE.docs for t in DocTokenizer().encode(d
 
 
 def make(world=1, rank=0, workers=0, infinite=True, seq_len=7, batch=2, source=DOC_SOURCE):
-    return TitanDataLoader(source, DocTokenizer(), seq_len=seq_len, local_batch_size=batch, dp_rank=rank,
-                           dp_world_size=world, num_workers=workers, infinite=infinite)
+    return TitanDataLoader(
+        source,
+        DocTokenizer(),
+        seq_len=seq_len,
+        local_batch_size=batch,
+        dp_rank=rank,
+        dp_world_size=world,
+        num_workers=workers,
+        infinite=infinite,
+    )
 
 
 def take(loader, n):
@@ -90,8 +98,17 @@ def test_packing_windows_bos_eos_and_shift():
 def test_build_dataloader_jsonl(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text("".join(json.dumps({"text": f"doc {i} " * 5}) + "\n" for i in range(20)))
-    loader = build_dataloader(dataset="local", dataset_path=str(f), text_field="text", tokenizer=ByteTokenizer(),
-                              seq_len=16, local_batch_size=2, dp_rank=0, dp_world_size=1, infinite=False)
+    loader = build_dataloader(
+        dataset="local",
+        dataset_path=str(f),
+        text_field="text",
+        tokenizer=ByteTokenizer(),
+        seq_len=16,
+        local_batch_size=2,
+        dp_rank=0,
+        dp_world_size=1,
+        infinite=False,
+    )
     n_tokens = sum(len(f"doc {i} " * 5) + 2 for i in range(20))
     assert len(list(loader)) == n_tokens // (2 * 17)
 
@@ -169,9 +186,12 @@ def test_worker_count_change_is_exact():
 def test_reshard_states_across_epochs_covers_every_position_once():
     # old streams caught mid-way at different epochs (positions p = epoch * N + index)
     # (a partly read unit is continued from its row)
-    old = [StreamState(slot=0, stride=2, next=40, cur=Cursor(38, 3), segments=[Segment(38, 2, 1)], epoch=1,
-                       num_units=37, docs=5),
-           StreamState(slot=1, stride=2, next=33, pending=[Cursor(29, 0)], docs=4)]
+    old = [
+        StreamState(
+            slot=0, stride=2, next=40, cur=Cursor(38, 3), segments=[Segment(38, 2, 1)], epoch=1, num_units=37, docs=5
+        ),
+        StreamState(slot=1, stride=2, next=33, pending=[Cursor(29, 0)], docs=4),
+    ]
     new = reshard_states(old, [0, 1, 2], 3)
     bound = 200
 
@@ -210,8 +230,15 @@ def test_infinite_single_doc_two_ranks():
 def test_play_txt_two_ranks(tmp_path):
     from tests.fixtures import write_play
 
-    kw = dict(dataset="x", dataset_path=str(write_play(tmp_path / "play.txt")), text_field="text",
-              tokenizer=ByteTokenizer(), seq_len=64, local_batch_size=2, dp_world_size=2)
+    kw = dict(
+        dataset="x",
+        dataset_path=str(write_play(tmp_path / "play.txt")),
+        text_field="text",
+        tokenizer=ByteTokenizer(),
+        seq_len=64,
+        local_batch_size=2,
+        dp_world_size=2,
+    )
     x0, _ = take(build_dataloader(dp_rank=0, **kw), 1)[0]
     x1, _ = take(build_dataloader(dp_rank=1, **kw), 1)[0]
     assert ByteTokenizer().decode(x0[0].tolist()).startswith("First Citizen:")
@@ -223,9 +250,18 @@ def test_streamed_files_with_workers_exact(tmp_path):
     # document numbering (hence sharding and resume) must not depend on the worker count
     for part in range(2):
         (tmp_path / f"part{part}.jsonl").write_text(
-            "".join(json.dumps({"text": d}) + "\n" for d in DOC_SOURCE.docs[part * 20 : (part + 1) * 20]))
-    kw = dict(dataset="local", dataset_path=str(tmp_path), text_field="text", tokenizer=DocTokenizer(),
-              seq_len=7, local_batch_size=2, dp_rank=0, dp_world_size=1)
+            "".join(json.dumps({"text": d}) + "\n" for d in DOC_SOURCE.docs[part * 20 : (part + 1) * 20])
+        )
+    kw = dict(
+        dataset="local",
+        dataset_path=str(tmp_path),
+        text_field="text",
+        tokenizer=DocTokenizer(),
+        seq_len=7,
+        local_batch_size=2,
+        dp_rank=0,
+        dp_world_size=1,
+    )
     reference = take(build_dataloader(num_workers=2, **kw), 12)
     first = build_dataloader(num_workers=2, **kw)
     take(first, 5)
@@ -235,16 +271,25 @@ def test_streamed_files_with_workers_exact(tmp_path):
     finite = build_dataloader(num_workers=2, infinite=False, **kw)
     state = finite.state_dict()
     assert state["layout"] == "shards"  # two files, two workers: one file each
-    assert tokens(list(finite)) + leftover(finite.state_dict(), lambda f, row: DOC_SOURCE.docs[f * 20 + row]) \
-        == ALL_TOKENS
+    assert (
+        tokens(list(finite)) + leftover(finite.state_dict(), lambda f, row: DOC_SOURCE.docs[f * 20 + row]) == ALL_TOKENS
+    )
 
 
 def test_pydoc_with_shipped_vocab():
     from titan.data import build_tokenizer
 
     tok = build_tokenizer("")
-    loader = build_dataloader(dataset="pydoc", dataset_path="", text_field="text", tokenizer=tok, seq_len=32,
-                              local_batch_size=2, dp_rank=0, dp_world_size=1)
+    loader = build_dataloader(
+        dataset="pydoc",
+        dataset_path="",
+        text_field="text",
+        tokenizer=tok,
+        seq_len=32,
+        local_batch_size=2,
+        dp_rank=0,
+        dp_world_size=1,
+    )
     x, y = take(loader, 1)[0]
     assert x[0, 0] == tok.bos_id and int(x.max()) < tok.vocab_size
     assert tok.decode(x[0, 1:].tolist()).strip()

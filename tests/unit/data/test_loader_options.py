@@ -23,9 +23,19 @@ class ByteTokenizer:
 
 
 def _batches(path, **options) -> list[torch.Tensor]:
-    loader = build_dataloader(dataset="local", dataset_path=str(path), text_field="text", tokenizer=ByteTokenizer(),
-                              seq_len=16, local_batch_size=2, dp_rank=0, dp_world_size=1, infinite=False,
-                              num_workers=1, **options)
+    loader = build_dataloader(
+        dataset="local",
+        dataset_path=str(path),
+        text_field="text",
+        tokenizer=ByteTokenizer(),
+        seq_len=16,
+        local_batch_size=2,
+        dp_rank=0,
+        dp_world_size=1,
+        infinite=False,
+        num_workers=1,
+        **options,
+    )
     return [inputs for inputs, _ in loader]
 
 
@@ -58,8 +68,9 @@ class _nothing:
 def test_hub_download_folder_with_original_tokenizer_model(tmp_path) -> None:
     (tmp_path / "original").mkdir()
     shutil.copy(DEFAULT_TOKENIZER_PATH, tmp_path / "original" / "tokenizer.model")
-    assert build_tokenizer(tmp_path).encode("hello", bos=False, eos=False) == \
-        build_tokenizer().encode("hello", bos=False, eos=False)
+    assert build_tokenizer(tmp_path).encode("hello", bos=False, eos=False) == build_tokenizer().encode(
+        "hello", bos=False, eos=False
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(TitanError, match="has no tokenizer.json, tokenizer.model or original/tokenizer.model"):

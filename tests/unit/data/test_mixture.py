@@ -37,9 +37,19 @@ def store(folder: Path, base: int, tokens: int) -> Path:
     """One shard whose token t is base + t: every window says which store and which window it is."""
     folder.mkdir()
     entry = write_shard(folder, "00000", [list(range(base, base + tokens))], np.dtype(np.uint16), 0)
-    (folder / MANIFEST).write_text(json.dumps({
-        "format": FORMAT, "version": VERSION, "tokenizer": tokenizer_fingerprint(Tok()), "bos": True, "eos": True,
-        "dtype": "uint16", "shards": [entry]}))
+    (folder / MANIFEST).write_text(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "version": VERSION,
+                "tokenizer": tokenizer_fingerprint(Tok()),
+                "bos": True,
+                "eos": True,
+                "dtype": "uint16",
+                "shards": [entry],
+            }
+        )
+    )
     return folder
 
 
@@ -48,14 +58,29 @@ def sources(tmp_path):
     a = store(tmp_path / "web", 10_000, 8 * 40)
     b = store(tmp_path / "code", 20_000, 8 * 30)
     (tmp_path / "books.txt").write_text("\n\n".join(f"book paragraph {i} " * (i % 5 + 1) for i in range(30)))
-    return [MixtureSource(path=str(a), weight=0.5), MixtureSource(path=str(b), weight=0.3),
-            MixtureSource(path=str(tmp_path / "books.txt"), weight=0.2)]
+    return [
+        MixtureSource(path=str(a), weight=0.5),
+        MixtureSource(path=str(b), weight=0.3),
+        MixtureSource(path=str(tmp_path / "books.txt"), weight=0.2),
+    ]
 
 
 def make(mixture, world=1, rank=0, workers=0, batch=3, exhausted="restart", validation=False, seed=None):
-    return build_dataloader(dataset="", dataset_path="", text_field="text", tokenizer=Tok(), seq_len=SEQ,
-                            local_batch_size=batch, dp_rank=rank, dp_world_size=world, num_workers=workers,
-                            mixture=mixture, mixture_exhausted=exhausted, validation=validation, shuffle_seed=seed)
+    return build_dataloader(
+        dataset="",
+        dataset_path="",
+        text_field="text",
+        tokenizer=Tok(),
+        seq_len=SEQ,
+        local_batch_size=batch,
+        dp_rank=rank,
+        dp_world_size=world,
+        num_workers=workers,
+        mixture=mixture,
+        mixture_exhausted=exhausted,
+        validation=validation,
+        shuffle_seed=seed,
+    )
 
 
 def source_of_row(row) -> str:
@@ -109,8 +134,10 @@ def make_and_count(sources, workers, n):
 
 @pytest.mark.parametrize("old, new", [(2, 1), (1, 2)])
 def test_reshard_mid_mixture_repeats_and_skips_no_store_window(tmp_path, old, new):
-    mixture = [MixtureSource(path=str(store(tmp_path / "web", 10_000, 8 * 40)), weight=2),
-               MixtureSource(path=str(store(tmp_path / "code", 20_000, 8 * 30)), weight=1)]
+    mixture = [
+        MixtureSource(path=str(store(tmp_path / "web", 10_000, 8 * 40)), weight=2),
+        MixtureSource(path=str(store(tmp_path / "code", 20_000, 8 * 30)), weight=1),
+    ]
     seen, states = [], []
     for rank in range(old):
         loader = make(mixture, old, rank, exhausted="stop", batch=1)
@@ -127,8 +154,10 @@ def test_reshard_mid_mixture_repeats_and_skips_no_store_window(tmp_path, old, ne
 
 
 def test_exhausted_stop_ends_and_restart_goes_on(tmp_path):
-    mixture = [MixtureSource(path=str(store(tmp_path / "big", 10_000, 8 * 100)), weight=1),
-               MixtureSource(path=str(store(tmp_path / "small", 20_000, 8 * 3)), weight=1)]
+    mixture = [
+        MixtureSource(path=str(store(tmp_path / "big", 10_000, 8 * 100)), weight=1),
+        MixtureSource(path=str(store(tmp_path / "small", 20_000, 8 * 3)), weight=1),
+    ]
     assert len(list(make(mixture, exhausted="stop", batch=2))) < 4
     assert len(take(make(mixture, exhausted="restart", batch=2), 20)) == 20
 
@@ -151,9 +180,11 @@ def test_shuffle_seed_needs_a_store(tmp_path):
 
 def test_toml_and_cli_forms(tmp_path):
     toml = tmp_path / "mix.toml"
-    toml.write_text('[training]\nmixture_exhausted = "stop"\n\n'
-                    '[[training.mixture]]\npath = "/data/web"\nweight = 0.7\n\n'
-                    '[[training.mixture]]\ndataset = "pydoc"\nweight = 0.3\n')
+    toml.write_text(
+        '[training]\nmixture_exhausted = "stop"\n\n'
+        '[[training.mixture]]\npath = "/data/web"\nweight = 0.7\n\n'
+        '[[training.mixture]]\ndataset = "pydoc"\nweight = 0.3\n'
+    )
     c = load_config(["--job.config_file", str(toml)])
     web = MixtureSource(path="/data/web", weight=0.7)
     assert c.training.mixture == [web, MixtureSource(dataset="pydoc", weight=0.3)]
@@ -162,14 +193,17 @@ def test_toml_and_cli_forms(tmp_path):
     assert c.training.mixture == [web, MixtureSource(dataset="pydoc", weight=3.0)]
 
 
-@pytest.mark.parametrize("value, needle", [
-    ('[{path = "a", weight = 0}]', "config key 'training.mixture[0].weight' got 0.0; valid: a number > 0"),
-    ('[{path = "a", weight = -1}]', "training.mixture[0].weight' got -1.0"),
-    ('[{path = "a", wieght = 1}]', "has unknown field 'wieght'; valid: path, dataset, weight"),
-    ('[{weight = 1}]', "training.mixture[0]' got"),
-    ('[{path = "a", weight = "x"}]', "training.mixture.weight' got 'x', expected float"),
-    ("a,b", "training.mixture' got 'a', expected MixtureSource"),
-])
+@pytest.mark.parametrize(
+    "value, needle",
+    [
+        ('[{path = "a", weight = 0}]', "config key 'training.mixture[0].weight' got 0.0; valid: a number > 0"),
+        ('[{path = "a", weight = -1}]', "training.mixture[0].weight' got -1.0"),
+        ('[{path = "a", wieght = 1}]', "has unknown field 'wieght'; valid: path, dataset, weight"),
+        ("[{weight = 1}]", "training.mixture[0]' got"),
+        ('[{path = "a", weight = "x"}]', "training.mixture.weight' got 'x', expected float"),
+        ("a,b", "training.mixture' got 'a', expected MixtureSource"),
+    ],
+)
 def test_bad_mixture_config_is_one_line(value, needle):
     with pytest.raises(TitanError) as e:
         load_config(["--training.mixture", value])
@@ -177,8 +211,20 @@ def test_bad_mixture_config_is_one_line(value, needle):
 
 
 def test_finite_mixture_stops_at_the_first_exhausted_source(tmp_path):
-    mixture = [MixtureSource(path=str(store(tmp_path / "big", 10_000, 8 * 100)), weight=1),
-               MixtureSource(path=str(store(tmp_path / "small", 20_000, 8 * 3)), weight=1)]
-    finite = build_dataloader(dataset="", dataset_path="", text_field="text", tokenizer=Tok(), seq_len=SEQ,
-                              local_batch_size=2, dp_rank=0, dp_world_size=1, infinite=False, mixture=mixture)
+    mixture = [
+        MixtureSource(path=str(store(tmp_path / "big", 10_000, 8 * 100)), weight=1),
+        MixtureSource(path=str(store(tmp_path / "small", 20_000, 8 * 3)), weight=1),
+    ]
+    finite = build_dataloader(
+        dataset="",
+        dataset_path="",
+        text_field="text",
+        tokenizer=Tok(),
+        seq_len=SEQ,
+        local_batch_size=2,
+        dp_rank=0,
+        dp_world_size=1,
+        infinite=False,
+        mixture=mixture,
+    )
     assert len(list(finite)) < 4

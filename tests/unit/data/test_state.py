@@ -23,8 +23,9 @@ SOURCE = ListSource("words", [f"document number {i} " * (i % 4 + 1) for i in ran
 
 
 def make(world: int = 1, rank: int = 0, workers: int = 0) -> TitanDataLoader:
-    return TitanDataLoader(SOURCE, Tok(), seq_len=9, local_batch_size=2, dp_rank=rank, dp_world_size=world,
-                           num_workers=workers)
+    return TitanDataLoader(
+        SOURCE, Tok(), seq_len=9, local_batch_size=2, dp_rank=rank, dp_world_size=world, num_workers=workers
+    )
 
 
 def take(loader, n: int) -> list[list[int]]:

@@ -34,9 +34,19 @@ def numbered_store(folder: Path, docs_per_shard=(5, 0, 7, 3), doc_len=9) -> Toke
         docs = [list(range(t + d * doc_len, t + (d + 1) * doc_len)) for d in range(n)]
         t += n * doc_len
         entries.append(write_shard(folder, f"{i:05d}", docs, np.dtype(np.uint32), 0))
-    (folder / MANIFEST).write_text(json.dumps({
-        "format": FORMAT, "version": VERSION, "tokenizer": tokenizer_fingerprint(Tok()), "bos": True, "eos": True,
-        "dtype": "uint32", "shards": entries}))
+    (folder / MANIFEST).write_text(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "version": VERSION,
+                "tokenizer": tokenizer_fingerprint(Tok()),
+                "bos": True,
+                "eos": True,
+                "dtype": "uint32",
+                "shards": entries,
+            }
+        )
+    )
     return TokenStore(str(folder))
 
 
@@ -46,8 +56,17 @@ def store(tmp_path):
 
 
 def make(store, world=1, rank=0, workers=0, infinite=True, batch=2, seed=None, seq=SEQ):
-    return StoreDataLoader(store, Tok(), seq_len=seq, local_batch_size=batch, dp_rank=rank, dp_world_size=world,
-                           num_workers=workers, infinite=infinite, shuffle_seed=seed)
+    return StoreDataLoader(
+        store,
+        Tok(),
+        seq_len=seq,
+        local_batch_size=batch,
+        dp_rank=rank,
+        dp_world_size=world,
+        num_workers=workers,
+        infinite=infinite,
+        shuffle_seed=seed,
+    )
 
 
 def window_ids(batch) -> list[int]:
@@ -67,8 +86,9 @@ def test_windows_are_consecutive_token_runs(store):
 SLOW = pytest.mark.slow  # worker processes
 
 
-@pytest.mark.parametrize("world, workers", [(1, 0), (2, 0), pytest.param(1, 2, marks=SLOW),
-                                            pytest.param(2, 2, marks=SLOW)])
+@pytest.mark.parametrize(
+    "world, workers", [(1, 0), (2, 0), pytest.param(1, 2, marks=SLOW), pytest.param(2, 2, marks=SLOW)]
+)
 def test_ranks_and_workers_disjoint_and_complete(store, world, workers):
     seen = []
     for rank in range(world):
@@ -81,8 +101,9 @@ def take(loader, n):
     return [window_ids(next(it)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("workers, seed", [(0, None), pytest.param(2, None, marks=SLOW), (0, 5),
-                                           pytest.param(2, 5, marks=SLOW)])
+@pytest.mark.parametrize(
+    "workers, seed", [(0, None), pytest.param(2, None, marks=SLOW), (0, 5), pytest.param(2, 5, marks=SLOW)]
+)
 @pytest.mark.parametrize("k", [1, 4, 11])
 def test_exact_resume(store, workers, seed, k):
     for world in (1, 2):
@@ -151,8 +172,9 @@ def test_state_of_a_text_dataset_restarts_the_store(store, caplog):
         def encode(self, text, *, bos, eos):
             return [0] + list(text.encode()) + [1]
 
-    text = TitanDataLoader(ListSource("docs", ["abc"] * 5), Bytes(), seq_len=SEQ, local_batch_size=1, dp_rank=0,
-                           dp_world_size=1)
+    text = TitanDataLoader(
+        ListSource("docs", ["abc"] * 5), Bytes(), seq_len=SEQ, local_batch_size=1, dp_rank=0, dp_world_size=1
+    )
     loader = make(store, batch=1)
     loader.load_state_dict(text.state_dict())  # another dataset: warned, started from the beginning
     assert take(loader, 1) == [[0]]
@@ -162,9 +184,17 @@ def test_state_of_a_mixture_restarts_a_single_source(store, tmp_path):
     from titan.config.sections.training import MixtureSource
     from titan.data import build_dataloader
 
-    mixture = build_dataloader(dataset="", dataset_path="", text_field="text", tokenizer=Tok(), seq_len=SEQ,
-                               local_batch_size=1, dp_rank=0, dp_world_size=1,
-                               mixture=[MixtureSource(path=store.path), MixtureSource(path=store.path)])
+    mixture = build_dataloader(
+        dataset="",
+        dataset_path="",
+        text_field="text",
+        tokenizer=Tok(),
+        seq_len=SEQ,
+        local_batch_size=1,
+        dp_rank=0,
+        dp_world_size=1,
+        mixture=[MixtureSource(path=store.path), MixtureSource(path=store.path)],
+    )
     loader = make(store, batch=1)
     loader.load_state_dict(mixture.state_dict())  # another kind of state: warned, started from the beginning
     assert take(loader, 1) == [[0]]

@@ -30,8 +30,10 @@ WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "
 def write_docs(path: Path, n: int = 60, seed: int = 0) -> list[str]:
     """A .jsonl file of n documents of different lengths (a few to ~120 words)."""
     rng = np.random.default_rng(seed)
-    docs = [" ".join(WORDS[j] for j in rng.integers(0, len(WORDS), int(rng.integers(3, 120)))) + f" doc {i}."
-            for i in range(n)]
+    docs = [
+        " ".join(WORDS[j] for j in rng.integers(0, len(WORDS), int(rng.integers(3, 120)))) + f" doc {i}."
+        for i in range(n)
+    ]
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     return docs
 
@@ -41,8 +43,9 @@ def make_store(tmp_path: Path, n: int = 60, workers: int = 0, name: str = "store
     if not src.exists():
         write_docs(src, n)
     out = tmp_path / name
-    tokenize_to_store(dataset="", dataset_path=str(src), tokenizer_path="", out=str(out), workers=workers,
-                      shard_mb=shard_mb)
+    tokenize_to_store(
+        dataset="", dataset_path=str(src), tokenizer_path="", out=str(out), workers=workers, shard_mb=shard_mb
+    )
     return out
 
 
@@ -51,8 +54,17 @@ def batches(loader) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def store_loader(path, **kw):
-    args = dict(dataset="", dataset_path=str(path), text_field="text", tokenizer=build_tokenizer(""), seq_len=31,
-                local_batch_size=3, dp_rank=0, dp_world_size=1, infinite=False)
+    args = dict(
+        dataset="",
+        dataset_path=str(path),
+        text_field="text",
+        tokenizer=build_tokenizer(""),
+        seq_len=31,
+        local_batch_size=3,
+        dp_rank=0,
+        dp_world_size=1,
+        infinite=False,
+    )
     return build_dataloader(**{**args, **kw})
 
 
@@ -60,9 +72,17 @@ def check_round_trip(tmp_path, workers):
     store = make_store(tmp_path, workers=workers)
     manifest = json.loads((store / MANIFEST).read_text())
     assert len(manifest["shards"]) > 3 and manifest["dtype"] == "uint16"  # windows cross shard boundaries
-    online = text_loader(dataset="", dataset_path=str(tmp_path / "store.jsonl"), text_field="text",
-                         tokenizer=build_tokenizer(""), seq_len=31, local_batch_size=3, dp_rank=0, dp_world_size=1,
-                         infinite=False)
+    online = text_loader(
+        dataset="",
+        dataset_path=str(tmp_path / "store.jsonl"),
+        text_field="text",
+        tokenizer=build_tokenizer(""),
+        seq_len=31,
+        local_batch_size=3,
+        dp_rank=0,
+        dp_world_size=1,
+        infinite=False,
+    )
     a, b = batches(store_loader(store)), batches(online)
     assert len(a) == len(b) > 10
     for (x1, y1), (x2, y2) in zip(a, b):
@@ -107,8 +127,14 @@ def test_rerun_keeps_finished_shards_and_redoes_damaged_ones(tmp_path):
     data = bytearray((store / f"{shards[4]['name']}.tokens").read_bytes())
     data[0] ^= 1
     (store / f"{shards[4]['name']}.tokens").write_bytes(bytes(data))
-    result = tokenize_to_store(dataset="", dataset_path=str(tmp_path / "store.jsonl"), tokenizer_path="",
-                               out=str(store), workers=0, shard_mb=0.002)
+    result = tokenize_to_store(
+        dataset="",
+        dataset_path=str(tmp_path / "store.jsonl"),
+        tokenizer_path="",
+        out=str(store),
+        workers=0,
+        shard_mb=0.002,
+    )
     assert result["kept"] == len(shards) - 2
     after = TokenStore(str(store))
     assert np.array_equal(after.read(0, after.num_tokens), before)
@@ -118,8 +144,14 @@ def test_rerun_keeps_finished_shards_and_redoes_damaged_ones(tmp_path):
 def test_output_folder_of_another_plan_is_refused(tmp_path):
     store = make_store(tmp_path)
     with pytest.raises(TitanError, match="holds shards of another run") as e:
-        tokenize_to_store(dataset="", dataset_path=str(tmp_path / "store.jsonl"), tokenizer_path="", out=str(store),
-                          workers=0, shard_mb=1.0)
+        tokenize_to_store(
+            dataset="",
+            dataset_path=str(tmp_path / "store.jsonl"),
+            tokenizer_path="",
+            out=str(store),
+            workers=0,
+            shard_mb=1.0,
+        )
     assert "\n" not in str(e.value)
 
 
@@ -141,11 +173,14 @@ def test_truncated_shard_is_named(tmp_path):
     one_line_error(lambda: store_loader(store), f"{name}.tokens has 10 bytes", "re-run scripts/tokenize_dataset.py")
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("{not json", "is not valid JSON"),
-    (json.dumps({"format": "other"}), "is not a titan-token-store manifest"),
-    (json.dumps({"format": FORMAT, "version": 99}), "has version 99"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("{not json", "is not valid JSON"),
+        (json.dumps({"format": "other"}), "is not a titan-token-store manifest"),
+        (json.dumps({"format": FORMAT, "version": 99}), "has version 99"),
+    ],
+)
 def test_bad_manifest_is_one_line(tmp_path, text, needle):
     store = make_store(tmp_path)
     (store / MANIFEST).write_text(text)
@@ -176,8 +211,16 @@ def test_fingerprint_follows_the_tokenizer_file(tmp_path):
 
 def test_empty_source_is_refused(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
-    one_line_error(lambda: tokenize_to_store(dataset="", dataset_path=str(tmp_path / "empty.jsonl"),
-                                             tokenizer_path="", out=str(tmp_path / "out"), workers=0), "empty")
+    one_line_error(
+        lambda: tokenize_to_store(
+            dataset="",
+            dataset_path=str(tmp_path / "empty.jsonl"),
+            tokenizer_path="",
+            out=str(tmp_path / "out"),
+            workers=0,
+        ),
+        "empty",
+    )
     assert not (tmp_path / "out" / MANIFEST).exists()
 
 
@@ -196,15 +239,36 @@ def fake_huge_store(folder: Path, shards: int = 100, per_shard: int = 10**9) -> 
             f.truncate(per_shard * 2)
         with open(folder / f"{name}.offsets", "wb") as f:
             f.truncate(16)
-        entries.append({"name": name, "tokens": per_shard, "documents": 1, "text_bytes": 0,
-                        "tokens_xxh3": f"{i:016x}", "offsets_xxh3": "0"})
+        entries.append(
+            {
+                "name": name,
+                "tokens": per_shard,
+                "documents": 1,
+                "text_bytes": 0,
+                "tokens_xxh3": f"{i:016x}",
+                "offsets_xxh3": "0",
+            }
+        )
     marker = np.arange(7, 7 + 40, dtype=np.uint16)
     fd = os.open(folder / f"{shards - 1:05d}.tokens", os.O_WRONLY)
     os.pwrite(fd, marker.tobytes(), (per_shard - 1000) * 2)
     os.close(fd)
-    (folder / MANIFEST).write_text(json.dumps({
-        "format": FORMAT, "version": VERSION, "tokenizer": tokenizer_fingerprint(_Tok()), "bos": True, "eos": True,
-        "dtype": "uint16", "tokens": shards * per_shard, "documents": shards, "text_bytes": 0, "shards": entries}))
+    (folder / MANIFEST).write_text(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "version": VERSION,
+                "tokenizer": tokenizer_fingerprint(_Tok()),
+                "bos": True,
+                "eos": True,
+                "dtype": "uint16",
+                "tokens": shards * per_shard,
+                "documents": shards,
+                "text_bytes": 0,
+                "shards": entries,
+            }
+        )
+    )
     return marker
 
 
@@ -213,13 +277,29 @@ def test_resume_is_a_direct_seek_at_1e11_tokens(tmp_path):
     seq_len = 19  # windows of 20 tokens: the marker (at token 1e11 - 1000) starts window 5e9 - 50
     times = {}
     for position in (1000 // 20, 10**11 // 20 - 50):
-        loader = build_dataloader(dataset="", dataset_path=str(tmp_path / "huge"), text_field="text", tokenizer=_Tok(),
-                                  seq_len=seq_len, local_batch_size=1, dp_rank=0, dp_world_size=1)
+        loader = build_dataloader(
+            dataset="",
+            dataset_path=str(tmp_path / "huge"),
+            text_field="text",
+            tokenizer=_Tok(),
+            seq_len=seq_len,
+            local_batch_size=1,
+            dp_rank=0,
+            dp_world_size=1,
+        )
         state = loader.state_dict()
         state["streams"][0]["next"] = position
         start = time.perf_counter()
-        resumed = build_dataloader(dataset="", dataset_path=str(tmp_path / "huge"), text_field="text",
-                                   tokenizer=_Tok(), seq_len=seq_len, local_batch_size=1, dp_rank=0, dp_world_size=1)
+        resumed = build_dataloader(
+            dataset="",
+            dataset_path=str(tmp_path / "huge"),
+            text_field="text",
+            tokenizer=_Tok(),
+            seq_len=seq_len,
+            local_batch_size=1,
+            dp_rank=0,
+            dp_world_size=1,
+        )
         resumed.load_state_dict(state)
         inputs, labels = next(iter(resumed))
         times[position] = time.perf_counter() - start

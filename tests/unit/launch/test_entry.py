@@ -47,10 +47,15 @@ def trainer_stub(monkeypatch):
 
 
 def test_a_bad_flag_fails_before_torch_is_imported():
-    code = ("import sys, train; rc = train.main(['--training.stepz', '3']);"
-            " print(rc, 'torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = "import sys, train; rc = train.main(['--training.stepz', '3']); print(rc, 'torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
     assert out.stderr.strip() == "titan: error: unknown config key 'training.stepz'; did you mean 'training.steps'?"
 
@@ -74,8 +79,9 @@ def _failing_trainer(error: TitanError, store: Path):
 
 
 @pytest.mark.parametrize("same_on_all_ranks", [False, True], ids=["rank-specific", "same-on-all-ranks"])
-def test_an_error_after_the_group_started_names_the_rank_then_the_group_ends(same_on_all_ranks, capsys,
-                                                                             monkeypatch, tmp_path):
+def test_an_error_after_the_group_started_names_the_rank_then_the_group_ends(
+    same_on_all_ranks, capsys, monkeypatch, tmp_path
+):
     error = TitanError("checkpoint step 2: writing /x failed (No space left on device)")
     if same_on_all_ranks:
         error.same_on_all_ranks = True  # type: ignore[attr-defined]
@@ -102,7 +108,8 @@ def test_before_the_group_only_rank_0_prints(capsys, monkeypatch, tmp_path):
     assert train.main(["--training.stepz", "3"]) == 2
     assert capsys.readouterr().err == ""
     assert json.loads((tmp_path / "error.json").read_text())["message"].startswith(
-        "titan: error: unknown config key 'training.stepz'")
+        "titan: error: unknown config key 'training.stepz'"
+    )
 
 
 def test_debugging_keeps_the_traceback(monkeypatch, tmp_path, capsys):
@@ -133,8 +140,20 @@ def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
 @pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
 def test_print_config_on_rank_0(rank, printed, trainer_stub, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("RANK", rank)
-    assert train.main(["--job.config_file", DEBUG_MODEL, "--job.print_config", "--training.steps", "7",
-                       "--job.dump_folder", str(tmp_path)]) == 0
+    assert (
+        train.main(
+            [
+                "--job.config_file",
+                DEBUG_MODEL,
+                "--job.print_config",
+                "--training.steps",
+                "7",
+                "--job.dump_folder",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert ("[training]" in out and "steps = 7" in out) == printed, out
     assert [c.training.steps for c in trainer_stub.built] == [7]

@@ -52,7 +52,8 @@ def test_the_launcher_answers_titans_help_without_starting_torchrun(entry, capsy
     assert capsys.readouterr().out.startswith("[checkpoint]")
     assert supervisor.main(["--nproc_per_node", "2", *entry, "--training.stepz", "3"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "titan: error: unknown config key 'training.stepz'; did you mean 'training.steps'?"]
+        "titan: error: unknown config key 'training.stepz'; did you mean 'training.steps'?"
+    ]
 
 
 def test_the_launcher_checks_only_titans_entry_point(monkeypatch):
@@ -77,8 +78,9 @@ def test_titan_args_found_without_torchruns_parser():
 
 def _failure(exitcode: int, message: str = "", timestamp: int = 100, pid: int = 7):
     signame = signal.Signals(-exitcode).name if exitcode < 0 else "<N/A>"
-    return SimpleNamespace(exitcode=exitcode, message=message, timestamp=timestamp, pid=pid,
-                           signal_name=lambda: signame)
+    return SimpleNamespace(
+        exitcode=exitcode, message=message, timestamp=timestamp, pid=pid, signal_name=lambda: signame
+    )
 
 
 def test_failure_line_prefers_the_cause_over_its_consequences():
@@ -123,8 +125,9 @@ time.sleep(120)
 
 
 def test_forwarder_passes_signals_to_the_ranks_and_a_second_ctrl_c_kills(monkeypatch):
-    rank = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)  # as torchrun starts a rank: not in our group
+    rank = subprocess.Popen(
+        [sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )  # as torchrun starts a rank: not in our group
     try:
         assert rank.stdout.readline().strip() == "ready"
         assert rank.pid in supervisor.child_pids(os.getpid())
@@ -176,8 +179,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_rank_stops_when_its_launcher_is_killed():
-    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _RANK % str(REPO)], stdout=subprocess.PIPE,
-                                text=True)
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _RANK % str(REPO)], stdout=subprocess.PIPE, text=True)
     rank = int(launcher.stdout.readline())
     try:
         time.sleep(1)
@@ -199,9 +201,11 @@ def test_peer_lost_line_quotes_the_transport_whole(capsys, monkeypatch, tmp_path
     import titan.training.trainer
     import train
 
-    gloo = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed by peer "
-            "[127.0.0.1]:22345 while waiting for the remote side of an operation that was in progress on the"
-            " pair that serves rank 1")
+    gloo = (
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed by peer "
+        "[127.0.0.1]:22345 while waiting for the remote side of an operation that was in progress on the"
+        " pair that serves rank 1"
+    )
 
     class Lost:
         def __init__(self, config):
@@ -211,8 +215,12 @@ def test_peer_lost_line_quotes_the_transport_whole(capsys, monkeypatch, tmp_path
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr("titan.parallel.utils.destroy_distributed", lambda: None)
     monkeypatch.setenv("RANK", "0")
-    assert train.main(["--job.config_file", str(REPO / "train_configs/debug_model.toml"),
-                       "--job.dump_folder", str(tmp_path)]) == 3
+    assert (
+        train.main(
+            ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", str(tmp_path)]
+        )
+        == 3
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "(Connection closed by peer);" in err[0] and "22345" not in err[0], err
 
@@ -238,7 +246,8 @@ def test_a_signal_before_the_ranks_started_ends_with_128_plus_it(monkeypatch, tm
     error = SignalException("launcher got SIGTERM", sigval=signal.SIGTERM)
     assert _torchrun_ending_with(error, monkeypatch, tmp_path) == 128 + signal.SIGTERM
     assert capsys.readouterr().err.strip() == (
-        "titan: stopped by SIGTERM (torchrun sent it to the ranks, if any were running)")
+        "titan: stopped by SIGTERM (torchrun sent it to the ranks, if any were running)"
+    )
 
 
 def test_the_run_ended_by_another_node_says_so_last(monkeypatch, tmp_path, capsys):

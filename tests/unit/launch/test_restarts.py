@@ -43,7 +43,8 @@ def test_a_killed_rank_is_restarted_and_the_cause_goes_to_the_next_ranks(monkeyp
     assert policy.on_failure({1: _failure(-9, pid=44)}, remaining=0) == 0
     line = policy.final_line(supervisor.failure_line({1: _failure(-9, pid=44)}, [])[0])
     assert line.startswith("titan: error: rank 1 (pid 44) was killed by SIGKILL") and line.endswith(
-        "(gave up after 3 restart(s): --max-restarts 3)"), line
+        "(gave up after 3 restart(s): --max-restarts 3)"
+    ), line
 
 
 @pytest.mark.parametrize("exitcode", [2, -15], ids=["exited-2", "stopped-after-writing-its-line"])

@@ -61,7 +61,7 @@ def test_packed_window_equals_each_document_alone(attn_type):
         plain = alone_model(batch)
         for row in range(2):
             for span in spans:
-                alone = alone_model(batch[row:row + 1, span])[0]
+                alone = alone_model(batch[row : row + 1, span])[0]
                 torch.testing.assert_close(packed[row, span], alone, atol=2e-5, rtol=1e-5)
     # the plain causal window does let the later documents see the earlier ones
     assert (plain[0, spans[1]] - packed[0, spans[1]]).abs().max() > 1e-3
@@ -81,8 +81,16 @@ def test_config_refusals():
         load_config(["--model.attn_type", "varlen"])
     with pytest.raises(TitanError, match=r"\"block_causal\" does not combine with parallelism.context_parallel"):
         load_config(["--model.attn_mask_type", "block_causal", "--parallelism.context_parallel_degree", "2"])
-    config = load_config(["--model.attn_type", "varlen", "--model.attn_mask_type", "block_causal",
-                          "--training.mixed_precision_param", "float32"])
+    config = load_config(
+        [
+            "--model.attn_type",
+            "varlen",
+            "--model.attn_mask_type",
+            "block_causal",
+            "--training.mixed_precision_param",
+            "float32",
+        ]
+    )
     dims = ParallelDims(1, 1, 1, 1, 1, 1)
     check_run(config, dims, TINY, "cpu")  # SDPA with the document mask on CPU: any dtype
     with pytest.raises(TitanError, match=r"flash varlen kernel on CUDA, which takes bfloat16"):

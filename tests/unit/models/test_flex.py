@@ -143,8 +143,9 @@ def test_cpu_compiled_checkpointed_flex_forward(mode: str, option: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- CUDA
 
-GPU_ARGS = TransformerModelArgs(dim=1024, n_layers=4, n_heads=8, n_kv_heads=2, vocab_size=2048, multiple_of=256,
-                                max_seq_len=4096)
+GPU_ARGS = TransformerModelArgs(
+    dim=1024, n_layers=4, n_heads=8, n_kv_heads=2, vocab_size=2048, multiple_of=256, max_seq_len=4096
+)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

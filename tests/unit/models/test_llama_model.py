@@ -32,9 +32,7 @@ def build(args: TransformerModelArgs = TINY, seed: int = 0) -> Transformer:
     return tiny.build(args, seed)
 
 
-@pytest.mark.parametrize(
-    "flavor,expected", [("8B", 8.03e9), ("70B", 70.55e9), ("405B", 405.85e9)]
-)
+@pytest.mark.parametrize("flavor,expected", [("8B", 8.03e9), ("70B", 70.55e9), ("405B", 405.85e9)])
 def test_published_param_counts_on_meta(flavor: str, expected: float) -> None:
     with torch.device("meta"):
         model = Transformer(llama3_configs[flavor])
@@ -144,8 +142,9 @@ def test_gqa_attention_matches_naive(attn_type: str) -> None:
     mask = causal_block_mask(16, "cpu") if attn_type == "flex" else None
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager flex on CPU warns it is unfused
-        torch.testing.assert_close(attn(x, freqs, attn_mask=mask), naive_attention(attn, x, freqs),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            attn(x, freqs, attn_mask=mask), naive_attention(attn, x, freqs), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_flex_matches_sdpa_forward() -> None:
@@ -215,8 +214,7 @@ def test_pipeline_stage_forward() -> None:
         hidden = first(tokens)
         assert hidden.shape == (2, 8, TINY.dim) and hidden.is_floating_point()
         torch.testing.assert_close(last(hidden), expected)
-    assert all(k.startswith("layers.1.") or k in ("norm.weight", "output.weight")
-               for k in last.state_dict())
+    assert all(k.startswith("layers.1.") or k in ("norm.weight", "output.weight") for k in last.state_dict())
     # a stage counts only what it holds; init works on the partial module
     assert get_nparams_and_flops(first, 8)[0] < get_nparams_and_flops(full, 8)[0]
     # Init works on the partial module and keeps the original depth of layer "1". (The RNG

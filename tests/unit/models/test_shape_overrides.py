@@ -34,12 +34,25 @@ def test_cli_and_toml_overrides_reach_the_built_model(tmp_path: Path) -> None:
     assert (args.n_layers, args.dim, args.n_heads, args.kv_heads, args.ffn_dim_multiplier) == (8, 4096, 32, 8, 1.3)
     assert llama3_configs["8B"].n_layers == 32  # the shared flavor is untouched
     toml = tmp_path / "shape.toml"
-    toml.write_text("[model]\nflavor = \"debugmodel\"\nn_layers = 2\ndim = 128\nn_heads = 4\nn_kv_heads = 2\n")
+    toml.write_text('[model]\nflavor = "debugmodel"\nn_layers = 2\ndim = 128\nn_heads = 4\nn_kv_heads = 2\n')
     from titan.training.trainer import Trainer
 
-    cfg = load_config(["--job.config_file", str(toml), "--job.dump_folder", str(tmp_path), "--training.steps", "1",
-                       "--training.seq_len", "32", "--training.local_batch_size", "1",
-                       "--metrics.enable_tensorboard", "false"])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(toml),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.steps",
+            "1",
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "1",
+            "--metrics.enable_tensorboard",
+            "false",
+        ]
+    )
     model = Trainer(cfg).model_parts[0]
     assert len(model.layers) == 2
     attn = model.layers["0"].attention
@@ -48,14 +61,19 @@ def test_cli_and_toml_overrides_reach_the_built_model(tmp_path: Path) -> None:
     assert attn.wk.weight.shape == (2 * 32, 128)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model.n_layers", "0"], "config key 'model.n_layers' got 0; valid: an integer >= 1"),
-    (["--model.dim", "-8"], "config key 'model.dim' got -8; valid: an integer >= 1"),
-    (["--model.n_heads", "30"], "model.dim (256) must be divisible by model.n_heads (30) (flavor 'debugmodel' with"
-                                " model.n_heads = 30)"),
-    (["--model.n_kv_heads", "3"], "model.n_heads (16) must be divisible by model.n_kv_heads (3)"),
-    (["--model.dim", "48", "--model.n_heads", "16"], "must be even for RoPE"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model.n_layers", "0"], "config key 'model.n_layers' got 0; valid: an integer >= 1"),
+        (["--model.dim", "-8"], "config key 'model.dim' got -8; valid: an integer >= 1"),
+        (
+            ["--model.n_heads", "30"],
+            "model.dim (256) must be divisible by model.n_heads (30) (flavor 'debugmodel' with model.n_heads = 30)",
+        ),
+        (["--model.n_kv_heads", "3"], "model.n_heads (16) must be divisible by model.n_kv_heads (3)"),
+        (["--model.dim", "48", "--model.n_heads", "16"], "must be even for RoPE"),
+    ],
+)
 def test_bad_overrides_fail_at_config_time(argv: list[str], message: str) -> None:
     with pytest.raises(TitanError) as e:
         load_job(argv)
@@ -72,8 +90,10 @@ def test_tensor_parallel_divisibility_sees_the_overrides() -> None:
 
 
 def test_cli_error_is_one_line_with_exit_status_2() -> None:
-    out = subprocess.run([sys.executable, "train.py", "--model.n_heads", "0"], cwd=REPO, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "train.py", "--model.n_heads", "0"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 2
-    assert out.stderr.strip() == ("titan: error: config key 'model.n_heads' got 0; valid: an integer >= 1, or unset"
-                                  " for the flavor's value")
+    assert out.stderr.strip() == (
+        "titan: error: config key 'model.n_heads' got 0; valid: an integer >= 1, or unset for the flavor's value"
+    )

@@ -67,7 +67,7 @@ def test_kv_cache_decoding_matches_full_recompute(attn_type):
         steps = [model(tokens[:, :5], kv_cache=cache)]
         cache.advance(5)
         for i in range(5, tokens.shape[1]):
-            steps.append(model(tokens[:, i:i + 1], kv_cache=cache))
+            steps.append(model(tokens[:, i : i + 1], kv_cache=cache))
             cache.advance(1)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-5, rtol=1e-5)
     assert cache.pos == 12

@@ -42,29 +42,71 @@ def test_degrees_must_multiply_to_world_size():
         ({"tp": 2}, ("--parallelism.enable_async_tensor_parallel", "true"), "cpu", "needs CUDA"),
         # 4 layers + the embedding and the output counted as one layer each: 6 units to split.
         ({"pp": 7}, (), "cpu", "cannot be split into 7 pipeline stages"),
-        ({"pp": 4}, ("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"), "cpu",
-         "cannot be split into 8 pipeline stages"),
+        (
+            {"pp": 4},
+            ("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
+            "cpu",
+            "cannot be split into 8 pipeline stages",
+        ),
         ({"pp": 3}, ("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"), "cpu", None),  # 6 stages of 1
         ({"pp": 5}, (), "cpu", None),  # embedding + layer 0, layers 1, 2, 3, norm + output
         ({"pp": 3}, (), "cpu", None),
         ({"pp": 2}, ("--parallelism.pipeline_parallel_layers_per_stage", "4"), "cpu", None),  # ceil(6 / 4) = 2
-        ({"pp": 2}, ("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                     "--parallelism.pipeline_parallel_layers_per_stage", "3"), "cpu", "1 per rank, but schedule"
-                                                                                    " Interleaved1F1B runs at least 2"),
-        ({"pp": 2}, ("--parallelism.pipeline_parallel_layers_per_stage", "1"), "cpu",
-         "make 6 pipeline stages, 3 per rank, but schedule 1F1B runs one stage per rank"),
-        ({"pp": 2}, ("--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
-                     "--parallelism.pipeline_parallel_layers_per_stage", "1"), "cpu",
-         "6 pipeline stages, 3 per rank, but the V-shaped schedule ZBVZeroBubble runs exactly 2 per rank"),
-        ({"pp": 4}, ("--parallelism.pipeline_parallel_layers_per_stage", "4"), "cpu",
-         "2 pipeline stages, not a multiple of pipeline_parallel_degree 4"),
-        ({"pp": 4}, ("--parallelism.pipeline_parallel_first_stage_less_layers", "2"), "cpu",
-         "cannot be split into 4 pipeline stages: with the embedding counted as 2"),
-        ({"pp": 2}, ("--parallelism.module_fqns_per_model_part",
-                     '[["tok_embeddings", "layers.0"], ["layers.2", "layers.3", "norm", "output"]]'), "cpu",
-         "module_fqns_per_model_part' got .* once each, in that order"),
-        ({"pp": 2}, ("--parallelism.module_fqns_per_model_part", '[["tok_embeddings"], ["layers.0"], ["layers.1"]]'),
-         "cpu", "has 3 pipeline stages, not a multiple of pipeline_parallel_degree 2"),
+        (
+            {"pp": 2},
+            (
+                "--parallelism.pipeline_parallel_schedule",
+                "Interleaved1F1B",
+                "--parallelism.pipeline_parallel_layers_per_stage",
+                "3",
+            ),
+            "cpu",
+            "1 per rank, but schedule Interleaved1F1B runs at least 2",
+        ),
+        (
+            {"pp": 2},
+            ("--parallelism.pipeline_parallel_layers_per_stage", "1"),
+            "cpu",
+            "make 6 pipeline stages, 3 per rank, but schedule 1F1B runs one stage per rank",
+        ),
+        (
+            {"pp": 2},
+            (
+                "--parallelism.pipeline_parallel_schedule",
+                "ZBVZeroBubble",
+                "--parallelism.pipeline_parallel_layers_per_stage",
+                "1",
+            ),
+            "cpu",
+            "6 pipeline stages, 3 per rank, but the V-shaped schedule ZBVZeroBubble runs exactly 2 per rank",
+        ),
+        (
+            {"pp": 4},
+            ("--parallelism.pipeline_parallel_layers_per_stage", "4"),
+            "cpu",
+            "2 pipeline stages, not a multiple of pipeline_parallel_degree 4",
+        ),
+        (
+            {"pp": 4},
+            ("--parallelism.pipeline_parallel_first_stage_less_layers", "2"),
+            "cpu",
+            "cannot be split into 4 pipeline stages: with the embedding counted as 2",
+        ),
+        (
+            {"pp": 2},
+            (
+                "--parallelism.module_fqns_per_model_part",
+                '[["tok_embeddings", "layers.0"], ["layers.2", "layers.3", "norm", "output"]]',
+            ),
+            "cpu",
+            "module_fqns_per_model_part' got .* once each, in that order",
+        ),
+        (
+            {"pp": 2},
+            ("--parallelism.module_fqns_per_model_part", '[["tok_embeddings"], ["layers.0"], ["layers.1"]]'),
+            "cpu",
+            "has 3 pipeline stages, not a multiple of pipeline_parallel_degree 2",
+        ),
         ({"cp": 2}, (), "cpu", "trains only on CUDA: on CPU, SDPA has no"),
         ({"cp": 2}, (), "cuda", None),
         ({"tp": 2}, ("--parallelism.enable_async_tensor_parallel", "true"), "cuda", "also set compile.enable"),
@@ -86,8 +128,9 @@ def test_trainer_rejects_bad_layout_before_any_process_group(tmp_path, monkeypat
     """world size 16 (claimed by the env, no process started): TP 16 does not divide the debug
     model's 8 kv heads."""
     monkeypatch.setenv("WORLD_SIZE", "16")
-    config = load_config(["--job.dump_folder", str(tmp_path), "--training.seq_len", "32",
-                          "--parallelism.tensor_parallel_degree", "16"])
+    config = load_config(
+        ["--job.dump_folder", str(tmp_path), "--training.seq_len", "32", "--parallelism.tensor_parallel_degree", "16"]
+    )
     with pytest.raises(TitanError, match="must divide model n_kv_heads"):
         Trainer(config)
     assert not dist.is_initialized()
@@ -98,10 +141,14 @@ def test_trainer_rejects_bad_layout_before_any_process_group(tmp_path, monkeypat
     [
         (("--parallelism.pipeline_parallel_schedule", "Zigzag"), "valid: GPipe, 1F1B"),
         (("--parallelism.pipeline_parallel_schedule_csv", "/nonexistent.csv"), "no such file"),
-        (("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "3"),
-         "multiple of parallelism.pipeline_parallel_microbatch_size"),
-        (("--parallelism.pipeline_parallel_schedule", "PipelineScheduleMulti"),
-         "runs the order of a CSV file: set parallelism.pipeline_parallel_schedule_csv"),
+        (
+            ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "3"),
+            "multiple of parallelism.pipeline_parallel_microbatch_size",
+        ),
+        (
+            ("--parallelism.pipeline_parallel_schedule", "PipelineScheduleMulti"),
+            "runs the order of a CSV file: set parallelism.pipeline_parallel_schedule_csv",
+        ),
         (("--parallelism.pipeline_parallel_layers_per_stage", "0"), r"-1 \(automatic\) or an integer >= 1"),
         (("--parallelism.pipeline_parallel_last_stage_less_layers", "-1"), "an integer >= 0"),
         (("--parallelism.context_parallel_rotate_method", "ring"), "allgather, alltoall"),
@@ -119,23 +166,45 @@ def test_stage_layout():
     assert stage_ids_this_rank(0, 2, 4, v_style=True) == [0, 3]
     assert stage_ids_this_rank(1, 2, 4, v_style=False) == [1, 3]
     # The embedding and norm + output count as one layer each; the remainder goes to the first stages.
-    counts = {(n, s): [sum(m.startswith("layers.") for m in part) for part in spread_modules(n, s)]
-              for n, s in ((6, 4), (5, 4), (7, 4), (5, 2), (6, 8), (126, 8))}
-    assert counts == {(6, 4): [1, 2, 2, 1], (5, 4): [1, 2, 2, 0], (7, 4): [2, 2, 2, 1], (5, 2): [3, 2],
-                      (6, 8): [0, 1, 1, 1, 1, 1, 1, 0], (126, 8): [15, 16, 16, 16, 16, 16, 16, 15]}
+    counts = {
+        (n, s): [sum(m.startswith("layers.") for m in part) for part in spread_modules(n, s)]
+        for n, s in ((6, 4), (5, 4), (7, 4), (5, 2), (6, 8), (126, 8))
+    }
+    assert counts == {
+        (6, 4): [1, 2, 2, 1],
+        (5, 4): [1, 2, 2, 0],
+        (7, 4): [2, 2, 2, 1],
+        (5, 2): [3, 2],
+        (6, 8): [0, 1, 1, 1, 1, 1, 1, 0],
+        (126, 8): [15, 16, 16, 16, 16, 16, 16, 15],
+    }
     assert spread_modules(6, 8)[0] == ["tok_embeddings"] and spread_modules(6, 8)[-1] == ["norm", "output"]
     # torchtitan's first/last_stage_less_layers: 0 counts the ends as nothing, 2 as two layers.
-    assert spread_modules(4, 2, 0, 0) == [["tok_embeddings", "layers.0", "layers.1"],
-                                          ["layers.2", "layers.3", "norm", "output"]]
+    assert spread_modules(4, 2, 0, 0) == [
+        ["tok_embeddings", "layers.0", "layers.1"],
+        ["layers.2", "layers.3", "norm", "output"],
+    ]
     assert [len(p) for p in spread_modules(6, 2, 2, 0)] == [3, 6]
     assert num_stages(6, 2, _par("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")) == 4
     assert num_stages(6, 4, _par("--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble")) == 8
-    assert num_stages(6, 4, _par("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                                 "--parallelism.pipeline_parallel_layers_per_stage", "1")) == 8
+    assert (
+        num_stages(
+            6,
+            4,
+            _par(
+                "--parallelism.pipeline_parallel_schedule",
+                "Interleaved1F1B",
+                "--parallelism.pipeline_parallel_layers_per_stage",
+                "1",
+            ),
+        )
+        == 8
+    )
     assert num_stages(6, 2, _par("--parallelism.pipeline_parallel_layers_per_stage", "4")) == 2
     assert describe_split(6, spread_modules(6, 4)) == (
         "pipeline split of 6 layers into 4 stages: stage 0: layer 0 + embedding;"
-        " stage 1: layers 1-2; stage 2: layers 3-4; stage 3: layer 5 + output+loss")
+        " stage 1: layers 1-2; stage 2: layers 3-4; stage 3: layer 5 + output+loss"
+    )
     import torch
 
     with torch.device("meta"):

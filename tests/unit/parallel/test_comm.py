@@ -11,8 +11,12 @@ from titan.parallel.comm import set_comm_env
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
-                 "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+    for name in (
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -58,4 +62,6 @@ def test_env_warning_only_for_user_values_nccl_reads(tmp_path, clean_env, monkey
     messages = [r.getMessage() for r in caplog.records if "TORCH_NCCL" in r.getMessage()]
     assert bool(messages) == warned, messages
     if warned:
-        assert messages == ["[comm] TORCH_NCCL_ASYNC_ERROR_HANDLING=0 from the environment is replaced by 3 ([comm] config)"]
+        assert messages == [
+            "[comm] TORCH_NCCL_ASYNC_ERROR_HANDLING=0 from the environment is replaced by 3 ([comm] config)"
+        ]

@@ -19,9 +19,12 @@ NO_CLIP = ("--training.max_norm", "0")
 
 def _offload_policies(trainer) -> set[str]:
     """The offload policy of every FSDP module of the trainer's model."""
-    return {type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
-            for part in trainer.model_parts for m in part.modules()
-            if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None}
+    return {
+        type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
+        for part in trainer.model_parts
+        for m in part.modules()
+        if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None
+    }
 
 
 def _on_ranks(rank: int, world: int, dump: str) -> dict:
@@ -36,16 +39,20 @@ def _on_ranks(rank: int, world: int, dump: str) -> dict:
 
     trainer_mod.Trainer.__init__ = init
     with extra_flavors(**FLAVORS):
-        results = run_layouts(dump, {
-            "fsdp2_offload_clip": (*SHARD2, *OFFLOAD, *CLIP),
-            "fsdp2_step_in_backward": (*SHARD2, *EARLY, *NO_CLIP),
-            "fsdp2_offload_step_in_backward": (*SHARD2, *OFFLOAD, *EARLY, *NO_CLIP),
-            # Sequence-parallel norm weights: replicated parameters whose gradients the hooks see too.
-            "tp2_step_in_backward": ("--parallelism.tensor_parallel_degree", "2", *EARLY, *NO_CLIP),
-        })
+        results = run_layouts(
+            dump,
+            {
+                "fsdp2_offload_clip": (*SHARD2, *OFFLOAD, *CLIP),
+                "fsdp2_step_in_backward": (*SHARD2, *EARLY, *NO_CLIP),
+                "fsdp2_offload_step_in_backward": (*SHARD2, *OFFLOAD, *EARLY, *NO_CLIP),
+                # Sequence-parallel norm weights: replicated parameters whose gradients the hooks see too.
+                "tp2_step_in_backward": ("--parallelism.tensor_parallel_degree", "2", *EARLY, *NO_CLIP),
+            },
+        )
     offloaded, plain, both, _ = built
-    optimizer_states = [t for o in offloaded.optimizers for s in o.state.values() for t in s.values()
-                        if isinstance(t, torch.Tensor)]
+    optimizer_states = [
+        t for o in offloaded.optimizers for s in o.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+    ]
     results["policies"] = [_offload_policies(t) for t in (offloaded, plain, both)]
     results["state_devices"] = {t.device.type for t in optimizer_states}
     return results

@@ -49,8 +49,9 @@ def test_disabled_is_a_no_op_and_default_filter_keeps_output():
 
 
 def test_precompute_hook_only_with_fsdp_float8_all_gather():
-    full = Float8Config(enable_float8_linear=True, enable_fsdp_float8_all_gather=True,
-                        precompute_float8_dynamic_scale_for_fsdp=True)
+    full = Float8Config(
+        enable_float8_linear=True, enable_fsdp_float8_all_gather=True, precompute_float8_dynamic_scale_for_fsdp=True
+    )
     assert callable(build_precompute_hook([build()], full, fsdp_enabled=True))
     assert build_precompute_hook([build()], full, fsdp_enabled=False) is None
     assert build_precompute_hook([build()], replace(full, precompute_float8_dynamic_scale_for_fsdp=False), True) is None
@@ -60,7 +61,10 @@ def test_precompute_hook_only_with_fsdp_float8_all_gather():
     "args, match",
     [
         (["--float8.recipe", "blockwise"], "float8.recipe"),
-        (["--float8.recipe", "rowwise", "--float8.enable_fsdp_float8_all_gather"], "only with float8.recipe = tensorwise"),
+        (
+            ["--float8.recipe", "rowwise", "--float8.enable_fsdp_float8_all_gather"],
+            "only with float8.recipe = tensorwise",
+        ),
         (["--float8.precompute_float8_dynamic_scale_for_fsdp"], "needs float8.enable_fsdp_float8_all_gather"),
     ],
 )
@@ -84,7 +88,9 @@ def test_rowwise_recipe_converts_with_axiswise_scales():
     from torchao.float8.config import ScalingGranularity
 
     model = build()
-    convert_to_float8(model, Float8Config(enable_float8_linear=True, recipe="rowwise", emulate=True), fsdp_enabled=False)
+    convert_to_float8(
+        model, Float8Config(enable_float8_linear=True, recipe="rowwise", emulate=True), fsdp_enabled=False
+    )
     lin = model.layers["0"].attention.wq
     assert isinstance(lin, Float8Linear)
     assert lin.config.cast_config_weight.scaling_granularity is ScalingGranularity.AXISWISE
@@ -128,8 +134,11 @@ def _fsdp_float8_checks(rank: int, dump: str) -> dict:
 
     from titan.training.trainer import Trainer
 
-    trainer = Trainer(_trainer_config(dump, "--float8.enable_fsdp_float8_all_gather",
-                                      "--float8.precompute_float8_dynamic_scale_for_fsdp"))
+    trainer = Trainer(
+        _trainer_config(
+            dump, "--float8.enable_fsdp_float8_all_gather", "--float8.precompute_float8_dynamic_scale_for_fsdp"
+        )
+    )
     wq = trainer.model_parts[0].layers["0"].attention.wq
     local = wq.weight._local_tensor if isinstance(wq.weight, DTensor) else wq.weight
     checks = {
@@ -145,11 +154,23 @@ def _fsdp_float8_checks(rank: int, dump: str) -> dict:
 
 
 def _trainer_config(dump: str, *extra: str):
-    return load_config([
-        "--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", dump,
-        "--model.flavor", "tiny", "--training.seq_len", "32", "--metrics.enable_tensorboard", "false",
-        "--float8.enable_float8_linear", "--float8.emulate", *extra,
-    ])
+    return load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs/debug_model.toml"),
+            "--job.dump_folder",
+            dump,
+            "--model.flavor",
+            "tiny",
+            "--training.seq_len",
+            "32",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--float8.enable_float8_linear",
+            "--float8.emulate",
+            *extra,
+        ]
+    )
 
 
 @pytest.mark.slow
@@ -163,8 +184,14 @@ def test_fsdp2_float8_all_gather_with_precomputed_scales_matches_one_process(tmp
     ref = _batch_steps(Trainer(_trainer_config(str(tmp_path / "ref"))), slice(0, 4))
     results = run_distributed(_fsdp_float8_rank, 2, str(tmp_path / "fsdp"))
     for r in results:
-        assert r["checks"] == {"float8_linear": True, "sharded": True, "float8_all_gather_weight": True,
-                               "hooks": 1, "scale_before": False, "scale_after": True}
+        assert r["checks"] == {
+            "float8_linear": True,
+            "sharded": True,
+            "float8_all_gather_weight": True,
+            "hooks": 1,
+            "scale_before": False,
+            "scale_after": True,
+        }
         assert max(abs(a - b) for a, b in zip(r["losses"], ref)) < 1e-4, (r["losses"], ref)
 
 

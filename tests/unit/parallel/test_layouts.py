@@ -106,17 +106,30 @@ def test_six_layer_splits_match_one_process(tmp_path):
     4 ranks for the looped schedules, 2 stages of 4 units at layers_per_stage 4, an explicit module
     list, and PipelineScheduleMulti running CSV orders (4 stages on 2 ranks)."""
     reference = run(Trainer(config(str(tmp_path / "ref"), "--training.local_batch_size", str(GLOBAL_BATCH), *SIX)))
-    fqns = ('[["tok_embeddings", "layers.0"],'
-            ' ["layers.1", "layers.2", "layers.3", "layers.4", "layers.5", "norm", "output"]]')
+    fqns = (
+        '[["tok_embeddings", "layers.0"],'
+        ' ["layers.1", "layers.2", "layers.3", "layers.4", "layers.5", "norm", "output"]]'
+    )
     two = {
         "pp2_layers_per_stage4": (*_pp("1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "4"), *_shard(1)),
         "pp2_module_fqns": (*_pp("GPipe", "--parallelism.module_fqns_per_model_part", fqns), *_shard(1)),
-        "pp2_multi_csv_split_backward": (*_pp("PipelineScheduleMulti", "--parallelism.pipeline_parallel_schedule_csv",
-                                              _split_backward_csv(tmp_path / "zb.csv")), *_shard(1)),
+        "pp2_multi_csv_split_backward": (
+            *_pp(
+                "PipelineScheduleMulti",
+                "--parallelism.pipeline_parallel_schedule_csv",
+                _split_backward_csv(tmp_path / "zb.csv"),
+            ),
+            *_shard(1),
+        ),
     }
     four = {
-        f"pp4_{schedule}": ("--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule",
-                            schedule, *_shard(1))
+        f"pp4_{schedule}": (
+            "--parallelism.pipeline_parallel_degree",
+            "4",
+            "--parallelism.pipeline_parallel_schedule",
+            schedule,
+            *_shard(1),
+        )
         for schedule in ("Interleaved1F1B", "InterleavedZeroBubble")
     }
     for world, layouts in ((2, two), (4, four)):

@@ -14,8 +14,16 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def _config(toml: str, world: int, *extra: str):
-    return load_config(["--job.config_file", str(REPO / "train_configs" / toml), "--job.dry_run",
-                        "--job.dry_run_world_size", str(world), *extra])
+    return load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs" / toml),
+            "--job.dry_run",
+            "--job.dry_run_world_size",
+            str(world),
+            *extra,
+        ]
+    )
 
 
 @pytest.mark.slow
@@ -49,26 +57,55 @@ def test_405b_on_512_ranks_plan_adds_up_to_the_model():
 def test_looped_pipeline_counts_embedding_and_output_as_stages():
     """6 layers + embedding + output make 8 stages for 4 ranks x 2 (loop placement: r, r + 4)."""
     for schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
-        report = run_dry_run(_config("debug_model.toml", 4, "--parallelism.pipeline_parallel_degree", "4",
-                                     "--parallelism.pipeline_parallel_schedule", schedule))
+        report = run_dry_run(
+            _config(
+                "debug_model.toml",
+                4,
+                "--parallelism.pipeline_parallel_degree",
+                "4",
+                "--parallelism.pipeline_parallel_schedule",
+                schedule,
+            )
+        )
         assert report.ok and report.stages == [
-            "no layers + tok_embeddings; layer 3 (1)", "layer 0 (1); layer 4 (1)",
-            "layer 1 (1); layer 5 (1)", "layer 2 (1); no layers + norm, output"]
-    two = run_dry_run(_config("debug_model.toml", 2, "--parallelism.pipeline_parallel_degree", "2",
-                              "--parallelism.pipeline_parallel_layers_per_stage", "4"))
+            "no layers + tok_embeddings; layer 3 (1)",
+            "layer 0 (1); layer 4 (1)",
+            "layer 1 (1); layer 5 (1)",
+            "layer 2 (1); no layers + norm, output",
+        ]
+    two = run_dry_run(
+        _config(
+            "debug_model.toml",
+            2,
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_layers_per_stage",
+            "4",
+        )
+    )
     assert two.stages == ["layers 0-2 (3) + tok_embeddings", "layers 3-5 (3) + norm, output"]
 
 
 def test_schedule_csv_is_loaded_against_the_stages(tmp_path):
     """PipelineScheduleMulti runs a CSV order (4 stages, 8 micro-batches); one that does not fit is one line."""
-    rows = [",".join([f"{s}F{m}" for s in (r, r + 2) for m in range(8)]
-                     + [f"{s}B{m}" for s in (r + 2, r) for m in range(8)]) for r in range(2)]
+    rows = [
+        ",".join(
+            [f"{s}F{m}" for s in (r, r + 2) for m in range(8)] + [f"{s}B{m}" for s in (r + 2, r) for m in range(8)]
+        )
+        for r in range(2)
+    ]
     good, bad = tmp_path / "good.csv", tmp_path / "bad.csv"
     good.write_text("\n".join(rows) + "\n")
     bad.write_text(rows[0].replace("2F7", "5F7") + "\n" + rows[1] + "\n")
-    flags = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
-             "PipelineScheduleMulti", "--training.local_batch_size", "8",
-             "--parallelism.pipeline_parallel_schedule_csv")
+    flags = (
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "PipelineScheduleMulti",
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.pipeline_parallel_schedule_csv",
+    )
     assert run_dry_run(_config("debug_model.toml", 2, *flags, str(good))).ok
     with pytest.raises(TitanError, match=r"which does not fit 4 stages x 8 micro-batches: it names stage 5,"):
         run_dry_run(_config("debug_model.toml", 2, *flags, str(bad)))
@@ -87,14 +124,30 @@ def test_hsdp_and_ddp_layouts_count_replicas_once():
     est = estimate_memory(_config("debug_model.toml", 8, "--parallelism.data_parallel_replicate_degree", "2"), 8)
     assert est.params == hsdp.per_rank_params[0]
     assert sum(hsdp.memory[0].values()) == pytest.approx(est.total_bytes / 1024**3, rel=1e-9)
-    ddp = run_dry_run(_config("debug_model.toml", 4, "--parallelism.data_parallel_replicate_degree", "4",
-                              "--parallelism.data_parallel_shard_degree", "1"))
+    ddp = run_dry_run(
+        _config(
+            "debug_model.toml",
+            4,
+            "--parallelism.data_parallel_replicate_degree",
+            "4",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+        )
+    )
     assert ddp.ok and ddp.per_rank_params == [ddp.model_params] * 4
 
 
 def test_tp_pp_hsdp_layout_splits_stages_and_counts_tp_replicas_once():
-    config = _config("debug_model.toml", 16, "--parallelism.tensor_parallel_degree", "2",
-                     "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2")
+    config = _config(
+        "debug_model.toml",
+        16,
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+    )
     report = run_dry_run(config)
     assert report.degrees == {"pp": 2, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2}
     assert report.stages == ["layers 0-2 (3) + tok_embeddings", "layers 3-5 (3) + norm, output"]
@@ -120,27 +173,53 @@ def test_dry_run_refuses_to_run_under_a_launcher(monkeypatch):
 
 def test_mismatch_is_reported_not_hidden():
     plan = plan_run(load_config([]), 2, "cuda", data_here=False)
-    report = DryRunReport(plan, 2, "m", {"pp": 1}, ["stage"], model_params=10, per_rank_params=[4, 5],
-                          distinct_shard_params=9, memory=[{"params": 0.0}] * 2)
+    report = DryRunReport(
+        plan,
+        2,
+        "m",
+        {"pp": 1},
+        ["stage"],
+        model_params=10,
+        per_rank_params=[4, 5],
+        distinct_shard_params=9,
+        memory=[{"params": 0.0}] * 2,
+    )
     assert not report.ok
     assert "DOES NOT MATCH the model's 10" in format_report(report, load_config([]))
 
 
 def test_settings_the_estimator_does_not_model_leave_the_plan_valid():
-    report = run_dry_run(_config("debug_model.toml", 2, "--optimizer.bf16_stochastic_round", "true",
-                                 "--training.mixed_precision_param", "bfloat16"))
+    report = run_dry_run(
+        _config(
+            "debug_model.toml",
+            2,
+            "--optimizer.bf16_stochastic_round",
+            "true",
+            "--training.mixed_precision_param",
+            "bfloat16",
+        )
+    )
     assert report.ok and set(report.memory[0]) == {"params", "grads", "optim"}
     assert "not optimizer.bf16_stochastic_round" in report.memory_note
 
 
 def test_validation_with_context_parallel_plans():
     # each cp rank evaluates its sequence shard: the layout is valid with validation on
-    report = run_dry_run(_config("debug_model.toml", 2, "--parallelism.context_parallel_degree", "2",
-                                 "--validation.enable", "true"))
+    report = run_dry_run(
+        _config("debug_model.toml", 2, "--parallelism.context_parallel_degree", "2", "--validation.enable", "true")
+    )
     assert report.degrees["cp"] == 2
     assert not dist.is_initialized()
     # document-masked attention does not combine with CP: refused before any group exists
-    with pytest.raises(TitanError, match="block_causal\" does not combine with parallelism.context_parallel_degree"):
-        run_dry_run(_config("debug_model.toml", 2, "--parallelism.context_parallel_degree", "2",
-                            "--model.attn_mask_type", "block_causal"))
+    with pytest.raises(TitanError, match='block_causal" does not combine with parallelism.context_parallel_degree'):
+        run_dry_run(
+            _config(
+                "debug_model.toml",
+                2,
+                "--parallelism.context_parallel_degree",
+                "2",
+                "--model.attn_mask_type",
+                "block_causal",
+            )
+        )
     assert not dist.is_initialized()

@@ -43,9 +43,10 @@ def test_kv_cache_and_recompute_match_transformers_greedy(hf_folder):
     assert cached == _greedy(hf_folder, use_cache=False)
     assert cached == _greedy(hf_folder, pad_multiple=4)  # the TP padding is exact
     ref = transformers.LlamaForCausalLM.from_pretrained(str(hf_folder), torch_dtype=torch.float32).eval()
-    out = ref.generate(torch.tensor([PROMPT]), max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
-                       pad_token_id=0)
-    assert out[0, len(PROMPT):].tolist() == cached
+    out = ref.generate(
+        torch.tensor([PROMPT]), max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False, pad_token_id=0
+    )
+    assert out[0, len(PROMPT) :].tolist() == cached
     assert len(set(cached)) > 2  # not a degenerate repeat of one token
 
 
@@ -78,9 +79,24 @@ def test_tensor_parallel_2_ranks_gives_the_tp1_tokens(hf_folder, tmp_path):
     import_hf_to_dcp(hf_folder, tmp_path / "dcp")
     out = tmp_path / "tp2.json"
     env = cpu_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(REPO / "scripts/generate.py"), "--checkpoint", str(tmp_path / "dcp"), "--prompt_ids",
-           ",".join(map(str, PROMPT)), "--max_new_tokens", str(N_NEW), "--ignore_eos", "--out_json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(REPO / "scripts/generate.py"),
+        "--checkpoint",
+        str(tmp_path / "dcp"),
+        "--prompt_ids",
+        ",".join(map(str, PROMPT)),
+        "--max_new_tokens",
+        str(N_NEW),
+        "--ignore_eos",
+        "--out_json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tokens/s (tp 2" in proc.stdout

@@ -48,16 +48,22 @@ def test_tensorboard_folder_with_run_subfolders(tmp_path, plot_metrics, capsys):
     # One run's folder, and one event file, work as well.
     assert list(plot_metrics.read_runs(tb / "20250102-090000")) == [str(tb / "20250102-090000")]
     event = next((tb / "20250102-090000").glob("events.out.tfevents*"))
-    assert [v for _, v in plot_metrics.read_runs(event)[str(event)]["loss_metrics/global_avg_loss"]] == pytest.approx([8.1, 6.0])
+    assert [v for _, v in plot_metrics.read_runs(event)[str(event)]["loss_metrics/global_avg_loss"]] == pytest.approx(
+        [8.1, 6.0]
+    )
 
 
 def test_jsonl_file_and_folder(tmp_path, plot_metrics):
     pytest.importorskip("matplotlib")
     folder = tmp_path / "metrics"
     folder.mkdir()
-    rows = [{"step": 1, "loss_metrics/global_avg_loss": 8.0, "grad_norm": 2.0},
-            {"step": 2, "loss_metrics/global_avg_loss": 7.5, "grad_norm": 1.5}]
-    (folder / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "lo')  # partial last line
+    rows = [
+        {"step": 1, "loss_metrics/global_avg_loss": 8.0, "grad_norm": 2.0},
+        {"step": 2, "loss_metrics/global_avg_loss": 7.5, "grad_norm": 1.5},
+    ]
+    (folder / "a.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "lo'
+    )  # partial last line
     (folder / "b.jsonl").write_text(json.dumps(rows[0]) + "\n")
     runs = plot_metrics.read_runs(folder)
     assert runs[str(folder / "a.jsonl")]["grad_norm"] == [(1, 2.0), (2, 1.5)]

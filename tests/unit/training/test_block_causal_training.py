@@ -20,16 +20,37 @@ SEQ, STEPS, BATCH, TOL = 32, 3, 4, 1e-4
 FLAVOR = {"bctest": TransformerModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=2048, multiple_of=32)}
 LAYOUTS = {
     "tp2": ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"),
-    "pp2": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
-            "--parallelism.data_parallel_shard_degree", "1"),
+    "pp2": (
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "1F1B",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ),
 }
 
 
 def _config(dump: str, *extra: str):
-    return load_config(["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", dump,
-                        "--model.flavor", "bctest", "--training.seq_len", str(SEQ), "--training.local_batch_size",
-                        str(BATCH), "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "1",
-                        *extra])
+    return load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs/debug_model.toml"),
+            "--job.dump_folder",
+            dump,
+            "--model.flavor",
+            "bctest",
+            "--training.seq_len",
+            str(SEQ),
+            "--training.local_batch_size",
+            str(BATCH),
+            "--metrics.enable_tensorboard",
+            "false",
+            "--lr_scheduler.warmup_steps",
+            "1",
+            *extra,
+        ]
+    )
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -51,15 +72,20 @@ def _run(trainer: Trainer) -> list[tuple[float, float]]:
 
 def _layouts(rank: int, world: int, dump: str) -> dict[str, list[tuple[float, float]]]:
     with extra_flavors(**FLAVOR):
-        return {name: _run(Trainer(_config(f"{dump}/{name}", "--model.attn_mask_type", "block_causal", *flags)))
-                for name, flags in LAYOUTS.items()}
+        return {
+            name: _run(Trainer(_config(f"{dump}/{name}", "--model.attn_mask_type", "block_causal", *flags)))
+            for name, flags in LAYOUTS.items()
+        }
 
 
 def test_block_causal_layouts_match_one_process(tmp_path, monkeypatch):
     patch_flavors(monkeypatch, **FLAVOR)
     reference = _run(Trainer(_config(str(tmp_path / "ref"), "--model.attn_mask_type", "block_causal")))
-    varlen = _run(Trainer(_config(str(tmp_path / "varlen"), "--model.attn_type", "varlen",
-                                  "--model.attn_mask_type", "block_causal")))
+    varlen = _run(
+        Trainer(
+            _config(str(tmp_path / "varlen"), "--model.attn_type", "varlen", "--model.attn_mask_type", "block_causal")
+        )
+    )
     causal = _run(Trainer(_config(str(tmp_path / "causal"))))
     print("causal:", causal, "block_causal:", reference, "varlen:", varlen)
     # the document mask changes the loss and gradients by far more than the tolerance

@@ -15,33 +15,56 @@ from titan.training.checks import load_job, validate_job
 REPO = Path(__file__).resolve().parents[3]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--optimizer.lr", "-1"], "config key 'optimizer.lr' got -1.0; valid: a number > 0"),
-    (["--lr_scheduler.min_lr_factor", "2"],
-     "config key 'lr_scheduler.min_lr_factor' got 2.0; valid: a number in [0, 1]"),
-    (["--stability.loss_spike_window", "0"], "config key 'stability.loss_spike_window' got 0; valid: an integer >= 1"),
-    (["--profiling.enable_profiling", "--profiling.profile_freq", "2"],
-     "must be >= profiling.warmup_steps + profiling.active_steps (3 + 1)"),
-    (["--validation.enable", "--validation.freq", "0"], "config key 'validation.freq' got 0; valid: an integer >= 1"),
-    (["--comm.train_timeout_seconds", "0"], "config key 'comm.train_timeout_seconds' got 0; valid: an integer >= 1"),
-    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
-     "'activation_checkpoint.selective_ac_option' got 0"),
-    (["--float8.enable_float8_linear", "--float8.recipe", "rowwise", "--float8.enable_fsdp_float8_all_gather"],
-     "config key 'float8.enable_fsdp_float8_all_gather' works only with float8.recipe = tensorwise"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--optimizer.lr", "-1"], "config key 'optimizer.lr' got -1.0; valid: a number > 0"),
+        (
+            ["--lr_scheduler.min_lr_factor", "2"],
+            "config key 'lr_scheduler.min_lr_factor' got 2.0; valid: a number in [0, 1]",
+        ),
+        (
+            ["--stability.loss_spike_window", "0"],
+            "config key 'stability.loss_spike_window' got 0; valid: an integer >= 1",
+        ),
+        (
+            ["--profiling.enable_profiling", "--profiling.profile_freq", "2"],
+            "must be >= profiling.warmup_steps + profiling.active_steps (3 + 1)",
+        ),
+        (
+            ["--validation.enable", "--validation.freq", "0"],
+            "config key 'validation.freq' got 0; valid: an integer >= 1",
+        ),
+        (
+            ["--comm.train_timeout_seconds", "0"],
+            "config key 'comm.train_timeout_seconds' got 0; valid: an integer >= 1",
+        ),
+        (
+            ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
+            "'activation_checkpoint.selective_ac_option' got 0",
+        ),
+        (
+            ["--float8.enable_float8_linear", "--float8.recipe", "rowwise", "--float8.enable_fsdp_float8_all_gather"],
+            "config key 'float8.enable_fsdp_float8_all_gather' works only with float8.recipe = tensorwise",
+        ),
+    ],
+)
 def test_config_checks_run_in_load_config(argv, message):
     with pytest.raises(TitanError) as e:
         load_config(argv)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--optimizer.name", "SGD"], "config key 'optimizer.name' got 'SGD'; valid: AdamW, Adam"),
-    (["--parallelism.pipeline_parallel_schedule", "2F2B"], "'parallelism.pipeline_parallel_schedule' got '2F2B'"),
-    (["--model.flavor", "giant"], "config key 'model.flavor' got 'giant'; valid for llama3: debugmodel"),
-    (["--model.name", "gpt9"], "config key 'model.name' got 'gpt9'; valid: llama3"),
-    (["--model.n_kv_heads", "5"], "(flavor 'debugmodel' with model.n_kv_heads = 5)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--optimizer.name", "SGD"], "config key 'optimizer.name' got 'SGD'; valid: AdamW, Adam"),
+        (["--parallelism.pipeline_parallel_schedule", "2F2B"], "'parallelism.pipeline_parallel_schedule' got '2F2B'"),
+        (["--model.flavor", "giant"], "config key 'model.flavor' got 'giant'; valid for llama3: debugmodel"),
+        (["--model.name", "gpt9"], "config key 'model.name' got 'gpt9'; valid: llama3"),
+        (["--model.n_kv_heads", "5"], "(flavor 'debugmodel' with model.n_kv_heads = 5)"),
+    ],
+)
 def test_runtime_checks_run_in_validate_job_only(argv, message):
     config = load_config(argv)  # the config knows nothing wrong with these
     with pytest.raises(TitanError) as e:

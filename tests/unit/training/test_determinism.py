@@ -17,10 +17,16 @@ from titan.training.determinism import DeterministicMode
 def _settings() -> tuple:
     b = torch.backends
     return (
-        torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-        os.environ.get("CUBLAS_WORKSPACE_CONFIG"), b.cudnn.deterministic, b.cudnn.benchmark,
-        inductor_config.deterministic, b.cuda.cudnn_sdp_enabled(), b.cuda.flash_sdp_enabled(),
-        b.cuda.mem_efficient_sdp_enabled(), b.cuda.math_sdp_enabled(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        b.cudnn.deterministic,
+        b.cudnn.benchmark,
+        inductor_config.deterministic,
+        b.cuda.cudnn_sdp_enabled(),
+        b.cuda.flash_sdp_enabled(),
+        b.cuda.mem_efficient_sdp_enabled(),
+        b.cuda.math_sdp_enabled(),
     )
 
 

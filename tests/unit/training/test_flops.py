@@ -68,7 +68,9 @@ def _fake_h100(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {})
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 2**30)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=80 * 2**30)
+    )
 
 
 @pytest.mark.parametrize("float8", [False, True])
@@ -85,8 +87,14 @@ def test_float8_runs_report_mfu_against_the_bf16_peak(tmp_path, monkeypatch, cap
     _fake_h100(monkeypatch)
     cfg = JobConfig(job=Job(dump_folder=str(tmp_path)), metrics=Metrics(disable_color_printing=True))
     with caplog.at_level(logging.INFO, logger="titan"):
-        mp = MetricsProcessor(cfg.metrics, dump_folder=cfg.job.dump_folder, rank=0, device=torch.device("cuda"),
-                              num_flops_per_token=10**9, float8=float8)
+        mp = MetricsProcessor(
+            cfg.metrics,
+            dump_folder=cfg.job.dump_folder,
+            rank=0,
+            device=torch.device("cuda"),
+            num_flops_per_token=10**9,
+            float8=float8,
+        )
         mp.count_tokens(989_000)  # 989 TFLOP/s of work per second of wall time, if it took 1 s
         mp._last_time -= 1.0 - 1e-9
         scalars = mp.log(1, loss=1.0, grad_norm=1.0, lr=1e-4)

@@ -51,11 +51,26 @@ def test_bad_frequency_names_the_key():
 def _trainer(dump: Path):
     from titan.training.trainer import Trainer
 
-    return Trainer(load_config([
-        "--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", str(dump),
-        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "2",
-        "--training.gc_freq", "1", "--metrics.enable_tensorboard", "false",
-    ]))
+    return Trainer(
+        load_config(
+            [
+                "--job.config_file",
+                str(REPO / "train_configs/debug_model.toml"),
+                "--job.dump_folder",
+                str(dump),
+                "--training.seq_len",
+                "32",
+                "--training.local_batch_size",
+                "2",
+                "--training.steps",
+                "2",
+                "--training.gc_freq",
+                "1",
+                "--metrics.enable_tensorboard",
+                "false",
+            ]
+        )
+    )
 
 
 @pytest.mark.slow

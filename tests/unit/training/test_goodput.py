@@ -28,8 +28,17 @@ def _config(folder, checkpoint: bool = True):
     return SimpleNamespace(job=SimpleNamespace(dump_folder=str(folder)), checkpoint=SimpleNamespace(enable=checkpoint))
 
 
-def _attempt(folder, monkeypatch, *, start: int, last: int, restart: int = 0, killed: bool = False,
-             interval: int = 2, cause_env: str | None = None):
+def _attempt(
+    folder,
+    monkeypatch,
+    *,
+    start: int,
+    last: int,
+    restart: int = 0,
+    killed: bool = False,
+    interval: int = 2,
+    cause_env: str | None = None,
+):
     """One attempt: steps start+1..last (5 ms each, a checkpoint every ``interval`` steps, one
     validation), ended normally unless ``killed``."""
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
@@ -118,8 +127,11 @@ def test_a_new_run_starts_at_step_0_and_other_ranks_record_nothing(tmp_path, mon
 
 def test_a_torn_last_line_is_skipped(tmp_path):
     path = tmp_path / RECORD_FILE
-    path.write_text(json.dumps({"run": 1, "attempt": 1, "kind": "start", "time": 1.0, "step": 0}) + "\n"
-                    + '{"run": 1, "attempt": 1, "kind": "progr')
+    path.write_text(
+        json.dumps({"run": 1, "attempt": 1, "kind": "start", "time": 1.0, "step": 0})
+        + "\n"
+        + '{"run": 1, "attempt": 1, "kind": "progr'
+    )
     assert [a["kind"] for a in read_attempts(str(path))] == ["start"]
 
 

@@ -88,8 +88,17 @@ def test_no_host_read_on_steps_that_log_nothing(tmp_path, monkeypatch):
 def test_skip_step_drops_the_update_on_the_device(tmp_path, monkeypatch, implementation, caplog):
     Inject(monkeypatch, {3}, grad_scale=math.nan)
     snapshots = _record_before_steps(monkeypatch)
-    trainer = tiny_trainer(tmp_path, "--training.steps", "6", "--metrics.log_freq", "5", "--training.nonfinite",
-                           "skip_step", "--optimizer.implementation", implementation)
+    trainer = tiny_trainer(
+        tmp_path,
+        "--training.steps",
+        "6",
+        "--metrics.log_freq",
+        "5",
+        "--training.nonfinite",
+        "skip_step",
+        "--optimizer.implementation",
+        implementation,
+    )
     reads = HostReads(monkeypatch, trainer)
     losses = trainer.train()
     assert reads.by_step[3] == [] and reads.by_step[4] == []
@@ -110,16 +119,27 @@ def test_stop_is_reported_at_the_next_log_step(tmp_path, monkeypatch):
     Inject(monkeypatch, {2}, output_nan=True)
     trainer = tiny_trainer(tmp_path, "--training.steps", "8", "--metrics.log_freq", "4")
     reads = HostReads(monkeypatch, trainer)
-    with pytest.raises(TitanError, match=r"non-finite loss = nan, grad_norm = nan at step 2 \(training.nonfinite = "
-                                         r"stop\): stopping without saving.*\(found at step 4\)"):
+    with pytest.raises(
+        TitanError,
+        match=r"non-finite loss = nan, grad_norm = nan at step 2 \(training.nonfinite = "
+        r"stop\): stopping without saving.*\(found at step 4\)",
+    ):
         trainer.train()
     assert reads.by_step[2] == [] and reads.by_step[3] == []
 
 
 def test_stop_is_reported_before_a_checkpoint_save(tmp_path, monkeypatch):
     Inject(monkeypatch, {2}, output_nan=True)
-    trainer = tiny_trainer(tmp_path, "--training.steps", "8", "--metrics.log_freq", "5", "--checkpoint.enable",
-                           "--checkpoint.interval", "3")
+    trainer = tiny_trainer(
+        tmp_path,
+        "--training.steps",
+        "8",
+        "--metrics.log_freq",
+        "5",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "3",
+    )
     with pytest.raises(TitanError, match=r"at step 2 \(training.nonfinite = stop\).*\(found at step 3\)"):
         trainer.train()
     assert not list((tmp_path / trainer.config.checkpoint.folder).glob("step-*"))
@@ -127,10 +147,22 @@ def test_stop_is_reported_before_a_checkpoint_save(tmp_path, monkeypatch):
 
 def test_too_many_skips_in_a_row_are_reported_at_the_next_log_step(tmp_path, monkeypatch):
     Inject(monkeypatch, {2, 3, 4}, grad_scale=math.nan)
-    trainer = tiny_trainer(tmp_path, "--training.steps", "8", "--metrics.log_freq", "5", "--training.nonfinite",
-                           "skip_step", "--training.nonfinite_max_consecutive_skips", "2")
-    with pytest.raises(TitanError, match=r"grad_norm = nan at step 4: 3 consecutive steps skipped.*"
-                                         r"max_consecutive_skips = 2 \(found at step 5\)"):
+    trainer = tiny_trainer(
+        tmp_path,
+        "--training.steps",
+        "8",
+        "--metrics.log_freq",
+        "5",
+        "--training.nonfinite",
+        "skip_step",
+        "--training.nonfinite_max_consecutive_skips",
+        "2",
+    )
+    with pytest.raises(
+        TitanError,
+        match=r"grad_norm = nan at step 4: 3 consecutive steps skipped.*"
+        r"max_consecutive_skips = 2 \(found at step 5\)",
+    ):
         trainer.train()
 
 

@@ -40,9 +40,7 @@ def test_wsd_linear_by_hand() -> None:
 
 
 def test_wsd_min_lr_by_hand() -> None:
-    cfg = LRSchedulerConfig(
-        warmup_steps=2, decay_ratio=0.5, decay_type="linear", min_lr_factor=0.1
-    )
+    cfg = LRSchedulerConfig(warmup_steps=2, decay_ratio=0.5, decay_type="linear", min_lr_factor=0.1)
     expected = [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.82, 0.64, 0.46, 0.28, 0.1]
     assert _lrs(cfg, 10, extra=1) == pytest.approx(expected, abs=1e-12)
 

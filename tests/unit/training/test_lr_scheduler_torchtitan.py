@@ -20,8 +20,14 @@ from titan.training.lr_scheduler import build_lr_schedulers
 from titan.training.optim import build_optimizers
 
 
-def torchtitan_v022_factors(steps: int, warmup: int, decay_ratio: float | None, decay_type: str,
-                            min_lr_factor: float, total_steps: int | None = None) -> list[float]:
+def torchtitan_v022_factors(
+    steps: int,
+    warmup: int,
+    decay_ratio: float | None,
+    decay_type: str,
+    min_lr_factor: float,
+    total_steps: int | None = None,
+) -> list[float]:
     total = total_steps if total_steps is not None else steps
     warmup = min(warmup, total)
     if decay_ratio is not None:
@@ -64,13 +70,15 @@ def titan_factors(steps: int, cfg: LRSchedulerConfig) -> list[float]:
     return out
 
 
-GRID = list(itertools.product(
-    (1, 2, 7, 10, 40),             # training.steps
-    (0, 1, 2, 5, 12),              # warmup_steps
-    (None, 0.0, 0.1, 0.5, 0.8, 1.0),  # decay_ratio
-    ("linear", "sqrt", "cosine"),
-    (0.0, 0.1),                    # min_lr_factor
-))
+GRID = list(
+    itertools.product(
+        (1, 2, 7, 10, 40),  # training.steps
+        (0, 1, 2, 5, 12),  # warmup_steps
+        (None, 0.0, 0.1, 0.5, 0.8, 1.0),  # decay_ratio
+        ("linear", "sqrt", "cosine"),
+        (0.0, 0.1),  # min_lr_factor
+    )
+)
 
 
 def test_grid_matches_torchtitan() -> None:
@@ -86,8 +94,9 @@ def test_grid_matches_torchtitan() -> None:
 
 @pytest.mark.parametrize("total_steps", [12, 30])
 def test_total_steps_plans_a_longer_schedule(total_steps: int) -> None:
-    cfg = LRSchedulerConfig(warmup_steps=3, decay_ratio=0.5, decay_type="cosine", min_lr_factor=0.1,
-                            total_steps=total_steps)
+    cfg = LRSchedulerConfig(
+        warmup_steps=3, decay_ratio=0.5, decay_type="cosine", min_lr_factor=0.1, total_steps=total_steps
+    )
     ours = titan_factors(20, cfg)
     theirs = torchtitan_v022_factors(20, 3, 0.5, "cosine", 0.1, total_steps=total_steps)
     planned = min(20, total_steps)

@@ -30,8 +30,19 @@ def tiny_flavor(monkeypatch):
 
 
 def _cfg(*extra: str):
-    return load_config(["--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size", "4",
-                        "--training.mixed_precision_param", "float32", *extra])
+    return load_config(
+        [
+            "--model.flavor",
+            "tiny",
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "4",
+            "--training.mixed_precision_param",
+            "float32",
+            *extra,
+        ]
+    )
 
 
 def test_live_bytes_tracks_current_and_peak():
@@ -59,16 +70,21 @@ def test_static_state_is_split_over_fsdp_shards(tiny_flavor):
     assert three.params == expected and n / 3 <= expected < n / 3 + 2000
     assert three.gathered_param_bytes > 0
     assert three.activation_bytes == one.activation_bytes  # same local batch
-    ddp = estimate_memory(_cfg("--parallelism.data_parallel_replicate_degree", "2",
-                               "--parallelism.data_parallel_shard_degree", "1"), 2)
+    ddp = estimate_memory(
+        _cfg("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"), 2
+    )
     assert ddp.params == n and ddp.gathered_param_bytes == 0
 
 
 def test_activation_checkpointing_lowers_the_estimate_in_order(tiny_flavor):
-    act = {m: estimate_memory(_cfg(*a), 1).activation_bytes for m, a in {
-        "none": (), "full": ("--activation_checkpoint.mode", "full"),
-        "op": ("--activation_checkpoint.mode", "selective"),
-    }.items()}
+    act = {
+        m: estimate_memory(_cfg(*a), 1).activation_bytes
+        for m, a in {
+            "none": (),
+            "full": ("--activation_checkpoint.mode", "full"),
+            "op": ("--activation_checkpoint.mode", "selective"),
+        }.items()
+    }
     assert act["full"] < act["op"] < act["none"], act
 
 
@@ -110,16 +126,38 @@ def test_script_prints_a_table(tiny_flavor):
 
     out = StringIO()
     with redirect_stdout(out):
-        script.main(["--world_size", "2", "--model.flavor", "tiny", "--training.seq_len", "32",
-                     "--activation_checkpoint.mode", "full"])
+        script.main(
+            [
+                "--world_size",
+                "2",
+                "--model.flavor",
+                "tiny",
+                "--training.seq_len",
+                "32",
+                "--activation_checkpoint.mode",
+                "full",
+            ]
+        )
     text = out.getvalue()
     assert "world size 2, FSDP shard 2" in text and "| total" in text and "activation checkpointing full" in text
 
 
 def _debug(mode: str, *extra: str):
-    return load_config(["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--training.seq_len", "128",
-                        "--training.local_batch_size", "4", "--metrics.enable_tensorboard", "false",
-                        "--activation_checkpoint.mode", mode, *extra])
+    return load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs/debug_model.toml"),
+            "--training.seq_len",
+            "128",
+            "--training.local_batch_size",
+            "4",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--activation_checkpoint.mode",
+            mode,
+            *extra,
+        ]
+    )
 
 
 @pytest.mark.slow
@@ -140,8 +178,10 @@ def test_estimate_matches_a_real_cpu_training_run(tmp_path, mode):
 
 
 def test_optimizer_implementation_sets_the_step_temporaries():
-    foreach, fused, loop = (estimate_memory(_debug("full", "--optimizer.implementation", impl), 1)
-                            for impl in ("foreach", "fused", "for-loop"))
+    foreach, fused, loop = (
+        estimate_memory(_debug("full", "--optimizer.implementation", impl), 1)
+        for impl in ("foreach", "fused", "for-loop")
+    )
     assert foreach.optimizer_step_bytes == foreach.param_bytes  # sqrt of the one param group
     assert fused.optimizer_step_bytes == 0 and 0 < loop.optimizer_step_bytes < foreach.optimizer_step_bytes
     assert fused.total_bytes < foreach.total_bytes
@@ -165,9 +205,21 @@ def test_offload_and_step_in_backward_are_refused_by_name(flag):
 def test_script_refuses_tp_in_one_line():
     import subprocess
 
-    out = subprocess.run([sys.executable, str(REPO / "scripts/estimate_memory.py"), "--world_size", "64",
-                          "--job.config_file", str(REPO / "train_configs/llama3_70b.toml"),
-                          "--parallelism.tensor_parallel_degree", "8"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts/estimate_memory.py"),
+            "--world_size",
+            "64",
+            "--job.config_file",
+            str(REPO / "train_configs/llama3_70b.toml"),
+            "--parallelism.tensor_parallel_degree",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2 and out.stdout == "", out
     assert out.stderr.startswith("titan: error: ") and out.stderr.count("\n") == 1, out.stderr
     assert "parallelism.tensor_parallel_degree 8" in out.stderr
@@ -184,17 +236,35 @@ def test_estimate_matches_cuda_peak(tmp_path, monkeypatch, mode):
     from titan.training.trainer import Trainer
 
     patch_flavors(monkeypatch, **{"8B_4layers": get_model_args("8B", n_layers=4)})
-    config = load_config(["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder",
-                          str(tmp_path), "--model.flavor", "8B_4layers", "--training.seq_len", "8192",
-                          "--training.local_batch_size", "1", "--training.mixed_precision_param", "bfloat16",
-                          "--metrics.enable_tensorboard", "false", "--activation_checkpoint.mode", mode])
+    config = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs/debug_model.toml"),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--model.flavor",
+            "8B_4layers",
+            "--training.seq_len",
+            "8192",
+            "--training.local_batch_size",
+            "1",
+            "--training.mixed_precision_param",
+            "bfloat16",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--activation_checkpoint.mode",
+            mode,
+        ]
+    )
     est = estimate_memory(config, 1)
     if est.total_bytes > 0.8 * torch.cuda.get_device_properties(0).total_memory:
         pytest.skip(f"needs a GPU with more than {est.total_bytes / 0.8 / 2**30:.0f} GiB")
     torch.cuda.empty_cache()
     measured, _ = measure_peak(Trainer(config), 2)
     reserved = torch.cuda.max_memory_reserved()
-    print(f"AC {mode}: estimate {est.total_bytes / 2**30:.2f} GiB, allocated {measured / 2**30:.2f} GiB,"
-          f" reserved {reserved / 2**30:.2f} GiB")
+    print(
+        f"AC {mode}: estimate {est.total_bytes / 2**30:.2f} GiB, allocated {measured / 2**30:.2f} GiB,"
+        f" reserved {reserved / 2**30:.2f} GiB"
+    )
     assert est.total_bytes == pytest.approx(measured, rel=0.10), (est.rows(), measured)
     assert est.total_bytes <= reserved * 1.10

@@ -40,8 +40,12 @@ def _processor(tmp_path: Path, *, rank: int = 0, color: bool = False, tb: bool =
         metrics=Metrics(log_freq=5, disable_color_printing=not color, enable_tensorboard=tb),
     )
     return MetricsProcessor(
-        cfg.metrics, dump_folder=cfg.job.dump_folder, rank=rank, device=torch.device("cpu"),
-        num_flops_per_token=10**9, **kw
+        cfg.metrics,
+        dump_folder=cfg.job.dump_folder,
+        rank=rank,
+        device=torch.device("cpu"),
+        num_flops_per_token=10**9,
+        **kw,
     )
 
 

@@ -24,8 +24,9 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def _processor(cfg: JobConfig, *, rank: int, flops: int = 1) -> MetricsProcessor:
-    return MetricsProcessor(cfg.metrics, dump_folder=cfg.job.dump_folder, rank=rank, device=torch.device("cpu"),
-                            num_flops_per_token=flops)
+    return MetricsProcessor(
+        cfg.metrics, dump_folder=cfg.job.dump_folder, rank=rank, device=torch.device("cpu"), num_flops_per_token=flops
+    )
 
 
 def test_wandb_offline_run_writes_files(tmp_path, monkeypatch):
@@ -33,10 +34,18 @@ def test_wandb_offline_run_writes_files(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_PROJECT", "titan-test")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = JobConfig(job=Job(dump_folder=str(tmp_path)),
-                    metrics=Metrics(enable_wandb=True, enable_jsonl=False, wandb_run_name="unit"))
-    mp = MetricsProcessor(cfg.metrics, dump_folder=cfg.job.dump_folder, rank=0, device=torch.device("cpu"),
-                          num_flops_per_token=10, run_config={"job": {"dump_folder": str(tmp_path)}})
+    cfg = JobConfig(
+        job=Job(dump_folder=str(tmp_path)),
+        metrics=Metrics(enable_wandb=True, enable_jsonl=False, wandb_run_name="unit"),
+    )
+    mp = MetricsProcessor(
+        cfg.metrics,
+        dump_folder=cfg.job.dump_folder,
+        rank=0,
+        device=torch.device("cpu"),
+        num_flops_per_token=10,
+        run_config={"job": {"dump_folder": str(tmp_path)}},
+    )
     assert mp.wandb.project == "titan-test" and mp.wandb.name == "unit"
     mp.count_tokens(100)
     mp.log(1, loss=2.0, grad_norm=1.0, lr=1e-3, extra={"param_norm": 3.0})
@@ -89,16 +98,19 @@ def test_memory_snapshot_wiring_on_cuda(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: Path(path).write_bytes(b"snap"))
     observers = []
     monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", observers.append, raising=False)
-    c = load_config(["--job.dump_folder", str(tmp_path), "--profiling.enable_memory_snapshot",
-                     "--profiling.profile_freq", "2"])
+    c = load_config(
+        ["--job.dump_folder", str(tmp_path), "--profiling.enable_memory_snapshot", "--profiling.profile_freq", "2"]
+    )
     prof = Profiler(c.profiling, dump_folder=c.job.dump_folder, rank=3, device=torch.device("cuda", 0))
     prof.step(1)
     prof.step(2)
     observers[0](0, 2**30, 2**34, 2**20)  # what the allocator calls on OOM
     prof.close()
     snaps = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.pickle"))
-    assert snaps == ["memory_snapshot/iteration_2/rank3_memory_snapshot.pickle",
-                     "memory_snapshot/oom/rank3_memory_snapshot.pickle"]
+    assert snaps == [
+        "memory_snapshot/iteration_2/rank3_memory_snapshot.pickle",
+        "memory_snapshot/oom/rank3_memory_snapshot.pickle",
+    ]
     assert calls == [("record", {"max_entries": 100_000}), ("record", {"enabled": None})]
 
 
@@ -114,9 +126,14 @@ def test_weight_decay_exclude_groups_and_checkpoint_round_trip():
     [o] = opt.optimizers
     names = {id(p): n for n, p in model.named_parameters()}
     decay = {g["weight_decay"]: sorted(names[id(p)] for p in g["params"]) for g in o.param_groups}
-    assert decay[0.0] == ["layers.0.attention_norm.weight", "layers.0.ffn_norm.weight",
-                          "layers.1.attention_norm.weight", "layers.1.ffn_norm.weight", "norm.weight",
-                          "tok_embeddings.weight"]
+    assert decay[0.0] == [
+        "layers.0.attention_norm.weight",
+        "layers.0.ffn_norm.weight",
+        "layers.1.attention_norm.weight",
+        "layers.1.ffn_norm.weight",
+        "norm.weight",
+        "tok_embeddings.weight",
+    ]
     assert "output.weight" in decay[0.5] and len(decay[0.5]) == 15
     model(torch.randint(0, TINY.vocab_size, (2, 8))).sum().backward()
     opt.step()
@@ -130,7 +147,9 @@ def test_weight_decay_exclude_groups_and_checkpoint_round_trip():
 
 
 def test_bf16_stochastic_round_options():
-    with pytest.raises(TitanError, match=r"optimizer.name' got 'Adam'; valid: AdamW with optimizer.bf16_stochastic_round"):
+    with pytest.raises(
+        TitanError, match=r"optimizer.name' got 'Adam'; valid: AdamW with optimizer.bf16_stochastic_round"
+    ):
         load_job(["--optimizer.bf16_stochastic_round", "--optimizer.name", "Adam"])
     c = load_config(["--optimizer.bf16_stochastic_round"])
     with torch.device("meta"):

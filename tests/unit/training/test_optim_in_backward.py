@@ -16,23 +16,41 @@ from titan.training.plan import plan_run
 EARLY = ("--optimizer.early_step_in_backward", "true", "--training.max_norm", "0")
 
 
-@pytest.mark.parametrize(("world", "flags", "needles"), [
-    (1, ("--optimizer.early_step_in_backward",), ["grad clipping (training.max_norm = 1.0; set it to 0)"]),
-    (1, (*EARLY, "--training.local_batch_size", "2", "--training.global_batch_size", "4"), ["gradient accumulation"]),
-    (2, (*EARLY, "--parallelism.pipeline_parallel_degree", "2"), ["pipeline parallel"]),
-    (2, (*EARLY, "--parallelism.data_parallel_replicate_degree", "2"), ["DDP"]),
-    (1, (*EARLY, "--training.nonfinite", "skip_step"), ["training.nonfinite = skip_step"]),
-    # Everything that clashes, in one line.
-    (2, ("--optimizer.early_step_in_backward", "--parallelism.pipeline_parallel_degree", "2"),
-     ["cannot run with grad clipping", "; pipeline parallel"]),
-    (1, ("--training.enable_cpu_offload",), ["training.enable_cpu_offload needs FSDP"]),
-    (2, ("--training.enable_cpu_offload", "--parallelism.data_parallel_replicate_degree", "2"), ["needs FSDP"]),
-    (2, ("--training.enable_cpu_offload", "--float8.enable_float8_linear", "--float8.emulate",
-         "--float8.enable_fsdp_float8_all_gather"), ["does not combine with float8.enable_fsdp_float8_all_gather"]),
-    (2, ("--training.enable_cpu_offload", "--training.nonfinite", "skip_step"), []),  # CPU ranks: host tensors only
-    (2, (*EARLY, "--training.enable_cpu_offload"), []),  # FSDP over 2 ranks: both run, together too
-    (1, EARLY, []),
-])
+@pytest.mark.parametrize(
+    ("world", "flags", "needles"),
+    [
+        (1, ("--optimizer.early_step_in_backward",), ["grad clipping (training.max_norm = 1.0; set it to 0)"]),
+        (
+            1,
+            (*EARLY, "--training.local_batch_size", "2", "--training.global_batch_size", "4"),
+            ["gradient accumulation"],
+        ),
+        (2, (*EARLY, "--parallelism.pipeline_parallel_degree", "2"), ["pipeline parallel"]),
+        (2, (*EARLY, "--parallelism.data_parallel_replicate_degree", "2"), ["DDP"]),
+        (1, (*EARLY, "--training.nonfinite", "skip_step"), ["training.nonfinite = skip_step"]),
+        # Everything that clashes, in one line.
+        (
+            2,
+            ("--optimizer.early_step_in_backward", "--parallelism.pipeline_parallel_degree", "2"),
+            ["cannot run with grad clipping", "; pipeline parallel"],
+        ),
+        (1, ("--training.enable_cpu_offload",), ["training.enable_cpu_offload needs FSDP"]),
+        (2, ("--training.enable_cpu_offload", "--parallelism.data_parallel_replicate_degree", "2"), ["needs FSDP"]),
+        (
+            2,
+            (
+                "--training.enable_cpu_offload",
+                "--float8.enable_float8_linear",
+                "--float8.emulate",
+                "--float8.enable_fsdp_float8_all_gather",
+            ),
+            ["does not combine with float8.enable_fsdp_float8_all_gather"],
+        ),
+        (2, ("--training.enable_cpu_offload", "--training.nonfinite", "skip_step"), []),  # CPU ranks: host tensors only
+        (2, (*EARLY, "--training.enable_cpu_offload"), []),  # FSDP over 2 ranks: both run, together too
+        (1, EARLY, []),
+    ],
+)
 def test_refused_in_one_line(world, flags, needles, device="cpu"):
     config = load_config(["--training.seq_len", "32", *flags])
     if not needles:
@@ -45,8 +63,12 @@ def test_refused_in_one_line(world, flags, needles, device="cpu"):
 
 
 def test_offload_with_skip_step_refused_on_gpus():
-    test_refused_in_one_line(2, ("--training.enable_cpu_offload", "--training.nonfinite", "skip_step"),
-                             ["does not combine with training.nonfinite = skip_step on GPUs"], device="cuda")
+    test_refused_in_one_line(
+        2,
+        ("--training.enable_cpu_offload", "--training.nonfinite", "skip_step"),
+        ["does not combine with training.nonfinite = skip_step on GPUs"],
+        device="cuda",
+    )
 
 
 def test_step_in_backward_equals_the_ordinary_step(tmp_path, monkeypatch):
@@ -57,7 +79,7 @@ def test_step_in_backward_equals_the_ordinary_step(tmp_path, monkeypatch):
     ordinary = reference(str(tmp_path / "ordinary"), *flags)
     early_trainer = []
 
-    def keep(trainer):  # noqa: ANN001, ANN202
+    def keep(trainer):
         early_trainer.append(trainer)
         return trainer
 

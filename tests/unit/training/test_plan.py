@@ -33,8 +33,16 @@ def _facts(plan: RunPlan) -> dict[str, Any]:
 
 
 def _args(folder: Path, world: int, *extra: str) -> list[str]:
-    return [*TINY_RUN, "--training.steps", "1", "--job.dump_folder", str(folder),
-            "--job.dry_run_world_size", str(world), *extra]
+    return [
+        *TINY_RUN,
+        "--training.steps",
+        "1",
+        "--job.dump_folder",
+        str(folder),
+        "--job.dry_run_world_size",
+        str(world),
+        *extra,
+    ]
 
 
 def _trainer_facts(rank: int, world: int, args: list[str]) -> dict[str, Any]:
@@ -54,8 +62,16 @@ def test_trainer_and_dry_run_plan_alike(tmp_path):
 @pytest.mark.slow
 def test_trainer_and_dry_run_plan_a_pipeline_alike(tmp_path):
     """Two pipeline stages on two gloo ranks against the dry run's fake world of two."""
-    args = _args(tmp_path, 2, "--parallelism.pipeline_parallel_degree", "2",
-                 "--parallelism.pipeline_parallel_schedule", "1F1B", "--training.local_batch_size", "4")
+    args = _args(
+        tmp_path,
+        2,
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "1F1B",
+        "--training.local_batch_size",
+        "4",
+    )
     ranks = run_distributed(_trainer_facts, 2, args)
     report = run_dry_run(load_config(args))
     assert ranks[0] == ranks[1] == _facts(report.plan)
@@ -90,8 +106,19 @@ def test_merged_checkpoint_config_is_checked_and_planned_again(tmp_path, monkeyp
 
     monkeypatch.setattr(trainer_module, "plan_run", plan_spy)
     monkeypatch.setattr(JobConfig, "validate", validate_spy, raising=False)
-    config = load_config([*TINY_CKPT, "--training.steps", "3", "--job.dump_folder", str(folder),
-                          "--optimizer.lr", "0.5", "--checkpoint.config_mismatch", "use_checkpoint"])
+    config = load_config(
+        [
+            *TINY_CKPT,
+            "--training.steps",
+            "3",
+            "--job.dump_folder",
+            str(folder),
+            "--optimizer.lr",
+            "0.5",
+            "--checkpoint.config_mismatch",
+            "use_checkpoint",
+        ]
+    )
     saved_lr = load_config(TINY_CKPT).optimizer.lr
     validated.clear()  # load_config may validate too: count the trainer's own call
     trainer = Trainer(config)

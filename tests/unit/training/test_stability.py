@@ -19,8 +19,10 @@ DEMO = json.loads((Path(__file__).resolve().parents[2] / "fixtures" / "demo_curv
 
 def _default_detector(name: str) -> SpikeDetector:
     s = JobConfig().stability
-    window, threshold = {"grad_norm": (s.grad_norm_spike_window, s.grad_norm_spike_threshold),
-                         "loss": (s.loss_spike_window, s.loss_spike_threshold)}[name]
+    window, threshold = {
+        "grad_norm": (s.grad_norm_spike_window, s.grad_norm_spike_threshold),
+        "loss": (s.loss_spike_window, s.loss_spike_threshold),
+    }[name]
     return SpikeDetector(name, window, threshold, relative=True)
 
 

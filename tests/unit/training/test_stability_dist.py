@@ -16,8 +16,14 @@ REPO = Path(__file__).resolve().parents[3]
 LAYOUTS = {
     "fsdp2": (),
     "tp2": ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"),
-    "pp2": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
-            "--parallelism.pipeline_parallel_schedule", "GPipe"),
+    "pp2": (
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--parallelism.pipeline_parallel_schedule",
+        "GPipe",
+    ),
 }
 
 
@@ -26,13 +32,36 @@ def _rank(rank: int, world: int, dump: str, layout: tuple[str, ...]) -> dict:
     from titan.training.stability import param_norm
     from titan.training.trainer import Trainer
 
-    config = load_config([
-        "--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", dump,
-        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "3",
-        "--training.dataset", "pydoc_train", "--training.nonfinite", "skip_step", "--metrics.log_freq", "1",
-        "--metrics.enable_tensorboard", "false", "--validation.enable", "--validation.freq", "3",
-        "--validation.steps", "2", "--comm.train_timeout_seconds", "42", *layout,
-    ])
+    config = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs/debug_model.toml"),
+            "--job.dump_folder",
+            dump,
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            "3",
+            "--training.dataset",
+            "pydoc_train",
+            "--training.nonfinite",
+            "skip_step",
+            "--metrics.log_freq",
+            "1",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--validation.enable",
+            "--validation.freq",
+            "3",
+            "--validation.steps",
+            "2",
+            "--comm.train_timeout_seconds",
+            "42",
+            *layout,
+        ]
+    )
     trainer = Trainer(config)
     original = Trainer.train_step
 
@@ -41,8 +70,10 @@ def _rank(rank: int, world: int, dump: str, layout: tuple[str, ...]) -> dict:
         # grad norm spread them, so every rank must skip the same step.
         handles = []
         if self.step == 2 and rank == world - 1:
+
             def poison(module, inputs, out):
                 out.register_hook(lambda g: g * math.nan)
+
             handles.append(self.model_parts[-1].register_forward_hook(poison))
         try:
             return original(self, microbatches)
@@ -56,8 +87,7 @@ def _rank(rank: int, world: int, dump: str, layout: tuple[str, ...]) -> dict:
     finally:
         Trainer.train_step = original
     params = [p.detach() for m in trainer.model_parts for p in m.parameters()]
-    local_sq = sum(float((p.full_tensor() if hasattr(p, "full_tensor") else p).double().pow(2).sum())
-                   for p in params)
+    local_sq = sum(float((p.full_tensor() if hasattr(p, "full_tensor") else p).double().pow(2).sum()) for p in params)
     timeouts = []
     pp = trainer.parallel_dims.submesh("pp")
     if dist.is_initialized():

@@ -20,13 +20,28 @@ from titan.errors import TitanError
 from titan.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
-TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-        "--metrics.disable_color_printing", "--lr_scheduler.warmup_steps", "2"]
+TINY = [
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.disable_color_printing",
+    "--lr_scheduler.warmup_steps",
+    "2",
+]
 
 
 def _args(dump: Path, *extra: str) -> list[str]:
-    return ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", str(dump),
-            *TINY, *extra]
+    return [
+        "--job.config_file",
+        str(REPO / "train_configs/debug_model.toml"),
+        "--job.dump_folder",
+        str(dump),
+        *TINY,
+        *extra,
+    ]
 
 
 def _config(dump: Path, *extra: str):
@@ -41,12 +56,30 @@ def _full(trainer) -> dict[str, torch.Tensor]:
 def test_spike_validation_profiler_and_metric_files(tmp_path, monkeypatch):
     Inject(monkeypatch, {9}, grad_scale=100.0)
     config = _config(
-        tmp_path, "--training.steps", "12", "--training.dataset", "pydoc_train",
-        "--stability.grad_norm_spike_window", "4", "--stability.grad_norm_spike_threshold", "5",
-        "--model.depth_init", "false",
-        "--validation.enable", "--validation.freq", "6", "--validation.steps", "4",
-        "--profiling.enable_profiling", "--profiling.profile_freq", "6", "--profiling.warmup_steps", "1",
-        "--metrics.enable_tensorboard", "--optimizer.weight_decay_exclude", "norms,embeddings",
+        tmp_path,
+        "--training.steps",
+        "12",
+        "--training.dataset",
+        "pydoc_train",
+        "--stability.grad_norm_spike_window",
+        "4",
+        "--stability.grad_norm_spike_threshold",
+        "5",
+        "--model.depth_init",
+        "false",
+        "--validation.enable",
+        "--validation.freq",
+        "6",
+        "--validation.steps",
+        "4",
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "6",
+        "--profiling.warmup_steps",
+        "1",
+        "--metrics.enable_tensorboard",
+        "--optimizer.weight_decay_exclude",
+        "norms,embeddings",
     )
     trainer = Trainer(config)
 
@@ -93,8 +126,16 @@ def test_spike_validation_profiler_and_metric_files(tmp_path, monkeypatch):
     acc = EventAccumulator(str(tb_dir))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for tag in ("loss_metrics/global_avg_loss", "grad_norm", "lr", "throughput(tps)", "param_norm",
-                "stability/grad_norm_spikes", "validation/loss", "validation/perplexity"):
+    for tag in (
+        "loss_metrics/global_avg_loss",
+        "grad_norm",
+        "lr",
+        "throughput(tps)",
+        "param_norm",
+        "stability/grad_norm_spikes",
+        "validation/loss",
+        "validation/perplexity",
+    ):
         assert tag in tags, (tag, sorted(tags))
     tb_loss = {e.step: e.value for e in acc.Scalars("loss_metrics/global_avg_loss")}
     assert tb_loss == pytest.approx(losses)
@@ -149,7 +190,16 @@ def test_nan_skip_step_leaves_weights_and_advances_lr(tmp_path, monkeypatch):
 
 def test_too_many_consecutive_skips_stop(tmp_path, monkeypatch):
     Inject(monkeypatch, {2, 3, 4}, grad_scale=math.nan)
-    trainer = Trainer(_config(tmp_path, "--training.steps", "5", "--training.nonfinite", "skip_step",
-                              "--training.nonfinite_max_consecutive_skips", "2"))
+    trainer = Trainer(
+        _config(
+            tmp_path,
+            "--training.steps",
+            "5",
+            "--training.nonfinite",
+            "skip_step",
+            "--training.nonfinite_max_consecutive_skips",
+            "2",
+        )
+    )
     with pytest.raises(TitanError, match="grad_norm = nan at step 4: 3 consecutive steps skipped"):
         trainer.train()

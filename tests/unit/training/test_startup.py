@@ -14,14 +14,33 @@ from titan.training.startup import _peak_text
 from titan.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
-ROWS = ("device", "world size, layout", "model", "parameter memory", "FLOPs per token", "peak FLOP/s for MFU",
-        "memory estimate")
+ROWS = (
+    "device",
+    "world size, layout",
+    "model",
+    "parameter memory",
+    "FLOPs per token",
+    "peak FLOP/s for MFU",
+    "memory estimate",
+)
 
 
 def _trainer(tmp_path: Path, caplog, *extra: str) -> tuple[Trainer, str]:
-    config = load_config(["--job.config_file", str(REPO / "train_configs/debug_model.toml"),
-                          "--job.dump_folder", str(tmp_path), "--training.seq_len", "32",
-                          "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false", *extra])
+    config = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs/debug_model.toml"),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "2",
+            "--metrics.enable_tensorboard",
+            "false",
+            *extra,
+        ]
+    )
     with caplog.at_level(logging.INFO, logger="titan"):
         trainer = Trainer(config)
     [summary] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start-up summary")]
@@ -30,7 +49,7 @@ def _trainer(tmp_path: Path, caplog, *extra: str) -> tuple[Trainer, str]:
 
 def _row(summary: str, name: str) -> str:
     [line] = [line for line in summary.splitlines() if line.startswith(name + "  ")]
-    return line[len(name):].strip()
+    return line[len(name) :].strip()
 
 
 @pytest.mark.slow
@@ -53,10 +72,13 @@ def test_summary_rows_on_cpu(tmp_path, caplog):
 
 def test_peak_text_names_its_source():
     text = _peak_text(989e12, "NVIDIA H100 80GB HBM3", torch.device("cuda"), float8=False)
-    assert text == "989.0 TFLOP/s dense bf16 (titan/training/flops.py peak table, by device name 'NVIDIA H100 80GB HBM3')"
+    assert (
+        text == "989.0 TFLOP/s dense bf16 (titan/training/flops.py peak table, by device name 'NVIDIA H100 80GB HBM3')"
+    )
     assert "float8" in _peak_text(1979e12, "NVIDIA H100 80GB HBM3", torch.device("cuda"), float8=True)
     assert _peak_text(None, "Some GPU", torch.device("cuda"), float8=False).startswith(
-        "n/a ('Some GPU' is not in the titan/training/flops.py peak table")
+        "n/a ('Some GPU' is not in the titan/training/flops.py peak table"
+    )
 
 
 @pytest.mark.cuda

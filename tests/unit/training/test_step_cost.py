@@ -25,11 +25,22 @@ SYNCING = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
 
 
 def _config(dump: Path, *extra: str):
-    return load_config([
-        "--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", str(dump),
-        "--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false",
-        "--metrics.disable_color_printing", *extra,
-    ])
+    return load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs/debug_model.toml"),
+            "--job.dump_folder",
+            str(dump),
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "2",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--metrics.disable_color_printing",
+            *extra,
+        ]
+    )
 
 
 def _count_per_step(monkeypatch, trainer: Trainer) -> tuple[dict[int, int], dict[int, int]]:
@@ -46,7 +57,7 @@ def _count_per_step(monkeypatch, trainer: Trainer) -> tuple[dict[int, int], dict
     for name in SYNCING:
         original = getattr(torch.Tensor, name)
 
-        def wrapper(self, *a, _original=original, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        def wrapper(self, *a, _original=original, **k):
             if from_titan():
                 syncs[trainer.step] = syncs.get(trainer.step, 0) + 1
             return _original(self, *a, **k)
@@ -54,7 +65,7 @@ def _count_per_step(monkeypatch, trainer: Trainer) -> tuple[dict[int, int], dict
         monkeypatch.setattr(torch.Tensor, name, wrapper)
     foreach_norm = torch._foreach_norm
 
-    def counting_norm(*a, **k):  # noqa: ANN002, ANN003, ANN202
+    def counting_norm(*a, **k):
         norms[trainer.step] = norms.get(trainer.step, 0) + 1
         return foreach_norm(*a, **k)
 
@@ -63,8 +74,9 @@ def _count_per_step(monkeypatch, trainer: Trainer) -> tuple[dict[int, int], dict
 
 
 def test_one_host_sync_and_one_model_pass_per_step_when_logging_every_step(tmp_path, monkeypatch):
-    trainer = Trainer(_config(tmp_path, "--training.steps", "6", "--metrics.log_freq", "1",
-                              "--metrics.param_norm_freq", "4"))
+    trainer = Trainer(
+        _config(tmp_path, "--training.steps", "6", "--metrics.log_freq", "1", "--metrics.param_norm_freq", "4")
+    )
     syncs, norms = _count_per_step(monkeypatch, trainer)
     losses = trainer.train()
     assert sorted(losses) == list(range(1, 7))
@@ -74,13 +86,17 @@ def test_one_host_sync_and_one_model_pass_per_step_when_logging_every_step(tmp_p
     assert norms == {1: 2, 2: 1, 3: 1, 4: 2, 5: 1, 6: 1}, norms
     rows = [json.loads(line) for f in (tmp_path / "metrics").glob("*.jsonl") for line in f.read_text().splitlines()]
     assert [r["step"] for r in rows if "param_norm" in r] == [1, 4]
-    assert all(r["param_norm"] > 0 and r["loss_metrics/global_avg_loss"] == losses[r["step"]] for r in rows
-               if "param_norm" in r)
+    assert all(
+        r["param_norm"] > 0 and r["loss_metrics/global_avg_loss"] == losses[r["step"]]
+        for r in rows
+        if "param_norm" in r
+    )
 
 
 def test_param_norm_freq_zero_turns_it_off(tmp_path, monkeypatch):
-    trainer = Trainer(_config(tmp_path, "--training.steps", "2", "--metrics.log_freq", "1",
-                              "--metrics.param_norm_freq", "0"))
+    trainer = Trainer(
+        _config(tmp_path, "--training.steps", "2", "--metrics.log_freq", "1", "--metrics.param_norm_freq", "0")
+    )
     _, norms = _count_per_step(monkeypatch, trainer)
     trainer.train()
     assert norms == {1: 1, 2: 1}
@@ -90,7 +106,7 @@ def test_checkpoint_save_time_is_not_in_tokens_per_second(tmp_path, monkeypatch)
     pause = 1.5
     original = CheckpointManager.save
 
-    def slow_save(self, step, **kwargs):  # noqa: ANN001, ANN003, ANN202 - a slow disk
+    def slow_save(self, step, **kwargs):  # a slow disk
         time.sleep(pause)
         return original(self, step, **kwargs)
 
@@ -98,13 +114,25 @@ def test_checkpoint_save_time_is_not_in_tokens_per_second(tmp_path, monkeypatch)
     log_times: dict[int, float] = {}
     log = MetricsProcessor.log
 
-    def timed_log(self, step, **kwargs):  # noqa: ANN001, ANN003, ANN202
+    def timed_log(self, step, **kwargs):
         log_times[step] = time.perf_counter()
         return log(self, step, **kwargs)
 
     monkeypatch.setattr(MetricsProcessor, "log", timed_log)
-    trainer = Trainer(_config(tmp_path, "--training.steps", "4", "--metrics.log_freq", "1", "--checkpoint.enable",
-                              "--checkpoint.interval", "2", "--checkpoint.async_mode", "disabled"))
+    trainer = Trainer(
+        _config(
+            tmp_path,
+            "--training.steps",
+            "4",
+            "--metrics.log_freq",
+            "1",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "2",
+            "--checkpoint.async_mode",
+            "disabled",
+        )
+    )
     trainer.train()
     [jsonl] = (tmp_path / "metrics").glob("*.jsonl")
     rows = {r["step"]: r for r in map(json.loads, jsonl.read_text().splitlines()) if "throughput(tps)" in r}
@@ -121,8 +149,9 @@ def test_checkpoint_save_time_is_not_in_tokens_per_second(tmp_path, monkeypatch)
 @pytest.mark.parametrize("log_freq", [1, 5])
 def test_metrics_console_names_the_checkpoint_time(tmp_path, caplog, log_freq):
     config = _config(tmp_path, "--metrics.log_freq", str(log_freq), "--metrics.enable_jsonl", "false")
-    m = MetricsProcessor(config.metrics, dump_folder=config.job.dump_folder, rank=0, device=torch.device("cpu"),
-                         num_flops_per_token=1)
+    m = MetricsProcessor(
+        config.metrics, dump_folder=config.job.dump_folder, rank=0, device=torch.device("cpu"), num_flops_per_token=1
+    )
     m.count_tokens(100)
     m.add_checkpoint_time(0.5)
     with caplog.at_level("INFO", logger="titan"):

@@ -15,10 +15,19 @@ SEQ, VOCAB = 32, 2048
 
 
 def _config(dump: str, *extra: str):
-    return load_config([
-        "--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", dump,
-        "--training.seq_len", str(SEQ), "--metrics.enable_tensorboard", "false", *extra,
-    ])
+    return load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs/debug_model.toml"),
+            "--job.dump_folder",
+            dump,
+            "--training.seq_len",
+            str(SEQ),
+            "--metrics.enable_tensorboard",
+            "false",
+            *extra,
+        ]
+    )
 
 
 def _global_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +58,7 @@ def _rank_step(rank: int, world: int, dump: str, extra: tuple[str, ...]):
     dp = trainer.parallel_dims.dp_degree
     per = inputs.shape[0] // dp
     r = trainer.dp_rank
-    mb = [(inputs[r * per:(r + 1) * per], labels[r * per:(r + 1) * per])]
+    mb = [(inputs[r * per : (r + 1) * per], labels[r * per : (r + 1) * per])]
     return _two_steps(trainer, [mb, mb])
 
 
@@ -63,8 +72,8 @@ def one_rank_reference(tmp_path_factory):
 
 def _assert_same(result, reference, tol=1e-5):
     (losses, params), (ref_losses, ref_params) = result, reference
-    for (l, n), (rl, rn) in zip(losses, ref_losses):
-        assert abs(l - rl) < tol and abs(n - rn) < tol * 10, (losses, ref_losses)
+    for (loss, n), (rl, rn) in zip(losses, ref_losses):
+        assert abs(loss - rl) < tol and abs(n - rn) < tol * 10, (losses, ref_losses)
     for name, ref in ref_params.items():
         torch.testing.assert_close(params[name], ref, atol=tol, rtol=tol, msg=name)
 

@@ -16,8 +16,19 @@ from titan.training.plan import run_model_args
 from titan.training.validator import Validator
 
 # flex CP on CPU: seq_len a multiple of 2 x cp x 128
-ARGS = ["--model.attn_type", "flex", "--training.seq_len", "512", "--training.local_batch_size", "2",
-        "--validation.enable", "--validation.steps", "2", "--metrics.enable_tensorboard", "false"]
+ARGS = [
+    "--model.attn_type",
+    "flex",
+    "--training.seq_len",
+    "512",
+    "--training.local_batch_size",
+    "2",
+    "--validation.enable",
+    "--validation.steps",
+    "2",
+    "--metrics.enable_tensorboard",
+    "false",
+]
 
 
 def _validation_loss(cp: int, world: int, folder: str) -> float:
@@ -34,12 +45,20 @@ def _validation_loss(cp: int, world: int, folder: str) -> float:
     model.init_weights()
     if cp > 1:
         apply_llama_cp(model, dims.submesh("cp"), "flex")
-    metrics = MetricsProcessor(config.metrics, dump_folder=config.job.dump_folder, rank=0, device=torch.device("cpu"),
-                               num_flops_per_token=1)
-    validator = Validator(config.validation, last_step=config.training.steps, model_parts=[model], parallel_dims=dims,
-                          loader=build_loader(config, tokenizer, dims, validation=True), device=torch.device("cpu"),
-                          metrics=metrics, cp_buffers=cp_buffers(model) if cp > 1 else (),
-                          cp_rotate_method=config.parallelism.context_parallel_rotate_method)
+    metrics = MetricsProcessor(
+        config.metrics, dump_folder=config.job.dump_folder, rank=0, device=torch.device("cpu"), num_flops_per_token=1
+    )
+    validator = Validator(
+        config.validation,
+        last_step=config.training.steps,
+        model_parts=[model],
+        parallel_dims=dims,
+        loader=build_loader(config, tokenizer, dims, validation=True),
+        device=torch.device("cpu"),
+        metrics=metrics,
+        cp_buffers=cp_buffers(model) if cp > 1 else (),
+        cp_rotate_method=config.parallelism.context_parallel_rotate_method,
+    )
     loss = validator.validate(1)
     assert model.freqs_cis.shape[0] == 512  # the RoPE table is whole again after the pass
     return loss

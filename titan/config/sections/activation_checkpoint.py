@@ -24,9 +24,13 @@ class ActivationCheckpoint:
 
 
 def parse_selective_option(option: int | str) -> int | str:
-    """"op" or a positive integer N (also given as a string, e.g. from a TOML "2")."""
+    """ "op" or a positive integer N (also given as a string, e.g. from a TOML "2")."""
     if isinstance(option, str) and option.strip().isdigit():
         option = int(option.strip())
-    require(option == "op" or (isinstance(option, int) and not isinstance(option, bool) and option >= 1),
-            "activation_checkpoint.selective_ac_option", option, '"op" or an integer >= 1')
+    require(
+        option == "op" or (isinstance(option, int) and not isinstance(option, bool) and option >= 1),
+        "activation_checkpoint.selective_ac_option",
+        option,
+        '"op" or an integer >= 1',
+    )
     return option

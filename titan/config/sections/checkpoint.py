@@ -67,18 +67,30 @@ class Checkpoint:
 
     def validate(self) -> None:
         require(self.interval >= 1, "checkpoint.interval", self.interval, "an integer >= 1")
-        require(self.keep_latest_k >= 0, "checkpoint.keep_latest_k", self.keep_latest_k,
-                "0 (keep all) or an integer >= 1")
+        require(
+            self.keep_latest_k >= 0, "checkpoint.keep_latest_k", self.keep_latest_k, "0 (keep all) or an integer >= 1"
+        )
         require(self.load_step >= -1, "checkpoint.load_step", self.load_step, "-1 (latest) or a step >= 0")
-        require(bool(self.folder.strip()), "checkpoint.folder", self.folder,
-                "a non-empty folder name under job.dump_folder")
-        require(not self.initial_load_in_hf or bool(self.initial_load_path), "checkpoint.initial_load_in_hf",
-                rule="needs checkpoint.initial_load_path (the HF folder)")
-        require(not self.last_save_in_hf or self.last_save_model_only, "checkpoint.last_save_in_hf",
-                rule="writes the final step-N as a Hugging Face folder (model weights only): also set"
-                     " checkpoint.last_save_model_only (add --checkpoint.last_save_model_only)")
+        require(
+            bool(self.folder.strip()), "checkpoint.folder", self.folder, "a non-empty folder name under job.dump_folder"
+        )
+        require(
+            not self.initial_load_in_hf or bool(self.initial_load_path),
+            "checkpoint.initial_load_in_hf",
+            rule="needs checkpoint.initial_load_path (the HF folder)",
+        )
+        require(
+            not self.last_save_in_hf or self.last_save_model_only,
+            "checkpoint.last_save_in_hf",
+            rule="writes the final step-N as a Hugging Face folder (model weights only): also set"
+            " checkpoint.last_save_model_only (add --checkpoint.last_save_model_only)",
+        )
         # Loading options would silently do nothing with checkpointing off.
-        for key, is_set in (("initial_load_path", bool(self.initial_load_path)), ("load_step", self.load_step != -1),
-                            ("last_save_in_hf", self.last_save_in_hf)):
-            require(not is_set or self.enable, f"checkpoint.{key}",
-                    rule="needs checkpoint.enable (add --checkpoint.enable)")
+        for key, is_set in (
+            ("initial_load_path", bool(self.initial_load_path)),
+            ("load_step", self.load_step != -1),
+            ("last_save_in_hf", self.last_save_in_hf),
+        ):
+            require(
+                not is_set or self.enable, f"checkpoint.{key}", rule="needs checkpoint.enable (add --checkpoint.enable)"
+            )

@@ -32,10 +32,15 @@ class Float8:
         build time (titan.parallel.float8)."""
         if not self.enable_float8_linear:
             return
-        require(self.recipe != "rowwise" or not self.enable_fsdp_float8_all_gather,
-                "float8.enable_fsdp_float8_all_gather", rule="works only with float8.recipe = tensorwise"
-                " (torchao has no float8 all-gather for rowwise scales)")
-        require(not self.precompute_float8_dynamic_scale_for_fsdp or self.enable_fsdp_float8_all_gather,
-                "float8.precompute_float8_dynamic_scale_for_fsdp", rule="needs"
-                " float8.enable_fsdp_float8_all_gather = true (the precomputed scales are those of the float8"
-                " all-gather)")
+        require(
+            self.recipe != "rowwise" or not self.enable_fsdp_float8_all_gather,
+            "float8.enable_fsdp_float8_all_gather",
+            rule="works only with float8.recipe = tensorwise (torchao has no float8 all-gather for rowwise scales)",
+        )
+        require(
+            not self.precompute_float8_dynamic_scale_for_fsdp or self.enable_fsdp_float8_all_gather,
+            "float8.precompute_float8_dynamic_scale_for_fsdp",
+            rule="needs"
+            " float8.enable_fsdp_float8_all_gather = true (the precomputed scales are those of the float8"
+            " all-gather)",
+        )

@@ -26,9 +26,18 @@ class LRScheduler:
 
     def validate(self) -> None:
         require(self.warmup_steps >= 0, "lr_scheduler.warmup_steps", self.warmup_steps, "an integer >= 0")
-        require(0.0 <= self.min_lr_factor <= 1.0, "lr_scheduler.min_lr_factor", self.min_lr_factor,
-                "a number in [0, 1]")
-        require(self.total_steps is None or self.total_steps >= 1, "lr_scheduler.total_steps", self.total_steps,
-                "an integer >= 1, or unset")
-        require(self.decay_ratio is None or 0.0 <= self.decay_ratio <= 1.0, "lr_scheduler.decay_ratio",
-                self.decay_ratio, "a number in [0, 1], or unset")
+        require(
+            0.0 <= self.min_lr_factor <= 1.0, "lr_scheduler.min_lr_factor", self.min_lr_factor, "a number in [0, 1]"
+        )
+        require(
+            self.total_steps is None or self.total_steps >= 1,
+            "lr_scheduler.total_steps",
+            self.total_steps,
+            "an integer >= 1, or unset",
+        )
+        require(
+            self.decay_ratio is None or 0.0 <= self.decay_ratio <= 1.0,
+            "lr_scheduler.decay_ratio",
+            self.decay_ratio,
+            "a number in [0, 1], or unset",
+        )

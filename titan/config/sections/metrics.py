@@ -40,5 +40,6 @@ class Metrics:
 
     def validate(self) -> None:
         require(self.log_freq >= 1, "metrics.log_freq", self.log_freq, "an integer >= 1")
-        require(self.param_norm_freq >= 0, "metrics.param_norm_freq", self.param_norm_freq,
-                "an integer >= 0 (0: never)")
+        require(
+            self.param_norm_freq >= 0, "metrics.param_norm_freq", self.param_norm_freq, "an integer >= 0 (0: never)"
+        )

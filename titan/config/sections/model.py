@@ -46,8 +46,12 @@ class Model:
     def validate(self) -> None:
         for key in SHAPE_OVERRIDES:
             value = getattr(self, key)
-            require(value is None or value >= 1, f"model.{key}", value,
-                    "an integer >= 1, or unset for the flavor's value")
-        require(self.attn_type != "varlen" or self.attn_mask_type == "block_causal", "model.attn_type",
-                rule='= "varlen" attends within each document: it needs model.attn_mask_type = "block_causal"'
-                     " (for causal attention over the whole window use sdpa or flex)")
+            require(
+                value is None or value >= 1, f"model.{key}", value, "an integer >= 1, or unset for the flavor's value"
+            )
+        require(
+            self.attn_type != "varlen" or self.attn_mask_type == "block_causal",
+            "model.attn_type",
+            rule='= "varlen" attends within each document: it needs model.attn_mask_type = "block_causal"'
+            " (for causal attention over the whole window use sdpa or flex)",
+        )

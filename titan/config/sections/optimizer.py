@@ -47,10 +47,22 @@ class Optimizer:
             value = getattr(self, key)
             require(0.0 <= value < 1.0, f"optimizer.{key}", value, "a number in [0, 1)")
         require(math.isfinite(self.eps) and self.eps >= 0, "optimizer.eps", self.eps, "a number >= 0")
-        require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "optimizer.weight_decay",
-                self.weight_decay, "a number >= 0")
+        require(
+            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+            "optimizer.weight_decay",
+            self.weight_decay,
+            "a number >= 0",
+        )
         if self.bf16_stochastic_round:
-            require(self.name.lower() == "adamw", "optimizer.name", self.name,
-                    "AdamW with optimizer.bf16_stochastic_round (torchao's kernel)")
-            require(self.implementation != "fused", "optimizer.implementation", self.implementation,
-                    "foreach or for-loop with optimizer.bf16_stochastic_round (torchao's compiled kernel)")
+            require(
+                self.name.lower() == "adamw",
+                "optimizer.name",
+                self.name,
+                "AdamW with optimizer.bf16_stochastic_round (torchao's kernel)",
+            )
+            require(
+                self.implementation != "fused",
+                "optimizer.implementation",
+                self.implementation,
+                "foreach or for-loop with optimizer.bf16_stochastic_round (torchao's compiled kernel)",
+            )

@@ -61,16 +61,30 @@ class Parallelism:
     """How context-parallel ranks exchange key/value shards: allgather or alltoall."""
 
     def validate(self) -> None:
-        require(self.data_parallel_replicate_degree >= 1, "parallelism.data_parallel_replicate_degree",
-                self.data_parallel_replicate_degree, "an integer >= 1")
-        require(self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
-                "parallelism.data_parallel_shard_degree", self.data_parallel_shard_degree,
-                "-1 (the rest) or an integer >= 1")
-        for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
-                    "pipeline_parallel_microbatch_size"):
+        require(
+            self.data_parallel_replicate_degree >= 1,
+            "parallelism.data_parallel_replicate_degree",
+            self.data_parallel_replicate_degree,
+            "an integer >= 1",
+        )
+        require(
+            self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
+            "parallelism.data_parallel_shard_degree",
+            self.data_parallel_shard_degree,
+            "-1 (the rest) or an integer >= 1",
+        )
+        for key in (
+            "tensor_parallel_degree",
+            "pipeline_parallel_degree",
+            "context_parallel_degree",
+            "pipeline_parallel_microbatch_size",
+        ):
             require(getattr(self, key) >= 1, f"parallelism.{key}", getattr(self, key), "an integer >= 1")
-        require(self.pipeline_parallel_layers_per_stage == -1 or self.pipeline_parallel_layers_per_stage >= 1,
-                "parallelism.pipeline_parallel_layers_per_stage", self.pipeline_parallel_layers_per_stage,
-                "-1 (automatic) or an integer >= 1")
+        require(
+            self.pipeline_parallel_layers_per_stage == -1 or self.pipeline_parallel_layers_per_stage >= 1,
+            "parallelism.pipeline_parallel_layers_per_stage",
+            self.pipeline_parallel_layers_per_stage,
+            "-1 (automatic) or an integer >= 1",
+        )
         for key in ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers"):
             require(getattr(self, key) >= 0, f"parallelism.{key}", getattr(self, key), "an integer >= 0")

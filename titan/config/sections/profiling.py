@@ -33,6 +33,9 @@ class Profiling:
             return
         require(self.active_steps >= 1, "profiling.active_steps", self.active_steps, "an integer >= 1")
         require(self.warmup_steps >= 0, "profiling.warmup_steps", self.warmup_steps, "an integer >= 0")
-        require(self.warmup_steps + self.active_steps <= self.profile_freq, "profiling.profile_freq",
-                rule=f"must be >= profiling.warmup_steps + profiling.active_steps ({self.warmup_steps} +"
-                     f" {self.active_steps}), the steps of one trace; got profile_freq ({self.profile_freq})")
+        require(
+            self.warmup_steps + self.active_steps <= self.profile_freq,
+            "profiling.profile_freq",
+            rule=f"must be >= profiling.warmup_steps + profiling.active_steps ({self.warmup_steps} +"
+            f" {self.active_steps}), the steps of one trace; got profile_freq ({self.profile_freq})",
+        )

@@ -100,17 +100,32 @@ class Training:
     def validate(self) -> None:
         require(self.steps >= 1, "training.steps", self.steps, "an integer >= 1")
         require(self.local_batch_size >= 1, "training.local_batch_size", self.local_batch_size, "an integer >= 1")
-        require(self.global_batch_size == -1 or self.global_batch_size >= 1, "training.global_batch_size",
-                self.global_batch_size, "-1 (local_batch_size x dp) or an integer >= 1")
+        require(
+            self.global_batch_size == -1 or self.global_batch_size >= 1,
+            "training.global_batch_size",
+            self.global_batch_size,
+            "-1 (local_batch_size x dp) or an integer >= 1",
+        )
         require(self.seq_len >= 2, "training.seq_len", self.seq_len, "an integer >= 2")
-        require(self.dataloader_num_workers >= 0, "training.dataloader_num_workers", self.dataloader_num_workers,
-                "an integer >= 0")
+        require(
+            self.dataloader_num_workers >= 0,
+            "training.dataloader_num_workers",
+            self.dataloader_num_workers,
+            "an integer >= 0",
+        )
         prefetch = self.dataloader_prefetch_factor
-        require(prefetch is None or (prefetch >= 1 and self.dataloader_num_workers > 0),
-                "training.dataloader_prefetch_factor", prefetch,
-                "unset, or an integer >= 1 together with training.dataloader_num_workers > 0")
+        require(
+            prefetch is None or (prefetch >= 1 and self.dataloader_num_workers > 0),
+            "training.dataloader_prefetch_factor",
+            prefetch,
+            "unset, or an integer >= 1 together with training.dataloader_num_workers > 0",
+        )
         require(self.gc_freq >= 1, "training.gc_freq", self.gc_freq, "an integer >= 1")
-        require(self.nonfinite_max_consecutive_skips >= 0, "training.nonfinite_max_consecutive_skips",
-                self.nonfinite_max_consecutive_skips, "an integer >= 0")
+        require(
+            self.nonfinite_max_consecutive_skips >= 0,
+            "training.nonfinite_max_consecutive_skips",
+            self.nonfinite_max_consecutive_skips,
+            "an integer >= 0",
+        )
         for i, source in enumerate(self.mixture):
             source.validate(f"training.mixture[{i}]")

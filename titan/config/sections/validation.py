@@ -35,7 +35,12 @@ class Validation:
         if not self.enable:
             return
         require(self.freq >= 1, "validation.freq", self.freq, "an integer >= 1")
-        require(self.steps == -1 or self.steps >= 1, "validation.steps", self.steps,
-                "-1 (the whole set) or an integer >= 1")
-        require(self.local_batch_size == -1 or self.local_batch_size >= 1, "validation.local_batch_size",
-                self.local_batch_size, "-1 (training.local_batch_size) or an integer >= 1")
+        require(
+            self.steps == -1 or self.steps >= 1, "validation.steps", self.steps, "-1 (the whole set) or an integer >= 1"
+        )
+        require(
+            self.local_batch_size == -1 or self.local_batch_size >= 1,
+            "validation.local_batch_size",
+            self.local_batch_size,
+            "-1 (training.local_batch_size) or an integer >= 1",
+        )

@@ -60,34 +60,20 @@ class TransformerModelArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise TitanError(f"model.{name} must be a positive integer, got {value!r}")
-        if self.n_kv_heads is not None and (
-            not isinstance(self.n_kv_heads, int) or self.n_kv_heads <= 0
-        ):
-            raise TitanError(
-                f"model.n_kv_heads must be a positive integer or None, got {self.n_kv_heads!r}"
-            )
+        if self.n_kv_heads is not None and (not isinstance(self.n_kv_heads, int) or self.n_kv_heads <= 0):
+            raise TitanError(f"model.n_kv_heads must be a positive integer or None, got {self.n_kv_heads!r}")
         if self.dim % self.n_heads != 0:
-            raise TitanError(
-                f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})"
-            )
+            raise TitanError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
         if self.n_heads % self.kv_heads != 0:
-            raise TitanError(
-                f"model.n_heads ({self.n_heads}) must be divisible by "
-                f"model.n_kv_heads ({self.kv_heads})"
-            )
+            raise TitanError(f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.kv_heads})")
         if self.head_dim % 2 != 0:
             # RoPE rotates pairs of features, so each head needs an even width.
-            raise TitanError(
-                f"model.dim / model.n_heads must be even for RoPE, got head_dim {self.head_dim}"
-            )
+            raise TitanError(f"model.dim / model.n_heads must be even for RoPE, got head_dim {self.head_dim}")
         if self.ffn_dim_multiplier is not None and self.ffn_dim_multiplier <= 0:
-            raise TitanError(
-                f"model.ffn_dim_multiplier must be > 0 or None, got {self.ffn_dim_multiplier!r}"
-            )
+            raise TitanError(f"model.ffn_dim_multiplier must be > 0 or None, got {self.ffn_dim_multiplier!r}")
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise TitanError(
-                f"model.norm_eps and model.rope_theta must be > 0, got "
-                f"{self.norm_eps!r} and {self.rope_theta!r}"
+                f"model.norm_eps and model.rope_theta must be > 0, got {self.norm_eps!r} and {self.rope_theta!r}"
             )
         if self.use_rope_scaling and (
             self.rope_scale_factor <= 0
@@ -100,12 +86,11 @@ class TransformerModelArgs:
                 "rope_high_freq_factor and rope_original_max_position_embeddings > 0"
             )
         if self.attn_type not in _ATTN_TYPES:
-            raise TitanError(
-                f"model.attn_type must be one of {', '.join(_ATTN_TYPES)}, got {self.attn_type!r}"
-            )
+            raise TitanError(f"model.attn_type must be one of {', '.join(_ATTN_TYPES)}, got {self.attn_type!r}")
         if self.attn_mask_type not in _ATTN_MASK_TYPES:
-            raise TitanError(f"model.attn_mask_type must be one of {', '.join(_ATTN_MASK_TYPES)},"
-                             f" got {self.attn_mask_type!r}")
+            raise TitanError(
+                f"model.attn_mask_type must be one of {', '.join(_ATTN_MASK_TYPES)}, got {self.attn_mask_type!r}"
+            )
         if self.attn_type == "varlen" and self.attn_mask_type != "block_causal":
             raise TitanError('model.attn_type = "varlen" needs model.attn_mask_type = "block_causal"')
 
@@ -118,39 +103,54 @@ _LLAMA31: Mapping[str, Any] = MappingProxyType(
 
 # The shipped flavors, read-only (more are added with titan.models.register_flavor). The args
 # inside are shared: hand out copies (get_model_args, titan.models.get_flavor), never the entries.
-llama3_configs: Mapping[str, TransformerModelArgs] = MappingProxyType({
-    # ~5.8M params: GQA (16 query / 8 kv heads) so the repeat-kv path is exercised in tests.
-    "debugmodel": TransformerModelArgs(
-        dim=256,
-        n_layers=6,
-        n_heads=16,
-        n_kv_heads=8,
-        vocab_size=2048,
-        multiple_of=256,
-        rope_theta=500000.0,
-        max_seq_len=2048,
-    ),
-    "8B": TransformerModelArgs(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-        ffn_dim_multiplier=1.3, multiple_of=1024, **_LLAMA31,
-    ),
-    "70B": TransformerModelArgs(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-        ffn_dim_multiplier=1.3, multiple_of=4096, **_LLAMA31,
-    ),
-    "405B": TransformerModelArgs(
-        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
-        ffn_dim_multiplier=1.2, multiple_of=4096, **_LLAMA31,
-    ),
-})
+llama3_configs: Mapping[str, TransformerModelArgs] = MappingProxyType(
+    {
+        # ~5.8M params: GQA (16 query / 8 kv heads) so the repeat-kv path is exercised in tests.
+        "debugmodel": TransformerModelArgs(
+            dim=256,
+            n_layers=6,
+            n_heads=16,
+            n_kv_heads=8,
+            vocab_size=2048,
+            multiple_of=256,
+            rope_theta=500000.0,
+            max_seq_len=2048,
+        ),
+        "8B": TransformerModelArgs(
+            dim=4096,
+            n_layers=32,
+            n_heads=32,
+            n_kv_heads=8,
+            ffn_dim_multiplier=1.3,
+            multiple_of=1024,
+            **_LLAMA31,
+        ),
+        "70B": TransformerModelArgs(
+            dim=8192,
+            n_layers=80,
+            n_heads=64,
+            n_kv_heads=8,
+            ffn_dim_multiplier=1.3,
+            multiple_of=4096,
+            **_LLAMA31,
+        ),
+        "405B": TransformerModelArgs(
+            dim=16384,
+            n_layers=126,
+            n_heads=128,
+            n_kv_heads=8,
+            ffn_dim_multiplier=1.2,
+            multiple_of=4096,
+            **_LLAMA31,
+        ),
+    }
+)
 
 
 def get_model_args(flavor: str, **overrides) -> TransformerModelArgs:
     """A validated copy of a flavor with ``overrides`` applied."""
     if flavor not in llama3_configs:
-        raise TitanError(
-            f"model.flavor {flavor!r} is unknown; valid: {', '.join(llama3_configs)}"
-        )
+        raise TitanError(f"model.flavor {flavor!r} is unknown; valid: {', '.join(llama3_configs)}")
     args = replace(llama3_configs[flavor], **overrides)
     args.validate()
     return args

@@ -90,8 +90,9 @@ class VarlenAttention(nn.Module):
     """Per-document causal attention, q/k/v [B, H, S, Dh] (k/v heads already repeated): torch's flash
     varlen kernel on CUDA; on CPU (mask given as the dense boolean mask) SDPA with that mask."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_mask: VarlenMask | torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: VarlenMask | torch.Tensor
+    ) -> torch.Tensor:
         if not isinstance(attn_mask, VarlenMask):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         from torch.nn.attention.varlen import varlen_attn

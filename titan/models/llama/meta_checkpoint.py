@@ -31,8 +31,9 @@ _META_ROPE_DEFAULTS: Mapping[str, Any] = MappingProxyType(
 _SKIP_KEYS = ("rope.freqs",)  # Llama 2 stored its RoPE table; titan recomputes it
 
 
-def args_from_params(params: dict, vocab_size: int | None = None, rope_scale_factor: float | None = None,
-                     max_seq_len: int | None = None) -> TransformerModelArgs:
+def args_from_params(
+    params: dict, vocab_size: int | None = None, rope_scale_factor: float | None = None, max_seq_len: int | None = None
+) -> TransformerModelArgs:
     """params.json -> TransformerModelArgs. vocab_size fills in Llama 2's -1."""
     for key in ("dim", "n_layers", "n_heads"):
         if key not in params:
@@ -91,7 +92,7 @@ def _merge(key: str, parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch
         # Replicated (norms; every tensor of a 1-shard checkpoint): all shards hold the same.
         return parts[0]
     for dim in range(len(shape)):
-        others_match = all(p.shape[:dim] + p.shape[dim + 1:] == shape[:dim] + shape[dim + 1:] for p in parts)
+        others_match = all(p.shape[:dim] + p.shape[dim + 1 :] == shape[:dim] + shape[dim + 1 :] for p in parts)
         if others_match and sum(p.shape[dim] for p in parts) == shape[dim]:
             return torch.cat(parts, dim=dim)
     got = [tuple(p.shape) for p in parts]
@@ -109,8 +110,10 @@ def shard_files(ckpt_dir: Path) -> list[Path]:
         )
     numbers = [re.fullmatch(r"consolidated\.(\d+)\.pth", f.name) for f in files]
     if [int(m.group(1)) if m is not None else -1 for m in numbers] != list(range(len(files))):
-        raise TitanError(f"{ckpt_dir}: shard files must be consolidated.00.pth .."
-                         f" consolidated.{len(files) - 1:02d}.pth, got {[f.name for f in files]}")
+        raise TitanError(
+            f"{ckpt_dir}: shard files must be consolidated.00.pth .."
+            f" consolidated.{len(files) - 1:02d}.pth, got {[f.name for f in files]}"
+        )
     return files
 
 
@@ -123,7 +126,8 @@ def load_meta_checkpoint(
         raise TitanError(f"Meta checkpoint folder {ckpt_dir} does not exist")
     params_file = ckpt_dir / "params.json"
     params = read_user_json(
-        params_file, f"{params_file} is missing; Meta checkpoints ship params.json next to consolidated.*.pth")
+        params_file, f"{params_file} is missing; Meta checkpoints ship params.json next to consolidated.*.pth"
+    )
     if not isinstance(params, dict):
         raise TitanError(f"{params_file} holds a JSON {type(params).__name__}; Meta's params.json is an object")
     files = shard_files(ckpt_dir)

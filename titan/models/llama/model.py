@@ -40,14 +40,10 @@ def _scale_rope_freqs(freqs: torch.Tensor, args: TransformerModelArgs) -> torch.
     wavelen = 2 * math.pi / freqs
     smooth = ((ctx / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)
     blended = (1 - smooth) * freqs / scale + smooth * freqs
-    return torch.where(
-        wavelen < ctx / hi, freqs, torch.where(wavelen > ctx / lo, freqs / scale, blended)
-    )
+    return torch.where(wavelen < ctx / hi, freqs, torch.where(wavelen > ctx / lo, freqs / scale, blended))
 
 
-def precompute_freqs_cis(
-    args: TransformerModelArgs, device: torch.device | str | None = None
-) -> torch.Tensor:
+def precompute_freqs_cis(args: TransformerModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
     """Complex rotations e^{i m theta_j}, shape [max_seq_len, head_dim // 2], complex64."""
     dim = args.head_dim
     # fp32 regardless of the default dtype: angles up to ~1e5 rad need the mantissa.
@@ -60,9 +56,7 @@ def precompute_freqs_cis(
     return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rotary_emb(
-    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q/k [B, S, H, Dh] by position; adjacent feature pairs (2j, 2j+1) form a complex."""
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
@@ -103,8 +97,9 @@ class SDPAttention(nn.Module):
     """Causal SDPA as a parameter-free module: context parallelism hooks its inputs/outputs.
     With a boolean ``attn_mask`` (block-causal) that mask replaces the plain causal one."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if attn_mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
@@ -139,7 +134,10 @@ class Attention(nn.Module):
         self.inner_attention = kernels.get(args.attn_type, SDPAttention)()
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, attn_mask: AttnMask = None,
+        self,
+        x: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        attn_mask: AttnMask = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
@@ -150,7 +148,7 @@ class Attention(nn.Module):
         # Sliced here, not by the caller: under TP/SP the caller only sees its sequence shard,
         # while attention runs on the gathered sequence (under CP both are the local shard).
         start = kv_cache.pos if kv_cache is not None else 0
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[start:start + seqlen])
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[start : start + seqlen])
         if kv_cache is not None:
             out = self._cached_attention(xq, xk, xv, kv_cache)
         elif self.attn_type == "flex":
@@ -216,7 +214,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, attn_mask: AttnMask = None,
+        self,
+        x: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        attn_mask: AttnMask = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis, attn_mask=attn_mask, kv_cache=kv_cache)
@@ -311,8 +312,9 @@ class Transformer(nn.Module):
             std = dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor, kv_cache: KVCache | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, kv_cache: KVCache | None = None, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens [B, S] int64 -> logits [B, S, vocab] in the parameter dtype.
 
         Pipeline stages: without tok_embeddings the input is already hidden states [B, S, dim];
@@ -336,8 +338,10 @@ class Transformer(nn.Module):
         attn_mask: AttnMask = None
         if kv_cache is None and self.document_masks is not None:
             if doc_ids is None:
-                raise TitanError('model.attn_mask_type = "block_causal" needs the batch\'s document ids: call the'
-                                 " model with doc_ids=titan.models.documents.document_ids(tokens, eos_id)")
+                raise TitanError(
+                    'model.attn_mask_type = "block_causal" needs the batch\'s document ids: call the'
+                    " model with doc_ids=titan.models.documents.document_ids(tokens, eos_id)"
+                )
             attn_mask = self.document_masks.build(doc_ids)
         elif kv_cache is None and self.block_masks is not None:
             attn_mask = self.block_masks.get(seqlen * self.seq_shards, h.device)

@@ -84,7 +84,11 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, en
     tp = tp_mesh.size()
     check_tp_shapes(model.model_args.n_heads, model.model_args.kv_heads, tp)
     apply_tp_plan(
-        model, tp_mesh, _root_plan(model, loss_parallel), model.layers.values(), _block_plan(),
+        model,
+        tp_mesh,
+        _root_plan(model, loss_parallel),
+        model.layers.values(),
+        _block_plan(),
         enable_async_tp=enable_async_tp,
     )
     # Sequence parallel: blocks see 1/tp of the sequence, attention the gathered whole (the flex

@@ -25,22 +25,26 @@ from titan.errors import TitanError
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.model import ffn_hidden_dim
 
-_LAYER_MAP = MappingProxyType({
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-})
-_TOP_MAP = MappingProxyType({
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-})
+_LAYER_MAP = MappingProxyType(
+    {
+        "attention.wq.weight": "self_attn.q_proj.weight",
+        "attention.wk.weight": "self_attn.k_proj.weight",
+        "attention.wv.weight": "self_attn.v_proj.weight",
+        "attention.wo.weight": "self_attn.o_proj.weight",
+        "feed_forward.w1.weight": "mlp.gate_proj.weight",
+        "feed_forward.w3.weight": "mlp.up_proj.weight",
+        "feed_forward.w2.weight": "mlp.down_proj.weight",
+        "attention_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+    }
+)
+_TOP_MAP = MappingProxyType(
+    {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+)
 _LAYER_MAP_INV = MappingProxyType({v: k for k, v in _LAYER_MAP.items()})
 _TOP_MAP_INV = MappingProxyType({v: k for k, v in _TOP_MAP.items()})
 _TITAN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -132,6 +136,7 @@ def _ffn_settings(dim: int, intermediate: int) -> dict[str, Any]:
 
 def hf_config_to_args(config: dict[str, Any]) -> TransformerModelArgs:
     """HF Llama config.json (as a dict) -> TransformerModelArgs; unsupported variants raise."""
+
     def need(key: str) -> Any:
         if key not in config:
             raise TitanError(f"config.json has no {key!r}; is this a Llama (LlamaForCausalLM) checkpoint?")
