@@ -90,9 +90,9 @@ def token_store(folder: Path) -> TokenStore:
     return TokenStore(str(folder))
 
 
-def documents_loader(tmp: Path, world: int, rank: int, workers: int) -> TitanDataLoader:
+def _docs_loader(source: ShardedDocs, world: int, rank: int, workers: int) -> TitanDataLoader:
     return TitanDataLoader(
-        ShardedDocs("docs", docs(37), 37),
+        source,
         DocTokenizer(),
         seq_len=SEQ,
         local_batch_size=BATCH,
@@ -100,18 +100,14 @@ def documents_loader(tmp: Path, world: int, rank: int, workers: int) -> TitanDat
         dp_world_size=world,
         num_workers=workers,
     )
+
+
+def documents_loader(tmp: Path, world: int, rank: int, workers: int) -> TitanDataLoader:
+    return _docs_loader(ShardedDocs("docs", docs(37), 37), world, rank, workers)
 
 
 def shards_loader(tmp: Path, world: int, rank: int, workers: int) -> TitanDataLoader:
-    return TitanDataLoader(
-        ShardedDocs("sharded", docs(40), 5),
-        DocTokenizer(),
-        seq_len=SEQ,
-        local_batch_size=BATCH,
-        dp_rank=rank,
-        dp_world_size=world,
-        num_workers=workers,
-    )
+    return _docs_loader(ShardedDocs("sharded", docs(40), 5), world, rank, workers)
 
 
 def store_loader(tmp: Path, world: int, rank: int, workers: int) -> StoreDataLoader:
