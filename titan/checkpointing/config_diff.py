@@ -44,6 +44,8 @@ _RELEVANT: Mapping[str, tuple[str, ...] | None] = MappingProxyType(
         "training": (
             "dataset",
             "dataset_path",
+            "dataset_config",
+            "dataset_split",
             "dataset_text_field",
             "dataset_txt_split",
             "local_batch_size",

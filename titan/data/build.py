@@ -101,10 +101,14 @@ def build_dataloader(
     validation: bool = False,
     pin_memory: bool = False,
     prefetch_factor: int | None = None,
+    dataset_config: str = "",
+    dataset_split: str = "",
 ) -> TitanDataLoader | MixtureLoader:
     """This dp rank's loader. ``mixture`` (MixtureSource entries) replaces dataset/dataset_path;
-    ``validation`` makes a mixture read each source once, for a loss per source."""
-    text = {"text_field": text_field, "txt_split": txt_split, "bad_lines": bad_lines}
+    ``validation`` makes a mixture read each source once, for a loss per source.
+    ``dataset_config`` / ``dataset_split``: a hub dataset's config and split (titan/data/hub.py)."""
+    section = "validation" if validation else "training"
+    text = {"text_field": text_field, "txt_split": txt_split, "bad_lines": bad_lines, "section": section}
     common = {
         "tokenizer": tokenizer,
         "seq_len": seq_len,
@@ -127,6 +131,8 @@ def build_dataloader(
             local_batch_size=local_batch_size,
             infinite=infinite,
             shuffle_seed=shuffle_seed,
+            config=dataset_config,
+            split=dataset_split,
             **common,
         )
     if shuffle_seed is not None and not any(_store_path(s.dataset, s.path) for s in mixture):
@@ -160,7 +166,9 @@ def build_dataloader(
     )
 
 
-def _check_one(dataset: str, dataset_path: str, tokenizer: Any, seq_len: int, key: str) -> None:
+def _check_one(
+    dataset: str, dataset_path: str, tokenizer: Any, seq_len: int, key: str, config: str = "", split: str = ""
+) -> None:
     store = _store_path(dataset, dataset_path)
     if store:
         s = TokenStore(store)
@@ -171,7 +179,7 @@ def _check_one(dataset: str, dataset_path: str, tokenizer: Any, seq_len: int, ke
                 f"training.seq_len + 1 = {seq_len + 1}"
             )
         return
-    check_dataset(dataset, dataset_path)
+    check_dataset(dataset, dataset_path, config, split, section=key.split(".")[0])
 
 
 def check_data(config: Any, tokenizer: Any) -> None:
@@ -179,14 +187,16 @@ def check_data(config: Any, tokenizer: Any) -> None:
     with this tokenizer, a local mixture source not empty. Reads no more than a first row."""
     t, v = config.training, config.validation
     text = {"text_field": t.dataset_text_field, "txt_split": t.dataset_txt_split, "bad_lines": t.dataset_bad_lines}
-    groups = [("training", t.mixture, t.dataset, t.dataset_path)]
+    groups = [(t, t.mixture, t.dataset, t.dataset_path)]
     if v.enable:
-        groups.append(("validation", v.mixture, v.dataset, v.dataset_path))
-    for section, mixture, dataset, dataset_path in groups:
+        groups.append((v, v.mixture, v.dataset, v.dataset_path))
+    for part, mixture, dataset, dataset_path in groups:
+        section = "validation" if part is v else "training"
         if not mixture:
-            _check_one(dataset, dataset_path, tokenizer, t.seq_len, f"{section}.dataset_path")
+            key = f"{section}.dataset_path"
+            _check_one(dataset, dataset_path, tokenizer, t.seq_len, key, part.dataset_config, part.dataset_split)
             continue
         for i, src in enumerate(mixture):
             _check_one(src.dataset, src.path, tokenizer, t.seq_len, f"{section}.mixture[{i}]")
             if src.path and not _store_path(src.dataset, src.path) and src.dataset in ("", None):
-                build_source("", src.path, **text)  # an empty or unreadable local source fails here
+                build_source("", src.path, **text, section=section)  # an empty or unreadable local source fails here

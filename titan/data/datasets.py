@@ -20,6 +20,7 @@ from titan.config.choices import TxtSplit, choices
 from titan.errors import TitanError
 from titan.log import logger
 
+from .hub import default_split, hub_layout, is_hub_id, resolve_files
 from .jsonl import JsonlSource, is_json_lines
 from .sources import DocumentSource, HFStreamSource, ListSource
 
@@ -32,6 +33,8 @@ __all__ = [
     "TXT_SPLITS",
     "build_source",
     "check_dataset",
+    "files_source",
+    "hub_source",
     "local_source",
     "register_dataset",
 ]
@@ -205,8 +208,6 @@ def local_source(
     p = Path(path).expanduser()
     if not p.exists():
         raise TitanError(f"dataset path {path!r} does not exist (training.dataset_path)")
-    if txt_split not in TXT_SPLITS:
-        raise TitanError(f"txt_split {txt_split!r} is not one of {list(TXT_SPLITS)}")
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and _builder_for(f) and not f.name.startswith("."))
         if not files:
@@ -215,12 +216,25 @@ def local_source(
         if _builder_for(p) is None:
             raise TitanError(f"dataset file {path!r} has an unsupported type; supported: {sorted(_BUILDERS)}")
         files = [p]
-    builders = sorted({builder for f in files if (builder := _builder_for(f)) is not None})
+    return files_source(str(path), files, text_field, txt_split, bad_lines)
+
+
+def files_source(
+    name: str, files: list, text_field: str, txt_split: str = "paragraph", bad_lines: str = "fail", remote: bool = False
+) -> DocumentSource:
+    """The documents of ``files`` in order, one shard per file: local paths, or (``remote``) URLs
+    that ``datasets`` streams (hf://...). All files must share one format."""
+    if txt_split not in TXT_SPLITS:
+        raise TitanError(f"txt_split {txt_split!r} is not one of {list(TXT_SPLITS)}")
+    unsupported = [str(f) for f in files if _builder_for(Path(f)) is None]
+    if unsupported:
+        raise TitanError(f"dataset {name!r}: {unsupported[0]} has an unsupported type; supported: {sorted(_BUILDERS)}")
+    builders = sorted({builder for f in files if (builder := _builder_for(Path(f))) is not None})
     if len(builders) > 1:
-        raise TitanError(f"dataset folder {path!r} mixes formats {builders}; keep one format per folder")
+        raise TitanError(f"dataset {name!r} mixes formats {builders}; keep one format per folder")
     builder = builders[0]
-    if _line_delimited(files):  # read line by line: broken lines and files get named
-        jsonl = JsonlSource(str(path), files, text_field, bad_lines)
+    if not remote and _line_delimited([Path(f) for f in files]):  # read line by line: broken lines get named
+        jsonl = JsonlSource(name, files, text_field, bad_lines)
         jsonl.validate()
         return jsonl
     kwargs: dict = {"sample_by": txt_split} if builder == "text" else {}
@@ -228,13 +242,36 @@ def local_source(
     try:
         ds = _load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True, **kwargs)
     except StopIteration:  # the json builder infers the schema from the first rows
-        raise TitanError(f"dataset {path!r} is empty (no rows)") from None
+        raise TitanError(f"dataset {name!r} is empty (no rows)") from None
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else ""
-        raise TitanError(f"cannot read dataset {path!r} as {builder}: {type(e).__name__}: {first}") from e
-    source = HFStreamSource(str(path), ds, field, shard_files=files)
+        raise TitanError(f"cannot read dataset {name!r} as {builder}: {type(e).__name__}: {first}") from e
+    source = HFStreamSource(name, ds, field, shard_files=None if remote else [Path(f) for f in files])
     source.validate()
     return source
+
+
+def hub_source(
+    dataset: str,
+    dataset_path: str,
+    text_field: str,
+    txt_split: str = "paragraph",
+    bad_lines: str = "fail",
+    *,
+    config: str = "",
+    split: str = "",
+    section: str = "training",
+) -> DocumentSource:
+    """A hub dataset by id (streamed), or its mirror at ``dataset_path``: the files of (config,
+    split) as the dataset's card chooses them, one shard per file. Named by id, config and split
+    when the run names the id, so a checkpoint of the streamed run resumes on the mirror."""
+    where = dataset_path or dataset
+    remote = not dataset_path
+    name, files = resolve_files(
+        str(Path(where).expanduser()) if not remote else where, config, split, section, remote=remote
+    )
+    label = f"{dataset if is_hub_id(dataset) else where}:{name}/{split or default_split(section)}"
+    return files_source(label, files, text_field, txt_split, bad_lines, remote=remote)
 
 
 def _line_delimited(files: list[Path]) -> bool:
@@ -249,21 +286,48 @@ def _looks_like_path(name: str) -> bool:
     return os.sep in name or name.startswith(".") or Path(name).suffix != "" or Path(name).exists()
 
 
-def check_dataset(dataset: str, dataset_path: str = "") -> None:
-    """The cheap part of build_source (a known name, an existing path), run before the model is
-    built so a typo fails in seconds; reading the data is left to build_source."""
-    if dataset_path or (dataset not in DATASETS and _looks_like_path(dataset)):
+def _reads_hub_mirror(dataset: str, dataset_path: str, config: str, split: str, section: str) -> bool:
+    # a registered dataset with its own mirror layout (c4) keeps it: its hub card lists configs too
+    spec = DATASETS.get(dataset)
+    if not dataset_path or (spec is not None and spec.local is not None):
+        return False
+    return hub_layout(dataset, dataset_path, config, split, section)
+
+
+def _not_for_registry(dataset: str, config: str, split: str, section: str) -> None:
+    if config or split not in ("", default_split(section)):
+        key, got = (f"{section}.dataset_config", config) if config else (f"{section}.dataset_split", split)
+        raise TitanError(
+            f"{key} ({got!r}) chooses the files of a hub dataset; {dataset!r} is a registry dataset with "
+            f"its own split: leave it unset, or name a hub dataset id (owner/name) in {section}.dataset"
+        )
+
+
+def check_dataset(
+    dataset: str, dataset_path: str = "", config: str = "", split: str = "", section: str = "training"
+) -> None:
+    """The cheap part of build_source (a known name, an existing path, a hub dataset's config and
+    split), run before the model is built so a typo fails in seconds; reading rows is left to
+    build_source."""
+    mirror = _reads_hub_mirror(dataset, dataset_path, config, split, section)
+    if mirror:
+        resolve_files(str(Path(dataset_path).expanduser()), config, split, section, remote=False)
+    elif dataset_path or (dataset not in DATASETS and not is_hub_id(dataset) and _looks_like_path(dataset)):
         path = dataset_path or dataset
         if not Path(path).expanduser().exists():
-            key = "training.dataset_path" if dataset_path else "training.dataset"
+            key = f"{section}.dataset_path" if dataset_path else f"{section}.dataset"
             raise TitanError(f"dataset path {path!r} does not exist ({key})")
         if dataset in ("c4", "c4_validation"):
             c4_files(path, "train" if dataset == "c4" else "validation")
+    elif is_hub_id(dataset):
+        resolve_files(dataset, config, split, section, remote=True)
     elif dataset not in DATASETS:
         raise TitanError(
-            f"unknown dataset {dataset!r} (training.dataset); valid: {sorted(DATASETS)} "
-            "or a local path (training.dataset_path)"
+            f"unknown dataset {dataset!r} ({section}.dataset); valid: {sorted(DATASETS)}, a hub dataset id "
+            f"(owner/name) or a local path ({section}.dataset_path)"
         )
+    if dataset in DATASETS and not mirror:
+        _not_for_registry(dataset, config, split, section)
 
 
 def build_source(
@@ -272,23 +336,35 @@ def build_source(
     text_field: str = "text",
     txt_split: str = "paragraph",
     bad_lines: str = "fail",
+    *,
+    config: str = "",
+    split: str = "",
+    section: str = "training",
 ) -> DocumentSource:
-    """Resolve the config's (dataset, dataset_path, text_field) to a source.
+    """Resolve the config's (dataset, dataset_path, text_field, config, split) to a source.
 
     ``dataset_path`` set: read that local copy (in the registered dataset's own layout when it has
-    one, e.g. a c4 mirror; else any supported file/folder). Otherwise ``dataset`` is a registry
-    name, or itself a local path.
+    one, e.g. a c4 mirror; in the hub's layout for a hub mirror, see titan/data/hub.py; else any
+    supported file/folder). Otherwise ``dataset`` is a registry name, a hub dataset id
+    (owner/name, streamed), or itself a local path. ``section`` names the keys in errors.
     """
     spec = DATASETS.get(dataset)
+    hub = {"config": config, "split": split, "section": section}
+    if _reads_hub_mirror(dataset, dataset_path, config, split, section):
+        return hub_source(dataset, dataset_path, text_field, txt_split, bad_lines, **hub)
+    if spec is not None:
+        _not_for_registry(dataset, config, split, section)
     if dataset_path and spec is not None and spec.local is not None:
         return spec.local(dataset_path, text_field if text_field != "text" else spec.text_field, bad_lines)
     if dataset_path:
         return local_source(dataset_path, text_field, txt_split, bad_lines)
     if spec is not None:
         return spec.loader(text_field if text_field != "text" else spec.text_field)
+    if is_hub_id(dataset):
+        return hub_source(dataset, "", text_field, txt_split, bad_lines, **hub)
     if _looks_like_path(dataset):
         return local_source(dataset, text_field, txt_split, bad_lines)
     raise TitanError(
-        f"unknown dataset {dataset!r} (training.dataset); valid: {sorted(DATASETS)} "
-        "or a local path (training.dataset_path)"
+        f"unknown dataset {dataset!r} ({section}.dataset); valid: {sorted(DATASETS)}, a hub dataset id "
+        f"(owner/name) or a local path ({section}.dataset_path)"
     )

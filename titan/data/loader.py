@@ -373,10 +373,16 @@ def build_dataloader(
     bad_lines: str = "fail",
     pin_memory: bool = False,
     prefetch_factor: int | None = None,
+    config: str = "",
+    split: str = "",
+    section: str = "training",
 ) -> TitanDataLoader:
     """Build the loader for one DP rank (see TitanDataLoader). ``txt_split``: how .txt files are cut
-    into documents (paragraph, line, document). The sizes are the config's, checked there."""
-    source = build_source(dataset, dataset_path, text_field, txt_split, bad_lines)
+    into documents (paragraph, line, document); ``config`` / ``split``: a hub dataset's (see
+    build_source; ``section`` names the keys in errors). The sizes are the config's, checked there."""
+    source = build_source(
+        dataset, dataset_path, text_field, txt_split, bad_lines, config=config, split=split, section=section
+    )
     return TitanDataLoader(
         source,
         tokenizer,

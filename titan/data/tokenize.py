@@ -163,6 +163,10 @@ def _check_plan(out: Path, plan: dict) -> None:
         write_atomic(file, json.dumps(plan, indent=1))
 
 
+# recorded in the plan and manifest only when set, so stores made before these keys keep matching
+_HUB_KEYS = ("dataset_config", "dataset_split")
+
+
 def tokenize_to_store(
     *,
     dataset: str,
@@ -174,6 +178,8 @@ def tokenize_to_store(
     txt_split: str = "paragraph",
     bad_lines: str = "fail",
     shard_mb: float = 64.0,
+    dataset_config: str = "",
+    dataset_split: str = "",
 ) -> dict:
     """Write (or finish) the token store in ``out``; returns the totals of the whole store and
     this run's seconds: {"text_bytes", "documents", "tokens", "seconds", "shards", "kept"}."""
@@ -186,15 +192,21 @@ def tokenize_to_store(
         raise TitanError(f"--shard_mb {shard_mb} must be > 0")
     tokenizer = build_tokenizer(tokenizer_path)
     fingerprint = tokenizer_fingerprint(tokenizer)
-    source = build_source(dataset, dataset_path, text_field, txt_split, bad_lines)
+    source = build_source(
+        dataset, dataset_path, text_field, txt_split, bad_lines, config=dataset_config, split=dataset_split
+    )
     folder = Path(out).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     for tmp in folder.glob("*.tmp"):  # left by an interrupted run; never part of a finished shard
         tmp.unlink()
     dtype = token_dtype(tokenizer.vocab_size)
+    hub_keys = {"dataset_config": dataset_config, "dataset_split": dataset_split}
+    if not dataset_config and dataset_split in ("", "train"):
+        hub_keys = {}
     plan = {
         "dataset": dataset,
         "dataset_path": dataset_path,
+        **hub_keys,
         "text_field": text_field,
         "txt_split": txt_split,
         "tokenizer": fingerprint["fingerprint"],
@@ -243,7 +255,7 @@ def tokenize_to_store(
         "eos": True,
         "documents_as": "BOS + tokens + EOS, concatenated in source order",
         "dtype": dtype.name,
-        "source": {k: plan[k] for k in ("dataset", "dataset_path", "text_field", "txt_split")},
+        "source": {k: plan[k] for k in ("dataset", "dataset_path", "text_field", "txt_split", *_HUB_KEYS) if k in plan},
         **totals,
         "shards": shards,
     }

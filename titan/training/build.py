@@ -122,4 +122,6 @@ def build_loader(
         validation=validation,
         pin_memory=False if validation else t.dataloader_pin_memory,
         prefetch_factor=None if validation else t.dataloader_prefetch_factor,
+        dataset_config=v.dataset_config if validation else t.dataset_config,
+        dataset_split=v.dataset_split if validation else t.dataset_split,
     )

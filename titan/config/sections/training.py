@@ -28,11 +28,18 @@ class MixtureSource:
 @dataclass
 class Training:
     dataset: str = "pydoc"
-    """Dataset name from the registry (pydoc: the embedded offline corpus, c4, c4_validation) or
-    a local path when `dataset_path` is set."""
+    """Dataset name from the registry (pydoc: the embedded offline corpus, c4, c4_validation), a
+    Hugging Face hub dataset id (owner/name, e.g. HuggingFaceFW/fineweb-edu: streamed), or a local
+    path."""
     dataset_path: str = ""
     """Local file or folder (jsonl/json/parquet/arrow/txt) to read instead of the hub source; for
-    c4, a mirror in allenai/c4's layout (en/c4-train.*.json.gz, docs/datasets.md)."""
+    c4, a mirror in allenai/c4's layout (en/c4-train.*.json.gz); for a hub dataset, its mirror
+    (`hf download ID --repo-type dataset --local-dir DIR`, card README.md included)."""
+    dataset_config: str = ""
+    """Hub datasets: the config (subset) name from the dataset's card, e.g. sample-10BT. Empty: the
+    dataset's default config."""
+    dataset_split: str = "train"
+    """Hub datasets: the split to read (as the card's configs name them)."""
     dataset_text_field: str = "text"
     """Column that holds the document text in local / hub datasets."""
     dataset_txt_split: TxtSplit = "paragraph"

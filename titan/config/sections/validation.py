@@ -14,10 +14,14 @@ class Validation:
     """Compute loss and perplexity on held-out data every `freq` steps (and at the last step)."""
     dataset: str = "pydoc_validation"
     """Held-out dataset name from the registry (pydoc_validation: topics that pydoc_train leaves
-    out; c4_validation) or a local path."""
+    out; c4_validation), a hub dataset id (owner/name) or a local path."""
     dataset_path: str = ""
     """Local file or folder to read instead of the registry source; for c4_validation, a mirror in
-    allenai/c4's layout (en/c4-validation.*.json.gz)."""
+    allenai/c4's layout (en/c4-validation.*.json.gz); for a hub dataset, its mirror."""
+    dataset_config: str = ""
+    """Hub datasets: the config (subset) name from the dataset's card. Empty: its default config."""
+    dataset_split: str = "validation"
+    """Hub datasets: the split to read (as the card's configs name them)."""
     mixture: list[MixtureSource] = field(default_factory=list)
     """Validate on several sources ([[validation.mixture]] tables with `path` or `dataset`): each
     source's loss is logged (validation/loss/NAME) next to the loss over all their tokens; the
