@@ -14,13 +14,14 @@ from typing import Any
 from titan.errors import TitanError
 
 from .datasets import _looks_like_path, build_source, check_dataset
+from .hub import is_hub_id
 from .loader import TitanDataLoader
 from .loader import build_dataloader as build_text_loader
 from .mixture import MixtureLoader
 from .token_store import TokenStore, is_token_store
 from .windows import StoreDataLoader
 
-__all__ = ["build_dataloader", "check_data", "mixture_names"]
+__all__ = ["build_dataloader", "check_data", "check_hub", "mixture_names"]
 
 
 def _store_path(dataset: str, dataset_path: str) -> str:
@@ -180,6 +181,17 @@ def _check_one(
             )
         return
     check_dataset(dataset, dataset_path, config, split, section=key.split(".")[0])
+
+
+def check_hub(config: Any) -> None:
+    """The hub datasets a run streams (no local mirror) are reachable and have the configured
+    config and split: the launcher runs this once before any rank starts, so no network (or a
+    typo'd config) is one line from one process. Needs no tokenizer and reads no rows."""
+    t, v = config.training, config.validation
+    parts = [("training", t)] + ([("validation", v)] if v.enable else [])
+    for section, part in parts:
+        if not part.mixture and not part.dataset_path and is_hub_id(part.dataset):
+            check_dataset(part.dataset, "", part.dataset_config, part.dataset_split, section)
 
 
 def check_data(config: Any, tokenizer: Any) -> None:

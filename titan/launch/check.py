@@ -2,7 +2,8 @@
 flags + environment defaults) in one process and exit: 0 when it is valid, 2 with titan's one line
 when not. The launchers run it before torchrun / srun start, so a typo fails in seconds, before
 any rank (or a Slurm job's nodes) is busy with it. A bad flag or TOML value fails before torch is
-imported; the checks that need the model registry and the other features import it.
+imported; the checks that need the model registry and the other features import it. A hub
+dataset streamed by id is looked up here too (its config and split; no network: one line).
 
 ``--help [SECTION | SECTION.KEY]`` is answered here too, for the launcher and the ranks alike."""
 
@@ -41,9 +42,10 @@ def main(argv: list[str]) -> int:
         return print_help(argv)
 
     def check() -> int:
+        from titan.data.build import check_hub
         from titan.training.checks import load_job
 
-        load_job(argv)
+        check_hub(load_job(argv))  # offline or a typo'd hub config: one line here, not one per rank
         return 0
 
     return exit_status(check, debug=lambda: debug_requested(argv))
