@@ -40,6 +40,15 @@ SKIP = {
 }
 SKIP_PREFIXES = [
     # (command prefix, reason): families of commands that need what this machine lacks
+    (
+        "./run_train.sh --training.dataset HuggingFaceFW/",
+        "the Hugging Face hub or a mirror of it (tests/integration/test_hub_dataset.py trains from a generated"
+        " mirror and runs the FineWeb command offline: one line naming the mirror)",
+    ),
+    (
+        "python scripts/tokenize_dataset.py --dataset HuggingFaceFW/",
+        "the Hugging Face hub or a mirror of it (tests/integration/test_hub_dataset.py tokenizes a generated mirror)",
+    ),
     ("./run_train.sh --float8.enable_float8_linear", "float8 matmuls on an SM89+ GPU (CPU: add --float8.emulate)"),
     ("python examples/sagemaker/launch.py --image-uri", "an AWS account and SageMaker (its --help runs)"),
     ("python scripts/convert_hf.py to_hf outputs/checkpoint/step-1000", "a 1000-step 8B checkpoint"),
