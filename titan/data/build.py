@@ -13,8 +13,7 @@ from typing import Any
 
 from titan.errors import TitanError
 
-from .datasets import _looks_like_path, build_source, check_dataset
-from .hub import is_hub_id
+from .datasets import _looks_like_path, build_source, check_dataset, streams_from_hub
 from .loader import TitanDataLoader
 from .loader import build_dataloader as build_text_loader
 from .mixture import MixtureLoader
@@ -180,6 +179,10 @@ def _check_one(
                 f"training.seq_len + 1 = {seq_len + 1}"
             )
         return
+    if streams_from_hub(dataset, dataset_path):
+        # streamed from the hub: the launcher looked it up once (check_hub) and the loader resolves
+        # it again; a third lookup here would add one hub request per rank for nothing
+        return
     check_dataset(dataset, dataset_path, config, split, section=key.split(".")[0])
 
 
@@ -190,7 +193,7 @@ def check_hub(config: Any) -> None:
     t, v = config.training, config.validation
     parts = [("training", t)] + ([("validation", v)] if v.enable else [])
     for section, part in parts:
-        if not part.mixture and not part.dataset_path and is_hub_id(part.dataset):
+        if not part.mixture and streams_from_hub(part.dataset, part.dataset_path):
             check_dataset(part.dataset, "", part.dataset_config, part.dataset_split, section)
 
 

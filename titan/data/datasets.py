@@ -37,6 +37,7 @@ __all__ = [
     "hub_source",
     "local_source",
     "register_dataset",
+    "streams_from_hub",
 ]
 
 # How a .txt file becomes documents (the `text` builder's sample_by): paragraph = blocks separated
@@ -294,6 +295,12 @@ def _reads_hub_mirror(dataset: str, dataset_path: str, config: str, split: str, 
     return hub_layout(dataset, dataset_path, config, split, section)
 
 
+def streams_from_hub(dataset: str, dataset_path: str = "") -> bool:
+    """The run streams ``dataset`` from the hub: an owner/name id that is neither a registered name
+    nor a local path, and no local copy is set."""
+    return not dataset_path and dataset not in DATASETS and is_hub_id(dataset)
+
+
 def _not_for_registry(dataset: str, config: str, split: str, section: str) -> None:
     if config or split not in ("", default_split(section)):
         key, got = (f"{section}.dataset_config", config) if config else (f"{section}.dataset_split", split)
@@ -319,7 +326,7 @@ def check_dataset(
             raise TitanError(f"dataset path {path!r} does not exist ({key})")
         if dataset in ("c4", "c4_validation"):
             c4_files(path, "train" if dataset == "c4" else "validation")
-    elif is_hub_id(dataset):
+    elif streams_from_hub(dataset):
         resolve_files(dataset, config, split, section, remote=True)
     elif dataset not in DATASETS:
         raise TitanError(
@@ -360,7 +367,7 @@ def build_source(
         return local_source(dataset_path, text_field, txt_split, bad_lines)
     if spec is not None:
         return spec.loader(text_field if text_field != "text" else spec.text_field)
-    if is_hub_id(dataset):
+    if streams_from_hub(dataset):
         return hub_source(dataset, "", text_field, txt_split, bad_lines, **hub)
     if _looks_like_path(dataset):
         return local_source(dataset, text_field, txt_split, bad_lines)

@@ -14,7 +14,7 @@ import torch
 from tests.helpers.hub_mirror import HubMirror, write_hub_mirror
 from titan.config import load_config
 from titan.data.build import build_dataloader, check_hub
-from titan.data.datasets import build_source, check_dataset
+from titan.data.datasets import DATASETS, ListSource, build_source, check_dataset, files_source, register_dataset
 from titan.data.hub import is_hub_id
 from titan.errors import TitanError
 
@@ -123,6 +123,16 @@ def test_no_network_is_one_line_naming_the_local_mirror(monkeypatch):
         check_hub(config)  # the launcher's check, before any rank starts
 
 
+@pytest.mark.parametrize(("config", "field"), [("sample-10BT", "text"), ("code", "content")])
+def test_streamed_files_are_one_shard_each(mirror, config, field):
+    # what a hub id streams: the resolved files through `datasets` (here local paths standing in for
+    # the hf:// URLs), one shard per file, each readable on its own from a row
+    shards = mirror.shard_docs(config)
+    source = files_source("hub", [str(f) for f in mirror.files[(config, "train")]], field, remote=True)
+    assert source.num_shards == len(shards)
+    assert [list(source.iter_shard(j, 3)) for j in range(len(shards))] == [docs[3:] for docs in shards]
+
+
 def test_hub_ids_and_local_paths_are_told_apart(tmp_path, monkeypatch):
     assert is_hub_id(FINEWEB) and is_hub_id("allenai/c4") and not is_hub_id("pydoc")
     for path in ("./a/b", "/data/x", "a/b/c", "~/x/y", "data.jsonl"):
@@ -130,6 +140,11 @@ def test_hub_ids_and_local_paths_are_told_apart(tmp_path, monkeypatch):
     (tmp_path / "org" / "corpus").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert not is_hub_id("org/corpus")  # an existing folder of that name is read as a folder
+    # a registered name wins over the hub, slash or not (offline here: a hub lookup would fail)
+    if "titan-tests/registered" not in DATASETS:
+        register_dataset("titan-tests/registered", lambda field: ListSource("registered", ["a", "b"]))
+    check_dataset("titan-tests/registered")
+    assert list(build_source("titan-tests/registered").iter_docs()) == ["a", "b"]
 
 
 def test_each_rank_reads_whole_files_of_its_own_and_every_document_once(mirror):
