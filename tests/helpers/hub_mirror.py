@@ -116,6 +116,8 @@ def write_hub_mirror(
     (mirror.root / "README.md").write_text(CARD, encoding="utf-8")
     # what hf download leaves beside the files: its own metadata, never data
     meta = mirror.root / ".cache" / "huggingface"
-    meta.mkdir(parents=True, exist_ok=True)
+    (meta / "download" / "sample" / "10BT").mkdir(parents=True, exist_ok=True)
     (meta / ".gitignore").write_text("*\n")
+    for p in mirror.files[("sample-10BT", "train")]:
+        (meta / "download" / "sample" / "10BT" / f"{p.name}.metadata").write_text("0123abcd\n0123abcd\n1.0\n")
     return mirror
