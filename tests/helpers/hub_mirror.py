@@ -20,7 +20,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-__all__ = ["CARD", "HubMirror", "write_hub_mirror"]
+__all__ = ["CARD", "ROW_GROUP", "HubMirror", "write_hub_mirror"]
+
+ROW_GROUP = 5  # rows per parquet row group
 
 CARD = """---
 license: odc-by
@@ -88,7 +90,8 @@ def write_hub_mirror(
     def parquet(path: Path, docs: list[str]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         ids = [f"<urn:uuid:{path.stem}-{i}>" for i in range(len(docs))]
-        pq.write_table(pa.table({"text": docs, "id": ids, "score": [float(len(d)) for d in docs]}), path)
+        table = pa.table({"text": docs, "id": ids, "score": [float(len(d)) for d in docs]})
+        pq.write_table(table, path, row_group_size=ROW_GROUP)  # several row groups, as hub files have
 
     def jsonl_gz(path: Path, docs: list[str]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -112,13 +112,19 @@ class HFStreamSource(DocumentSource):
     datasets such as allenai/c4); shard j is read through ``IterableDataset.shard``. Reaching a
     row inside a shard re-reads (parses, does not tokenize) the rows before it in that shard.
     ``shard_files``, when given, names the file behind each shard (errors, statistics).
+    ``parquet_files`` (local paths or URLs such as hf://...), when the shards are parquet files:
+    reaching a row skips the row groups before it unread (a resume reads one row group's rows, not
+    a whole file's); the rows are the same as the stream's.
     """
 
-    def __init__(self, name: str, dataset, text_field: str, shard_files: list | None = None) -> None:
+    def __init__(
+        self, name: str, dataset, text_field: str, shard_files: list | None = None, parquet_files: list | None = None
+    ) -> None:
         self.name = name
         self.dataset = dataset
         self.text_field = text_field
         self.shard_files = shard_files
+        self.parquet_files = parquet_files
 
     @property
     def num_shards(self) -> int:
@@ -163,7 +169,38 @@ class HFStreamSource(DocumentSource):
     def iter_docs(self, start: int = 0) -> Iterator[str]:
         return self._rows(self.dataset, start, "the whole stream")
 
+    def _parquet_rows(self, file: str, start: int) -> Iterator[str]:
+        import fsspec
+        import pyarrow.parquet as pq
+
+        try:
+            with fsspec.open(file, "rb") as fh:  # a local path, or a URL such as hf://datasets/...
+                pf = pq.ParquetFile(fh)
+                groups = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
+                first = group = 0
+                while group < len(groups) and first + groups[group] <= start:
+                    first += groups[group]
+                    group += 1
+                skip = start - first
+                batches = pf.iter_batches(
+                    batch_size=_READ_BATCH, row_groups=range(group, len(groups)), columns=[self.text_field]
+                )
+                for batch in batches:
+                    column = batch.column(0).to_pylist()
+                    if skip >= len(column):
+                        skip -= len(column)
+                        continue
+                    yield from self._texts(column[skip:])
+                    skip = 0
+        except (TitanError, GeneratorExit):
+            raise
+        except Exception as e:  # a truncated file, a lost connection: one line naming the file
+            first_line = str(e).splitlines()[0] if str(e) else ""
+            raise TitanError(f"cannot read dataset {self.name!r} ({file}): {type(e).__name__}: {first_line}") from None
+
     def iter_shard(self, shard: int, row: int = 0) -> Iterator[str]:
+        if row > 0 and self.parquet_files and len(self.parquet_files) == self.num_shards:
+            return self._parquet_rows(str(self.parquet_files[shard]), row)
         if self.num_shards == 1:
             return self.iter_docs(row)
         return self._rows(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.hub_mirror import HubMirror, write_hub_mirror
+from tests.helpers.hub_mirror import ROW_GROUP, HubMirror, write_hub_mirror
 from titan.config import load_config
 from titan.data.build import build_dataloader, check_hub
 from titan.data.datasets import DATASETS, ListSource, build_source, check_dataset, files_source, register_dataset
@@ -87,7 +87,8 @@ def test_config_and_split_choose_the_files_as_the_card_says(mirror, config, spli
     assert source.name == f"{FINEWEB}:{config or 'default'}/{split}"  # named by id: hub and mirror alike
     for j, docs in enumerate(shards):
         assert list(source.iter_shard(j)) == docs
-        assert next(iter(source.iter_shard(j, 5))) == docs[5]
+        for row in (1, ROW_GROUP - 1, ROW_GROUP, ROW_GROUP + 1, len(docs) - 1, len(docs)):
+            assert list(source.iter_shard(j, row)) == docs[row:], (j, row)
     assert list(source.iter_docs(0)) == [d for docs in shards for d in docs]
 
 
@@ -189,6 +190,24 @@ def test_resume_is_exact_and_reopens_only_the_current_file(mirror):
     for (x, y), (ex, ey) in zip(got, expected):
         assert torch.equal(x, ex) and torch.equal(y, ey)
     assert len(set(resumed.read_stats()["opened"])) <= 2  # the open file (and maybe the next), not a re-read
+
+
+def test_reaching_a_row_of_a_parquet_file_skips_the_row_groups_before_it(mirror, monkeypatch):
+    import pyarrow.parquet as pq
+
+    read: list[list[int]] = []
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def recording(self, *args, row_groups=None, **kw):
+        read.append(list(row_groups) if row_groups is not None else list(range(self.metadata.num_row_groups)))
+        return iter_batches(self, *args, row_groups=row_groups, **kw)
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", recording)
+    source = build_source(FINEWEB, str(mirror.root), config="sample-10BT")
+    docs = mirror.shard_docs("sample-10BT")[4]
+    row = 3 * ROW_GROUP + 2
+    assert list(source.iter_shard(4, row)) == docs[row:]
+    assert read == [list(range(3, -(-len(docs) // ROW_GROUP)))]  # from the row's group on, nothing before
 
 
 def test_validation_reads_the_validation_split_once(mirror):
