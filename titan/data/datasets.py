@@ -2,8 +2,9 @@
 
 Built in: ``pydoc`` (the stdlib's own documentation, always available offline), ``c4`` and
 ``c4_validation`` (streamed from the Hugging Face hub, or read from a local mirror in allenai/c4's
-layout when a dataset path is set), and any local file or folder of .jsonl(.gz)/.json(.gz),
-.parquet, .arrow or .txt files. Every file of a folder is a shard (see titan/data/packing.py for
+layout when a dataset path is set), any Hugging Face hub dataset by id (owner/name, streamed) or
+its mirror in the hub's layout (titan/data/hub.py), and any local file or folder of
+.jsonl(.gz)/.json(.gz), .parquet, .arrow or .txt files. Every file of a folder is a shard (see titan/data/packing.py for
 how shards are dealt to ranks). Add a named dataset with ``register_dataset`` (before the run
 builds its loader); ``DATASETS`` is a read-only view of every registered name.
 """
@@ -266,13 +267,11 @@ def hub_source(
     section: str = "training",
 ) -> DocumentSource:
     """A hub dataset by id (streamed), or its mirror at ``dataset_path``: the files of (config,
-    split) as the dataset's card chooses them, one shard per file. Named by id, config and split
-    when the run names the id, so a checkpoint of the streamed run resumes on the mirror."""
-    where = dataset_path or dataset
+    split) as the dataset's card chooses them, one shard per file. Named by the id, config and
+    split when the run names the id (the loader's state records the name)."""
     remote = not dataset_path
-    name, files = resolve_files(
-        str(Path(where).expanduser()) if not remote else where, config, split, section, remote=remote
-    )
+    where = dataset if remote else str(Path(dataset_path).expanduser())
+    name, files = resolve_files(where, config, split, section, remote=remote)
     label = f"{dataset if is_hub_id(dataset) else where}:{name}/{split or default_split(section)}"
     return files_source(label, files, text_field, txt_split, bad_lines, remote=remote)
 
