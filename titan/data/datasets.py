@@ -248,9 +248,9 @@ def files_source(
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else ""
         raise TitanError(f"cannot read dataset {name!r} as {builder}: {type(e).__name__}: {first}") from e
-    local = None if remote else [Path(f) for f in files]
+    named = [str(f) for f in files] if remote else [Path(f) for f in files]
     parquet = [str(f) for f in files] if builder == "parquet" else None
-    source = HFStreamSource(name, ds, field, shard_files=local, parquet_files=parquet)
+    source = HFStreamSource(name, ds, field, shard_files=named, parquet_files=parquet)
     source.validate()
     return source
 

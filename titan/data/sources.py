@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from titan.errors import TitanError
 from titan.log import logger
@@ -111,7 +112,8 @@ class HFStreamSource(DocumentSource):
     Its shards are the dataset's own (``n_shards``: one per file for local data and for hub
     datasets such as allenai/c4); shard j is read through ``IterableDataset.shard``. Reaching a
     row inside a shard re-reads (parses, does not tokenize) the rows before it in that shard.
-    ``shard_files``, when given, names the file behind each shard (errors, statistics).
+    ``shard_files``, when given, names the file behind each shard (errors, statistics): a Path, or
+    a URL string for streamed files.
     ``parquet_files`` (local paths or URLs such as hf://...), when the shards are parquet files:
     reaching a row skips the row groups before it unread (a resume reads one row group's rows, not
     a whole file's); the rows are the same as the stream's.
@@ -137,7 +139,8 @@ class HFStreamSource(DocumentSource):
 
     def shard_bytes(self, shard: int) -> int | None:
         if self.shard_files and len(self.shard_files) == self.num_shards:
-            return self.shard_files[shard].stat().st_size
+            file = self.shard_files[shard]
+            return file.stat().st_size if isinstance(file, Path) else None  # a URL: not on this disk
         return None
 
     def _rows(self, ds, start: int, where: str) -> Iterator[str]:

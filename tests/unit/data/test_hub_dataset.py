@@ -126,12 +126,23 @@ def test_no_network_is_one_line_naming_the_local_mirror(monkeypatch):
 
 @pytest.mark.parametrize(("config", "field"), [("sample-10BT", "text"), ("code", "content")])
 def test_streamed_files_are_one_shard_each(mirror, config, field):
-    # what a hub id streams: the resolved files through `datasets` (here local paths standing in for
-    # the hf:// URLs), one shard per file, each readable on its own from a row
+    # what a hub id streams: the resolved file URLs (hf://... there; memory://... here, another
+    # fsspec filesystem) through `datasets`, one shard per file, each readable on its own from a row
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    urls = []
+    for f in mirror.files[(config, "train")]:
+        fs.pipe(f"/titan-hub/{config}/{f.name}", f.read_bytes())
+        urls.append(f"memory://titan-hub/{config}/{f.name}")
     shards = mirror.shard_docs(config)
-    source = files_source("hub", [str(f) for f in mirror.files[(config, "train")]], field, remote=True)
-    assert source.num_shards == len(shards)
-    assert [list(source.iter_shard(j, 3)) for j in range(len(shards))] == [docs[3:] for docs in shards]
+    source = files_source("hub", urls, field, remote=True)
+    assert source.num_shards == len(shards) and source.shard_name(1) == urls[1]
+    assert [list(source.iter_shard(j, 0)) for j in range(len(shards))] == shards
+    rows = (1, ROW_GROUP, 2 * ROW_GROUP + 1)
+    assert [list(source.iter_shard(j, r)) for j in range(len(shards)) for r in rows] == [
+        docs[r:] for docs in shards for r in rows
+    ]
 
 
 def test_hub_ids_and_local_paths_are_told_apart(tmp_path, monkeypatch):
