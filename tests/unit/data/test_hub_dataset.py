@@ -161,7 +161,8 @@ def test_hub_ids_and_local_paths_are_told_apart(tmp_path, monkeypatch):
 
 def test_each_rank_reads_whole_files_of_its_own_and_every_document_once(mirror):
     shards = mirror.shard_docs("sample-10BT")
-    loaders = [_loader(mirror, world=2, rank=r, infinite=False) for r in range(2)]
+    # 2 ranks x 2 loader workers = 4 streams over 6 files: whole files, each read by one worker
+    loaders = [_loader(mirror, world=2, rank=r, infinite=False, num_workers=2) for r in range(2)]
     total, opened = Counter(), []
     for loader in loaders:
         batches = list(loader)
