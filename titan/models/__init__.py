@@ -92,6 +92,7 @@ def _llama4() -> ModelSpec:
     from titan.models.llama4 import args as llama4_args
     from titan.models.llama4.model import Llama4Transformer
     from titan.models.llama4.parallelize import parallelize_llama4
+    from titan.models.llama4.state_dict_adapter import Llama4StateDictAdapter
 
     return ModelSpec(
         "llama4",
@@ -101,6 +102,7 @@ def _llama4() -> ModelSpec:
         parallelize_llama4,
         llama4_args.get_nparams_and_flops,
         pipeline_llama,
+        state_dict_adapter=Llama4StateDictAdapter,
     )
 
 

@@ -59,7 +59,10 @@ class Llama4ModelArgs(TransformerModelArgs):
 
     @property
     def moe_hidden_dim(self) -> int:
-        """Each routed (and shared) expert's SwiGLU width, as torchtitan derives it."""
+        """Each routed (and shared) expert's SwiGLU width: moe_args.hidden_dim when set (Hugging
+        Face configs give it), else derived as torchtitan does."""
+        if self.moe_args.hidden_dim is not None:
+            return self.moe_args.hidden_dim
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
