@@ -67,7 +67,7 @@ class MoEMonitor:
         for name, m in self.layers:
             counts = m.tokens_since_log
             ratio = counts.max() / counts.mean().clamp_min(1e-9)
-            pad = m.padded_since_log
+            pad = m.padded_since_log.clone()  # the buffer is zeroed below
             out[f"{PER_LAYER_PREFIX}{name}/tokens_max_over_mean"] = ratio
             out[f"{PER_LAYER_PREFIX}{name}/padded_fraction"] = pad / (pad + counts.sum()).clamp_min(1e-9)
             out[f"{PER_LAYER_PREFIX}{name}/starved_experts"] = (counts == 0).sum()
