@@ -32,6 +32,10 @@ SKIP = {
     "CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh": "8B model: needs GPUs (its layout is checked by the"
     " dry-run commands)",
     "NGPU=8 CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh --training.steps 100": "8 GPUs",
+    "NGPU=8 CONFIG_FILE=train_configs/llama3_8b_float8.toml ./run_train.sh": "8 GPUs of SM89+ (the variants'"
+    " layouts are dry-run by tests/unit/tools/test_presets.py)",
+    "NGPU=8 CONFIG_FILE=train_configs/llama3_8b_long_context.toml ./run_train.sh": "8 GPUs (context parallel is"
+    " CUDA only)",
     "python scripts/convert_llama_to_dcp.py Meta-Llama-3.1-70B/original ckpt/llama3_70b": "Meta's 70B weights"
     " (a hub download)",
     "python scripts/convert_hf.py from_hf meta-llama/Llama-3.1-8B-local-copy dcp_out": "Llama 3.1 8B weights",
