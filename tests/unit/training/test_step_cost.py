@@ -92,13 +92,14 @@ def test_one_host_sync_and_one_model_pass_per_step_when_logging_every_step(tmp_p
     )
 
 
-def test_param_norm_freq_zero_turns_it_off(tmp_path, monkeypatch):
+def test_param_norm_freq_zero_turns_it_off_and_a_step_that_logs_nothing_reads_nothing(tmp_path, monkeypatch):
     trainer = Trainer(
-        _config(tmp_path, "--training.steps", "2", "--metrics.log_freq", "1", "--metrics.param_norm_freq", "0")
+        _config(tmp_path, "--training.steps", "4", "--metrics.log_freq", "2", "--metrics.param_norm_freq", "0")
     )
-    _, norms = _count_per_step(monkeypatch, trainer)
+    syncs, norms = _count_per_step(monkeypatch, trainer)
     trainer.train()
-    assert norms == {1: 1, 2: 1}
+    assert norms == {1: 1, 2: 1, 3: 1, 4: 1}
+    assert syncs == {1: 1, 2: 1, 4: 1}, syncs  # step 3 logs nothing: the non-finite check stays on the device
 
 
 class _Clock:
