@@ -24,8 +24,9 @@ sys.path.insert(0, str(REPO_ROOT))
 import tomli_w  # noqa: E402
 
 from titan.config import JobConfig, load_config  # noqa: E402
+from titan.config.compose import load_toml  # noqa: E402
 from titan.config.dialects import Translator, translate_toml  # noqa: E402
-from titan.config.manager import load_toml, titan_keys  # noqa: E402
+from titan.config.manager import titan_keys  # noqa: E402
 from titan.errors import TitanError  # noqa: E402
 
 

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         if a.cmd == "to_hf":
-            args = dcp_io.model_args_for(a.dcp_dir, get_model_spec(a.model), a.flavor)
+            args = hf_io.training_checkpoint_args(a.dcp_dir, get_model_spec(a.model), a.flavor)
             dtype = DTYPES[a.dtype] if a.dtype else None
             hf_io.export_dcp_to_hf(a.dcp_dir, a.hf_dir, args, int(a.max_shard_gb * 1024**3), dtype)
             print(f"wrote {a.hf_dir} (config.json, safetensors shards, {hf_io.INDEX_FILE})")

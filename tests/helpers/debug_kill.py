@@ -1,4 +1,5 @@
-"""Fault injection for tests: SIGKILL (or fail) a training process at a chosen moment.
+"""Fault injection for tests: SIGKILL (or fail, or pause) a process at a chosen moment, so a test
+acts on an event of the run instead of racing a timer against it.
 
 ``TITAN_DEBUG_KILL_AT`` names the moment: ``step=K`` (right after training step K, before its
 save) or ``save:step=K`` (during the save of step K: every rank's files and DCP's ``.metadata``
@@ -7,24 +8,39 @@ exactly like ``kill -9``; ``@rankR`` limits it to global rank R, ``@attemptA`` t
 restart A (``TORCHELASTIC_RESTART_COUNT``, 0 for the first). ``error:step=K`` raises a TitanError
 after step K instead (a rank failing while the others wait in a collective).
 
+Points that pause instead of killing, for a test that must act while the run is at a known place:
+``hold:step=K`` waits after step K (its line logged, before its save) until the run's preemption
+handler got a signal (SIGTERM, SIGUSR1: checkpointing on), so a run the test signals there cannot
+have finished first; ``stop:committed=K`` stops the process (SIGSTOP) right after the save of step K is committed; the
+test sees it stopped (``wait_stopped``), acts, and continues it with SIGCONT.
+``interrupt:shard=K`` is for scripts/tokenize_dataset.py: once shard K (0-based) is written, the
+tokenizing process gets SIGINT, as from Ctrl-C (from whichever process wrote the shard).
+
 titan itself knows nothing of this: ``install()`` wraps the checkpoint manager's step hook and
-commit from the outside. A subprocess (train.py, torchrun, Slurm) gets it through ``kill_env``,
-which puts ``tests/helpers/kill_site`` (a ``sitecustomize`` that calls ``install()``) on its
-PYTHONPATH.
+commit (or the tokenizer's shard writer) from the outside. A subprocess (train.py, torchrun, Slurm,
+tokenize_dataset.py and its worker processes) gets it through ``kill_env``, which puts
+``tests/helpers/kill_site`` (a ``sitecustomize`` that calls ``install()``) on its PYTHONPATH.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import select
 import signal
+import time
 from pathlib import Path
+from typing import Any
 
 from titan.errors import TitanError
 from titan.log import logger
 
 ENV = "TITAN_DEBUG_KILL_AT"
 SITE = Path(__file__).resolve().parent / "kill_site"
+_SPEC = re.compile(
+    r"(?:(?:(save|error|hold):)?step=(\d+)|stop:committed=(\d+)|interrupt:shard=(\d+))(?:@rank(\d+))?(?:@attempt(\d+))?"
+)
+VALID = "[save:|error:|hold:]step=K, stop:committed=K or interrupt:shard=K, then [@rankR][@attemptA]"
 
 
 class DebugKill:
@@ -32,48 +48,121 @@ class DebugKill:
 
     def __init__(self, spec: str | None = None) -> None:
         spec = os.environ.get(ENV, "") if spec is None else spec
-        self.point, self.step, self.error = None, -1, False
+        self.point: str | None = None
+        self.step, self.error = -1, False
         if spec:
-            m = re.fullmatch(r"(?:(save|error):)?step=(\d+)(?:@rank(\d+))?(?:@attempt(\d+))?", spec.strip())
+            m = _SPEC.fullmatch(spec.strip())
             if not m:
-                raise TitanError(f"{ENV}={spec!r}; valid: [save:|error:]step=K[@rankR][@attemptA]")
-            if m[3] is not None and int(os.environ.get("RANK", "0")) != int(m[3]):
+                raise TitanError(f"{ENV}={spec!r}; valid: {VALID}")
+            if m[5] is not None and int(os.environ.get("RANK", "0")) != int(m[5]):
                 return  # another rank is the one that fails
-            if m[4] is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != int(m[4]):
+            if m[6] is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != int(m[6]):
                 return  # another attempt is the one that fails
-            self.error = m[1] == "error"
-            self.point, self.step = ("step" if m[1] in (None, "error") else m[1]), int(m[2])
+            if m[3] is not None:
+                self.point, self.step = "committed", int(m[3])
+            elif m[4] is not None:
+                self.point, self.step = "shard", int(m[4])
+            else:
+                self.error = m[1] == "error"
+                self.point, self.step = ("step" if m[1] in (None, "error") else m[1]), int(m[2])
 
     def __call__(self, point: str, step: int) -> None:
-        if self.point == point and self.step == step and self.error:
+        if self.point != point or self.step != step:
+            return
+        if self.error:
             raise TitanError(f"{ENV}: injected failure after step {step}")
-        if self.point == point and self.step == step:
-            logger.warning(f"{ENV}: SIGKILL at {point} of step {step}")
-            for h in logger.handlers:
-                h.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+        if point == "committed":
+            _flush()
+            os.kill(os.getpid(), signal.SIGSTOP)  # the test continues it
+            return
+        if point == "shard":
+            logger.warning(f"{ENV}: SIGINT after shard {step}")
+            _flush()
+            os.kill(_tokenizing_process(), signal.SIGINT)
+            return
+        logger.warning(f"{ENV}: SIGKILL at {point} of step {step}")
+        _flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _flush() -> None:
+    for h in logger.handlers:
+        h.flush()
+
+
+def _tokenizing_process() -> int:
+    """The process that reads the documents: this one, or the parent of a tokenizer worker."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    return os.getpid() if parent is None or parent.pid is None else parent.pid
 
 
 def install(kill: DebugKill | None = None) -> None:
     """Wrap CheckpointManager.after_step (the ``step`` point) and its commit (the ``save`` point:
-    after DCP and the manifest, before the marker) with ``kill``."""
-    from titan.checkpointing.manager import CheckpointManager
-
+    after DCP and the manifest, before the marker; the ``committed`` point: after the marker), or
+    the tokenizer's shard writer (the ``shard`` point), with ``kill``."""
     kill = DebugKill() if kill is None else kill
     if kill.point is None:
         return
+    if kill.point == "shard":
+        from titan.data import tokenize
+
+        encode = tokenize._encode_shard
+
+        def encode_then_interrupt(tokenizer: Any, folder: str, index: int, texts: list[str], dtype: str) -> dict:
+            entry = encode(tokenizer, folder, index, texts, dtype)
+            kill("shard", index)
+            return entry
+
+        tokenize._encode_shard = encode_then_interrupt
+        return
+    from titan.checkpointing.manager import CheckpointManager
+
     after_step, commit = CheckpointManager.after_step, CheckpointManager._commit
 
     def after_step_then_kill(self: CheckpointManager, step: int) -> bool:
         kill("step", step)
+        if kill.point == "hold" and kill.step == step:
+            _hold(self, step)
         return after_step(self, step)
 
     def commit_then_kill(self: CheckpointManager, step: int, path: str, model_only: bool, t0: float) -> None:
         kill("save", step)
         commit(self, step, path, model_only, t0)
+        kill("committed", step)
 
     CheckpointManager.after_step = after_step_then_kill  # type: ignore[method-assign]
     CheckpointManager._commit = commit_then_kill  # type: ignore[method-assign]
+
+
+def _hold(manager: Any, step: int) -> None:
+    watcher = manager.watcher
+    if watcher is None:
+        raise TitanError(f"{ENV}=hold:step={step} needs checkpoint.enable (its signal handler)")
+    logger.warning(f"{ENV}: holding after step {step} until a signal")
+    _flush()
+    while watcher.received is None:  # an event, not a deadline: the run stays here until signalled
+        time.sleep(0.05)
+
+
+def wait_stopped(pid: int) -> None:
+    """Block until the child ``pid`` is stopped (a ``stop:`` point) or has exited; the kernel tells
+    waitpid, no polling. A stopped child is left unreaped for its Popen to wait on later."""
+    os.waitid(os.P_PID, pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """Block until ``pid`` (any process, not only a child) has exited, or ``timeout`` (a guard
+    against a hang) has passed; True when it exited. The kernel signals its pidfd: no polling."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
 
 
 def kill_env(spec: str, env: dict[str, str] | None = None) -> dict[str, str]:

@@ -11,7 +11,6 @@ import logging
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -330,7 +329,9 @@ def test_debug_flag_shows_the_traceback(tmp_path):
 
 
 # ---------------------------------------------------------------- two ranks (real processes)
-def _torchrun(tmp_path, kill_at: str, timeout: int = 400) -> tuple[int, str, float]:
+def _torchrun(tmp_path, kill_at: str, timeout: int = 400) -> tuple[int, str]:
+    """Two ranks, one of which fails at ``kill_at``. The collective timeout is far beyond the
+    guard: a job that ends at all ended because the failure was noticed, not timed out."""
     cmd = [
         sys.executable,
         "-m",
@@ -342,19 +343,20 @@ def _torchrun(tmp_path, kill_at: str, timeout: int = 400) -> tuple[int, str, flo
         "--rdzv_endpoint",
         "localhost:0",
         "train.py",
-        *run_args(tmp_path, "--training.steps", "6", "--comm.train_timeout_seconds", "300"),
+        *run_args(tmp_path, "--training.steps", "6", "--comm.train_timeout_seconds", "3600"),
     ]
     env = cpu_env(**kill_env(kill_at))
-    t0 = time.monotonic()
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    return out.returncode, out.stdout + out.stderr, time.monotonic() - t0
+    try:
+        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the job did not end in {timeout} s: the other rank waits for a collective? {e.stderr!r:.3000}")
+    return out.returncode, out.stdout + out.stderr
 
 
 @pytest.mark.slow
 def test_one_of_two_ranks_fails_job_ends_with_its_message(tmp_path):
-    rc, text, took = _torchrun(tmp_path, "error:step=2@rank1")
+    rc, text = _torchrun(tmp_path, "error:step=2@rank1")
     assert rc != 0, text[-3000:]
-    assert took < 150, f"took {took:.0f} s: waited for the 300 s collective timeout?"
     assert "titan: error on rank 1: TITAN_DEBUG_KILL_AT: injected failure after step 2" in text, text[-3000:]
     # rank 0 either notices the lost peer (one line) or torchrun's SIGTERM ends it first: no traceback
     assert "[rank0]: Traceback" not in text and "[rank1]: Traceback" not in text, text[-3000:]
@@ -362,9 +364,8 @@ def test_one_of_two_ranks_fails_job_ends_with_its_message(tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_of_one_of_two_ranks_ends_the_job(tmp_path):
-    rc, text, took = _torchrun(tmp_path, "step=2@rank1")
+    rc, text = _torchrun(tmp_path, "step=2@rank1")
     assert rc != 0, text[-3000:]
-    assert took < 150, f"took {took:.0f} s: waited for the 300 s collective timeout?"
     assert "SIGKILL" in text and "rank      : 1" in text, text[-3000:]  # torchrun's Root Cause names rank 1
     assert "[rank0]: Traceback" not in text, text[-3000:]
 

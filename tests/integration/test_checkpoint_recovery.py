@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.debug_kill import kill_env
 from tests.helpers.runs import REPO, STEP_RE, TINY_CKPT, run_env, train_subprocess
 
 pytestmark = pytest.mark.slow
@@ -99,16 +100,18 @@ def test_sigterm_saves_current_step_and_exits_0(tmp_path):
         "--job.dump_folder",
         str(tmp_path),
         "--training.steps",
-        "200",
+        "6",
         "--checkpoint.interval",
         "1000",
     ]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the run holds after step 2 until it is signalled: it cannot have finished before the signal
+    env = run_env(**kill_env("hold:step=2"))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
         for line in proc.stdout:
             lines.append(line)
-            if STEP_RE.search(line):  # training is under way: preempt it
+            if (m := STEP_RE.search(line)) and m[1] == "2":  # training is under way: preempt it
                 proc.send_signal(signal.SIGTERM)
                 break
         lines += proc.stdout.readlines()
@@ -119,6 +122,6 @@ def test_sigterm_saves_current_step_and_exits_0(tmp_path):
     text = "".join(lines)
     assert rc == 0, text[-3000:]
     last = max(int(m[1]) for m in STEP_RE.finditer(text))
-    assert last < 200 and "received SIGTERM" in text, text[-3000:]
+    assert last == 2 and "received SIGTERM" in text, text[-3000:]
     assert [p.name for p in (tmp_path / "checkpoint").iterdir()] == [f"step-{last}"]
     assert (tmp_path / "checkpoint" / f"step-{last}" / "COMPLETE").is_file()

@@ -1,8 +1,9 @@
 """Every command the README and docs/ show runs as written, on this CPU machine.
 
-Commands are read from the Markdown itself: fenced shell blocks, indented code blocks and inline
-`code` spans that start with ./run_train.sh, python train.py, python -m titan.train, python
-scripts/..., python examples/... or sbatch (leading VAR=value assignments allowed). Each runs with
+Commands are read from the Markdown itself (the README and every page of docs/): fenced shell
+blocks, indented code blocks and inline `code` spans that start with ./run_train.sh, python
+train.py, python -m titan.train, python -m titan.launch[.check], torchrun, python scripts/...,
+python examples/... or sbatch (leading VAR=value assignments allowed). Each runs with
 a small step count appended where it trains (a later flag wins) and its output in a temporary
 folder. The only ones not run are in SKIP, each with the reason (hardware, a cluster, network or
 weights absent here), and templates with elided arguments ("...", "<dump_folder>"). A new command in the docs is
@@ -32,6 +33,10 @@ SKIP = {
     "CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh": "8B model: needs GPUs (its layout is checked by the"
     " dry-run commands)",
     "NGPU=8 CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh --training.steps 100": "8 GPUs",
+    "NGPU=8 CONFIG_FILE=train_configs/llama3_8b_float8.toml ./run_train.sh": "8 GPUs of SM89+ (the variants'"
+    " layouts are dry-run by tests/unit/tools/test_presets.py)",
+    "NGPU=8 CONFIG_FILE=train_configs/llama3_8b_long_context.toml ./run_train.sh": "8 GPUs (context parallel is"
+    " CUDA only)",
     "python scripts/convert_llama_to_dcp.py Meta-Llama-3.1-70B/original ckpt/llama3_70b": "Meta's 70B weights"
     " (a hub download)",
     "python scripts/convert_hf.py from_hf meta-llama/Llama-3.1-8B-local-copy dcp_out": "Llama 3.1 8B weights",
@@ -56,6 +61,10 @@ SKIP_PREFIXES = [
     ("python scripts/convert_hf.py torch_to_dcp model.pt", "model.pt from the dcp_to_torch command"),
     ("python scripts/dcp_to_torch.py", "a 1000-step checkpoint (tests/unit/interop covers the conversion)"),
     ("python scripts/generate.py --checkpoint", "a trained checkpoint (tests/unit/interop covers generation)"),
+    (
+        "torchrun --nproc_per_node 2 scripts/generate.py --checkpoint",
+        "a trained checkpoint (tests/unit/interop covers tensor-parallel generation)",
+    ),
     ("python scripts/benchmark.py --preset", "a GPU: the 8B-shape preset (1.76B parameters at seq 8192)"),
     (
         "python scripts/tokenize_dataset.py --dataset c4",
@@ -88,7 +97,8 @@ SKIP_PREFIXES = [
 
 _COMMAND = re.compile(
     r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)*"
-    r"(?:\./run_train\.sh|sbatch|python (?:train\.py|-m titan\.train|scripts/\S+\.py|examples/\S+\.py))(?:\s|$)"
+    r"(?:\./run_train\.sh|sbatch|torchrun|python (?:train\.py|-m titan\.(?:train|launch(?:\.check)?)|scripts/\S+\.py"
+    r"|examples/\S+\.py))(?:\s|$)"
 )
 
 
@@ -126,6 +136,9 @@ def _skip_reason(command: str) -> str | None:
         return "a Slurm cluster (tests/integration/test_slurm.py runs the script locally)"
     if command in SKIP:
         return SKIP[command]
+    launcher = program == "torchrun" or command.split()[:3] == ["python", "-m", "titan.launch"]
+    if launcher and not any(w.endswith(".py") for w in shlex.split(command)):
+        return "a template: the launcher named in prose, without the script it starts"
     for prefix, reason in SKIP_PREFIXES:
         if command.startswith(prefix):
             return reason
@@ -145,8 +158,13 @@ def _prepare(command: str, out: Path) -> tuple[list[str], dict[str, str]]:
     words = re.sub(r"\[[^\]]*\]", " ", " ".join(words)).split()
     if words[0] == "python":
         words[0] = sys.executable
-    script = words[1] if words[0] == sys.executable else words[0]
-    titan_cli = script in ("./run_train.sh", "train.py") or words[1:3] == ["-m", "titan.train"]
+    if words[0] == "torchrun":  # the same launcher, from this interpreter
+        words[:1] = [sys.executable, "-m", "torch.distributed.run"]
+    script = next((w for w in words[1:] if w.endswith(".py")), words[1] if words[0] == sys.executable else words[0])
+    if words[0] != sys.executable:
+        script = words[0]
+    module = words[1:3] if words[0] == sys.executable else []
+    titan_cli = script in ("./run_train.sh", "train.py") or module in (["-m", "titan.train"], ["-m", "titan.launch"])
     if titan_cli and not {"--help", "-h"} & set(words):
         words += ["--job.dump_folder", str(out)]
         if env.get("COMM_MODE") != "fake_backend" and "--job.dry_run" not in words:
@@ -190,6 +208,9 @@ def test_commands_are_found():
     assert "NGPU=2 ./run_train.sh" in COMMANDS
     assert "python train.py --help" in COMMANDS
     assert any(c.startswith("python scripts/convert_hf.py") for c in COMMANDS)  # indented blocks
+    assert "python -m titan.launch.check" in COMMANDS and any(c.startswith("torchrun ") for c in COMMANDS)
+    pages = {doc for doc in COMMANDS.values() if doc != "README.md"}
+    assert {"launching.md", "configs.md", "datasets.md", "checkpoint_conversion.md"} <= pages, pages
     assert len(COMMANDS) >= 30
     stale = [c for c in SKIP if c not in COMMANDS]
     assert not stale, f"SKIP names commands the docs no longer show: {stale}"

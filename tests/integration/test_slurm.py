@@ -171,7 +171,8 @@ def test_a_killed_rank_is_restarted_inside_the_job(reference, tmp_path):
 
 
 def _interrupt_and_resume(tmp: Path, reference: dict, interrupt: list[str]) -> str:
-    job = _submit(tmp, *TINY)
+    # the ranks hold after step 3 until the signal reaches them: the job cannot end before it
+    job = _submit(tmp, *TINY, **kill_env("hold:step=3"))
     _wait_for_step(tmp, 3)
     _sh(*interrupt, job)
     info = _wait(job, tmp)

@@ -178,15 +178,14 @@ def test_tokenize_script_interrupted_then_finished(tmp_path):
     """SIGINT mid-run: exit 130, no manifest, only whole shards; the same command again keeps them
     and ends with the JSON line; the store equals one made in a single run."""
     import os
-    import signal
     import subprocess
-    import time
 
+    from tests.helpers.debug_kill import kill_env
     from tests.helpers.distributed import cpu_env
     from titan.data.token_store import TokenStore
 
     words = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor".split()
-    docs = [" ".join(words[(i + j) % len(words)] for j in range(300 + i % 50)) for i in range(4000)]
+    docs = [" ".join(words[(i + j) % len(words)] for j in range(300 + i % 50)) for i in range(400)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     out = tmp_path / "store"
     cmd = [
@@ -201,13 +200,11 @@ def test_tokenize_script_interrupted_then_finished(tmp_path):
         "--shard_mb",
         "0.05",
     ]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while not list(out.glob("[0-9]*.json")) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr[-2000:]
+    # Ctrl-C once the first shard is written (a kill point, not a timer: the run cannot finish first)
+    env = cpu_env(**kill_env("interrupt:shard=0"))
+    interrupted = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    stderr = interrupted.stderr
+    assert interrupted.returncode == 130, stderr[-2000:]
     assert "Traceback" not in stderr and "interrupted; finished shards are kept" in stderr
     assert not (out / MANIFEST).exists()
     finished = {p.stem for p in out.glob("[0-9]*.json")}

@@ -9,6 +9,7 @@ config mapping: found from the args being written, or from config.json's model_t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan.checkpointing import model_dcp as dcp_io
 from titan.errors import TitanError, read_user_json
-from titan.models import spec_for_args, spec_for_hf_model_type
+from titan.models import get_flavor, get_model_spec, spec_for_args, spec_for_hf_model_type
 from titan.progress import progress
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -67,6 +68,35 @@ def model_args_of(model: nn.Module) -> Any:
     (titan.models.ModelSpec.model_cls), which nn.Module's attribute typing cannot know."""
     args: Any = model.model_args
     return args
+
+
+def export_args(args: Any, record: dict[str, Any] | None, flavor_max: int | None = None) -> Any:
+    """The model args an export of a run's weights writes. config.json's max_position_embeddings
+    is the model's context length: its flavor's max_seq_len (``flavor_max``, else the flavor the
+    run ``record`` names), or the run's training.seq_len where it trained on longer sequences. A
+    run sets max_seq_len to its seq_len only to keep its RoPE table small; the weights do not
+    depend on it, so the in-training export and scripts/convert_hf.py to_hf write the same file."""
+    model, training = (record or {}).get("model") or {}, (record or {}).get("training") or {}
+    if flavor_max is None:
+        try:
+            flavor_max = get_flavor(get_model_spec(model["name"]), model["flavor"]).max_seq_len
+        except (KeyError, TypeError, TitanError):  # no record of a registered flavor: as trained
+            return args
+    seq_len = training.get("seq_len")
+    context = max(int(flavor_max or 0), seq_len if isinstance(seq_len, int) else 0)
+    return dataclasses.replace(args, max_seq_len=context) if context > 0 else args
+
+
+def training_checkpoint_args(dcp_dir: str | Path, spec: Any, flavor: str | None) -> Any:
+    """The model args to export a DCP folder with: its model_args.json as a converter wrote it,
+    or, for a training checkpoint, ``flavor`` reshaped to the tensors with the context length of
+    export_args (the run's config.json in the step folder gives its training.seq_len)."""
+    from titan.checkpointing.config_diff import read_config
+
+    args = dcp_io.model_args_for(dcp_dir, spec, flavor)
+    if dcp_io.read_model_args(dcp_dir, spec.args_cls) is not None:
+        return args
+    return export_args(args, read_config(str(dcp_dir)), flavor_max=args.max_seq_len)
 
 
 def _adapter(args: Any) -> Any:
@@ -215,11 +245,15 @@ def save_model_hf(
     args: Any = None,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    record: dict[str, Any] | None = None,
 ) -> None:
     """Gather a (possibly sharded) model and write an HF folder from rank 0: the hook for
     `[checkpoint] last_save_in_hf`. Collective: every rank must call it. Pipeline-parallel parts
-    live on different ranks, so a rank 0 without all of them refuses rather than exporting half."""
+    live on different ranks, so a rank 0 without all of them refuses rather than exporting half.
+    ``record``: the run's config, for the context length config.json states (export_args)."""
     args = args if args is not None else model_args_of(model_parts[0])
+    if record is not None:
+        args = export_args(args, record)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state: dict[str, torch.Tensor] = {}
     for part in model_parts:

@@ -319,7 +319,7 @@ class CheckpointManager:
                 delete(out, ignore_errors=False)
 
         self.groups.agree(prepare)
-        save_model_hf(self.model.parts, out, dtype=DTYPES[self.cfg.export_dtype])
+        save_model_hf(self.model.parts, out, dtype=DTYPES[self.cfg.export_dtype], record=self.config_record)
         if self.rank == 0:
             write_manifest(out)
             write_marker(out, step, model_only=True, world_size=self.world_size, dp_degree=self.dp_degree, fmt="hf")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from titan.config.sections.activation_checkpoint import ActivationCheckpoint
 from titan.config.sections.checkpoint import Checkpoint
@@ -69,6 +70,9 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
     debug: Debug = field(default_factory=Debug)
+    # Where each option was set ('section.key' -> "file:line", "command line", "environment"; an
+    # option not in it has its default), filled by load_config. Not annotated: not an option.
+    sources = MappingProxyType({})
 
     def validate(self) -> None:
         """Every section's own checks, then the rules between sections. Checks that need runtime

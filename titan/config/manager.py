@@ -1,4 +1,4 @@
-"""Build a JobConfig from defaults <- TOML file <- CLI flags.
+"""Build a JobConfig from defaults <- TOML file (and the files it extends) <- CLI flags.
 
 The option list, the types and the help text all come from the section dataclasses
 (titan/config/sections/, assembled in job_config.py).
@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 from titan.config import dialects
+from titan.config.compose import EXTENDS, read_layers
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 
@@ -212,35 +213,22 @@ def _convert(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
 
 
 # ---------------------------------------------------------------- sources
-def load_toml(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        raise TitanError(
-            f"config file '{path}' does not exist (set --job.config_file to a TOML file,"
-            " e.g. train_configs/debug_model.toml)"
-        )
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise TitanError(f"config file '{path}' is not valid TOML: {e}") from None
-    except UnicodeDecodeError:
-        raise TitanError(f"config file '{path}' is not valid TOML: not UTF-8 text") from None
-
-
-def _flatten_toml(data: dict[str, Any], path: str) -> list[tuple[str, Any]]:
+def _flatten_toml(data: dict[str, Any], path: str, where: str = "") -> list[tuple[str, Any]]:
+    """``where``: how errors name the file (default "config file '<path>'")."""
+    where = where or f"config file '{path}'"
     items = []
     for section, body in data.items():
         if not isinstance(body, dict):
             if section in sections():
-                raise TitanError(f"config file '{path}': '{section}' must be a [section] table")
-            raise TitanError(
-                f"config file '{path}': unknown config section '{section}'" + did_you_mean(section, list(sections()))
-            )
+                raise TitanError(f"{where}: '{section}' must be a [section] table")
+            if section == EXTENDS:
+                raise TitanError(f"{where}: '{EXTENDS}' must come first, before any [section]")
+            raise TitanError(f"{where}: unknown config section '{section}'" + did_you_mean(section, list(sections())))
         for name, value in body.items():
             if isinstance(value, dict):
-                raise TitanError(
-                    f"config file '{path}': unknown config section '{section}.{name}' (sections are one level deep)"
-                )
+                raise TitanError(f"{where}: unknown config section '{section}.{name}' (sections are one level deep)")
+            if name == EXTENDS and section in sections() and name not in section_fields(sections()[section]):
+                raise TitanError(f"{where}: '{EXTENDS}' must come first, before any [section] (it is in [{section}])")
             items.append((f"{section}.{name}", value))
     return items
 
@@ -318,24 +306,34 @@ def load_config(argv: list[str] | None = None, *, env: dict[str, str] | None = N
     translator = dialects.Translator(titan_keys())
     raw_cli = parse_cli(argv)
     config = JobConfig()
+    sources: dict[str, str] = {}  # where each set option came from (--job.print_config_sources)
     from titan.config.environment import environment_defaults
 
     for key, value in environment_defaults(os.environ if env is None else env):
         _set(config, key, value, from_cli=False)
+        sources[key] = "environment"
     config_file = next((v for k, v in reversed(raw_cli) if k == "job.config_file"), "")
     if config_file:
-        table = dialects.translate_toml(load_toml(config_file), config_file, translator)
-        for key, value in _flatten_toml(table, config_file):
-            try:
-                _set(config, key, value, from_cli=False)
-            except TitanError as e:
-                raise TitanError(f"config file '{config_file}': {e}") from None
+        for layer in read_layers(config_file, translator):  # its bases first (extends), then the file
+            for key, value in _flatten_toml(layer.table, layer.path, layer.where):
+                try:
+                    _set(config, key, value, from_cli=False)
+                except TitanError as e:
+                    raise TitanError(f"{layer.where}: {e}") from None
+                sources[key] = layer.source(key)
     for key, value in translator.translate(raw_cli):
         _set(config, key, value, from_cli=True)
-    translator.finish(
-        lambda key: getattr(*_attr(config, key)), lambda key, value: _set(config, key, value, from_cli=False)
-    )
+        sources[key] = "command line"
+
+    def implied(key: str, value: Any) -> None:
+        _set(config, key, value, from_cli=False)
+        sources[key] = "implied by a torchtitan key"
+
+    translator.finish(lambda key: getattr(*_attr(config, key)), implied)
     config.job.config_file = config_file
+    if config_file:
+        sources["job.config_file"] = "command line"
+    config.sources = MappingProxyType(sources)
     config.validate()
     return config
 

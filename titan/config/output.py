@@ -81,14 +81,36 @@ def _toml_sections(config: JobConfig) -> dict[str, dict[str, Any]]:
     return out
 
 
-def to_toml(config: JobConfig) -> str:
-    """The merged config (defaults <- TOML <- CLI) as TOML; loads back to an equal config."""
+def to_toml(config: JobConfig, sources: bool = False) -> str:
+    """The merged config (defaults <- TOML <- CLI) as TOML; loads back to an equal config. With
+    ``sources`` each value ends with a comment saying where it came from (config.sources)."""
     source = config.job.config_file or "no file"
     header = (
         f"# titan: merged config (defaults <- {source} <- command line).\n"
         "# Repeat the run: CONFIG_FILE=<this file> ./run_train.sh, or python train.py --job.config_file <this file>\n\n"
     )
-    return header + tomli_w.dumps(_toml_sections(config))
+    if not sources:
+        return header + tomli_w.dumps(_toml_sections(config))
+    return header + _with_sources(_toml_sections(config), config.sources)
+
+
+def _with_sources(body: dict[str, dict[str, Any]], sources: Any) -> str:
+    """TOML text with "# <source>" after each value; arrays of tables close their section."""
+    out: list[str] = []
+    for section, values in body.items():
+        out.append(f"[{section}]")
+        tables = []
+        for name, value in values.items():
+            origin = sources.get(f"{section}.{name}", "default")
+            if isinstance(value, list) and value and isinstance(value[0], dict):
+                tables.append((name, value, origin))
+                continue
+            out.append(f"{tomli_w.dumps({name: value}).rstrip()}  # {origin}")
+        for name, value, origin in tables:
+            out.append(f"# {section}.{name}: {origin}")
+            out.append(tomli_w.dumps({section: {name: value}}).rstrip())
+        out.append("")
+    return "\n".join(out)
 
 
 def save_config(config: JobConfig, folder: str | None = None) -> str:

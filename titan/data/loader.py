@@ -28,6 +28,7 @@ from titan.errors import TitanError
 from titan.log import logger
 
 from .datasets import build_source
+from .epochs import EpochLog
 from .packing import PackedBatch, pack_stream, reshard_states
 from .sources import DocumentSource
 from .state import (
@@ -129,6 +130,8 @@ class TitanDataLoader:
     Call the load methods before iterating; each ``iter()`` continues from the current state.
     """
 
+    run_batches: int | None = None  # this rank's batches in the run, when known (set by the trainer; epochs.py)
+
     def __init__(
         self,
         source: DocumentSource,
@@ -194,6 +197,9 @@ class TitanDataLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         self._states, self._last = self._ordered(), -1
+        what = f"token store {self.source.path!r}" if self.layout == "windows" else f"dataset {self.source.name!r}"
+        epochs = EpochLog(what, self.dp_rank, self.run_batches if self.infinite else None)
+        epochs.start(self._states)
         dataset = self._dataset([st.clone() for st in self._states])
         with warnings.catch_warnings():  # torchdata calls the deprecated torch.set_vital
             warnings.filterwarnings("ignore", message=".*set_vital.*")
@@ -211,6 +217,7 @@ class TitanDataLoader:
                 raise TitanError(item.message)
             self._opened.extend(item.opened)
             self._states[item.worker], self._last = item.state, item.worker
+            epochs.batch(item.worker, item.state)
             if item.inputs is not None and item.labels is not None:
                 yield item.inputs, item.labels
 

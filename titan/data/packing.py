@@ -134,9 +134,8 @@ def pack_stream(
                     )
                 continue
             empty_run = 0
-            if epoch > state.epoch:
+            if epoch > state.epoch:  # the loader's main process says so (epochs.py)
                 state.epoch = epoch
-                logger.warning(f"dataset {source.name!r}{label}: shard exhausted, re-looping over it (epoch {epoch})")
             toks = tokens_of(text)
             state.cur = None if reader.single_row else Cursor(pos, row + 1)
             state.docs += 1

@@ -83,9 +83,8 @@ def window_stream(
                 yield PackedBatch(None, before, [])
                 return
             epoch, i = divmod(state.take_unit().position, n)
-            if epoch > state.epoch:
+            if epoch > state.epoch:  # the loader's main process says so (epochs.py)
                 state.epoch = epoch
-                logger.warning(f"token store {store.path!r}{label}: all windows read, starting epoch {epoch}")
             if shuffle_seed is not None:
                 i = permute(i, n, shuffle_seed, epoch)
             rows[b] = store.read(i * span, span)

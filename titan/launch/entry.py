@@ -69,10 +69,10 @@ def _train(config: JobConfig, debug: bool) -> int:
 
 
 def _run(config: JobConfig, debug: bool) -> int:
-    if config.job.print_config and os.environ.get("RANK", "0") == "0":
+    if (config.job.print_config or config.job.print_config_sources) and os.environ.get("RANK", "0") == "0":
         from titan.config import to_toml
 
-        print(to_toml(config), flush=True)
+        print(to_toml(config, sources=config.job.print_config_sources), flush=True)
     if config.job.dry_run:
         from titan.tools.dry_run import main as dry_run
 

@@ -27,6 +27,7 @@ from titan.training.lr_scheduler import build_lr_schedulers
 from titan.training.moe import register_moe_balancing
 from titan.training.optim import OptimizersContainer, build_optimizers, cast_params_for_optimizer
 from titan.training.optim_in_backward import OptimizersInBackward
+from titan.training.plan import grad_accumulation_steps
 
 if TYPE_CHECKING:
     from titan.training.plan import RunPlan
@@ -105,7 +106,7 @@ def build_loader(
     """This dp rank's loader: the training data (endless if training.dataset_infinite), or the
     held-out set (one pass, rewound by the validator; no worker processes to restart each time)."""
     t, v = config.training, config.validation
-    return build_dataloader(
+    loader = build_dataloader(
         dataset=v.dataset if validation else t.dataset,
         dataset_path=v.dataset_path if validation else t.dataset_path,
         text_field=t.dataset_text_field,
@@ -127,3 +128,6 @@ def build_loader(
         dataset_config=v.dataset_config if validation else t.dataset_config,
         dataset_split=v.dataset_split if validation else t.dataset_split,
     )
+    if isinstance(loader, TitanDataLoader) and not validation:  # so an epoch boundary can say how early it is
+        loader.run_batches = t.steps * grad_accumulation_steps(config, dims.dp_degree)
+    return loader

@@ -36,6 +36,15 @@ def test_debug_kill_at_one_attempt_only(monkeypatch):
     assert DebugKill("step=3@rank0@attempt0").point == "step"
 
 
+def test_points_that_pause_or_interrupt():
+    assert (DebugKill("hold:step=3").point, DebugKill("hold:step=3").step) == ("hold", 3)
+    assert (DebugKill("stop:committed=6").point, DebugKill("stop:committed=6").step) == ("committed", 6)
+    assert (DebugKill("interrupt:shard=0").point, DebugKill("interrupt:shard=0").step) == ("shard", 0)
+    for bad in ("hold:shard=1", "stop:step=2", "interrupt:step=1"):
+        with pytest.raises(TitanError, match="valid: "):
+            DebugKill(bad)
+
+
 def test_install_wraps_the_step_hook_and_leaves_titan_alone_when_unset(monkeypatch):
     monkeypatch.setattr(CheckpointManager, "after_step", CheckpointManager.after_step)
     monkeypatch.setattr(CheckpointManager, "_commit", CheckpointManager._commit)

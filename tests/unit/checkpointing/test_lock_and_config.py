@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.debug_kill import kill_env
 from tests.helpers.runs import REPO, STEP_RE, TINY_CKPT, run_env
 from tests.helpers.runs import trainer as tiny_trainer
 from titan.checkpointing.config_diff import differences, snapshot
@@ -38,7 +39,9 @@ def test_second_run_on_same_folder_is_refused_and_writes_nothing(tmp_path):
         "--checkpoint.keep_latest_k",
         "2",
     ]
-    first = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the first run holds after step 5 until it is signalled: it cannot end while the second runs
+    env = run_env(**kill_env("hold:step=5"))
+    first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in first.stdout:  # the first run holds the lock and has saved checkpoints
             if (m := STEP_RE.search(line)) and int(m[1]) >= 5:

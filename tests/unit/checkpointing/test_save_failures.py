@@ -6,9 +6,9 @@ the per-rank (exception, traceback) structure of DCP's CheckpointException, and 
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import sys
-import time
 import traceback
 import uuid
 from pathlib import Path
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
+from tests.helpers.debug_kill import kill_env, wait_stopped
 from tests.helpers.runs import REPO, TINY_CKPT, run_env, train_subprocess
 from titan.checkpointing.failure import explain
 
@@ -109,13 +110,17 @@ def test_read_only_file_system_mid_run(tmp_path, tmpfs):
         "--checkpoint.async_mode",
         "async",
     ]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the run stops itself once step 6 is committed, so the remount lands between the two saves
+    env = run_env(**kill_env("stop:committed=6"))
+    out_file = tmp_path / "out.log"
+    with out_file.open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 240
-        while not (ckpt / "step-6/COMPLETE").exists() and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.02)
+        wait_stopped(proc.pid)
         remount = subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], capture_output=True, text=True)
-        out, _ = proc.communicate(timeout=240)
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.wait(timeout=240)
+        out = out_file.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

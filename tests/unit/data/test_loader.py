@@ -214,7 +214,7 @@ def test_finite_mode_stops():
 def test_infinite_mode_reloops_with_epoch_counter(caplog):
     loader = make(seq_len=7, batch=2)
     n = sum(ALL_TOKENS.values()) // 16 + 2
-    with caplog.at_level(logging.WARNING, logger="titan"):
+    with caplog.at_level(logging.INFO, logger="titan"):
         take(loader, n)
     assert loader.state_dict()["streams"][0]["epoch"] == 1
     assert any("epoch 1" in r.getMessage() for r in caplog.records)

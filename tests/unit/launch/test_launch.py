@@ -6,12 +6,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers.debug_kill import wait_gone
 from titan.errors import TitanError
 from titan.launch import check, report, supervisor
 
@@ -165,6 +165,7 @@ sys.path.insert(0, %r)
 from titan.launch.parent import watch_parent
 signal.signal(signal.SIGTERM, lambda s, f: sys.exit(0))  # a rank's handler: save, then exit
 watch_parent(poll_s=0.1)
+print("watching", flush=True)
 time.sleep(120)
 """
 
@@ -178,18 +179,17 @@ def _alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_rank_stops_when_its_launcher_is_killed():
+def test_rank_stops_when_its_launcher_is_killed(monkeypatch):
+    # a grace period longer than the wait: only the SIGTERM handler can end the rank in time
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
     launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _RANK % str(REPO)], stdout=subprocess.PIPE, text=True)
     rank = int(launcher.stdout.readline())
     try:
-        time.sleep(1)
+        assert launcher.stdout.readline().strip() == "watching"  # the rank (same stdout) armed its watch
         assert _alive(rank)
         launcher.kill()
         launcher.wait()
-        end = time.monotonic() + 20
-        while _alive(rank) and time.monotonic() < end:
-            time.sleep(0.1)
-        assert not _alive(rank), "the rank outlived its launcher"
+        assert wait_gone(rank, 300), "the rank outlived its launcher"
     finally:
         if _alive(rank):
             os.kill(rank, signal.SIGKILL)

@@ -16,7 +16,10 @@ class Job:
     description: str = "titan training job"
     """Free-text description of the job, printed at start-up."""
     print_config: bool = False
-    """Print the merged configuration (defaults <- TOML <- CLI) at start-up."""
+    """Print the merged configuration (defaults <- TOML, with the files it extends <- CLI) at start-up."""
+    print_config_sources: bool = False
+    """Print the merged configuration as print_config does, each value followed by where it came
+    from: the file and line that set it last, "command line", "environment" or "default"."""
     dry_run: bool = False
     """Check the layout without hardware: one CPU process on a fake process group builds the real
     mesh and the parallelized model on the meta device for `dry_run_world_size` ranks, then prints
