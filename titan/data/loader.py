@@ -29,7 +29,7 @@ from titan.log import logger
 
 from .datasets import build_source
 from .epochs import EpochLog
-from .packing import PackedBatch, pack_stream, reshard_states
+from .packing import PackedBatch, choose_layout, pack_stream, reshard_states
 from .sources import DocumentSource
 from .state import (
     LoaderState,
@@ -41,12 +41,7 @@ from .state import (
     restore_rank_states,
 )
 
-__all__ = ["PackedDataset", "TitanDataLoader", "build_dataloader", "choose_layout"]
-
-
-def choose_layout(num_shards: int, num_streams: int) -> str:
-    """Whole shards per stream when every stream gets at least one, else documents."""
-    return "shards" if num_shards > 1 and num_shards >= num_streams else "documents"
+__all__ = ["PackedDataset", "TitanDataLoader", "build_dataloader"]
 
 
 def _passthrough(item):

@@ -41,7 +41,13 @@ from .readers import DocumentReader, ShardReader
 from .sources import DocumentSource
 from .state import Cursor, Segment, StreamState
 
-__all__ = ["PackedBatch", "pack_stream", "reshard_states", "unread_entries"]
+
+__all__ = ["PackedBatch", "choose_layout", "pack_stream", "reshard_states", "unread_entries"]
+
+
+def choose_layout(num_shards: int, num_streams: int) -> str:
+    """Whole shards per stream when every stream gets at least one, else documents."""
+    return "shards" if num_shards > 1 and num_shards >= num_streams else "documents"
 
 
 class PackedBatch(NamedTuple):
