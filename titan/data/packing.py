@@ -41,7 +41,6 @@ from .readers import DocumentReader, ShardReader
 from .sources import DocumentSource
 from .state import Cursor, Segment, StreamState
 
-
 __all__ = ["PackedBatch", "choose_layout", "pack_stream", "reshard_states", "unread_entries"]
 
 
