@@ -22,11 +22,13 @@ ONE_LAYER = replace(TINY, n_layers=1)
 def test_memory_budget_trains_like_no_checkpointing(tmp_path, monkeypatch):
     # One cold inductor compile of one block (forward + backward); the loss stays eager.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(functorch_config, "activation_memory_budget", functorch_config.activation_memory_budget)
+    for key in ("activation_memory_budget", "visualize_memory_budget_pareto", "memory_budget_pareto_dir"):
+        monkeypatch.setattr(functorch_config, key, getattr(functorch_config, key))
     cfg = load_config(
         [
             *("--compile.enable", "--compile.components", "model"),
             *("--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget", "0.5"),
+            *("--activation_checkpoint.visualize_memory_budget_pareto", "--job.dump_folder", str(tmp_path)),
         ]
     )
     model = build(ONE_LAYER)
@@ -37,6 +39,8 @@ def test_memory_budget_trains_like_no_checkpointing(tmp_path, monkeypatch):
     got = train_losses(model, 3)
     ref = train_losses(build(ONE_LAYER), 3)
     assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-4, (got, ref)
+    # The partitioner drew its runtime-vs-memory curve of the block's graph.
+    assert list((tmp_path / "memory_budget_pareto").glob("memory_budget_pareto*.svg"))
 
 
 def _tp_compiled_full_ac(rank: int, world: int, cache: str, keep_attention: bool | None) -> tuple[list, list]:
