@@ -13,7 +13,7 @@ import torch._functorch.config as functorch_config
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.helpers.tiny import TINY, batch, build
+from tests.helpers.tiny import TINY, batch, build, patch_flavors
 from titan.config import load_config
 from titan.config.sections.activation_checkpoint import ActivationCheckpoint
 from titan.errors import TitanError
@@ -203,3 +203,19 @@ def test_memory_budget_needs_compiled_blocks_and_matplotlib_for_its_curves(tmp_p
     assert functorch_config.memory_budget_pareto_dir == str(tmp_path / "memory_budget_pareto")
     apply_ac(build(FOUR), "none", compiled=True)  # a later compiled run without a budget gets torch's default
     assert functorch_config.activation_memory_budget == 1.0 and not functorch_config.visualize_memory_budget_pareto
+
+
+def test_memory_estimate_places_a_budget_between_full_and_none(monkeypatch):
+    from titan.training.memory import estimate_memory
+
+    patch_flavors(monkeypatch, tiny=replace(TINY, vocab_size=2048))  # the shipped tokenizer's vocabulary
+    base = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size", "4"]
+    base += ["--training.mixed_precision_param", "float32"]
+
+    def activations(*extra: str) -> float:
+        return estimate_memory(load_config([*base, *extra]), 1).activation_bytes
+
+    none, full = activations(), activations("--activation_checkpoint.mode", "full")
+    budget = ("--compile.enable", "--activation_checkpoint.mode", "memory_budget")
+    assert full < none
+    assert activations(*budget, "--activation_checkpoint.memory_budget", "0.25") == full + 0.25 * (none - full)
