@@ -120,8 +120,7 @@ def recomputed_attention_breaks_compile(device_type: str, tp_enabled: bool, comp
 
 
 def _force_recompute_shapes(block: nn.Module, fqns: list[str], block_fqn: str) -> frozenset[tuple[int, ...]]:
-    """The (in, out) shapes of the mm right-hand sides of the named Linears of ``block`` (the
-    local shard's shape under TP: the shape the matmul sees)."""
+    """The (in, out) shapes of the mm right-hand sides of the named Linears of ``block``."""
     shapes = set()
     for name, module in block.named_modules():
         full = f"{block_fqn}.{name}" if name else block_fqn
@@ -133,8 +132,12 @@ def _force_recompute_shapes(block: nn.Module, fqns: list[str], block_fqn: str) -
                 f" {full} ({type(module).__name__}); valid: names of nn.Linear modules"
             )
         weight = module.weight
-        out_f, in_f = weight.to_local().shape if isinstance(weight, DTensor) else weight.shape
-        shapes.add((in_f, out_f))
+        # A TP weight reaches the policy as the DTensor (global shape) or as its local shard: list both.
+        for out_f, in_f in {
+            tuple(weight.shape),
+            *([tuple(weight.to_local().shape)] if isinstance(weight, DTensor) else []),
+        }:
+            shapes.add((in_f, out_f))
     return frozenset(shapes)
 
 
