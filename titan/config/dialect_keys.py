@@ -10,7 +10,14 @@ from types import MappingProxyType
 # key -> where torchtitan used it.
 SAME_KEYS: Mapping[str, str] = MappingProxyType(
     {
+        "activation_checkpoint.debug": "v0.2.x",
+        "activation_checkpoint.determinism_check": "v0.2.x",
+        "activation_checkpoint.early_stop": "v0.2.x",
+        "activation_checkpoint.memory_budget": "v0.2.x",
         "activation_checkpoint.mode": "2024–v0.2.x",
+        "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": "v0.2.x",
+        "activation_checkpoint.preserve_rng_state": "v0.2.x",
+        "activation_checkpoint.visualize_memory_budget_pareto": "v0.2.x",
         "checkpoint.async_mode": "2024–v0.2.x",
         "checkpoint.create_seed_checkpoint": "2024–v0.2.x",
         "checkpoint.enable": "v0.2.x",

@@ -50,7 +50,6 @@ _MX = 'MX (microscaling) training is not in titan; use model.converters = ["floa
 _MOE = "titan's models are dense (no mixture of experts)"
 _FT = "torchft fault tolerance is not in titan; titan recovers by restarting from its last checkpoint"
 _PLUGIN = "titan has no plug-in config or model modules; add a section module under titan/config/sections/"
-_AC = "titan's activation checkpointing modes are none, full and selective"
 _VAL_LOADER = "titan's validation loader runs in the training process (no worker processes)"
 
 
@@ -261,19 +260,6 @@ def _rules() -> list[Rule]:
             f"{Y2024}–{V02}",
             selective_option,
         ),
-        no_effect("activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns", V02, _MOE),
-        refuse("activation_checkpoint.early_stop", V02, _AC, False),
-        no_effect(
-            "activation_checkpoint.memory_budget",
-            V02,
-            "read only by mode = memory_budget, which titan does not implement",
-        ),
-        refuse("activation_checkpoint.visualize_memory_budget_pareto", V02, _AC, False),
-        refuse(
-            "activation_checkpoint.preserve_rng_state", V02, "titan's recomputation always restores the RNG state", True
-        ),
-        refuse("activation_checkpoint.determinism_check", V02, _AC, "default"),
-        refuse("activation_checkpoint.debug", V02, _AC, False),
         refuse("compile.backend", V02, "titan compiles with inductor", "inductor"),
         # ---- comm / estimation / fault tolerance
         refuse("comm.save_traces_file_prefix", V02, "titan names the flight-recorder dumps rank_<r>", "rank_"),

@@ -94,6 +94,13 @@ class JobConfig:
             rule="is not supported with pipeline parallelism (no rank holds the"
             " whole model); export a DCP checkpoint with scripts/convert_hf.py",
         )
+        require(
+            self.activation_checkpoint.mode != "memory_budget"
+            or (self.compile.enable and "model" in self.compile.components),
+            "activation_checkpoint.mode",
+            rule='= "memory_budget" needs compile: the budget is applied by compile\'s partitioner; set'
+            ' compile.enable = true with "model" in compile.components, or use mode full or selective',
+        )
         local, mbs = self.training.local_batch_size, self.parallelism.pipeline_parallel_microbatch_size
         require(
             self.parallelism.pipeline_parallel_degree == 1 or local % mbs == 0,

@@ -21,6 +21,7 @@ Layouts: FSDP / HSDP / DDP; tensor, pipeline and context parallel layouts are re
 run gives their exact per-rank parameter memory). Not modelled: allocator caching and
 fragmentation (compare with max_memory_allocated, not reserved), communication buffers, CUDA
 context and kernel workspaces, compile (which usually lowers activation memory), float8 casts.
+activation_checkpoint.mode = memory_budget is counted between the full and the uncheckpointed peaks.
 """
 
 from __future__ import annotations
@@ -291,7 +292,23 @@ def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
     # torch's flex_attention has no CPU backward: its activations are measured with sdpa's, which keep
     # the same per-block tensors (the block mask is built once per batch, outside the blocks).
     fake_args = replace(args, attn_type="sdpa") if args.attn_type == "flex" else args
-    activations = _fake_forward_backward_peak(spec.model_cls, fake_args, config, shards, dims.fsdp_enabled)
+    ac = config.activation_checkpoint
+    if ac.mode == "memory_budget":
+        # compile's partitioner keeps memory_budget of the way from recomputing everything (about full
+        # checkpointing's peak) to its default choice (at most the uncheckpointed peak): interpolate.
+        full, none = (
+            _fake_forward_backward_peak(
+                spec.model_cls,
+                fake_args,
+                replace(config, activation_checkpoint=replace(ac, mode=m)),
+                shards,
+                dims.fsdp_enabled,
+            )
+            for m in ("full", "none")
+        )
+        activations = full + ac.memory_budget * (none - full)
+    else:
+        activations = _fake_forward_backward_peak(spec.model_cls, fake_args, config, shards, dims.fsdp_enabled)
     return MemoryEstimate(
         world_size=world_size,
         dp_shard=shards,

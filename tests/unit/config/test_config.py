@@ -154,7 +154,10 @@ def test_help_lists_every_option():
 
 
 def test_help_and_reference_show_the_choices():
-    assert "--activation_checkpoint.mode ('none' | 'full' | 'selective', default: 'none')" in format_help()
+    assert (
+        "--activation_checkpoint.mode ('none' | 'full' | 'selective' | 'memory_budget', default: 'none')"
+        in format_help()
+    )
     assert "--compile.components (list['model' | 'loss'], default: ['model', 'loss'])" in format_help("compile")
     reference = (REPO / "docs" / "config_reference.md").read_text()
     assert "| `model.attn_type` | `'sdpa' \\| 'flex' \\| 'varlen'` | `'sdpa'` |" in reference

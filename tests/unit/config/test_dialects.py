@@ -401,6 +401,8 @@ components = ["model", "loss"]
 [activation_checkpoint]
 mode = "selective"
 selective_ac_option = "op"
+early_stop = false
+preserve_rng_state = true
 [float8]
 enable_float8_linear = true
 enable_fsdp_float8_all_gather = true

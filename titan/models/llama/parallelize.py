@@ -21,7 +21,7 @@ from titan.config.job_config import JobConfig
 from titan.log import logger
 from titan.models.llama.flex import causal_mask_mod
 from titan.models.llama.model import Attention, Transformer
-from titan.parallel.ac import apply_ac
+from titan.parallel.ac import apply_ac, recomputed_attention_breaks_compile
 from titan.parallel.compile import apply_compile
 from titan.parallel.cp import SeqBuffer, apply_cp, cp_mask_builder
 from titan.parallel.dims import ParallelDims
@@ -125,9 +125,17 @@ def parallelize_llama(model: Transformer, parallel_dims: ParallelDims, job_confi
         )
     if parallel_dims.cp_enabled:
         apply_llama_cp(model, enabled_submesh(parallel_dims, "cp"), job_config.model.attn_type)
-    ac = job_config.activation_checkpoint
-    apply_ac(model, ac.mode, ac.selective_ac_option)
-    if job_config.compile.enable and "model" in job_config.compile.components:
+    compiled = job_config.compile.enable and "model" in job_config.compile.components
+    device_type = enabled_submesh(parallel_dims, "tp").device_type if parallel_dims.tp_enabled else "cpu"
+    keep_attention = recomputed_attention_breaks_compile(device_type, parallel_dims.tp_enabled, compiled)
+    apply_ac(
+        model,
+        job_config.activation_checkpoint,
+        compiled=compiled,
+        keep_attention=keep_attention,
+        dump_folder=job_config.job.dump_folder,
+    )
+    if compiled:
         apply_compile(model, before_blocks=model.tok_embeddings)  # None on later pipeline stages
     if parallel_dims.fsdp_enabled:
         # HSDP: replicate across the outer dim, shard inside; plain FSDP: one shard dim.
