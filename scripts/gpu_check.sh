@@ -27,7 +27,8 @@
 #   4 versions  nvidia-smi; torch / CUDA / triton / torchao versions                           15
 #
 # Options: --dry (CPU rehearsal: the debug model cut to 1 layer, seq 64, 1 warm-up + 1 timed
-# step, limits x4; fails only where CUDA is missing), --only ROWS (benchmark rows, default
+# step, limits x4; fails only where CUDA is missing: with the default rows, the flex row, as flex
+# attention has no CPU backward), --only ROWS (benchmark rows, default
 # eager,compile,float8-tensorwise,flex; the profile takes the compile row, or the first row
 # without it), --tests PATH (where pytest looks for the cuda tests, default tests), --fetch-wheels.
 set -u
