@@ -15,7 +15,8 @@ titan/training/flops.py), and the peak memory (CUDA max reserved, the trainer's 
 resident memory on CPU) and the last loss.
 
 Default config set: with CUDA, GPU_CONFIGS (eager, compile, float8 tensorwise / rowwise, AC
-none / selective / full, flex) on all GPUs present; on CPU the debug-model set STANDARD. Float8
+none / selective / full, flex) on all GPUs present; on CPU the debug-model set STANDARD.
+``--configs gpu|cpu`` picks the set whatever the device (e.g. the GPU rows rehearsed on CPU). Float8
 on a device without float8 tensor cores (CPU, pre-SM89 GPU) runs emulated and says so.
 """
 
@@ -212,7 +213,11 @@ def main(argv: list[str]) -> None:
     cuda = torch.cuda.is_available()
     nproc = int(_pop(argv, "--nproc", str(torch.cuda.device_count() if cuda else 1)))
     only = _pop(argv, "--only", None)
-    variants = [v.split("=", 1) for v in _pop(argv, "--variant", None, repeat=True)] or default_configs(cuda)
+    config_set = _pop(argv, "--configs", None)
+    if config_set not in (None, "gpu", "cpu"):
+        _usage_error(f"--configs got {config_set!r}; valid: gpu, cpu")
+    gpu_set = cuda if config_set is None else config_set == "gpu"
+    variants = [v.split("=", 1) for v in _pop(argv, "--variant", None, repeat=True)] or default_configs(gpu_set)
     if only is not None:
         wanted = only.split(",")
         names = [n.split(" (")[0] for n, _ in variants]

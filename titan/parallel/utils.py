@@ -61,9 +61,23 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _total_l2_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.nn.utils.get_total_norm(tensors, 2.0, foreach=True), the same numbers, without its
+    per-tensor ``.to(first device)`` when all tensors share one device: one op per parameter every
+    step (a DTensor dispatch each under FSDP/TP) that moves nothing."""
+    if not tensors or len({t.device for t in tensors}) != 1:
+        return torch.nn.utils.get_total_norm(tensors, norm_type=2.0, foreach=True)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:  # foreach kernels take one dtype per list
+        by_dtype.setdefault(t.dtype, []).append(t)
+    foreach_norm = torch._foreach_norm  # pyright: ignore[reportPrivateImportUsage]
+    norms = [n for group in by_dtype.values() for n in foreach_norm(group, 2.0)]
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
 def global_l2_norm(tensors: list[torch.Tensor], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """L2 norm over tensors that may be DTensor shards, and (with PP) over every pipeline stage."""
-    norm = torch.nn.utils.get_total_norm(tensors, norm_type=2.0, foreach=True)
+    norm = _total_l2_norm(tensors)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     norm = norm.float()

@@ -23,13 +23,15 @@ import os
 
 import torch
 
+from titan.models.sdpa import sdpa_backends
+
 CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")  # the two values NVIDIA documents as reproducible
 
 
 def deterministic_sdpa_backends() -> list:
-    from torch.nn.attention import SDPBackend
-
-    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    backends = sdpa_backends("cuda", deterministic=True)
+    assert backends is not None  # CUDA always has an explicit list
+    return backends
 
 
 class DeterministicMode:

@@ -22,6 +22,7 @@ from titan.models.kv_cache import KVCache
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.flex import BlockMaskCache, FlexKernel
 from titan.models.llama.masks import DocumentMasks, VarlenAttention, VarlenMask
+from titan.models.sdpa import sdpa
 
 AttnMask = BlockMask | VarlenMask | torch.Tensor | None
 """What the blocks get from Transformer.forward: flex's BlockMask, varlen's document boundaries, a
@@ -69,14 +70,6 @@ def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
     return rotate(xq), rotate(xk)
 
 
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[B, S, KVH, Dh] -> [B, S, KVH * n_rep, Dh]; each kv head serves n_rep adjacent q heads."""
-    if n_rep == 1:
-        return x
-    bs, slen, kvh, hd = x.shape
-    return x[:, :, :, None, :].expand(bs, slen, kvh, n_rep, hd).reshape(bs, slen, kvh * n_rep, hd)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -97,14 +90,15 @@ class RMSNorm(nn.Module):
 
 class SDPAttention(nn.Module):
     """Causal SDPA as a parameter-free module: context parallelism hooks its inputs/outputs.
-    With a boolean ``attn_mask`` (block-causal) that mask replaces the plain causal one."""
+    With a boolean ``attn_mask`` (block-causal) that mask replaces the plain causal one. k/v keep
+    their own (fewer) heads: titan.models.sdpa reads them in place."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         if attn_mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+            return sdpa(q, k, v, is_causal=True)
+        return sdpa(q, k, v, attn_mask=attn_mask)
 
 
 class FlexAttention(nn.Module):
@@ -168,9 +162,8 @@ class Attention(nn.Module):
             q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # [B, H, S, Dh]
             out = self.inner_attention(q, k, v, block_mask=attn_mask)
         else:
-            n_rep = self.n_heads // self.n_kv_heads
-            xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
-            q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # [B, H, S, Dh]
+            # k/v keep their n_kv_heads: the kernel reads kv head h // n_rep for query head h.
+            q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # [B, H | KVH, S, Dh]
             # Context parallelism hooks the kernel's (q, k, v) call: the mask goes only where there is one.
             out = self.inner_attention(q, k, v) if attn_mask is None else self.inner_attention(q, k, v, attn_mask)
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
@@ -179,17 +172,20 @@ class Attention(nn.Module):
     def _cached_attention(
         self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, kv_cache: KVCache
     ) -> torch.Tensor:
-        """Decoding: the new queries against every cached key. SDPA with an explicit mask for both
-        attention types: the queries sit at an offset (is_causal aligns them top-left), and a flex
-        BlockMask would have to be rebuilt for every new length."""
+        """Decoding: the new queries against every cached key, with SDPA for both attention types
+        (a flex BlockMask would have to be rebuilt for every new length). k/v keep their heads."""
         start, seqlen = kv_cache.pos, xq.shape[1]
         xk, xv = kv_cache.update(self.layer_id, xk, xv)
-        n_rep = self.n_heads // self.n_kv_heads
-        q, k, v = (t.transpose(1, 2) for t in (xq, repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)))
-        # Query i sits at position start + i and may see keys 0 .. start + i.
+        q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))
+        if seqlen == 1:  # one new token sees every cached key: no mask, so fused kernels apply
+            return sdpa(q, k, v)
+        if start == 0:  # the prompt: plain causal attention
+            return sdpa(q, k, v, is_causal=True)
+        # Queries at an offset (is_causal aligns them top-left): query i sits at position
+        # start + i and may see keys 0 .. start + i.
         keys = torch.arange(start + seqlen, device=xq.device)
         mask = keys[None, :] <= torch.arange(start, start + seqlen, device=xq.device)[:, None]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return sdpa(q, k, v, attn_mask=mask)
 
 
 def ffn_hidden_dim(args: TransformerModelArgs) -> int:
