@@ -6,6 +6,7 @@ equal, bitwise); a config error in one group is not retried."""
 from __future__ import annotations
 
 import glob
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -119,3 +120,33 @@ def test_config_error_in_one_group_is_not_retried(tmp_path: Path) -> None:
     assert g.returncode == 2, out[-3000:]
     assert "TORCHFT_LIGHTHOUSE='localhost-without-port' is not a lighthouse address" in out.splitlines()[-1]
     assert out.count("is not a lighthouse address; valid") <= 2, out[-3000:]  # the rank's line and the launcher's
+
+
+def test_torchtitan_llama3_ft_config_dry_runs_and_trains(lighthouse: str, tmp_path: Path) -> None:
+    """torchtitan v0.2.2's llama3_ft debug config as written (its plug-in config module line, its
+    [fault_tolerance] section: DiLoCo over 2 fragments, sync every 10 steps, nccl between groups),
+    run from a folder laid out as torchtitan's repository (its tokenizer folder). On CPU one line
+    says gloo replaces nccl. Shrunk for time as torchtitan's own tests shrink it: 5 steps (the
+    first fragment's synchronization), 32-token windows, no profiler traces."""
+    config = REPO / "tests/fixtures/torchtitan/llama3_ft_debug_model.toml"
+    tokenizer = tmp_path / "tests/assets/tokenizer"
+    tokenizer.mkdir(parents=True)
+    shutil.copy(REPO / "titan/data/assets/tokenizer.model", tokenizer)
+    env = run_env(PYTHONPATH=str(REPO), TORCHFT_LIGHTHOUSE=lighthouse)
+    base = [sys.executable, str(REPO / "train.py"), "--job.config_file", str(config)]
+    dry = subprocess.run([*base, "--job.dry_run"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0, dry.stdout[-2000:] + dry.stderr[-2000:]
+    assert "dry run: llama3 debugmodel on 8 ranks" in dry.stdout + dry.stderr
+    shrink = ["--training.steps", "5", "--training.seq_len", "32", "--profiling.enable_profiling", "false"]
+    run = subprocess.run(
+        [*base, *shrink, "--job.dump_folder", str(tmp_path / "out")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert "fault_tolerance.process_group = nccl needs CUDA: replica groups use gloo on this CPU machine" in out
+    assert sorted(int(m[1]) for m in STEP_RE.finditer(out)) == [1, 2, 3, 4, 5]

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from titan.config.sections.fault_tolerance import FaultTolerance
 from titan.errors import TitanError
+from titan.ft.semi_sync import SemiSync
 from titan.ft.transfer import like, to_local
 from titan.log import logger
 
@@ -91,7 +92,7 @@ class ReplicaGroups:
     group takes from its peer (model, optimizer, LR schedulers, train state: everything but the data
     loader and RNG, which stay the group's own)."""
 
-    def __init__(self, cfg: FaultTolerance, states: dict[str, Any], device: torch.device) -> None:
+    def __init__(self, cfg: FaultTolerance, states: dict[str, Any], rank_states: dict[str, Any], device: torch.device):
         import torchft  # the titan[ft] extra; checked with one line by join_replica_groups
 
         self.cfg, self.states, self.device = cfg, dict(states), device
@@ -126,6 +127,16 @@ class ReplicaGroups:
         )
         self.manager.register_state_dict_fn("titan", self._load_peer_state, self._peer_state)
         states["fault_tolerance"] = self  # saved with this group's checkpoints (not sent to peers)
+        self.semi_sync: SemiSync | None = None
+        if cfg.semi_sync_method != "none":
+            parts, optimizers = states["model"].parts, list(states["optimizer"])
+            if len(parts) != 1 or len(optimizers) != 1:
+                raise TitanError(
+                    f"config key 'fault_tolerance.semi_sync_method' = {cfg.semi_sync_method!r} needs one model part"
+                    " with one optimizer (no pipeline parallelism, no optimizer in backward) in each replica group"
+                )
+            self.semi_sync = SemiSync(cfg, self.manager, parts[0], optimizers[0])
+            rank_states["semi_sync"] = self.semi_sync  # each rank's shards of the outer state
         logger.info(
             f"replica group {cfg.replica_id} of {cfg.groups} joined the lighthouse at {url}"
             f" (min_replica_size {cfg.min_replica_size}, {backend} between groups)"
@@ -160,8 +171,10 @@ class ReplicaGroups:
     # ------------------------------------------------------------ one step
     def start_step(self) -> None:
         """Before the forward: the quorum of live groups for this step (a group that is behind
-        heals from a peer before the step's update)."""
-        self.manager.start_quorum()
+        heals from a peer before the step's update). Semi-synchronous methods take theirs at each
+        synchronization instead."""
+        if self.semi_sync is None:
+            self.manager.start_quorum()
 
     def sync_gradients(self, params: list[torch.nn.Parameter]) -> bool:
         """After the backward: average the gradients over the quorum's groups and ask torchft
@@ -169,6 +182,8 @@ class ReplicaGroups:
         that follows changes no weight and no optimizer state; like a non-finite skipped step it
         still counts (step number and LR schedule stay aligned across groups)."""
         self._params = params  # a heal (inside should_commit) sets their gradients aside
+        if self.semi_sync is not None:
+            return True  # inner steps are local; torchft synchronizes after the optimizer step
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
         buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for g in grads:
@@ -219,11 +234,15 @@ class NoReplicaGroups:
         return True
 
 
+Replicas = ReplicaGroups | NoReplicaGroups
+
+
 def join_replica_groups(
-    cfg: FaultTolerance, states: dict[str, Any], device: torch.device
+    cfg: FaultTolerance, checkpointer: Any, device: torch.device
 ) -> ReplicaGroups | NoReplicaGroups:
-    """This process's replica group (or none without fault_tolerance.enable). ``states``: the
-    checkpoint manager's Stateful objects by name; the group's own torchft record is added."""
+    """This process's replica group (or none without fault_tolerance.enable). ``checkpointer``: the
+    checkpoint manager, whose Stateful objects (``states``, ``rank_states``) a healing group takes
+    from its peer; the group's own torchft record and semi-synchronous state are added to them."""
     if not cfg.enable:
         return NoReplicaGroups()
     try:
@@ -232,4 +251,4 @@ def join_replica_groups(
         raise TitanError(
             "fault_tolerance.enable needs torchft: pip install 'titan[ft]' (or pip install torchft)"
         ) from None
-    return ReplicaGroups(cfg, states, device)
+    return ReplicaGroups(cfg, checkpointer.states, checkpointer.rank_states, device)

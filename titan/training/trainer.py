@@ -184,7 +184,7 @@ class Trainer:
         )
         # Every save first reads the non-finite record: a stopped run writes no checkpoint after a NaN.
         self.checkpointer.before_save = self.stability.resolve
-        self.replicas = join_replica_groups(config.fault_tolerance, self.checkpointer.states, self.device)
+        self.replicas = join_replica_groups(config.fault_tolerance, self.checkpointer, self.device)
         self.checkpointer.load()
         self.goodput = GoodputRecorder(config, rank=self.rank, step=self.step, metrics=self.metrics)
         if self.rank == 0:  # the run is committed to start here (its checkpoint folder checked or resumed)

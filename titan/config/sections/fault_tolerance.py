@@ -75,15 +75,22 @@ class FaultTolerance:
             rule=f"({self.min_replica_size}) is larger than the replica groups given"
             f" (fault_tolerance.group_size = {self.group_size}): no step could ever commit",
         )
+        if self.semi_sync_method == "diloco":
+            frags = len(self.module_fqns_per_model_fragment) or self.num_fragments
+            require(
+                self.sync_steps % frags == 0,
+                "fault_tolerance.sync_steps",
+                rule=f"({self.sync_steps}) must be a multiple of the fragments ({frags}): they synchronize in turn",
+            )
+            require(
+                self.fragment_sync_delay < self.sync_steps // frags,
+                "fault_tolerance.fragment_sync_delay",
+                rule=f"({self.fragment_sync_delay}) must be below sync_steps / fragments ({self.sync_steps // frags})",
+            )
         alpha = self.fragment_update_alpha
         require(0.0 <= alpha <= 1.0, "fault_tolerance.fragment_update_alpha", alpha, "a number in [0, 1]")
         delay = self.fragment_sync_delay
-        require(
-            0 <= delay < self.sync_steps,
-            "fault_tolerance.fragment_sync_delay",
-            delay,
-            f"0 .. sync_steps - 1 ({self.sync_steps - 1})",
-        )
+        require(delay >= 0, "fault_tolerance.fragment_sync_delay", delay, "an integer >= 0")
         frags = self.module_fqns_per_model_fragment
         if self.semi_sync_method == "diloco" and frags:
             require(
