@@ -13,7 +13,7 @@
 # `pip install 'titan[ft]'`): a lighthouse (unless TORCHFT_LIGHTHOUSE names a running one; port
 # LIGHTHOUSE_PORT, default 29510) and one launcher per group, each restarting its own group when it
 # fails (MAX_RESTARTS, default 3 here) while the others train on; a restarted group heals from a live
-# peer. Group i writes to DUMP_FOLDER/replica_<i> (DUMP_FOLDER default ./outputs), uses GPUs
+# peer. Group i writes to <--job.dump_folder or DUMP_FOLDER, default ./outputs>/replica_<i>, uses GPUs
 # i*NGPU .. i*NGPU+NGPU-1 and prefixes its lines with [replica<i>_rank<r>]. docs/fault_tolerance.md.
 #   NGPU=1 REPLICA_GROUPS=2 ./run_train.sh --fault_tolerance.enable
 # COMM_MODE=fake_backend: no training; one CPU process dry-runs the layout for NGPU ranks
@@ -40,12 +40,21 @@ if [ "${COMM_MODE:-}" = "fake_backend" ]; then
 fi
 
 if [ -n "${REPLICA_GROUPS:-}" ]; then
+  # The groups' dump folders go under --job.dump_folder when given, else DUMP_FOLDER.
   DUMP_FOLDER=${DUMP_FOLDER:-./outputs}
+  args=("$@")
+  for ((k = 0; k < ${#args[@]}; k++)); do
+    case "${args[k]}" in
+      --job.dump_folder | --job.dump-folder) DUMP_FOLDER=${args[k + 1]:-$DUMP_FOLDER} ;;
+      --job.dump_folder=* | --job.dump-folder=*) DUMP_FOLDER=${args[k]#*=} ;;
+    esac
+  done
   GPUS=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
   if [ -z "${TORCHFT_LIGHTHOUSE:-}" ]; then
     LIGHTHOUSE_PORT=${LIGHTHOUSE_PORT:-29510}
     # A quorum needs one group, so the survivors train on while a group restarts; a group that
-    # stops heartbeating for a second is left out of the next step's quorum.
+    # stops heartbeating for a second is left out of the next step's quorum (a live one that has
+    # not asked yet is waited for up to 10 s).
     torchft_lighthouse --min_replicas 1 --bind "[::]:${LIGHTHOUSE_PORT}" --join_timeout_ms 10000 \
       --heartbeat_timeout_ms 1000 --quorum_tick_ms 50 &
     LIGHTHOUSE_PID=$!

@@ -58,7 +58,7 @@ class ReplicaRecord:
     heal_seconds: float = 0.0
 
 
-def lighthouse_address(env: Mapping[str, str] | None = None) -> str:
+def lighthouse_address(env: Mapping[str, str] | None = None, wait_s: float = CONNECT_WAIT_S) -> str:
     """The lighthouse URL (TORCHFT_LIGHTHOUSE), checked to answer: one line if it is not set or
     nobody listens there, before any model is built or step trained."""
     env = os.environ if env is None else env
@@ -73,7 +73,7 @@ def lighthouse_address(env: Mapping[str, str] | None = None) -> str:
     host, port = parsed.hostname, parsed.port
     if not host or not port:
         raise TitanError(f"{LIGHTHOUSE_ENV}={url!r} is not a lighthouse address; valid: http://host:port")
-    deadline = time.monotonic() + CONNECT_WAIT_S
+    deadline = time.monotonic() + wait_s
     while True:
         try:
             socket.create_connection((host, port), timeout=2.0).close()
@@ -123,6 +123,9 @@ class ReplicaGroups:
             replica_id=f"{REPLICA_PREFIX}{cfg.replica_id}",
             lighthouse_addr=url,
             timeout=max(timeout, timedelta(seconds=30)),
+            # Every group builds the same seeded weights: step 0 needs no transfer. (It would also
+            # make the sender create its optimizer state in the quorum thread, mid-forward.)
+            init_sync=False,
             **where,
         )
         self.manager.register_state_dict_fn("titan", self._load_peer_state, self._peer_state)
