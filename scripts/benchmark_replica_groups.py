@@ -4,9 +4,9 @@ groups of one CPU rank each (``NGPU=1 REPLICA_GROUPS=N ./run_train.sh``, each gr
 its own launcher), against the same groups uninterrupted.
 
 1. The reference: the groups uninterrupted, stopped (SIGTERM to their launchers: they save and
-   exit 0) after --seconds of training; the step they reached is the length of both runs, and
-   its step time is the step time at full strength.
-2. The faulty run: the same with failures, to that step.
+   exit 0) after --seconds of training; the step they reached is the length of both runs.
+2. The faulty run: the same with failures, to that step. Its median step time is the step time
+   at full strength (a shared machine's speed drifts between the two runs).
 
 The last line is JSON: failures, restarts, steps, committed_group_steps, discarded_steps, heals,
 heal_s (per failure: the kill to its group's healed step), goodput = committed group-steps /
@@ -23,6 +23,7 @@ import random
 import re
 import signal
 import socket
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -123,6 +124,9 @@ def main(a: Any, out: Path, launch: Any, run_args: Any, ranks: Any) -> int:
         if done is not None:
             heal_s.append(round(done - k, 1))
     committed = len(lines) - len(discarded)
+    # Full strength: this run's own median step time (a shared machine's speed drifts between runs).
+    own = sorted((t, s) for t, g, s, _ in lines if g == 0)
+    step_s = statistics.median(b[0] - a[0] for a, b in zip(own, own[1:]) if b[1] == a[1] + 1)
     wall = max(t for t, *_ in lines) - min(t for t, *_ in lines) + step_s
     states = [_state(out / "faulty" / f"replica_{i}", steps) for i in range(groups)]
     result = {
