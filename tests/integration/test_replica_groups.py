@@ -103,6 +103,9 @@ def test_killed_group_heals_from_live_peer(lighthouse: str, tmp_path: Path) -> N
     assert "step 4 discarded" in out0 and "SIGKILL at sync of step 4" in out1
     # The restarted group took the peer's state and step, not its own fresh start.
     assert "healed from a live peer at step 7" in out1
+    # Each group's goodput record counts its replica-group steps.
+    assert "replica group steps this attempt: 8 committed, 1 discarded; 0 heal(s)" in out0
+    assert "replica group steps this attempt: 3 committed, 0 discarded; 1 heal(s)" in out1
     a, b = flat(final_state(tmp_path / "r0")), flat(final_state(tmp_path / "r1"))
     assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
     for key, value in a.items():

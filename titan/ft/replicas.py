@@ -55,7 +55,7 @@ class ReplicaRecord:
     committed: int = 0
     discarded: int = 0
     heals: int = 0
-    heal_seconds: float = 0.0
+    heal_seconds: float = 0.0  # loading the peer's state (its transfer overlaps the forward)
 
 
 def lighthouse_address(env: Mapping[str, str] | None = None, wait_s: float = CONNECT_WAIT_S) -> str:
