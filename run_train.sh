@@ -9,6 +9,13 @@
 # MAX_RESTARTS: restarts of the ranks after a failure (default 0: a local debug run stops at its
 # first error, with its line); each restart resumes from the newest checkpoint (--checkpoint.enable).
 # A titan error (config, data, checkpoint) and a signal to the launcher are never restarted.
+# REPLICA_GROUPS=N: N replica groups of NGPU ranks each on this machine, joined by torchft (needs
+# `pip install 'titan[ft]'`): a lighthouse (unless TORCHFT_LIGHTHOUSE names a running one; port
+# LIGHTHOUSE_PORT, default 29510) and one launcher per group, each restarting its own group when it
+# fails (MAX_RESTARTS, default 3 here) while the others train on; a restarted group heals from a live
+# peer. Group i writes to <--job.dump_folder or DUMP_FOLDER, default ./outputs>/replica_<i>, uses GPUs
+# i*NGPU .. i*NGPU+NGPU-1 and prefixes its lines with [replica<i>_rank<r>]. docs/fault_tolerance.md.
+#   NGPU=1 REPLICA_GROUPS=2 ./run_train.sh --fault_tolerance.enable
 # COMM_MODE=fake_backend: no training; one CPU process dry-runs the layout for NGPU ranks
 # (mesh, per-stage layers, per-rank parameters and memory), e.g.
 #   NGPU=512 COMM_MODE=fake_backend CONFIG_FILE=train_configs/llama3_405b.toml ./run_train.sh
@@ -20,14 +27,58 @@ if [ -z "${NGPU:-}" ]; then
 fi
 CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
 LOG_RANK=${LOG_RANK:-0}
+MAX_RESTARTS_SET=${MAX_RESTARTS:-}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 # Expandable segments reduce fragmentation with FSDP's varying all-gather buffer sizes.
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 export TORCHAO_FORCE_SKIP_LOADING_SO_FILES=${TORCHAO_FORCE_SKIP_LOADING_SO_FILES:-1}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
+RANKS=$((NGPU * ${REPLICA_GROUPS:-1}))
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / RANKS > 0 ? $(nproc) / RANKS : 1 ))}
 
 if [ "${COMM_MODE:-}" = "fake_backend" ]; then
   exec python train.py --job.config_file "${CONFIG_FILE}" --job.dry_run --job.dry_run_world_size "${NGPU}" "$@"
+fi
+
+if [ -n "${REPLICA_GROUPS:-}" ]; then
+  # The groups' dump folders go under --job.dump_folder when given, else DUMP_FOLDER.
+  DUMP_FOLDER=${DUMP_FOLDER:-./outputs}
+  args=("$@")
+  for ((k = 0; k < ${#args[@]}; k++)); do
+    case "${args[k]}" in
+      --job.dump_folder | --job.dump-folder) DUMP_FOLDER=${args[k + 1]:-$DUMP_FOLDER} ;;
+      --job.dump_folder=* | --job.dump-folder=*) DUMP_FOLDER=${args[k]#*=} ;;
+    esac
+  done
+  GPUS=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  if [ -z "${TORCHFT_LIGHTHOUSE:-}" ]; then
+    LIGHTHOUSE_PORT=${LIGHTHOUSE_PORT:-29510}
+    # A quorum needs one group, so the survivors train on while a group restarts; a group that
+    # stops heartbeating for a second is left out of the next step's quorum (a live one that has
+    # not asked yet is waited for up to 10 s).
+    torchft_lighthouse --min_replicas 1 --bind "[::]:${LIGHTHOUSE_PORT}" --join_timeout_ms 10000 \
+      --heartbeat_timeout_ms 1000 --quorum_tick_ms 50 &
+    LIGHTHOUSE_PID=$!
+    trap 'kill "$LIGHTHOUSE_PID" 2>/dev/null || true' EXIT
+    export TORCHFT_LIGHTHOUSE="http://localhost:${LIGHTHOUSE_PORT}"
+  fi
+  pids=()
+  for ((i = 0; i < REPLICA_GROUPS; i++)); do
+    if [ "$GPUS" -gt 0 ]; then
+      export CUDA_VISIBLE_DEVICES=$(seq -s, $((i * NGPU)) $((i * NGPU + NGPU - 1)))
+    fi
+    python -m titan.launch --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+      --max-restarts "${MAX_RESTARTS_SET:-3}" \
+      --local-ranks-filter "${LOG_RANK}" --role "replica${i}_rank" --tee 3 \
+      train.py --job.config_file "${CONFIG_FILE}" "$@" --fault_tolerance.enable \
+      --fault_tolerance.group_size "${REPLICA_GROUPS}" --fault_tolerance.replica_id "${i}" \
+      --job.dump_folder "${DUMP_FOLDER}/replica_${i}" &
+    pids+=($!)
+  done
+  status=0
+  for pid in "${pids[@]}"; do
+    wait "$pid" || status=$?
+  done
+  exit "$status"
 fi
 
 # python -m titan.launch is torchrun (same options) that checks the config before any rank starts

@@ -2,6 +2,9 @@
 one rank SIGKILLed at random times, against the same run uninterrupted.
 
     python scripts/benchmark_recovery.py --seconds 240 --mtbf 60 --seed 0 [--interval 10] [--out DIR]
+    python scripts/benchmark_recovery.py --replica_groups 2 --seconds 300 --mtbf 60 --seed 0
+(--replica_groups: the same failure injection on N torchft replica groups of one rank each;
+scripts/benchmark_replica_groups.py says what it measures.)
 
 1. The reference: ``./run_train.sh`` (NGPU=2) of ``train_configs/debug_model.toml`` with no
    failures, stopped by SIGTERM after ``--seconds`` (it saves and exits 0); the step it reached
@@ -91,8 +94,8 @@ class Launch:
             HF_HUB_OFFLINE="1",
             PYTHONPATH=str(REPO),
             PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-            **env,
         )
+        environ.update(env)
         environ.pop("TITAN_DEBUG_KILL_AT", None)
         self.lines: list[tuple[float, str]] = []
         self.log = open(log, "w")
@@ -161,7 +164,7 @@ def faulty(out: Path, steps: int, interval: int, mtbf: float, seed: int) -> dict
         time.sleep(0.05)
         if time.time() < due:
             continue
-        ranks = sorted(child_pids(run.proc.pid))  # run_train.sh execs the launcher: its children are the ranks
+        ranks = _ranks(run.proc.pid, 0)  # run_train.sh execs the launcher: its children are the ranks
         if not ranks:
             continue
         victim = rng.choice(ranks)
@@ -185,6 +188,12 @@ def faulty(out: Path, steps: int, interval: int, mtbf: float, seed: int) -> dict
     return {"rc": rc, "kills": kills, "restarts": len(restarts), "recover_s": recover, "wall": wall}
 
 
+def _ranks(pid: int, groups: int) -> list[int]:
+    """The ranks under run_train.sh: its own children (one group), or its launchers' (groups)."""
+    top = child_pids(pid)
+    return sorted(top if groups == 0 else [r for launcher in top for r in child_pids(launcher)])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=240, help="training time of the reference run")
@@ -192,10 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--interval", type=int, default=10, help="checkpoint.interval (steps)")
     p.add_argument("--out", default=None, help="folder for both runs and their logs (default: a temporary one)")
+    p.add_argument("--replica_groups", type=int, default=0, help="N replica groups of 1 rank (torchft) instead")
     a = p.parse_args(argv)
     out = Path(a.out or tempfile.mkdtemp(prefix="titan-recovery-"))
     out.mkdir(parents=True, exist_ok=True)
     print(f"benchmark: runs and logs in {out}", file=sys.stderr, flush=True)
+    if a.replica_groups:
+        from benchmark_replica_groups import main as groups_main
+
+        return groups_main(a, out, Launch, _args, _ranks)
 
     ref, steps, ref_s = reference(out, a.seconds, a.interval)
     print(f"benchmark: reference reached step {steps} in {ref_s:.0f} s", file=sys.stderr, flush=True)

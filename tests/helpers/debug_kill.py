@@ -6,7 +6,15 @@ save) or ``save:step=K`` (during the save of step K: every rank's files and DCP'
 are written, the ``COMPLETE`` marker is not). Every rank that reaches the point kills itself,
 exactly like ``kill -9``; ``@rankR`` limits it to global rank R, ``@attemptA`` to torchrun's
 restart A (``TORCHELASTIC_RESTART_COUNT``, 0 for the first). ``error:step=K`` raises a TitanError
-after step K instead (a rank failing while the others wait in a collective).
+after step K instead (a rank failing while the others wait in a collective). ``sync:step=K``
+kills inside step K of a replica group, after its backward and before its gradients are
+averaged with the other groups (so they see the group vanish mid-step).
+
+Replica-group gates (titan/ft/): with ``TITAN_DEBUG_READY_FILE=<prefix>`` every attempt creates
+``<prefix>.<A>`` (A: torchrun's restart count) as it begins its first step, i.e. with its torchft
+manager up and about to ask for a quorum; ``TITAN_DEBUG_WAIT_AT=step=K:<file>[,step=K:<file>]``
+holds a group before its step K until that file exists. A peer's (re)start is so ordered against
+the group's steps by an event, not by a timer.
 
 Points that pause instead of killing, for a test that must act while the run is at a known place:
 ``hold:step=K`` waits after step K (its line logged, before its save) until the run's preemption
@@ -36,11 +44,13 @@ from titan.errors import TitanError
 from titan.log import logger
 
 ENV = "TITAN_DEBUG_KILL_AT"
+READY_ENV, WAIT_ENV = "TITAN_DEBUG_READY_FILE", "TITAN_DEBUG_WAIT_AT"
+GATE_TIMEOUT_S = 240.0
 SITE = Path(__file__).resolve().parent / "kill_site"
 _SPEC = re.compile(
-    r"(?:(?:(save|error|hold):)?step=(\d+)|stop:committed=(\d+)|interrupt:shard=(\d+))(?:@rank(\d+))?(?:@attempt(\d+))?"
+    r"(?:(?:(save|error|hold|sync):)?step=(\d+)|stop:committed=(\d+)|interrupt:shard=(\d+))(?:@rank(\d+))?(?:@attempt(\d+))?"
 )
-VALID = "[save:|error:|hold:]step=K, stop:committed=K or interrupt:shard=K, then [@rankR][@attemptA]"
+VALID = "[save:|error:|hold:|sync:]step=K, stop:committed=K or interrupt:shard=K, then [@rankR][@attemptA]"
 
 
 class DebugKill:
@@ -103,6 +113,7 @@ def install(kill: DebugKill | None = None) -> None:
     after DCP and the manifest, before the marker; the ``committed`` point: after the marker), or
     the tokenizer's shard writer (the ``shard`` point), with ``kill``."""
     kill = DebugKill() if kill is None else kill
+    install_replica_gates(kill)
     if kill.point is None:
         return
     if kill.point == "shard":
@@ -163,6 +174,40 @@ def wait_gone(pid: int, timeout: float) -> bool:
         return bool(select.select([fd], [], [], timeout)[0])
     finally:
         os.close(fd)
+
+
+def install_replica_gates(kill: DebugKill) -> None:
+    """The ``sync`` kill point and the ready / wait gates on titan.ft's ReplicaGroups (when torchft
+    is there)."""
+    try:
+        from titan.ft.replicas import ReplicaGroups
+    except ImportError:
+        return
+
+    start_step, sync_gradients = ReplicaGroups.start_step, ReplicaGroups.sync_gradients
+    ready = os.environ.get(READY_ENV, "")
+    waits = {int(k): f for k, f in re.findall(r"step=(\d+):([^,]+)", os.environ.get(WAIT_ENV, ""))}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    first = [True]
+
+    def start_step_gated(self: ReplicaGroups) -> None:
+        if ready and first[0]:
+            Path(f"{ready}.{attempt}").touch()
+            first[0] = False
+        path = waits.get(self._train_step)
+        deadline = time.monotonic() + GATE_TIMEOUT_S
+        while path and not os.path.exists(path):  # an event from the peer; the deadline ends a broken test
+            if time.monotonic() > deadline:
+                raise TitanError(f"{WAIT_ENV}: {path} did not appear")
+            time.sleep(0.05)
+        start_step(self)
+
+    def sync_then_kill(self: ReplicaGroups, params: list) -> bool:
+        kill("sync", self._train_step)
+        return sync_gradients(self, params)
+
+    ReplicaGroups.start_step = start_step_gated  # type: ignore[method-assign]
+    ReplicaGroups.sync_gradients = sync_then_kill  # type: ignore[method-assign]
 
 
 def kill_env(spec: str, env: dict[str, str] | None = None) -> dict[str, str]:

@@ -19,6 +19,7 @@ FLOORS = (
     ("parallel",),
     ("models",),
     ("checkpointing",),
+    ("ft",),  # replica groups through torchft
     ("training",),
     ("tools",),
     ("launch",),

@@ -189,3 +189,18 @@ def comm_mode(value: Any) -> Pairs:
         f"torchtitan key 'comm.mode' is not supported by titan: {value!r} is not implemented;"
         " --job.dry_run checks a layout on one process (fake_backend)"
     )
+
+
+FT_CONFIG_MODULE = "torchtitan.components.ft.config"
+
+
+def config_module(value: Any) -> Pairs:
+    """job.custom_config_module: empty, or the one module torchtitan's llama3_ft config names (its
+    [fault_tolerance] keys are titan's own section); any other plug-in module is refused."""
+    if norm(value) in ("", FT_CONFIG_MODULE):
+        return []
+    raise TitanError(
+        f"torchtitan key 'job.custom_config_module' is not supported by titan: {value!r} is a plug-in config"
+        f" module; titan accepts only {FT_CONFIG_MODULE!r} (its [fault_tolerance] section is built in)"
+        " and has no other plug-ins: add a section module under titan/config/sections/"
+    )

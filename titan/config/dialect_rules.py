@@ -24,6 +24,7 @@ from titan.config.dialect_mappings import (
     Rule,
     as_bool,
     comm_mode,
+    config_module,
     converters,
     dataset,
     flavor,
@@ -48,7 +49,6 @@ _FLOAT8_SECTION = (
 )
 _MX = 'MX (microscaling) training is not in titan; use model.converters = ["float8"] (float8 linears)'
 _MOE = "titan's models are dense (no mixture of experts)"
-_FT = "torchft fault tolerance is not in titan; titan recovers by restarting from its last checkpoint"
 _PLUGIN = "titan has no plug-in config or model modules; add a section module under titan/config/sections/"
 _VAL_LOADER = "titan's validation loader runs in the training process (no worker processes)"
 
@@ -65,7 +65,9 @@ def _rules() -> list[Rule]:
         refuse(
             "job.save_config_file", V02, "titan always writes the merged config to <job.dump_folder>/config.toml", None
         ),
-        refuse("job.custom_config_module", V02, _PLUGIN, ""),
+        # torchtitan's llama3_ft config names the module that adds its [fault_tolerance] keys;
+        # titan has those keys built in, so that one module name is accepted (and nothing else).
+        mapped("job.custom_config_module", "fault_tolerance.enable", V02, config_module),
         refuse("experimental.custom_import", f"{Y2024}–{V02}", _PLUGIN, ""),
         refuse("experimental.custom_args_module", f"{Y2024}–{V02}", _PLUGIN, ""),
         refuse("experimental.custom_model_path", Y2024, _PLUGIN, ""),
@@ -237,7 +239,11 @@ def _rules() -> list[Rule]:
             optional_str("checkpoint.initial_load_path"),
         ),
         refuse("checkpoint.interval_type", Y2024, "titan checkpoints every checkpoint.interval steps", "steps", "step"),
-        no_effect("checkpoint.enable_ft_dataloader_checkpoints", V02, _FT),
+        no_effect(
+            "checkpoint.enable_ft_dataloader_checkpoints",
+            V02,
+            "titan always saves each replica group's loader position in that group's own checkpoints",
+        ),
         refuse("checkpoint.initial_load_in_hf_quantized", V02, "titan reads unquantized Hugging Face weights", False),
         refuse(
             "checkpoint.enable_first_step_checkpoint",
@@ -261,7 +267,7 @@ def _rules() -> list[Rule]:
             selective_option,
         ),
         refuse("compile.backend", V02, "titan compiles with inductor", "inductor"),
-        # ---- comm / estimation / fault tolerance
+        # ---- comm / estimation
         refuse("comm.save_traces_file_prefix", V02, "titan names the flight-recorder dumps rank_<r>", "rank_"),
         mapped("comm.mode", "job.dry_run", V02, comm_mode),
         refuse(
@@ -279,21 +285,7 @@ def _rules() -> list[Rule]:
         no_effect("memory_estimation.disable_fake_mode", f"{Y2024}–{V02}", "read only by memory_estimation.enable"),
         refuse("estimate.memory", Y2024, "use --job.dry_run or scripts/estimate_memory.py", False),
         no_effect("estimate.mode", Y2024, "read only by estimate.memory"),
-        refuse("fault_tolerance.enable", f"{Y2024}–{V02}", _FT, False),
     ]
-    for name in (
-        "replica_id",
-        "group_size",
-        "min_replica_size",
-        "semi_sync_method",
-        "sync_steps",
-        "should_quantize",
-        "fragment_sync_delay",
-        "fragment_update_alpha",
-        "process_group",
-        "process_group_timeout_ms",
-    ):
-        r.append(no_effect(f"fault_tolerance.{name}", f"{Y2024}–{V02}", "read only by fault_tolerance.enable"))
     # ---- float8: [float8] (2024, v0.1.0), [quantize.linear.float8] (v0.2.x), 2024's [training] keys
     for name in _FLOAT8_SECTION:
         r.append(rename(f"quantize.linear.float8.{name}", f"float8.{name}", V02))

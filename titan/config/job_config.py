@@ -18,6 +18,7 @@ from titan.config.sections.checkpoint import Checkpoint
 from titan.config.sections.comm import Comm
 from titan.config.sections.compile import Compile
 from titan.config.sections.debug import Debug
+from titan.config.sections.fault_tolerance import FaultTolerance
 from titan.config.sections.float8 import Float8
 from titan.config.sections.job import Job
 from titan.config.sections.lr_scheduler import LRScheduler
@@ -48,6 +49,7 @@ __all__ = [
     "Compile",
     "Float8",
     "Debug",
+    "FaultTolerance",
     "JobConfig",
 ]
 
@@ -73,6 +75,7 @@ class JobConfig:
     # Where each option was set ('section.key' -> "file:line", "command line", "environment"; an
     # option not in it has its default), filled by load_config. Not annotated: not an option.
     sources = MappingProxyType({})
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 
     def validate(self) -> None:
         """Every section's own checks, then the rules between sections. Checks that need runtime

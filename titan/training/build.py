@@ -106,6 +106,7 @@ def build_loader(
     """This dp rank's loader: the training data (endless if training.dataset_infinite), or the
     held-out set (one pass, rewound by the validator; no worker processes to restart each time)."""
     t, v = config.training, config.validation
+    dp_rank, dp_world_size = config.fault_tolerance.data_shard(dims.dp_rank(), dims.dp_degree)
     loader = build_dataloader(
         dataset=v.dataset if validation else t.dataset,
         dataset_path=v.dataset_path if validation else t.dataset_path,
@@ -115,8 +116,8 @@ def build_loader(
         tokenizer=tokenizer,
         seq_len=t.seq_len,
         local_batch_size=v.local_batch_size if validation and v.local_batch_size > 0 else t.local_batch_size,
-        dp_rank=dims.dp_rank(),
-        dp_world_size=dims.dp_degree,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
         num_workers=0 if validation else t.dataloader_num_workers,
         infinite=False if validation else t.dataset_infinite,
         shuffle_seed=None if validation else t.dataset_shuffle_seed,

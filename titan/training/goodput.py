@@ -26,6 +26,7 @@ launches, e.g. a Slurm requeue waiting in the queue, is not the run's wall time)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -95,6 +96,9 @@ class GoodputRecorder:
     def __init__(self, config: Any, *, rank: int, step: int, metrics: Any = None) -> None:
         self.active = rank == 0
         self.ended = False
+        # Replica groups (titan/ft): this group's committed and discarded steps and its heals (an
+        # object with those counters, or None); shown in every record and the end line.
+        self.replicas: Any = None
         if not self.active:
             return
         self.metrics = metrics
@@ -212,6 +216,7 @@ class GoodputRecorder:
             "committed": self.committed,
             "first_step": self.first_step,
             **self.figures(now),
+            **({"replica_group": dataclasses.asdict(self.replicas)} if self.replicas is not None else {}),
         }
 
     def end(self, step: int, committed: int, cause: str) -> dict[str, float] | None:
@@ -228,6 +233,12 @@ class GoodputRecorder:
         run = {k: self.run_before[k] + attempt[k] for k in attempt}
         logger.info(f"goodput: attempt {self.attempt} ({cause}): {summary(attempt)}")
         logger.info(f"goodput: run so far ({self.attempt} attempt{'s' * (self.attempt > 1)}): {summary(run)}")
+        if self.replicas is not None:
+            r = self.replicas
+            logger.info(
+                f"goodput: replica group steps this attempt: {r.committed} committed, {r.discarded} discarded;"
+                f" {r.heals} heal(s) from a live peer ({r.heal_seconds:.1f} s loading its state)"
+            )
         scalars = {"goodput/attempt(%)": 100 * goodput(attempt), "goodput/run(%)": 100 * goodput(run)}
         scalars.update({f"goodput/attempt_{k}(s)": v for k, v in attempt.items()})
         scalars.update({f"goodput/run_{k}(s)": v for k, v in run.items()})

@@ -19,6 +19,7 @@ from titan.checkpointing.states import ModelParts, RNGState, TrainState
 from titan.config.job_config import JobConfig
 from titan.config.manager import to_dict
 from titan.config.output import save_config
+from titan.ft.replicas import join_replica_groups
 from titan.log import init_logger, logger
 from titan.parallel.comm import set_comm_env, set_pg_timeouts
 from titan.parallel.compile import build_loss_fn
@@ -185,8 +186,10 @@ class Trainer:
         )
         # Every save first reads the non-finite record: a stopped run writes no checkpoint after a NaN.
         self.checkpointer.before_save = self.stability.resolve
+        self.replicas = join_replica_groups(config.fault_tolerance, self.checkpointer, self.device)
         self.checkpointer.load()
         self.goodput = GoodputRecorder(config, rank=self.rank, step=self.step, metrics=self.metrics)
+        self.goodput.replicas = self.replicas.record  # replica groups: committed, discarded, heals
         if self.rank == 0:  # the run is committed to start here (its checkpoint folder checked or resumed)
             log_summary(
                 summary_rows(
@@ -273,6 +276,7 @@ class Trainer:
             (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in microbatches
         ]
         self.optimizers.zero_grad()
+        self.replicas.start_step()
         global_tokens = self._global_token_count(microbatches)
         # Data-parallel wrappers average gradients over dp (x cp) ranks; scaling by that turns it
         # into the sum over ranks, so the gradient is that of (sum of token losses / global tokens).
@@ -284,6 +288,7 @@ class Trainer:
             self.metrics.count_tokens(full_labels.numel())
         # The container clips (or, stepping in backward, reports the norm its hooks summed); under CPU
         # offload the gradients, and so their norm, live on the host.
+        self.replicas.sync_gradients(self._params)  # averaged over replica groups, or dropped if discarded
         max_norm = self.config.training.max_norm
         grad_norm = self.optimizers.clip_grad_norm_(self._params, max_norm, self._pp_group).to(self.device)
         # Non-finite policy (training.nonfinite): a skipped step still advances step and LR.

@@ -75,7 +75,6 @@ def test_converted_file_loads_to_the_same_config(tmp_path: Path) -> None:
         "\nbatch_size =",
         "quantize",
         "[debug]",
-        "fault_tolerance",
         "dataloader]",
     ):
         assert gone not in text

@@ -1,0 +1,149 @@
+"""``scripts/benchmark_recovery.py --replica_groups N``: the same failure injection (seeded
+exponential inter-arrival times of mean --mtbf, a SIGKILL to a random rank) on N torchft replica
+groups of one CPU rank each (``NGPU=1 REPLICA_GROUPS=N ./run_train.sh``, each group restarted by
+its own launcher), against the same groups uninterrupted.
+
+1. The reference: the groups uninterrupted, stopped (SIGTERM to their launchers: they save and
+   exit 0) after --seconds of training; the step they reached is the length of both runs.
+2. The faulty run: the same with failures, to that step. Its median step time is the step time
+   at full strength (a shared machine's speed drifts between the two runs).
+
+The last line is JSON: failures, restarts, steps, committed_group_steps, discarded_steps, heals,
+heal_s (per failure: the kill to its group's healed step), goodput = committed group-steps /
+(groups x the steps the wall time holds at full strength), heals_bitwise_equal (every group's
+final weights and optimizer state equal, bitwise: a healed group took its peer's state exactly),
+final_loss and final_loss_uninterrupted (the mean over the groups of the last step's loss).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STEP_LINE = re.compile(r"\[replica(\d+)_rank0\]:.*step:\s*(\d+)\s+loss:\s*([0-9.]+)")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(groups: int) -> dict[str, str]:
+    return {"NGPU": "1", "REPLICA_GROUPS": str(groups), "LIGHTHOUSE_PORT": str(_port())}
+
+
+def _steps(run: Any) -> list[tuple[float, int, int, float]]:
+    """(time, group, step, loss) of every step line."""
+    return [(t, int(m[1]), int(m[2]), float(m[3])) for t, line in list(run.lines) if (m := STEP_LINE.search(line))]
+
+
+def _final_loss(run: Any, step: int) -> float | None:
+    last = {g: loss for _, g, s, loss in _steps(run) if s == step}
+    return round(sum(last.values()) / len(last), 4) if last else None
+
+
+def _state(folder: Path, step: int) -> dict[str, Any]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = folder / f"final_{step}.pt"
+    dcp_to_torch_save(str(folder / "checkpoint" / f"step-{step}"), str(target))
+    state = torch.load(target, weights_only=False)
+    return {"model": state["model"], "optimizer": state["optimizer"]}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+def main(a: Any, out: Path, launch: Any, run_args: Any, ranks: Any) -> int:
+    groups = a.replica_groups
+    # 1. reference
+    ref = launch(run_args(out / "reference", a.interval, 1_000_000), out / "reference.log", **_env(groups))
+    while len({g for _, g, _, _ in _steps(ref)}) < groups and ref.proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(a.seconds)
+    for pid in ranks(ref.proc.pid, 0):  # the launchers (not the lighthouse: the last steps need it)
+        if b"titan.launch" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            os.kill(pid, signal.SIGTERM)
+    if ref.wait() != 0:
+        sys.exit(f"the reference run failed: see {out / 'reference.log'}")
+    lines = _steps(ref)
+    steps = min(max(s for _, g, s, _ in lines if g == i) for i in range(groups))
+    own = sorted((t, s) for t, g, s, _ in lines if g == 0)
+    step_s = (own[-1][0] - own[0][0]) / max(own[-1][1] - own[0][1], 1)
+    print(f"benchmark: reference reached step {steps}, {step_s:.3f} s per step", file=sys.stderr, flush=True)
+    # 2. with failures
+    rng = random.Random(a.seed)
+    env = {**_env(groups), "MAX_RESTARTS": "1000"}
+    run = launch(run_args(out / "faulty", a.interval, steps), out / "faulty.log", **env)
+    t0 = time.time()
+    kills: list[tuple[float, int]] = []
+    due = t0 + rng.expovariate(1 / a.mtbf)
+    while run.proc.poll() is None:
+        time.sleep(0.05)
+        if time.time() < due:
+            continue
+        victims = ranks(run.proc.pid, groups)
+        if not victims:
+            continue
+        victim = rng.choice(victims)
+        try:
+            group = int(Path(f"/proc/{victim}/cmdline").read_text().split("replica_id\0")[1].split("\0")[0])
+            os.kill(victim, signal.SIGKILL)
+        except (ProcessLookupError, FileNotFoundError, IndexError, ValueError):
+            continue
+        kills.append((time.time(), group))
+        print(f"benchmark: {time.time() - t0:7.1f} s: SIGKILL to group {group}", file=sys.stderr, flush=True)
+        due = time.time() + rng.expovariate(1 / a.mtbf)
+    rc = run.wait()
+    text = [(t, line) for t, line in run.lines]
+    lines = _steps(run)
+    discarded = [(t, line) for t, line in text if "discarded (a replica group failed" in line]
+    healed = [
+        (t, int(m[1])) for t, line in text if (m := re.search(r"replica group (\d+) healed from a live peer", line))
+    ]
+    heal_s = []
+    for k, g in kills:
+        done = next((t for t, hg in healed if hg == g and t > k), None)
+        if done is not None:
+            heal_s.append(round(done - k, 1))
+    committed = len(lines) - len(discarded)
+    # Full strength: this run's own median step time (a shared machine's speed drifts between runs).
+    own = sorted((t, s) for t, g, s, _ in lines if g == 0)
+    step_s = statistics.median(b[0] - a[0] for a, b in zip(own, own[1:]) if b[1] == a[1] + 1)
+    wall = max(t for t, *_ in lines) - min(t for t, *_ in lines) + step_s
+    states = [_state(out / "faulty" / f"replica_{i}", steps) for i in range(groups)]
+    result = {
+        "failures": len(kills),
+        "restarts": sum("restarting the ranks" in line for _, line in text),
+        "steps": steps,
+        "committed_group_steps": committed,
+        "discarded_steps": len({line.split("step ")[1].split(" ")[0] for _, line in discarded}),
+        "heals": len(healed),
+        "heal_s": heal_s,
+        "goodput": round(committed / (groups * wall / step_s), 4),
+        "heals_bitwise_equal": all(_equal(states[0], s) for s in states[1:]),
+        "final_loss": _final_loss(run, steps),
+        "final_loss_uninterrupted": _final_loss(ref, steps),
+        "wall_s": round(wall, 1),
+        "step_s_full_strength": round(step_s, 3),
+        "status": rc,
+    }
+    print(json.dumps(result))
+    return 0 if rc == 0 and result["heals_bitwise_equal"] else 1

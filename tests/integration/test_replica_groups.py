@@ -1,0 +1,155 @@
+"""Replica groups through torchft, as users launch them: a real lighthouse on localhost and one
+launcher (torchrun) per group, gloo between the groups. A group killed mid-step does not stop the
+other; restarted by its own launcher it heals from the live peer (weights and optimizer state
+equal, bitwise); a config error in one group is not retried."""
+
+from __future__ import annotations
+
+import glob
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.debug_kill import READY_ENV, WAIT_ENV, kill_env
+from tests.helpers.distributed import _free_port
+from tests.helpers.runs import REPO, STEP_RE, TINY_CKPT, run_env
+
+pytest.importorskip("torchft")
+STEPS = 9
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[str]:
+    """A lighthouse that forms a quorum from one group (so a survivor goes on alone) and notices a
+    dead group within a second."""
+    port = _free_port()
+    cmd = ["torchft_lighthouse", "--min_replicas", "1", "--bind", f"[::]:{port}"]
+    cmd += ["--join_timeout_ms", "20000", "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "50"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    yield f"http://localhost:{port}"
+    proc.kill()
+    proc.wait()
+
+
+def group(lighthouse: str, folder: Path, replica: int, *args: str, env: dict[str, str], restarts: int = 0):
+    """One replica group of one rank, started as run_train.sh starts it."""
+    cmd = [sys.executable, "-m", "titan.launch", "--nproc_per_node=1", "--rdzv_backend", "c10d"]
+    cmd += ["--rdzv_endpoint=localhost:0", "--max-restarts", str(restarts), "train.py", *TINY_CKPT]
+    cmd += [
+        "--training.steps",
+        str(STEPS),
+        "--checkpoint.interval",
+        "100",
+        "--job.dump_folder",
+        str(folder / f"r{replica}"),
+    ]
+    cmd += [
+        "--fault_tolerance.enable",
+        "--fault_tolerance.group_size",
+        "2",
+        "--fault_tolerance.replica_id",
+        str(replica),
+    ]
+    cmd += ["--fault_tolerance.process_group_timeout_ms", "5000", *args]
+    env = run_env(TORCHFT_LIGHTHOUSE=lighthouse, **env)
+    log = open(folder / f"group{replica}.log", "w")  # noqa: SIM115 (read back by output())
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def output(proc: subprocess.Popen, folder: Path, replica: int, timeout: float) -> str:
+    """The group's exit, then its whole console output."""
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        proc.kill()
+    return (folder / f"group{replica}.log").read_text()
+
+
+def final_state(folder: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    (step,) = glob.glob(str(folder / "checkpoint" / f"step-{STEPS}"))
+    out = folder / "final.pt"
+    dcp_to_torch_save(step, str(out))
+    return torch.load(out, weights_only=False)
+
+
+def flat(tree: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+    return {prefix: tree}
+
+
+def test_killed_group_heals_from_live_peer(lighthouse: str, tmp_path: Path) -> None:
+    ready = str(tmp_path / "ready1")
+    # Group 0 starts its first step with group 1 up, and its step 7 once group 1's restart is up:
+    # the kill and the return are ordered against group 0's steps by events, not timers.
+    gates = {WAIT_ENV: f"step=1:{ready}.0,step=7:{ready}.1"}
+    g0 = group(lighthouse, tmp_path, 0, env=kill_env("", gates) | gates)
+    # Group 1 dies inside step 4, after its backward, before the gradient exchange.
+    g1_env = kill_env("sync:step=4@attempt0") | {READY_ENV: ready}
+    g1 = group(lighthouse, tmp_path, 1, env=g1_env, restarts=1)
+    out1 = output(g1, tmp_path, 1, timeout=180)
+    out0 = output(g0, tmp_path, 0, timeout=60)
+    assert g0.returncode == 0, out0[-3000:]
+    assert g1.returncode == 0, out1[-3000:]
+    # The survivor went on: every step of its own, the one with the failure discarded, not applied.
+    assert sorted({int(m[1]) for m in STEP_RE.finditer(out0)}) == list(range(1, STEPS + 1))
+    assert "step 4 discarded" in out0 and "SIGKILL at sync of step 4" in out1
+    # The restarted group took the peer's state and step, not its own fresh start.
+    assert "healed from a live peer at step 7" in out1
+    # Each group's goodput record counts its replica-group steps.
+    assert "replica group steps this attempt: 8 committed, 1 discarded; 0 heal(s)" in out0
+    assert "replica group steps this attempt: 3 committed, 0 discarded; 1 heal(s)" in out1
+    a, b = flat(final_state(tmp_path / "r0")), flat(final_state(tmp_path / "r1"))
+    assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
+    for key, value in a.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, b[key]), key
+        else:
+            assert value == b[key], key
+
+
+def test_config_error_in_one_group_is_not_retried(tmp_path: Path) -> None:
+    # A rank's own user error (here: a lighthouse address that is no address) ends the group
+    # with its one line and exit status 2; its launcher does not restart it.
+    g = group("localhost-without-port", tmp_path, 1, env={}, restarts=3)
+    out = output(g, tmp_path, 1, timeout=120)
+    assert g.returncode == 2, out[-3000:]
+    assert "TORCHFT_LIGHTHOUSE='localhost-without-port' is not a lighthouse address" in out.splitlines()[-1]
+    assert out.count("is not a lighthouse address; valid") <= 2, out[-3000:]  # the rank's line and the launcher's
+
+
+def test_torchtitan_llama3_ft_config_dry_runs_and_trains(lighthouse: str, tmp_path: Path) -> None:
+    """torchtitan v0.2.2's llama3_ft debug config as written (its plug-in config module line, its
+    [fault_tolerance] section: DiLoCo over 2 fragments, sync every 10 steps, nccl between groups),
+    run from a folder laid out as torchtitan's repository (its tokenizer folder). On CPU one line
+    says gloo replaces nccl. Shrunk for time as torchtitan's own tests shrink it: 5 steps (the
+    first fragment's synchronization), 32-token windows, no profiler traces."""
+    config = REPO / "tests/fixtures/torchtitan/llama3_ft_debug_model.toml"
+    tokenizer = tmp_path / "tests/assets/tokenizer"
+    tokenizer.mkdir(parents=True)
+    shutil.copy(REPO / "titan/data/assets/tokenizer.model", tokenizer)
+    env = run_env(PYTHONPATH=str(REPO), TORCHFT_LIGHTHOUSE=lighthouse)
+    base = [sys.executable, str(REPO / "train.py"), "--job.config_file", str(config)]
+    dry = subprocess.run([*base, "--job.dry_run"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0, dry.stdout[-2000:] + dry.stderr[-2000:]
+    assert "dry run: llama3 debugmodel on 8 ranks" in dry.stdout + dry.stderr
+    shrink = ["--training.steps", "5", "--training.seq_len", "32", "--profiling.enable_profiling", "false"]
+    run = subprocess.run(
+        [*base, *shrink, "--job.dump_folder", str(tmp_path / "out")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert "fault_tolerance.process_group = nccl needs CUDA: replica groups use gloo on this CPU machine" in out
+    assert sorted(int(m[1]) for m in STEP_RE.finditer(out)) == [1, 2, 3, 4, 5]

@@ -1,0 +1,257 @@
+"""This process's replica group among the others, through torchft's Manager.
+
+The trainer asks one question per step: was it committed (every live group applies it) or
+discarded (no group does)? Around it:
+
+- ``start_step``: the quorum of live groups for this step starts (in the background while the
+  forward runs); a group that is behind (restarted) fetches the current weights, optimizer and
+  LR-scheduler state and step from a live peer over torchft's checkpoint transport.
+- ``sync_gradients``: the gradients are averaged over the groups of the quorum (one flat
+  all-reduce per dtype), then torchft decides: committed, or discarded because a group failed
+  during the step (its collectives errored or timed out) or too few groups took part.
+
+Inside a group the layout is titan's own (FSDP, TP, PP, CP): rank r of every group holds the same
+shards, and torchft's process group joins rank r of every group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
+from torch.distributed.tensor import DTensor
+
+from titan.config.sections.fault_tolerance import FaultTolerance
+from titan.errors import TitanError
+from titan.ft.semi_sync import SemiSync
+from titan.ft.transfer import like, to_local
+from titan.log import logger
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+REPLICA_PREFIX = "titan_replica_"
+# How long the first contact with the lighthouse may take before "unreachable" (it may be starting).
+CONNECT_WAIT_S = 15.0
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class ReplicaRecord:
+    """What the replica-group machinery did in this process: for the goodput record."""
+
+    committed: int = 0
+    discarded: int = 0
+    heals: int = 0
+    heal_seconds: float = 0.0  # loading the peer's state (its transfer overlaps the forward)
+
+
+def lighthouse_address(env: Mapping[str, str] | None = None, wait_s: float = CONNECT_WAIT_S) -> str:
+    """The lighthouse URL (TORCHFT_LIGHTHOUSE), checked to answer: one line if it is not set or
+    nobody listens there, before any model is built or step trained."""
+    env = os.environ if env is None else env
+    url = env.get(LIGHTHOUSE_ENV, "")
+    if not url:
+        raise TitanError(
+            f"fault_tolerance.enable needs the lighthouse address in {LIGHTHOUSE_ENV} (e.g. http://host:29510);"
+            " start one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510`"
+            " (run_train.sh with REPLICA_GROUPS starts it for you)"
+        )
+    parsed = urllib.parse.urlparse(url)
+    host, port = parsed.hostname, parsed.port
+    if not host or not port:
+        raise TitanError(f"{LIGHTHOUSE_ENV}={url!r} is not a lighthouse address; valid: http://host:port")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=2.0).close()
+            return url
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise TitanError(
+                    f"the torchft lighthouse at {url} ({LIGHTHOUSE_ENV}) is unreachable ({e.strerror or e});"
+                    " start it with `torchft_lighthouse --min_replicas 1 --bind [::]:{port}` or fix the address"
+                ) from None
+            time.sleep(0.5)
+
+
+class ReplicaGroups:
+    """One replica group's seat in torchft's quorum. ``states`` are the Stateful objects a healing
+    group takes from its peer (model, optimizer, LR schedulers, train state: everything but the data
+    loader and RNG, which stay the group's own)."""
+
+    def __init__(self, cfg: FaultTolerance, states: dict[str, Any], rank_states: dict[str, Any], device: torch.device):
+        import torchft  # the titan[ft] extra; checked with one line by join_replica_groups
+
+        self.cfg, self.states, self.device = cfg, dict(states), device
+        self.record = ReplicaRecord()
+        self.committed = True
+        self._params: list[torch.nn.Parameter] = []
+        url = lighthouse_address()
+        timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
+        backend = cfg.process_group
+        if backend == "nccl" and device.type != "cuda":
+            logger.info("fault_tolerance.process_group = nccl needs CUDA: replica groups use gloo on this CPU machine")
+            backend = "gloo"
+        pg = torchft.ProcessGroupGloo(timeout=timeout) if backend == "gloo" else torchft.ProcessGroupNCCL(timeout)
+        # The group's ranks find their torchft manager through a store: the launcher's when the
+        # group has a process group; a one-rank group has none, so this rank hosts one.
+        where: dict[str, Any] = {}
+        if not dist.is_initialized():
+            self._store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+            host = os.environ.get("MASTER_ADDR", "localhost")
+            where = {"store_addr": host, "store_port": self._store.port, "rank": 0, "world_size": 1}
+        self.manager = torchft.Manager(
+            pg=pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=cfg.min_replica_size,
+            # Semi-synchronous methods take their quorum at each synchronization, not every step.
+            use_async_quorum=cfg.semi_sync_method == "none",
+            replica_id=f"{REPLICA_PREFIX}{cfg.replica_id}",
+            lighthouse_addr=url,
+            timeout=max(timeout, timedelta(seconds=30)),
+            # Every group builds the same seeded weights: step 0 needs no transfer. (It would also
+            # make the sender create its optimizer state in the quorum thread, mid-forward.)
+            init_sync=False,
+            **where,
+        )
+        self.manager.register_state_dict_fn("titan", self._load_peer_state, self._peer_state)
+        states["fault_tolerance"] = self  # saved with this group's checkpoints (not sent to peers)
+        self.semi_sync: SemiSync | None = None
+        if cfg.semi_sync_method != "none":
+            parts, optimizers = states["model"].parts, list(states["optimizer"])
+            if len(parts) != 1 or len(optimizers) != 1:
+                raise TitanError(
+                    f"config key 'fault_tolerance.semi_sync_method' = {cfg.semi_sync_method!r} needs one model part"
+                    " with one optimizer (no pipeline parallelism, no optimizer in backward) in each replica group"
+                )
+            self.semi_sync = SemiSync(cfg, self.manager, parts[0], optimizers[0])
+            rank_states["semi_sync"] = self.semi_sync  # each rank's shards of the outer state
+        logger.info(
+            f"replica group {cfg.replica_id} of {cfg.groups} joined the lighthouse at {url}"
+            f" (min_replica_size {cfg.min_replica_size}, {backend} between groups)"
+        )
+
+    # ------------------------------------------------------------ healing
+    def _peer_state(self) -> dict[str, Any]:
+        return {name: to_local(s.state_dict()) for name, s in self.states.items()}
+
+    def _load_peer_state(self, received: Any) -> None:
+        t0 = time.perf_counter()
+        # torch's optimizer state-dict functions create a fresh optimizer's state (one step with
+        # zero gradients) only when no parameter holds a gradient: the step's averaged gradients
+        # are set aside while the peer's state is loaded, then used for the step's update.
+        grads = [(p, p.grad) for p in self._params]
+        for p, _ in grads:
+            p.grad = None
+        try:
+            for name, state in self.states.items():
+                state.load_state_dict(like(state.state_dict(), received[name]))
+        finally:
+            for p, g in grads:
+                p.grad = g
+        self.record.heals += 1
+        self.record.heal_seconds += time.perf_counter() - t0
+        logger.info(f"replica group {self.cfg.replica_id} healed from a live peer at step {self._train_step}")
+
+    @property
+    def _train_step(self) -> int:
+        return int(self.states["train_state"].state_dict()["step"])
+
+    # ------------------------------------------------------------ one step
+    def start_step(self) -> None:
+        """Before the forward: the quorum of live groups for this step (a group that is behind
+        heals from a peer before the step's update). Semi-synchronous methods take theirs at each
+        synchronization instead."""
+        if self.semi_sync is None:
+            self.manager.start_quorum()
+
+    def sync_gradients(self, params: list[torch.nn.Parameter]) -> bool:
+        """After the backward: average the gradients over the quorum's groups and ask torchft
+        whether the step commits. A discarded step drops every gradient, so the optimizer step
+        that follows changes no weight and no optimizer state; like a non-finite skipped step it
+        still counts (step number and LR schedule stay aligned across groups)."""
+        self._params = params  # a heal (inside should_commit) sets their gradients aside
+        if self.semi_sync is not None:
+            return True  # inner steps are local; torchft synchronizes after the optimizer step
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+        buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for g in grads:
+            buckets.setdefault((g.dtype, g.device), []).append(g)
+        for bucket in buckets.values():
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            self.manager.allreduce(flat).wait()
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self.committed = self.manager.should_commit()
+        if self.committed:
+            self.record.committed += 1
+            return True
+        for p in params:
+            p.grad = None
+        self.record.discarded += 1
+        logger.warning(
+            f"replica group {self.cfg.replica_id}: step {self._train_step} discarded (a replica group failed"
+            " or too few took part): no update applied; training goes on"
+        )
+        return False
+
+    # ------------------------------------------------------------ this group's checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """torchft's count of committed steps: a restarted group resumes it, so it is never ahead
+        of the live groups (the group with the most commits is the one the others heal from)."""
+        return self.manager.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.manager.load_state_dict({k: int(v) for k, v in state_dict.items()})
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+class NoReplicaGroups:
+    """fault_tolerance.enable = false: every step commits, nothing is exchanged."""
+
+    committed = True
+    record = None
+
+    def start_step(self) -> None:
+        return None
+
+    def sync_gradients(self, params: list[torch.nn.Parameter]) -> bool:
+        return True
+
+
+Replicas = ReplicaGroups | NoReplicaGroups
+
+
+def join_replica_groups(
+    cfg: FaultTolerance, checkpointer: Any, device: torch.device
+) -> ReplicaGroups | NoReplicaGroups:
+    """This process's replica group (or none without fault_tolerance.enable). ``checkpointer``: the
+    checkpoint manager, whose Stateful objects (``states``, ``rank_states``) a healing group takes
+    from its peer; the group's own torchft record and semi-synchronous state are added to them."""
+    if not cfg.enable:
+        return NoReplicaGroups()
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise TitanError(
+            "fault_tolerance.enable needs torchft: pip install 'titan[ft]' (or pip install torchft)"
+        ) from None
+    return ReplicaGroups(cfg, checkpointer.states, checkpointer.rank_states, device)
