@@ -12,7 +12,6 @@ run by default.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -22,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.distributed import cpu_env
 
 pytestmark = pytest.mark.slow
 
@@ -150,7 +151,7 @@ def _skip_reason(command: str) -> str | None:
 def _prepare(command: str, out: Path) -> tuple[list[str], dict[str, str]]:
     """argv and environment to run ``command`` here, small: a 2-step run in a temporary folder."""
     words = shlex.split(command)
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # two commands run at once on this 2-core machine
+    env = cpu_env()  # one thread each: two commands run at once on this 2-core machine
     while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
         name, _, value = words.pop(0).partition("=")
         env[name] = value

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.unit.data.test_loader import make, take
+from tests.helpers.doc_loader import make, take
 from titan.data.epochs import FAR_PASSES
 
 PASS = len(list(make(infinite=False)))  # batches in one pass over the test source
