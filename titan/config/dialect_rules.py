@@ -48,6 +48,10 @@ _FLOAT8_SECTION = (
 )
 _MX = 'MX (microscaling) training is not in titan; use model.converters = ["float8"] (float8 linears)'
 _MOE = "titan's models are dense (no mixture of experts)"
+_DEEPEP = (
+    'DeepEP (its fused NVSHMEM dispatch/combine kernels) is not available to titan; use "standard"'
+    " (all-to-all over the expert-parallel process group)"
+)
 _FT = "torchft fault tolerance is not in titan; titan recovers by restarting from its last checkpoint"
 _PLUGIN = "titan has no plug-in config or model modules; add a section module under titan/config/sections/"
 _AC = "titan's activation checkpointing modes are none, full and selective"
@@ -222,9 +226,7 @@ def _rules() -> list[Rule]:
             "titan always balances context-parallel shards head-tail",
             "headtail",
         ),
-        refuse("parallelism.expert_parallel_degree", V02, _MOE, 1),
-        refuse("parallelism.expert_tensor_parallel_degree", V02, _MOE, 1),
-        refuse("parallelism.expert_parallel_comm_backend", V02, _MOE, "standard"),
+        refuse("parallelism.expert_parallel_comm_backend", V02, _DEEPEP, "standard"),
         no_effect("parallelism.pipeline_parallel_expert_parallel_overlap", V02, _MOE),
         # ---- checkpoint
         rename("checkpoint.enable_checkpoint", "checkpoint.enable", f"{Y2024}–{V010}"),

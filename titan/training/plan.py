@@ -159,6 +159,8 @@ def _parallel_dims(config: JobConfig, world_size: int) -> ParallelDims:
         pp=par.pipeline_parallel_degree,
         world_size=world_size,
         enable_loss_parallel=not par.disable_loss_parallel,
+        ep=par.expert_parallel_degree,
+        etp=par.expert_tensor_parallel_degree,
     )
 
 
