@@ -1,0 +1,59 @@
+"""Hyper-parameters of a mixture-of-experts feed-forward layer (any family can embed one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan.errors import TitanError
+
+SCORE_FUNCS = ("sigmoid", "softmax")
+
+
+@dataclass
+class MoEArgs:
+    num_experts: int = 8
+    num_shared_experts: int = 1
+    """Dense experts every token goes through, as one FeedForward num_shared_experts times wider."""
+    top_k: int = 1
+    score_func: str = "sigmoid"
+    """Router score per expert: sigmoid (independent) or softmax (over the experts), in fp32."""
+    route_norm: bool = False
+    """Divide each token's top-k scores by their sum (they then add up to 1, times route_scale)."""
+    route_scale: float = 1.0
+    gate_bias: bool = False
+    score_before_experts: bool = True
+    """Scale the expert's input by its score (True) or the expert's output (False)."""
+    use_grouped_mm: bool = True
+    """Run the routed experts as torch._grouped_mm where device and dtype allow it, else as a
+    per-expert loop with the same numbers (the loop reads the token counts on the host)."""
+    load_balance_coeff: float | None = 1e-3
+    """Auxiliary-loss-free balancing: after each optimizer step every expert's routing bias moves by
+    this much towards balance (sign of mean load - its load, re-centred). None: no bias."""
+    aux_loss_coeff: float = 0.0
+    """Weight of the sequence-wise balance loss added to the backward pass (0: off)."""
+    hidden_dim: int | None = None
+    """Hidden width of each routed expert; None: the embedding family decides (llama4 derives it)."""
+    force_load_balance: bool = False
+    """Debugging/benchmarks: route token t's k-th choice to expert (t * top_k + k) % num_experts,
+    ignoring the router's choice (the scores used are still the router's for those experts)."""
+
+    def validate(self, prefix: str = "model.moe_args") -> None:
+        def bad(field: str, value: object, valid: str) -> TitanError:
+            return TitanError(f"{prefix}.{field} got {value!r}; valid: {valid}")
+
+        if not isinstance(self.num_experts, int) or self.num_experts <= 0:
+            raise bad("num_experts", self.num_experts, "a positive integer")
+        if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.num_experts:
+            raise bad("top_k", self.top_k, f"an integer from 1 to num_experts ({self.num_experts})")
+        if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
+            raise bad("num_shared_experts", self.num_shared_experts, "an integer >= 0")
+        if self.score_func not in SCORE_FUNCS:
+            raise bad("score_func", self.score_func, ", ".join(SCORE_FUNCS))
+        if self.route_scale <= 0:
+            raise bad("route_scale", self.route_scale, "a number > 0")
+        if self.load_balance_coeff is not None and self.load_balance_coeff <= 0:
+            raise bad("load_balance_coeff", self.load_balance_coeff, "a number > 0, or None to turn it off")
+        if self.aux_loss_coeff < 0:
+            raise bad("aux_loss_coeff", self.aux_loss_coeff, "a number >= 0 (0 turns it off)")
+        if self.hidden_dim is not None and (not isinstance(self.hidden_dim, int) or self.hidden_dim <= 0):
+            raise bad("hidden_dim", self.hidden_dim, "a positive integer or None")

@@ -1,0 +1,114 @@
+"""The routed experts: E SwiGLU FFNs over tokens already sorted by expert.
+
+Two paths with the same numbers: one ``torch._grouped_mm`` per weight (no host read: the group
+offsets stay on the device) where device and dtype support it, else a loop over the experts, which
+needs the per-expert counts on the host to split the tokens.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Private but stable since torch 2.8 (torchtitan's MoE runs on it); the CPU kernel exists since 2.9.
+_grouped_mm = torch._grouped_mm  # pyright: ignore[reportPrivateImportUsage]
+
+# Rows per group the CUDA grouped GEMM wants each expert's token block to be a multiple of (16
+# bytes of fp8/bf16 rows, as torchtitan pads); the CPU kernel takes any group sizes.
+CUDA_GROUP_ALIGN = 16
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter (tensor or expert parallel) as its local shard: the token counts here
+    are this rank's, which a DTensor's global shape cannot express."""
+    to_local = getattr(w, "to_local", None)
+    return cast(torch.Tensor, to_local()) if callable(to_local) else w
+
+
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs ``x @ w`` here: CPU in fp32/bf16/fp16; CUDA in bf16 on SM90+
+    (Hopper's grouped GEMM). Every row stride must be a multiple of 16 bytes."""
+    if x.device.type == "cpu":
+        ok_dtype = x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    elif x.device.type == "cuda":
+        ok_dtype = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    else:
+        return False
+    if not ok_dtype or any(w.dtype != x.dtype for w in weights):
+        return False
+    return all(
+        (w.shape[-1] * w.element_size()) % 16 == 0 and (w.shape[-2] * w.element_size()) % 16 == 0 for w in weights
+    )
+
+
+def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    h = F.silu(_grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+    h = h * _grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    return _grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+
+
+def run_grouped(
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, align: int = 1
+) -> torch.Tensor:
+    """SwiGLU experts with grouped GEMMs. ``align`` > 1 pads each expert's block to a multiple of
+    ``align`` rows (done on the device: an upper bound of the padded size keeps shapes static)."""
+    counts = counts.to(torch.int64)
+    n = x.shape[0]
+    if align == 1:
+        # Rows past the last offset would be left unwritten; with counts summing to n there are none.
+        return _swiglu(x, w1, w2, w3, torch.cumsum(counts, 0, dtype=torch.int32))
+    padded = (counts + align - 1) // align * align
+    ends, padded_ends = torch.cumsum(counts, 0), torch.cumsum(padded, 0)
+    # Sorted row r belongs to expert e = #ends <= r; it moves by e's padded start - its start.
+    expert = torch.searchsorted(ends, torch.arange(n, device=x.device), right=True)
+    dest = torch.arange(n, device=x.device) - (ends - counts)[expert] + (padded_ends - padded)[expert]
+    buf = x.new_zeros(n + align * counts.numel(), x.shape[-1]).index_copy(0, dest, x)
+    return _swiglu(buf, w1, w2, w3, padded_ends.to(torch.int32))[dest]
+
+
+def run_loop(
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU experts one at a time (reads ``counts`` on the host to split the rows)."""
+    sizes = [int(c) for c in counts.tolist()]
+    outs = []
+    for e, xe in enumerate(torch.split(x[: sum(sizes)], sizes)):
+        h = F.silu(xe @ w1[e].transpose(0, 1)) * (xe @ w3[e].transpose(0, 1))
+        outs.append(h @ w2[e].transpose(0, 1))
+    return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+
+
+class GroupedExperts(nn.Module):
+    """``w1``/``w3`` [E, hidden, dim], ``w2`` [E, dim, hidden]: expert e is
+    ``w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))``. E is whatever the local w1 holds (expert parallel
+    shards dimension 0), and ``forward`` takes that many counts."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.use_grouped_mm = use_grouped_mm
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def uses_grouped_mm(self, x: torch.Tensor) -> bool:
+        return self.use_grouped_mm and grouped_mm_supported(x, _local(self.w1), _local(self.w2), _local(self.w3))
+
+    def group_align(self, x: torch.Tensor) -> int:
+        """Rows each expert's block is padded to on the grouped path (1: none)."""
+        return CUDA_GROUP_ALIGN if x.device.type == "cuda" else 1
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x [T, dim] sorted by expert, num_tokens_per_expert [E] summing to T -> [T, dim]."""
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if self.uses_grouped_mm(x):
+            return run_grouped(w1, w2, w3, x, num_tokens_per_expert, self.group_align(x))
+        return run_loop(w1, w2, w3, x, num_tokens_per_expert)
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.w2, mean=0.0, std=init_std)
+        nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)

@@ -1,0 +1,58 @@
+"""Token-choice top-k routing: each token picks its k best-scoring experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class TokenChoiceTopKRouter(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        score_func: str = "sigmoid",
+        route_norm: bool = False,
+        route_scale: float = 1.0,
+        gate_bias: bool = False,
+        force_load_balance: bool = False,
+    ) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=gate_bias)
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_func, self.route_norm, self.route_scale = score_func, route_norm, route_scale
+        self.force_load_balance = force_load_balance
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, E] router scores in fp32 (sigmoid or softmax of the gate's logits)."""
+        logits = self.gate(x).float()
+        return torch.sigmoid(logits) if self.score_func == "sigmoid" else F.softmax(logits, dim=-1)
+
+    def forward(
+        self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, dim] -> (top_scores [N, k] fp32, experts [N, k] int64, tokens per expert [E] fp32,
+        all scores [N, E] fp32). ``expert_bias`` shifts only which experts are chosen; the weights
+        the chosen experts get are the unbiased scores."""
+        scores = self.scores(x)
+        if self.force_load_balance:
+            n = scores.shape[0]
+            experts = torch.arange(n * self.top_k, device=scores.device).view(n, self.top_k) % self.num_experts
+        else:
+            choice = scores if expert_bias is None else scores + expert_bias
+            experts = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+        top = scores.gather(1, experts)
+        if self.route_norm:
+            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+        top = top * self.route_scale
+        # scatter_add, not bincount/histc: bincount reads its max on the host, histc has no int path on CPU.
+        counts = torch.zeros(self.num_experts, device=x.device, dtype=torch.float32)
+        counts.scatter_add_(0, experts.reshape(-1), torch.ones(experts.numel(), device=x.device))
+        return top, experts, counts, scores
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std)
+        if self.gate.bias is not None:
+            nn.init.zeros_(self.gate.bias)
