@@ -32,20 +32,25 @@ DEFAULT_SHARD_BYTES = 5 * 1024**3  # what transformers' save_pretrained uses
 
 
 def _plan_shards(nbytes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
-    """Greedy in layer order, so a layer's tensors mostly land in one file."""
+    """Greedy in layer order, so a layer's tensors mostly land in one file; a module's tensors always
+    do (an adapter may fuse them: Llama 4's experts.w1 and w3 become one gate_up_proj)."""
 
     def order(key: str) -> tuple[int, str]:
         parts = key.split(".")
         return (int(parts[1]) if parts[0] == "layers" else (-1 if parts[0] == "tok_embeddings" else 1 << 30), key)
 
+    modules: dict[str, list[str]] = {}
+    for key in sorted(nbytes, key=order):
+        modules.setdefault(key.rsplit(".", 1)[0], []).append(key)
     shards: list[list[str]] = [[]]
     size = 0
-    for key in sorted(nbytes, key=order):
-        if shards[-1] and size + nbytes[key] > max_shard_bytes:
+    for keys in modules.values():
+        unit = sum(nbytes[k] for k in keys)
+        if shards[-1] and size + unit > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(key)
-        size += nbytes[key]
+        shards[-1].extend(keys)
+        size += unit
     return shards
 
 

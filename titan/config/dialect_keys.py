@@ -30,6 +30,7 @@ SAME_KEYS: Mapping[str, str] = MappingProxyType(
         "comm.train_timeout_seconds": "2024–v0.2.x",
         "compile.components": "v0.2.x",
         "compile.enable": "v0.2.x",
+        "debug.moe_force_load_balance": "v0.2.x",
         "float8.emulate": "v0.1.0",
         "float8.enable_float8_linear": "2024–v0.1.0",
         "float8.enable_fsdp_float8_all_gather": "2024–v0.1.0",

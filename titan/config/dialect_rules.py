@@ -134,7 +134,7 @@ def _rules() -> list[Rule]:
             "float32",
         ),
         refuse("training.gc_debug", f"{V010}–{V02}", "titan's garbage collection has no debug mode", False),
-        refuse("training.debug_moe_force_load_balance", V02, _MOE, False),
+        rename("training.debug_moe_force_load_balance", "debug.moe_force_load_balance", V02),
         rename("training.dataloader.num_workers", "training.dataloader_num_workers", V02),
         rename("training.dataloader.pin_memory", "training.dataloader_pin_memory", V02),
         rename("training.dataloader.prefetch_factor", "training.dataloader_prefetch_factor", V02),
@@ -164,7 +164,6 @@ def _rules() -> list[Rule]:
             "titan's deterministic mode always raises on a nondeterministic op",
             False,
         ),
-        refuse("debug.moe_force_load_balance", V02, _MOE, False),
         # ---- 2024 parallelism spellings
         rename("training.data_parallel_degree", "parallelism.data_parallel_shard_degree", Y2024),
         refuse(

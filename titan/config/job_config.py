@@ -16,6 +16,7 @@ from titan.config.sections.activation_checkpoint import ActivationCheckpoint
 from titan.config.sections.checkpoint import Checkpoint
 from titan.config.sections.comm import Comm
 from titan.config.sections.compile import Compile
+from titan.config.sections.debug import Debug
 from titan.config.sections.float8 import Float8
 from titan.config.sections.job import Job
 from titan.config.sections.lr_scheduler import LRScheduler
@@ -45,6 +46,7 @@ __all__ = [
     "ActivationCheckpoint",
     "Compile",
     "Float8",
+    "Debug",
     "JobConfig",
 ]
 
@@ -66,6 +68,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    debug: Debug = field(default_factory=Debug)
 
     def validate(self) -> None:
         """Every section's own checks, then the rules between sections. Checks that need runtime

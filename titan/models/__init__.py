@@ -87,8 +87,27 @@ class _Registry:
         return self._specs
 
 
+def _llama4() -> ModelSpec:
+    from titan.models.llama.pipeline import pipeline_llama
+    from titan.models.llama4 import args as llama4_args
+    from titan.models.llama4.model import Llama4Transformer
+    from titan.models.llama4.parallelize import parallelize_llama4
+    from titan.models.llama4.state_dict_adapter import Llama4StateDictAdapter
+
+    return ModelSpec(
+        "llama4",
+        Llama4Transformer,
+        llama4_args.Llama4ModelArgs,
+        llama4_args.llama4_configs,
+        parallelize_llama4,
+        llama4_args.get_nparams_and_flops,
+        pipeline_llama,
+        state_dict_adapter=Llama4StateDictAdapter,
+    )
+
+
 # The one table that changes at run time: the registry that users and tests add to.
-_REGISTRY = _Registry(MappingProxyType({"llama3": _llama3}))
+_REGISTRY = _Registry(MappingProxyType({"llama3": _llama3, "llama4": _llama4}))
 
 
 def register_model_spec(spec: ModelSpec, *, replace: bool = False) -> None:
@@ -121,10 +140,11 @@ def get_model_spec(name: str) -> ModelSpec:
 
 
 def spec_for_args(args: Any) -> ModelSpec:
-    """The spec whose args class `args` is (checkpoint writers get args, not a name)."""
-    for spec in _REGISTRY.specs().values():
-        if isinstance(args, spec.args_cls):
-            return spec
+    """The spec whose args class `args` is (checkpoint writers get args, not a name); the exact
+    class first, as one family's args may subclass another's (llama4's extend llama3's)."""
+    specs = list(_REGISTRY.specs().values())
+    for spec in [s for s in specs if type(args) is s.args_cls] + [s for s in specs if isinstance(args, s.args_cls)]:
+        return spec
     raise TitanError(f"no registered model uses args of type {type(args).__name__}")
 
 

@@ -24,6 +24,7 @@ from titan.parallel.float8 import apply_float8, register_float8_precompute
 from titan.parallel.fsdp import offload_init_device
 from titan.parallel.init import init_model_weights
 from titan.training.lr_scheduler import build_lr_schedulers
+from titan.training.moe import register_moe_balancing
 from titan.training.optim import OptimizersContainer, build_optimizers, cast_params_for_optimizer
 from titan.training.optim_in_backward import OptimizersInBackward
 
@@ -89,11 +90,12 @@ def init_weights(parts: list[nn.Module], seed: int, device: torch.device, cpu_of
 
 
 def build_optimizers_and_schedulers(config: JobConfig, parts: list[nn.Module], dims: ParallelDims):
-    """Optimizers over the parts (with float8's scale precompute after each step when configured)
-    and their LR schedulers."""
+    """Optimizers over the parts (with float8's scale precompute and MoE load balancing after each
+    step when configured) and their LR schedulers."""
     container = OptimizersInBackward if config.optimizer.early_step_in_backward else OptimizersContainer
     optimizers: OptimizersContainer = build_optimizers(parts, config.optimizer, container)
     register_float8_precompute(optimizers, parts, config.float8, dims.fsdp_enabled)
+    register_moe_balancing(optimizers, parts, dims)
     return optimizers, build_lr_schedulers(optimizers, config.lr_scheduler, config.training.steps)
 
 

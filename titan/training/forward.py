@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan.models.documents import document_ids
+from titan.models.moe import aux_loss_scale
 from titan.training.loss import LossFn, ScaledLoss
 
 __all__ = ["ModelForward"]
@@ -70,9 +71,10 @@ class ModelForward:
         ``global_tokens``, detached). The backward pass sees it times ``dp_scale``."""
         if self.pp_schedule is not None:
             assert self.pp_loss is not None
-            with self.pp_loss.scale(dp_scale / global_tokens):
+            with self.pp_loss.scale(dp_scale / global_tokens), aux_loss_scale(dp_scale / global_tokens):
                 return self._pp_run(self.pp_schedule.step, inputs, labels) / dp_scale
-        with self._loss_context():
+        # MoE balance losses reach the backward pass normalised like the token loss.
+        with self._loss_context(), aux_loss_scale(dp_scale / global_tokens):
             with self.amp:
                 logits = self.parts[0](inputs, **self._doc_kwargs(inputs))
             local = self.loss_fn(logits, labels) / global_tokens

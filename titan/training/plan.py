@@ -146,6 +146,9 @@ def run_model_args(config: JobConfig, model_args: Any, vocab_size: int | None) -
     model_args.attn_type = config.model.attn_type
     model_args.attn_mask_type = config.model.attn_mask_type
     model_args.depth_init = config.model.depth_init
+    moe_args = getattr(model_args, "moe_args", None)  # families with MoE layers
+    if moe_args is not None:
+        moe_args.force_load_balance = config.debug.moe_force_load_balance
     return model_args
 
 

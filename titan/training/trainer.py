@@ -32,6 +32,7 @@ from titan.training.gc_handler import GarbageCollection
 from titan.training.goodput import GoodputRecorder
 from titan.training.loss import IGNORE_INDEX, ScaledLoss, cross_entropy_sum
 from titan.training.metrics import MetricsProcessor
+from titan.training.moe import MoEMonitor
 from titan.training.nonfinite import UpdateMask
 from titan.training.plan import RunPlan, check_run, plan_run
 from titan.training.profiling import Profiler
@@ -130,6 +131,7 @@ class Trainer:
         self.update_mask = UpdateMask(self.optimizers, self.device, enabled=t.nonfinite == "skip_step")
         # Fixed from here on (checkpoint loads copy into them): not rebuilt every step.
         self._params = [p for m in self.model_parts for p in m.parameters()]
+        self.moe_monitor = MoEMonitor(self.model_parts)
 
         self.dp_rank = self.parallel_dims.dp_rank()
         self.dataloader = build_loader(config, tokenizer, self.parallel_dims)
@@ -291,6 +293,7 @@ class Trainer:
         with self.update_mask(apply):
             self.optimizers.step()
         self.lr_schedulers.step()
+        extra.update(self.moe_monitor.log_tensors() if self.metrics.should_log(self.step) else {})
         # CP ranks hold the loss of their sequence shard: the total sums over dp x cp (logged steps only).
         dp_cp = self.parallel_dims.submesh("dp_cp")
         if dp_cp is not None and self.metrics.should_log(self.step):
@@ -361,6 +364,7 @@ class Trainer:
                 # The step's one host read: logged values and the non-finite record (may raise).
                 values = self.stability.read(self.step, result.loss, result.grad_norm, result.extra)
                 losses[self.step] = values.loss
+                self.moe_monitor.check(self.step, values.extra)
                 self.metrics.log(
                     self.step,
                     loss=values.loss,

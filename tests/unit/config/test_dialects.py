@@ -143,6 +143,7 @@ steps = 10
 compile = false
 dataset = "c4_test"
 gc_debug = false
+debug_moe_force_load_balance = false
 [parallelism]
 pipeline_parallel_layers_per_stage = 2
 pipeline_parallel_split_points = []

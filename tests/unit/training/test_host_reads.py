@@ -71,8 +71,14 @@ def _record_before_steps(monkeypatch) -> dict[int, dict[str, torch.Tensor]]:
     return snapshots
 
 
-def test_no_host_read_on_steps_that_log_nothing(tmp_path, monkeypatch):
-    trainer = tiny_trainer(tmp_path, "--training.steps", "11", "--metrics.log_freq", "5")
+# A tiny llama4: its MoE block routes, counts tokens and moves its balancing bias on the device every
+# step; its routing statistics join the log step's one read.
+MOE = ("--model.name", "llama4", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4")
+
+
+@pytest.mark.parametrize("model", [(), MOE], ids=["dense", "moe"])
+def test_no_host_read_on_steps_that_log_nothing(tmp_path, monkeypatch, model):
+    trainer = tiny_trainer(tmp_path, "--training.steps", "11", "--metrics.log_freq", "5", *model)
     reads = HostReads(monkeypatch, trainer)
     losses = trainer.train()
     assert sorted(losses) == [1, 5, 10]

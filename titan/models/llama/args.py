@@ -77,12 +77,12 @@ class TransformerModelArgs:
             )
         if self.use_rope_scaling and (
             self.rope_scale_factor <= 0
-            or self.rope_high_freq_factor <= self.rope_low_freq_factor
+            or self.rope_high_freq_factor < self.rope_low_freq_factor
             or self.rope_low_freq_factor <= 0
             or self.rope_original_max_position_embeddings <= 0
         ):
             raise TitanError(
-                "model rope scaling needs rope_scale_factor > 0, 0 < rope_low_freq_factor < "
+                "model rope scaling needs rope_scale_factor > 0, 0 < rope_low_freq_factor <= "
                 "rope_high_freq_factor and rope_original_max_position_embeddings > 0"
             )
         if self.attn_type not in _ATTN_TYPES:

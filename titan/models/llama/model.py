@@ -10,6 +10,7 @@ pipeline stage.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,8 @@ def _scale_rope_freqs(freqs: torch.Tensor, args: TransformerModelArgs) -> torch.
     ctx = args.rope_original_max_position_embeddings
     lo, hi, scale = args.rope_low_freq_factor, args.rope_high_freq_factor, args.rope_scale_factor
     wavelen = 2 * math.pi / freqs
-    smooth = ((ctx / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)
+    # Equal factors (Llama 4) make a hard cut at ctx: no band to blend over, so no division by zero.
+    smooth = ((ctx / wavelen - lo) / ((hi - lo) or 1.0)).clamp(0.0, 1.0)
     blended = (1 - smooth) * freqs / scale + smooth * freqs
     return torch.where(wavelen < ctx / hi, freqs, torch.where(wavelen > ctx / lo, freqs / scale, blended))
 
@@ -119,9 +121,16 @@ class FlexAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: TransformerModelArgs, flex_kernel: FlexKernel | None = None, layer_id: int = 0) -> None:
+    def __init__(
+        self,
+        args: TransformerModelArgs,
+        flex_kernel: FlexKernel | None = None,
+        layer_id: int = 0,
+        use_rope: bool = True,
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id  # its slot in a KV cache
+        self.use_rope = use_rope  # False: no positional embedding (NoPE layers of iRoPE models)
         self.n_heads = args.n_heads
         self.n_kv_heads = args.kv_heads
         self.head_dim = args.head_dim
@@ -148,7 +157,8 @@ class Attention(nn.Module):
         # Sliced here, not by the caller: under TP/SP the caller only sees its sequence shard,
         # while attention runs on the gathered sequence (under CP both are the local shard).
         start = kv_cache.pos if kv_cache is not None else 0
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[start : start + seqlen])
+        if self.use_rope:
+            xq, xk = apply_rotary_emb(xq, xk, freqs_cis[start : start + seqlen])
         if kv_cache is not None:
             out = self._cached_attention(xq, xk, xv, kv_cache)
         elif self.attn_type == "flex":
@@ -255,9 +265,7 @@ class Transformer(nn.Module):
         # attention itself runs on the gathered sequence, N times longer.
         self.seq_shards = 1
         # A ModuleDict keyed "0".."n-1" keeps FQNs stable when pipeline stages delete layers.
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, model_args, flex_kernel) for i in range(model_args.n_layers)}
-        )
+        self.layers = nn.ModuleDict({str(i): self.make_block(i, flex_kernel) for i in range(model_args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
         if model_args.tie_embeddings:
@@ -265,6 +273,10 @@ class Transformer(nn.Module):
         # Non-persistent: derived from args, so checkpoints stay free of it; init_weights
         # recomputes it after a meta-device build + to_empty().
         self.register_buffer("freqs_cis", precompute_freqs_cis(model_args), persistent=False)
+
+    def make_block(self, layer_id: int, flex_kernel: FlexKernel | None) -> nn.Module:
+        """Block ``layer_id`` (a family reusing this skeleton builds its own blocks here)."""
+        return TransformerBlock(layer_id, self.model_args, flex_kernel)
 
     def _apply(self, fn, recurse: bool = True):
         # nn.Module._apply (to_empty, .to, .cuda) replaces each module's parameter separately,
@@ -312,6 +324,21 @@ class Transformer(nn.Module):
             std = dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
+    def attention_mask(
+        self, seqlen: int, device: torch.device, doc_ids: torch.Tensor | None, kv_cache: KVCache | None
+    ) -> Any:
+        """What every block gets as ``attn_mask`` for a window of ``seqlen`` positions."""
+        if kv_cache is None and self.document_masks is not None:
+            if doc_ids is None:
+                raise TitanError(
+                    'model.attn_mask_type = "block_causal" needs the batch\'s document ids: call the'
+                    " model with doc_ids=titan.models.documents.document_ids(tokens, eos_id)"
+                )
+            return self.document_masks.build(doc_ids)
+        if kv_cache is None and self.block_masks is not None:
+            return self.block_masks.get(seqlen, device)
+        return None
+
     def forward(
         self, tokens: torch.Tensor, kv_cache: KVCache | None = None, doc_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -335,16 +362,7 @@ class Transformer(nn.Module):
         # The full RoPE table: attention slices it for the length it sees (h may be a TP/SP
         # sequence shard). The attention mask is built here, once per batch (the causal flex mask
         # cached per length), not inside the compiled and checkpointed blocks.
-        attn_mask: AttnMask = None
-        if kv_cache is None and self.document_masks is not None:
-            if doc_ids is None:
-                raise TitanError(
-                    'model.attn_mask_type = "block_causal" needs the batch\'s document ids: call the'
-                    " model with doc_ids=titan.models.documents.document_ids(tokens, eos_id)"
-                )
-            attn_mask = self.document_masks.build(doc_ids)
-        elif kv_cache is None and self.block_masks is not None:
-            attn_mask = self.block_masks.get(seqlen * self.seq_shards, h.device)
+        attn_mask = self.attention_mask(seqlen * self.seq_shards, h.device, doc_ids, kv_cache)
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis, attn_mask, kv_cache=kv_cache)
         if self.norm is not None:

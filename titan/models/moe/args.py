@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from titan.errors import TitanError
 
@@ -11,6 +11,9 @@ SCORE_FUNCS = ("sigmoid", "softmax")
 
 @dataclass
 class MoEArgs:
+    """The layer's shape and routing. How it trains (grouped GEMMs, balancing, the debug routing)
+    is left out of equality: weights trained with one setting load under another."""
+
     num_experts: int = 8
     num_shared_experts: int = 1
     """Dense experts every token goes through, as one FeedForward num_shared_experts times wider."""
@@ -23,17 +26,17 @@ class MoEArgs:
     gate_bias: bool = False
     score_before_experts: bool = True
     """Scale the expert's input by its score (True) or the expert's output (False)."""
-    use_grouped_mm: bool = True
+    use_grouped_mm: bool = field(default=True, compare=False)
     """Run the routed experts as torch._grouped_mm where device and dtype allow it, else as a
     per-expert loop with the same numbers (the loop reads the token counts on the host)."""
-    load_balance_coeff: float | None = 1e-3
+    load_balance_coeff: float | None = field(default=1e-3, compare=False)
     """Auxiliary-loss-free balancing: after each optimizer step every expert's routing bias moves by
     this much towards balance (sign of mean load - its load, re-centred). None: no bias."""
-    aux_loss_coeff: float = 0.0
+    aux_loss_coeff: float = field(default=0.0, compare=False)
     """Weight of the sequence-wise balance loss added to the backward pass (0: off)."""
     hidden_dim: int | None = None
     """Hidden width of each routed expert; None: the embedding family decides (llama4 derives it)."""
-    force_load_balance: bool = False
+    force_load_balance: bool = field(default=False, compare=False)
     """Debugging/benchmarks: route token t's k-th choice to expert (t * top_k + k) % num_experts,
     ignoring the router's choice (the scores used are still the router's for those experts)."""
 

@@ -12,6 +12,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 # Private but stable since torch 2.8 (torchtitan's MoE runs on it); the CPU kernel exists since 2.9.
 _grouped_mm = torch._grouped_mm  # pyright: ignore[reportPrivateImportUsage]
@@ -28,10 +29,19 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, to_local()) if callable(to_local) else w
 
 
+def _shapes_only(x: torch.Tensor) -> bool:
+    """Fake or meta tensors outside a compiled region (the memory estimate): shapes, no values."""
+    return (x.device.type == "meta" or is_fake(x)) and not torch.compiler.is_compiling()
+
+
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether torch._grouped_mm runs ``x @ w`` here: CPU in fp32/bf16/fp16; CUDA in bf16 on SM90+
-    (Hopper's grouped GEMM). Every row stride must be a multiple of 16 bytes."""
-    if x.device.type == "cpu":
+    (Hopper's grouped GEMM). Every row stride must be a multiple of 16 bytes. torch's shape
+    function (used when compiling) accepts bf16 only, so compiled regions run other dtypes in
+    the loop."""
+    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return False
+    if x.device.type == "cpu" or _shapes_only(x):
         ok_dtype = x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     elif x.device.type == "cuda":
         ok_dtype = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
@@ -44,10 +54,18 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     )
 
 
+def _gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.bfloat16 and _shapes_only(x):
+        # torch's shape function takes bf16 only; a matmul with one expert's weight gives the same
+        # output shape, dtype and saved tensors (the memory estimate measures bytes, not values).
+        return x @ w[0]
+    return _grouped_mm(x, w, offs=offs)
+
+
 def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    h = F.silu(_grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-    h = h * _grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-    return _grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+    h = F.silu(_gmm(x, w1.transpose(-2, -1), offs))
+    h = h * _gmm(x, w3.transpose(-2, -1), offs)
+    return _gmm(h, w2.transpose(-2, -1), offs)
 
 
 def run_grouped(

@@ -155,9 +155,14 @@ class MoE(nn.Module):
             nn.init.trunc_normal_(self.shared_experts.w1.weight, mean=0.0, std=0.02)
             nn.init.trunc_normal_(self.shared_experts.w2.weight, mean=0.0, std=init_std)
             nn.init.trunc_normal_(self.shared_experts.w3.weight, mean=0.0, std=init_std)
-        device = buffer_device if buffer_device is not None else self.tokens_per_expert.device
+        self.reset_counters(buffer_device)
+        if self.expert_bias is not None:
+            self.expert_bias = torch.zeros(self.num_experts, device=self.tokens_per_expert.device)
+
+    def reset_counters(self, device: torch.device | None = None) -> None:
+        """Zero the token and padding counters (on ``device``, default where they are): after a
+        meta-device build and to_empty() they hold garbage, and no checkpoint restores them."""
+        device = device if device is not None else self.tokens_per_expert.device
         self.tokens_per_expert = torch.zeros(self.num_experts, device=device)
         self.tokens_since_log = torch.zeros(self.num_experts, device=device)
         self.padded_since_log = torch.zeros((), device=device)
-        if self.expert_bias is not None:
-            self.expert_bias = torch.zeros(self.num_experts, device=device)

@@ -1,0 +1,154 @@
+"""Llama 4 hyper-parameters (torchtitan's llama4 family): Llama 3's attention stack with an MoE
+feed-forward every ``interleave_moe_layer_step`` blocks and optional iRoPE (NoPE every N layers,
+the other layers attending within fixed blocks)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from torch import nn
+
+from titan.errors import TitanError
+from titan.models.llama.args import TransformerModelArgs
+from titan.models.moe import MoEArgs
+
+
+@dataclass
+class Llama4ModelArgs(TransformerModelArgs):
+    vocab_size: int = 202048
+    rope_theta: float = 10000.0
+    max_seq_len: int = 1048576
+    moe_args: MoEArgs = field(default_factory=MoEArgs)
+    interleave_moe_layer_step: int = 2
+    """Block i has an MoE feed-forward when (i + 1) % step == 0, a dense one otherwise."""
+    auto_scale_hidden_dim: bool = True
+    """Divide the experts' width by top_k + num_shared_experts, so a token's expert compute matches
+    one dense feed-forward."""
+    every_n_layers_nope: int | None = None
+    """iRoPE: blocks i % n == 0 use no positional embedding (full causal attention); the others use
+    RoPE and attend only within their fixed_attn_block_size block. None: RoPE everywhere."""
+    fixed_attn_block_size: int = 8192
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe_args, dict):  # read back from model_args.json
+            self.moe_args = MoEArgs(**self.moe_args)
+
+    def validate(self) -> None:
+        super().validate()
+        self.moe_args.validate()
+        for name in ("interleave_moe_layer_step", "fixed_attn_block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise TitanError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.every_n_layers_nope is not None and (
+            not isinstance(self.every_n_layers_nope, int) or self.every_n_layers_nope <= 1
+        ):
+            n = self.every_n_layers_nope
+            raise TitanError(f"model.every_n_layers_nope must be an integer > 1 or None, got {n!r}")
+        if self.attn_type == "varlen":
+            raise TitanError('model.attn_type = "varlen" is not supported by llama4; valid: sdpa, flex')
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return (layer_id + 1) % self.interleave_moe_layer_step == 0
+
+    def uses_rope(self, layer_id: int) -> bool:
+        return self.every_n_layers_nope is None or layer_id % self.every_n_layers_nope != 0
+
+    @property
+    def moe_hidden_dim(self) -> int:
+        """Each routed (and shared) expert's SwiGLU width: moe_args.hidden_dim when set (Hugging
+        Face configs give it), else derived as torchtitan does."""
+        if self.moe_args.hidden_dim is not None:
+            return self.moe_args.hidden_dim
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        if self.auto_scale_hidden_dim:
+            hidden = int(hidden / (self.moe_args.top_k + self.moe_args.num_shared_experts))
+        return hidden + (-hidden % self.multiple_of)
+
+
+# torchtitan's RoPEScalingArgs() defaults: factor 16, low = high = 1 (a hard cut at 8192 positions).
+_ROPE_SCALED: dict[str, Any] = dict(
+    use_rope_scaling=True,
+    rope_scale_factor=16.0,
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=1.0,
+    rope_original_max_position_embeddings=8192,
+)
+_IROPE: dict[str, Any] = dict(every_n_layers_nope=4, attn_type="flex", attn_mask_type="block_causal")
+
+
+def _debug(**kw: Any) -> Llama4ModelArgs:
+    return Llama4ModelArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000.0, **_ROPE_SCALED, **kw)
+
+
+def _17b(num_experts: int, **kw: Any) -> Llama4ModelArgs:
+    return Llama4ModelArgs(
+        dim=5120,
+        n_layers=48,
+        n_heads=40,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=2048,
+        rope_theta=500000.0,
+        moe_args=MoEArgs(num_experts=num_experts),
+        **kw,
+    )
+
+
+# torchtitan v0.2.2's llama4 flavors by name and shape (read-only; titan.models.register_flavor adds).
+# The 16-expert shapes (Scout) interleave MoE in every block and scale RoPE; the 128-expert ones
+# (Maverick) every second block, unscaled.
+llama4_configs: Mapping[str, Llama4ModelArgs] = MappingProxyType(
+    {
+        "debugmodel": _debug(),
+        "17bx16e": _17b(16, **_ROPE_SCALED, max_seq_len=10485760, interleave_moe_layer_step=1),
+        "17bx128e": _17b(128),
+        "debugmodel_irope": _debug(**_IROPE, fixed_attn_block_size=256),
+        "17bx16e_irope": _17b(16, **_ROPE_SCALED, **_IROPE, max_seq_len=10485760, interleave_moe_layer_step=1),
+        "17bx128e_irope": _17b(128, **_IROPE),
+    }
+)
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """Parameters by kind: embedding, routed experts (all of them), the rest of the MoE layers
+    (router, shared experts) and everything else (dense)."""
+    counts = {"embedding": 0, "experts": 0, "moe_other": 0, "dense": 0}
+    for name, p in model.named_parameters():
+        kind = (
+            "embedding"
+            if "tok_embeddings" in name
+            else "experts"
+            if ".moe.experts." in name
+            else "moe_other"
+            if ".moe." in name
+            else "dense"
+        )
+        counts[kind] += p.numel()
+    return counts
+
+
+def get_nparams_and_flops(model: nn.Module, seq_len: int) -> tuple[int, int]:
+    """All parameters (every expert: what is stored) and training FLOPs per token counted on the
+    ACTIVE parameters: each token runs top_k of the num_experts routed experts (plus the router
+    and shared experts), so FLOPs/token = 6 * (dense non-embedding + router + shared + experts *
+    top_k / num_experts) + 12 * L * H * Dh * T (attention scores, as for llama3; NoPE and
+    fixed-block layers are counted over the whole window, as torchtitan does)."""
+    args: Llama4ModelArgs = model.model_args  # type: ignore[assignment]
+    c = parameter_counts(model)
+    emb = getattr(model, "tok_embeddings", None)
+    out = getattr(model, "output", None)
+    tied = emb is not None and out is not None and out.weight is emb.weight
+    active_experts = c["experts"] * args.moe_args.top_k // args.moe_args.num_experts
+    flop_params = c["dense"] + c["moe_other"] + active_experts + (c["embedding"] if tied else 0)
+    n_layers = len(model.layers)  # type: ignore[arg-type]
+    attn = 12 * n_layers * args.n_heads * args.head_dim * seq_len
+    return sum(c.values()), 6 * flop_params + attn
+
+
+__all__ = ["Llama4ModelArgs", "get_nparams_and_flops", "llama4_configs", "parameter_counts"]

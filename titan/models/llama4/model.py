@@ -1,0 +1,145 @@
+"""Llama 4 decoder (torchtitan's llama4 family) on Llama 3's skeleton.
+
+The embedding, final norm, output projection, RoPE table and the forward tail are llama3's
+Transformer; the blocks differ: every ``interleave_moe_layer_step``-th block has an MoE
+feed-forward (titan.models.moe) instead of the dense one, and with iRoPE
+(``every_n_layers_nope``) every n-th block has no positional embedding and full causal attention
+while the others attend only within fixed blocks of ``fixed_attn_block_size`` positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask
+
+from titan.errors import TitanError
+from titan.models.kv_cache import KVCache
+from titan.models.llama.flex import FlexKernel
+from titan.models.llama.model import Attention, FeedForward, RMSNorm, Transformer, ffn_hidden_dim
+from titan.models.llama4.args import Llama4ModelArgs
+from titan.models.moe import MoE
+
+
+@dataclass(frozen=True)
+class IRopeMasks:
+    """The two masks of an iRoPE model: RoPE blocks attend within fixed blocks, NoPE blocks over
+    the whole causal (or block-causal) window. None: sdpa's plain causal attention."""
+
+    rope: Any
+    nope: Any
+
+
+def chunked_causal_dense(seqlen: int, block: int, device: torch.device, doc_ids: torch.Tensor | None) -> torch.Tensor:
+    """[B or 1, 1, S, S] bool: query i sees key j <= i in the same block of ``block`` positions
+    (and the same document when ``doc_ids`` [B, S] is given)."""
+    pos = torch.arange(seqlen, device=device)
+    mask = (pos[:, None] >= pos[None, :]) & (pos[:, None] // block == pos[None, :] // block)
+    if doc_ids is None:
+        return mask[None, None]
+    return (mask[None] & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
+
+
+class Llama4Block(nn.Module):
+    def __init__(self, layer_id: int, args: Llama4ModelArgs, flex_kernel: FlexKernel | None = None) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_layers = args.n_layers
+        self.depth_init = args.depth_init
+        self.attention = Attention(args, flex_kernel, layer_id, use_rope=args.uses_rope(layer_id))
+        self.moe_enabled = args.is_moe_layer(layer_id)
+        if self.moe_enabled:
+            self.moe = MoE(args.moe_args, args.dim, args.moe_hidden_dim)
+        else:
+            self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args))
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, attn_mask: Any = None, kv_cache: KVCache | None = None
+    ) -> torch.Tensor:
+        if isinstance(attn_mask, IRopeMasks):
+            attn_mask = attn_mask.rope if self.attention.use_rope else attn_mask.nope
+        h = x + self.attention(self.attention_norm(x), freqs_cis, attn_mask=attn_mask, kv_cache=kv_cache)
+        ffn = self.moe if self.moe_enabled else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        # As llama3's blocks (depth-scaled output projections); the MoE's experts and router too.
+        depth = self.layer_id + 1 if self.depth_init else self.n_layers
+        out_std = 0.02 / math.sqrt(2 * depth)
+        for lin in (self.attention.wq, self.attention.wk, self.attention.wv):
+            nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.attention.wo.weight, mean=0.0, std=out_std)
+        if self.moe_enabled:
+            self.moe.init_weights(out_std, buffer_device)
+        else:
+            nn.init.trunc_normal_(self.feed_forward.w1.weight, mean=0.0, std=0.02)
+            for lin in (self.feed_forward.w2, self.feed_forward.w3):
+                nn.init.trunc_normal_(lin.weight, mean=0.0, std=out_std)
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+
+
+class Llama4Transformer(Transformer):
+    model_args: Llama4ModelArgs
+
+    def __init__(self, model_args: Llama4ModelArgs) -> None:
+        model_args.validate()
+        super().__init__(model_args)
+        self._create_block_mask: Any = None
+
+    def make_block(self, layer_id: int, flex_kernel: FlexKernel | None) -> nn.Module:
+        return Llama4Block(layer_id, self.model_args, flex_kernel)
+
+    def _blocks(self) -> list[Llama4Block]:
+        return [m for m in self.layers.modules() if isinstance(m, Llama4Block)]  # also inside AC wrappers
+
+    def init_buffers(self, device: torch.device | None = None) -> None:
+        super().init_buffers(device)
+        for block in self._blocks():
+            if block.moe_enabled:
+                block.moe.reset_counters(self.freqs_cis.device)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        super().init_weights(buffer_device)  # embedding, final norm, output, RoPE table
+        for block in self._blocks():
+            block.init_weights(self.freqs_cis.device)
+
+    def attention_mask(
+        self, seqlen: int, device: torch.device, doc_ids: torch.Tensor | None, kv_cache: KVCache | None
+    ) -> Any:
+        nope = super().attention_mask(seqlen, device, doc_ids, kv_cache)
+        args = self.model_args
+        if args.every_n_layers_nope is None:
+            return nope
+        block = args.fixed_attn_block_size
+        if kv_cache is not None:
+            # The cache attends causally over everything cached: right only within one block.
+            if kv_cache.pos + seqlen > block:
+                raise TitanError(
+                    f"generation with an iRoPE llama4 model is limited to model.fixed_attn_block_size ({block})"
+                    f" positions; asked for {kv_cache.pos + seqlen}"
+                )
+            return None
+        return IRopeMasks(self._chunked_mask(seqlen, block, device, doc_ids), nope)
+
+    def _chunked_mask(self, seqlen: int, block: int, device: torch.device, doc_ids: torch.Tensor | None) -> Any:
+        if self.model_args.attn_type != "flex":
+            return chunked_causal_dense(seqlen, block, device, doc_ids)
+
+        def chunked(b, h, q_idx, kv_idx):  # signature fixed by flex_attention
+            ok = (q_idx >= kv_idx) & (q_idx // block == kv_idx // block)
+            return ok if doc_ids is None else ok & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+        create = create_block_mask
+        if device.type == "cuda":  # compiled, it builds block by block instead of the whole S x S
+            if self._create_block_mask is None:
+                self._create_block_mask = torch.compile(create_block_mask)
+            create = self._create_block_mask
+        batch = None if doc_ids is None else doc_ids.shape[0]
+        return create(chunked, batch, None, seqlen, seqlen, device=device)
