@@ -37,6 +37,8 @@ SAVED_OPS = frozenset(
         aten._scaled_dot_product_cudnn_attention.default,
         aten._scaled_dot_product_flash_attention_for_cpu.default,
         torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        # expert parallel's token dispatch/combine: recomputing would repeat the all-to-all
+        torch.ops._c10d_functional.all_to_all_single.default,
         # torchao computes float8 scales from abs().max(); keeping the amax avoids re-reducing.
         aten.max.default,
         # flex attention is a higher-order op of newer torch releases

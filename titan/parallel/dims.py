@@ -122,12 +122,6 @@ class ParallelDims:
         return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
 
     @property
-    def gradient_divide_factor(self) -> int:
-        """What FSDP divides every gradient by (the dense mean over data-parallel ranks); the
-        experts' FSDP, over fewer ranks, uses it too so both see the same loss scale."""
-        return self.dp_replicate * self.dp_shard * self.cp
-
-    @property
     def non_data_parallel_size(self) -> int:
         """Ranks that work on the same tokens (TP/CP/PP); throughput per device divides by it."""
         return self.cp * self.tp * self.pp
