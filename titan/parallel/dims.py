@@ -281,7 +281,7 @@ def check_experts(dims: ParallelDims, model_args: Any) -> None:
     if moe is None:
         raise TitanError(
             f"config key 'parallelism.expert_parallel_degree' got {dims.ep}; this model has no routed experts"
-            " (a mixture-of-experts model such as llama4 is needed): set it to 1"
+            " (it needs a mixture-of-experts model): set it to 1"
         )
     if moe.num_experts % dims.ep:
         raise TitanError(
