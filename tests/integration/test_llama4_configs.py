@@ -297,3 +297,23 @@ def test_grouped_mm_float8_and_mx_keys(tmp_path: Path, capsys: pytest.CaptureFix
     status = main(["--job.config_file", str(path), "--model.converters", "quantize.grouped_mm.mx", "--job.dry_run"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and "MX (microscaling)" in err[-1], err[-1:]
+
+
+def test_moe_benchmark_presets_are_valid_configs() -> None:
+    """scripts/benchmark.py's MoE rows: each variant loads and checks as the layout it names."""
+    import importlib.util
+
+    from titan.training.checks import load_job
+    from titan.training.plan import plan_run
+
+    path = Path(__file__).resolve().parents[2] / "scripts/benchmark.py"
+    spec = importlib.util.spec_from_file_location("benchmark", path)
+    assert spec is not None and spec.loader is not None
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    for name, world in (("moe_debug_cpu", 2), ("llama4_17bx16e_4layers", 8)):
+        preset = benchmark.PRESETS[name]
+        for _, extra in preset["variants"]:
+            config = load_job(preset.get("args", []) + extra.format(nproc=world).split())
+            plan = plan_run(config, world, "cuda" if world == 8 else "cpu")
+            assert plan.parallel_dims.ep == config.parallelism.expert_parallel_degree
