@@ -114,3 +114,17 @@ def test_bad_llama4_args_name_the_key():
     with pytest.raises(TitanError, match=r"moe_args.top_k got 9"):
         Llama4ModelArgs(moe_args=MoEArgs(num_experts=8, top_k=9)).validate()
     assert set(llama4_configs) >= {"debugmodel", "debugmodel_irope"}
+
+
+def test_debug_moe_force_load_balance_reaches_the_routers():
+    from titan.config import load_config
+    from titan.models import model_args_from_config
+    from titan.training.plan import run_model_args
+
+    config = load_config(["--model.name", "llama4", "--debug.moe_force_load_balance"])
+    args = run_model_args(config, model_args_from_config(get_model_spec("llama4"), config.model), None)
+    assert args.moe_args.force_load_balance
+    args.dim, args.n_layers, args.n_heads, args.max_seq_len = 64, 2, 4, 16
+    model = _build(args)
+    _, experts, counts, _ = model.layers["1"].moe.router(torch.randn(16, 64))
+    assert experts.flatten().tolist() == [i % 8 for i in range(16)] and counts.tolist() == [2.0] * 8

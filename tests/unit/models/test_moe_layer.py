@@ -181,3 +181,17 @@ def test_bad_args_name_the_field():
         MoEArgs(num_experts=4, top_k=5).validate()
     with pytest.raises(TitanError, match="score_func got 'relu'; valid: sigmoid, softmax"):
         MoEArgs(score_func="relu").validate()
+
+
+def test_autocast_runs_the_experts_in_the_autocast_dtype_on_both_paths():
+    """fp32 parameters under bf16 autocast (one rank / DDP): the grouped GEMM gets bf16 operands, as
+    a matmul would, and matches the loop."""
+    grouped = _moe(seed=3)
+    loop = copy.deepcopy(grouped)
+    loop.experts.use_grouped_mm = False
+    x = torch.randn(2, 6, DIM)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert grouped.experts.uses_grouped_mm(x) and not loop.experts.uses_grouped_mm(x)
+        a, b = grouped(x), loop(x)
+    assert a.dtype == b.dtype == torch.bfloat16
+    torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)

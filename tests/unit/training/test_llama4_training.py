@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from tests.helpers.runs import train_subprocess
 
@@ -51,3 +52,24 @@ def test_llama4_trains_and_resumes_exactly(tmp_path):
     again = _jsonl(tmp_path / "run")
     for step in range(9, 17):  # bitwise: the JSONL holds the full float
         assert again[step]["loss_metrics/global_avg_loss"] == ref[step]["loss_metrics/global_avg_loss"], step
+
+
+def _two_rank_biases(rank: int, world: int, tmp: str) -> tuple[float, dict]:
+    from pathlib import Path
+
+    from tests.helpers.runs import trainer
+
+    t = trainer(Path(tmp), *TINY_LLAMA4, "--training.steps", "3", "--metrics.log_freq", "3")
+    losses = t.train()
+    return losses[3], {name: m.expert_bias.clone() for name, m in t.moe_monitor.layers}
+
+
+def test_two_rank_fsdp_keeps_the_balancing_biases_identical(tmp_path):
+    """Each rank routes its own tokens; the bias update sums the counts over the data-parallel ranks,
+    so every rank moves its biases the same way (a buffer FSDP does not synchronise)."""
+    from tests.helpers.distributed import run_distributed
+
+    (loss0, bias0), (loss1, bias1) = run_distributed(_two_rank_biases, 2, str(tmp_path), timeout=300)
+    assert loss0 == loss1 and list(bias0) == ["layers.1.moe"]
+    assert torch.equal(bias0["layers.1.moe"], bias1["layers.1.moe"])
+    assert bias0["layers.1.moe"].abs().sum() > 0

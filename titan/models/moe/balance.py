@@ -16,8 +16,14 @@ returned); None on one rank."""
 
 
 def moe_layers(model_parts: Iterable[nn.Module]) -> list[tuple[str, MoE]]:
-    """(FQN, layer) of every MoE layer in the parts, in module order (stable across ranks)."""
-    return [(name, m) for part in model_parts for name, m in part.named_modules() if isinstance(m, MoE)]
+    """(FQN, layer) of every MoE layer in the parts, in module order (stable across ranks); the FQN
+    without the names activation checkpointing and compile wrap modules in."""
+    return [
+        (name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", ""), m)
+        for part in model_parts
+        for name, m in part.named_modules()
+        if isinstance(m, MoE)
+    ]
 
 
 def bias_delta(tokens_per_expert: torch.Tensor, coeff: float) -> torch.Tensor:

@@ -34,24 +34,24 @@ def _shapes_only(x: torch.Tensor) -> bool:
     return (x.device.type == "meta" or is_fake(x)) and not torch.compiler.is_compiling()
 
 
-def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm runs ``x @ w`` here: CPU in fp32/bf16/fp16; CUDA in bf16 on SM90+
-    (Hopper's grouped GEMM). Every row stride must be a multiple of 16 bytes. torch's shape
-    function (used when compiling) accepts bf16 only, so compiled regions run other dtypes in
-    the loop."""
-    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether torch._grouped_mm runs ``x @ w`` here (all operands in ``dtype`` when given, as
+    autocast casts them): CPU in fp32/bf16/fp16; CUDA in bf16 on SM90+ (Hopper's grouped GEMM).
+    Every row stride must be a multiple of 16 bytes. torch's shape function (used when compiling)
+    accepts bf16 only, so compiled regions run other dtypes in the loop."""
+    dt = dtype if dtype is not None else x.dtype
+    if dtype is None and any(w.dtype != dt for w in weights):
+        return False
+    if dt != torch.bfloat16 and torch.compiler.is_compiling():
         return False
     if x.device.type == "cpu" or _shapes_only(x):
-        ok_dtype = x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        ok_dtype = dt in (torch.float32, torch.bfloat16, torch.float16)
     elif x.device.type == "cuda":
-        ok_dtype = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        ok_dtype = dt == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
     else:
         return False
-    if not ok_dtype or any(w.dtype != x.dtype for w in weights):
-        return False
-    return all(
-        (w.shape[-1] * w.element_size()) % 16 == 0 and (w.shape[-2] * w.element_size()) % 16 == 0 for w in weights
-    )
+    size = torch.empty((), dtype=dt).element_size()
+    return ok_dtype and all((w.shape[-1] * size) % 16 == 0 and (w.shape[-2] * size) % 16 == 0 for w in weights)
 
 
 def _gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -112,8 +112,13 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
+    def _autocast_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        # Autocast does not know the grouped GEMM: its operands are cast as a matmul's would be.
+        return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
-        return self.use_grouped_mm and grouped_mm_supported(x, _local(self.w1), _local(self.w2), _local(self.w3))
+        weights = (_local(self.w1), _local(self.w2), _local(self.w3))
+        return self.use_grouped_mm and grouped_mm_supported(x, *weights, dtype=self._autocast_dtype(x))
 
     def group_align(self, x: torch.Tensor) -> int:
         """Rows each expert's block is padded to on the grouped path (1: none)."""
@@ -121,8 +126,12 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [T, dim] sorted by expert, num_tokens_per_expert [E] summing to T -> [T, dim]."""
+        use_grouped = self.uses_grouped_mm(x)
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
-        if self.uses_grouped_mm(x):
+        dtype = self._autocast_dtype(x)
+        if dtype is not None:
+            x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+        if use_grouped:
             return run_grouped(w1, w2, w3, x, num_tokens_per_expert, self.group_align(x))
         return run_loop(w1, w2, w3, x, num_tokens_per_expert)
 
