@@ -317,3 +317,15 @@ def test_moe_benchmark_presets_are_valid_configs() -> None:
             config = load_job(preset.get("args", []) + extra.format(nproc=world).split())
             plan = plan_run(config, world, "cuda" if world == 8 else "cpu")
             assert plan.parallel_dims.ep == config.parallelism.expert_parallel_degree
+
+
+def test_ep_with_per_op_selective_ac_is_refused_at_the_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The debug config's per-op selective AC with EP: one line at the dry run; full AC plans."""
+    status, _, _ = _dry_run(tmp_path, "debug_model", "--parallelism.expert_parallel_degree", "2")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        status == 2 and 'selective_ac_option = "op" does not combine with parallelism.expert_parallel_degree' in err[-1]
+    )
+    ep_full = ("--parallelism.expert_parallel_degree", "8", "--activation_checkpoint.mode", "full")
+    status, _, _ = _dry_run(tmp_path, "debug_model", *ep_full)
+    assert status == 0, capsys.readouterr().err.strip().splitlines()[-1:]
