@@ -131,7 +131,8 @@ def apply_float8_grouped_mm(model: nn.Module, cfg: Float8Config) -> list[str]:
         major, minor = torch.cuda.get_device_capability()
         if (major, minor) < (8, 9):
             raise TitanError(
-                f"float8.enable_float8_grouped_mm needs a GPU with compute capability >= 8.9 (this one: {major}.{minor})"
+                "float8.enable_float8_grouped_mm needs a GPU with compute capability >= 8.9"
+                f" (this one: {major}.{minor})"
             )
     try:
         from torchao.prototype.moe_training.config import Float8TrainingOpConfig
