@@ -3,6 +3,8 @@
     python scripts/benchmark.py                                   # debug model; CPU or the GPUs present
     python scripts/benchmark.py --preset llama3_8b_8layers        # the benchmark model on one GPU
     python scripts/benchmark.py --preset llama3_8b_8layers --only eager,compile,float8-tensorwise
+    python scripts/benchmark.py --preset moe_debug_cpu            # MoE: dense vs EP 1 vs EP 2 on 2 CPU ranks
+    python scripts/benchmark.py --preset llama4_17bx16e_4layers   # MoE on the GPUs present: EP 1 vs EP = GPUs
     python scripts/benchmark.py --steps 20 --warmup 5 --nproc 8 --job.config_file train_configs/llama3_8b.toml \\
         --variant "eager=" --variant "compile+fp8=--compile.enable --float8.enable_float8_linear"
 
@@ -99,6 +101,42 @@ PRESETS = {
             "op",
         ],
     },
+}
+
+
+_MOE_CPU = "--training.seq_len 128 --training.local_batch_size 4"
+_LLAMA4_DEBUG = "--model.name llama4 --model.flavor debugmodel"
+# MoE rows. On CPU (2 ranks): the debug MoE (8 experts, top 1 + a shared expert, every 2nd block)
+# at EP 1 (FSDP 2) and EP 2, next to llama3's debug model, whose FFNs have the width of one MoE
+# layer's active experts (the same active parameters, but the router's 2k and the embedding).
+# On GPUs: Llama 4 Scout's shape (17bx16e: 16 experts in every block) cut to 4 layers, seq 8192,
+# bf16, AC selective op, EP over all GPUs present against EP 1 (run with 8 GPUs: 16 experts, EP 8).
+PRESETS["moe_debug_cpu"] = {
+    "warmup": 3,
+    "steps": 10,
+    "nproc": 2,
+    "variants": [
+        ("dense llama3 debugmodel", f"--model.name llama3 --model.flavor debugmodel {_MOE_CPU}"),
+        ("llama4 debugmodel EP 1", f"{_LLAMA4_DEBUG} {_MOE_CPU}"),
+        ("llama4 debugmodel EP 2", f"{_LLAMA4_DEBUG} {_MOE_CPU} --parallelism.expert_parallel_degree 2"),
+    ],
+}
+PRESETS["llama4_17bx16e_4layers"] = {
+    "warmup": 5,
+    "steps": 10,
+    "args": [
+        *PRESETS["llama3_8b_8layers"]["args"][2:],  # the llama3 preset's data, precision, optimizer and AC
+        "--model.name",
+        "llama4",
+        "--model.flavor",
+        "17bx16e",
+        "--model.n_layers",
+        "4",
+    ],
+    "variants": [
+        ("EP 1", ""),
+        ("EP = GPUs", "--parallelism.expert_parallel_degree {nproc}"),
+    ],
 }
 
 
@@ -211,13 +249,16 @@ def main(argv: list[str]) -> None:
     import torch
 
     cuda = torch.cuda.is_available()
-    nproc = int(_pop(argv, "--nproc", str(torch.cuda.device_count() if cuda else 1)))
+    nproc = int(_pop(argv, "--nproc", str(preset.get("nproc", torch.cuda.device_count() if cuda else 1))))
     only = _pop(argv, "--only", None)
     config_set = _pop(argv, "--configs", None)
     if config_set not in (None, "gpu", "cpu"):
         _usage_error(f"--configs got {config_set!r}; valid: gpu, cpu")
     gpu_set = cuda if config_set is None else config_set == "gpu"
-    variants = [v.split("=", 1) for v in _pop(argv, "--variant", None, repeat=True)] or default_configs(gpu_set)
+    variants = [v.split("=", 1) for v in _pop(argv, "--variant", None, repeat=True)] or [
+        [n, e.format(nproc=nproc)] for n, e in preset.get("variants", [])
+    ]
+    variants = variants or default_configs(gpu_set)
     if only is not None:
         wanted = only.split(",")
         names = [n.split(" (")[0] for n, _ in variants]

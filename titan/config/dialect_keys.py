@@ -87,6 +87,8 @@ SAME_KEYS: Mapping[str, str] = MappingProxyType(
         "parallelism.data_parallel_shard_degree": "v0.1.0–v0.2.x",
         "parallelism.disable_loss_parallel": "v0.1.0–v0.2.x",
         "parallelism.enable_async_tensor_parallel": "v0.1.0–v0.2.x",
+        "parallelism.expert_parallel_degree": "v0.2.x",
+        "parallelism.expert_tensor_parallel_degree": "v0.2.x",
         "parallelism.fsdp_reshard_after_forward": "v0.1.0–v0.2.x",
         "parallelism.module_fqns_per_model_part": "v0.2.x",
         "parallelism.pipeline_parallel_degree": "v0.1.0–v0.2.x",

@@ -124,18 +124,24 @@ def flavor(value: Any) -> Pairs:
 
 
 FLOAT8 = ("float8", "quantize.linear.float8")
-NOT_FLOAT8 = "MX (microscaling) formats and float8 grouped GEMMs (MoE) are not in titan; float8 linears are"
+FLOAT8_GROUPED_MM = "quantize.grouped_mm.float8"
+NOT_FLOAT8 = "MX (microscaling) formats are not in titan; float8 linears and float8 grouped GEMMs (MoE) are"
 
 
 def converters(value: Any) -> Pairs:
     names = as_list(value)
     for name in names:
-        if name not in FLOAT8:
+        if name not in (*FLOAT8, FLOAT8_GROUPED_MM):
             raise TitanError(
                 f"torchtitan key 'model.converters' is not supported by titan: {name!r} is not"
                 f" implemented; {NOT_FLOAT8}"
             )
-    return [("float8.enable_float8_linear", True)] if names else []
+    pairs: Pairs = []
+    if any(n in FLOAT8 for n in names):
+        pairs.append(("float8.enable_float8_linear", True))
+    if FLOAT8_GROUPED_MM in names:
+        pairs.append(("float8.enable_float8_grouped_mm", True))
+    return pairs
 
 
 def recipe(key: str) -> Callable[[Any], Pairs]:

@@ -49,6 +49,16 @@ _FLOAT8_SECTION = (
 )
 _MX = 'MX (microscaling) training is not in titan; use model.converters = ["float8"] (float8 linears)'
 _MOE = "titan's models are dense (no mixture of experts)"
+_DUALPIPE = "read only by torchtitan's DualPipeV schedule with EP; titan's EP all-to-alls run inside the MoE layer"
+_F8_MOE = "v0.1.0's float8 MoE prototype; titan's is float8.enable_float8_grouped_mm with float8.grouped_mm_fqns"
+_MX_MOE = (
+    "read only by the MX grouped-GEMM converter: MX (microscaling) needs Blackwell GPUs (SM100) and is not"
+    ' in titan; float8 grouped GEMMs are (model.converters = ["quantize.grouped_mm.float8"])'
+)
+_DEEPEP = (
+    'DeepEP (its fused NVSHMEM dispatch/combine kernels) is not available to titan; use "standard"'
+    " (all-to-all over the expert-parallel process group)"
+)
 _PLUGIN = "titan has no plug-in config or model modules; add a section module under titan/config/sections/"
 _VAL_LOADER = "titan's validation loader runs in the training process (no worker processes)"
 
@@ -222,10 +232,8 @@ def _rules() -> list[Rule]:
             "titan always balances context-parallel shards head-tail",
             "headtail",
         ),
-        refuse("parallelism.expert_parallel_degree", V02, _MOE, 1),
-        refuse("parallelism.expert_tensor_parallel_degree", V02, _MOE, 1),
-        refuse("parallelism.expert_parallel_comm_backend", V02, _MOE, "standard"),
-        no_effect("parallelism.pipeline_parallel_expert_parallel_overlap", V02, _MOE),
+        refuse("parallelism.expert_parallel_comm_backend", V02, _DEEPEP, "standard"),
+        no_effect("parallelism.pipeline_parallel_expert_parallel_overlap", V02, _DUALPIPE),
         # ---- checkpoint
         rename("checkpoint.enable_checkpoint", "checkpoint.enable", f"{Y2024}–{V010}"),
         rename("checkpoint.model_weights_only", "checkpoint.last_save_model_only", Y2024),
@@ -300,7 +308,7 @@ def _rules() -> list[Rule]:
             "titan keeps the float8 weights for backward (no forced recompute)",
             False,
         ),
-        refuse("float8.moe_fqns_prototype", V010, _MOE, []),
+        refuse("float8.moe_fqns_prototype", V010, _F8_MOE, []),
         rename("training.fp8_linear", "float8.enable_float8_linear", Y2024),
         rename("training.enable_fp8_linear", "float8.enable_float8_linear", Y2024),
         rename("training.enable_float8_linear", "float8.enable_float8_linear", Y2024),
@@ -331,9 +339,10 @@ def _rules() -> list[Rule]:
                 f"read only by the mx converter, which titan does not implement ({_MX})",
             )
         )
-    for key in ("quantize.grouped_mm.float8.fqns", "quantize.grouped_mm.mx.fqns"):
-        r.append(refuse(key, V02, _MOE, []))
-    r.append(no_effect("quantize.grouped_mm.mx.recipe_name", V02, _MOE))
+    r.append(rename("quantize.grouped_mm.float8.fqns", "float8.grouped_mm_fqns", V02))
+    # Read only by the "quantize.grouped_mm.mx" converter, which model.converters refuses.
+    r.append(no_effect("quantize.grouped_mm.mx.fqns", V02, _MX_MOE))
+    r.append(no_effect("quantize.grouped_mm.mx.recipe_name", V02, _MX_MOE))
     # ---- the 2024 [experimental] / [training] parallelism keys now under [parallelism]
     for name in (
         "data_parallel_replicate_degree",

@@ -91,6 +91,7 @@ def _llama4() -> ModelSpec:
     from titan.models.llama.pipeline import pipeline_llama
     from titan.models.llama4 import args as llama4_args
     from titan.models.llama4.model import Llama4Transformer
+    from titan.models.llama4.parallelize import apply_tp as llama4_tp
     from titan.models.llama4.parallelize import parallelize_llama4
     from titan.models.llama4.state_dict_adapter import Llama4StateDictAdapter
 
@@ -102,6 +103,7 @@ def _llama4() -> ModelSpec:
         parallelize_llama4,
         llama4_args.get_nparams_and_flops,
         pipeline_llama,
+        tensor_parallel_fn=llama4_tp,
         state_dict_adapter=Llama4StateDictAdapter,
     )
 

@@ -59,6 +59,8 @@ SAVED_OPS = frozenset(
     {
         *ATTENTION_OPS,
         torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        # expert parallel's token dispatch/combine: recomputing would repeat the all-to-all
+        torch.ops._c10d_functional.all_to_all_single.default,
         # torchao computes float8 scales from abs().max(); keeping the amax avoids re-reducing.
         aten.max.default,
     }

@@ -12,6 +12,9 @@ from titan.errors import TitanError
 
 # Outer to inner: pipeline stages talk least, tensor parallel ranks talk most (keep them closest).
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# The routed experts' mesh over the same ranks in the same order: the inner dp_shard x cp x tp
+# ranks regrouped as efsdp x ep x etp, so EP borrows data-parallel, CP and TP ranks.
+SPARSE_ORDER = ("pp", "dp_replicate", "efsdp", "ep", "etp")
 
 
 @dataclass
@@ -23,7 +26,12 @@ class ParallelDims:
     pp: int
     world_size: int
     enable_loss_parallel: bool = True
+    ep: int = 1
+    """Expert parallel: the routed experts split over this many ranks taken from dp_shard x cp x tp."""
+    etp: int = 1
+    """Expert tensor parallel: 1 (EP borrows the TP ranks too) or tp (experts' hidden dim sharded over TP)."""
     _mesh: DeviceMesh | None = field(default=None, repr=False)
+    _sparse: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._resolve_and_check()
@@ -46,6 +54,24 @@ class ParallelDims:
                 f"parallelism degrees replicate {self.dp_replicate} x shard {self.dp_shard} x cp {self.cp}"
                 f" x tp {self.tp} x pp {self.pp} = {product}, but the world size is {self.world_size};"
                 " make them multiply to the number of ranks (data_parallel_shard_degree = -1 takes the rest)"
+            )
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if self.etp not in (1, self.tp):
+            raise TitanError(
+                f"config key 'parallelism.expert_tensor_parallel_degree' got {self.etp}; valid: 1 or the"
+                f" tensor parallel degree {self.tp} (the experts' hidden dim is sharded over TP or not at all)"
+            )
+        if self.ep == 1:
+            return
+        borrowed = self.dp_shard * self.cp * self.tp
+        if borrowed % (self.ep * self.etp):
+            raise TitanError(
+                f"config key 'parallelism.expert_parallel_degree' got {self.ep}; expert parallel x expert"
+                f" tensor parallel ({self.ep} x {self.etp}) must divide data_parallel_shard x context_parallel x"
+                f" tensor_parallel = {self.dp_shard} x {self.cp} x {self.tp} = {borrowed} (EP takes its ranks"
+                " from those)"
             )
 
     # ------------------------------------------------------------ which dims are on
@@ -83,6 +109,19 @@ class ParallelDims:
         return self.tp_enabled and self.enable_loss_parallel
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def etp_enabled(self) -> bool:
+        return self.ep > 1 and self.etp > 1
+
+    @property
+    def efsdp(self) -> int:
+        """FSDP degree of the routed experts: the dp_shard x cp x tp ranks EP and ETP leave."""
+        return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
+
+    @property
     def non_data_parallel_size(self) -> int:
         """Ranks that work on the same tokens (TP/CP/PP); throughput per device divides by it."""
         return self.cp * self.tp * self.pp
@@ -104,7 +143,32 @@ class ParallelDims:
         self._flatten(mesh, names, ("dp_shard", "cp"), "dp_shard_cp")
         self._flatten(mesh, names, ("dp_replicate", "dp_shard", "cp"), "dp_cp")
         self._mesh = mesh
+        if self.ep_enabled:
+            self._sparse = self._build_sparse(device_type)
         return mesh
+
+    def _build_sparse(self, device_type: str) -> DeviceMesh:
+        """pp x dp_replicate x efsdp x ep x etp over the same ranks as the dense mesh. efsdp is
+        kept at size 1: the experts are FSDP-wrapped on their own mesh (mixed precision, and the
+        block's FSDP must not take their EP-sharded parameters)."""
+        keep = {"efsdp", "ep"}
+        dims = [(n, getattr(self, n)) for n in SPARSE_ORDER if getattr(self, n) > 1 or n in keep]
+        return init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
+
+    def sparse_submesh(self, names: tuple[str, ...]) -> DeviceMesh | None:
+        """A sub-mesh of the experts' mesh (ep, etp, efsdp, dp_replicate); None without EP or when
+        a named dim has size 1 (efsdp excepted)."""
+        if self._sparse is None:
+            return None
+        have = self._sparse.mesh_dim_names or ()
+        if any(n not in have for n in names):
+            return None
+        return self._sparse[tuple(names)]
+
+    def experts_fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP shards the routed experts over under EP: efsdp, or (dp_replicate, efsdp)."""
+        names = ("dp_replicate", "efsdp") if self.dp_replicate_enabled else ("efsdp",)
+        return self.sparse_submesh(names)
 
     @staticmethod
     def _flatten(mesh: DeviceMesh, names: tuple[str, ...], parts: tuple[str, ...], flat: str) -> None:
@@ -200,6 +264,8 @@ def check_layout(
                 "model tie_embeddings cannot be split across pipeline stages; untie it or set"
                 " pipeline_parallel_degree 1"
             )
+    if dims.ep_enabled:
+        check_experts(dims, model_args)
     if dims.cp_enabled:
         check_cp_seq_len(seq_len, dims.cp, attn_type)
         if device_type != "cuda":
@@ -207,3 +273,18 @@ def check_layout(
                 "parallelism.context_parallel_degree > 1 trains only on CUDA: on CPU, SDPA has no"
                 " context-parallel sharding rule and flex_attention has no backward"
             )
+
+
+def check_experts(dims: ParallelDims, model_args: Any) -> None:
+    """EP needs routed experts, as many on each EP rank."""
+    moe = getattr(model_args, "moe_args", None)
+    if moe is None:
+        raise TitanError(
+            f"config key 'parallelism.expert_parallel_degree' got {dims.ep}; this model has no routed experts"
+            " (it needs a mixture-of-experts model): set it to 1"
+        )
+    if moe.num_experts % dims.ep:
+        raise TitanError(
+            f"config key 'parallelism.expert_parallel_degree' got {dims.ep}; valid: a divisor of the model's"
+            f" {moe.num_experts} experts"
+        )

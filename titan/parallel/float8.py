@@ -22,6 +22,8 @@ __all__ = [
     "check_float8_hardware",
     "convert_to_float8",
     "apply_float8",
+    "apply_float8_grouped_mm",
+    "check_float8_grouped_mm",
     "build_precompute_hook",
     "register_float8_precompute",
 ]
@@ -101,7 +103,55 @@ def apply_float8(model: nn.Module, cfg: Float8Config, device: torch.device, *, f
     """The run's float8 set-up on the meta model: the hardware check for `device`, then the swap.
     Returns the converted Linear names (empty when float8 is off)."""
     check_float8_hardware(cfg, device)
-    return convert_to_float8(model, cfg, fsdp_enabled=fsdp_enabled)
+    return convert_to_float8(model, cfg, fsdp_enabled=fsdp_enabled) + apply_float8_grouped_mm(model, cfg)
+
+
+def check_float8_grouped_mm(cfg: Float8Config, device_type: str, pp: int, cp: int) -> None:
+    """What torchao's float8 MoE training needs, checked before any process group exists."""
+    if not cfg.enable_float8_grouped_mm:
+        return
+    if device_type != "cuda":
+        raise TitanError(
+            "float8.enable_float8_grouped_mm needs CUDA SM89+ (torchao's scaled grouped GEMM has no CPU kernel"
+            f" and no emulation); this run is on {device_type}: set it to false"
+        )
+    if pp > 1 or cp > 1:
+        raise TitanError(
+            "float8.enable_float8_grouped_mm does not combine with pipeline or context parallel (torchao's float8"
+            " MoE training prototype); set it to false or use degree 1"
+        )
+
+
+def apply_float8_grouped_mm(model: nn.Module, cfg: Float8Config) -> list[str]:
+    """Wrap the weights of the modules named in grouped_mm_fqns so that torch._grouped_mm on them runs
+    torchao's dynamically scaled float8 grouped GEMM. Returns the wrapped modules' names."""
+    if not cfg.enable_float8_grouped_mm:
+        return []
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < (8, 9):
+            raise TitanError(
+                "float8.enable_float8_grouped_mm needs a GPU with compute capability >= 8.9"
+                f" (this one: {major}.{minor})"
+            )
+    try:
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+        from torchao.quantization.quant_api import quantize_
+    except ImportError as e:
+        raise TitanError(f"float8.enable_float8_grouped_mm needs torchao with MoE training support: {e}") from None
+
+    def named(module: nn.Module, fqn: str) -> bool:
+        return any(f in fqn for f in cfg.grouped_mm_fqns) and hasattr(module, "w1")
+
+    names = [fqn for fqn, m in model.named_modules() if named(m, fqn)]
+    if not names:
+        raise TitanError(
+            f"config key 'float8.grouped_mm_fqns' got {cfg.grouped_mm_fqns!r}; it names no routed-experts module"
+            " of this model (their names end in 'moe.experts')"
+        )
+    quantize_(model, config=Float8TrainingOpConfig(), filter_fn=named)
+    logger.info(f"float8 grouped GEMMs (rowwise dynamic scales) for {len(names)} expert modules")
+    return names
 
 
 def build_precompute_hook(

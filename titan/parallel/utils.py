@@ -75,12 +75,23 @@ def _total_l2_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
+def by_mesh(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors grouped by DTensor mesh (plain tensors together): foreach ops take one mesh."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values())
+
+
 def global_l2_norm(tensors: list[torch.Tensor], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """L2 norm over tensors that may be DTensor shards, and (with PP) over every pipeline stage."""
-    norm = _total_l2_norm(tensors)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    norm = norm.float()
+    """L2 norm over tensors that may be DTensor shards, and (with PP) over every pipeline stage.
+    DTensors on different meshes (expert parallel's experts beside the dense parameters) are
+    normed mesh by mesh, then combined."""
+    norms = []
+    for group in by_mesh(tensors) or [[]]:  # no tensors: a zero norm, as torch's get_total_norm gives
+        part = _total_l2_norm(group)
+        norms.append((part.full_tensor() if isinstance(part, DTensor) else part).float())
+    norm = norms[0] if len(norms) == 1 else torch.stack(norms).norm()
     if pp_group is not None:
         sq = norm.pow(2)
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pp_group)
@@ -99,7 +110,8 @@ def clip_grad_norm_(
     """Clip to max_norm (if > 0) and return the total norm before clipping."""
     norm = total_grad_norm(parameters, pp_group)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
+        for group in by_mesh(parameters):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm
 
 

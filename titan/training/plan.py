@@ -19,6 +19,7 @@ from titan.errors import TitanError
 from titan.log import logger
 from titan.models import ModelSpec, get_model_spec, model_args_from_config
 from titan.parallel.dims import ParallelDims, check_layout
+from titan.parallel.float8 import check_float8_grouped_mm
 from titan.parallel.fsdp import check_cpu_offload
 from titan.parallel.pp import FIRST_MODULES, LAST_MODULES, split_modules
 from titan.training.checks import validate_job
@@ -112,6 +113,7 @@ def check_run(config: JobConfig, dims: ParallelDims, model_args: Any, device_typ
     check_layout(
         dims, config.parallelism, model_args, config.training.seq_len, device_type, config.model.attn_type, compiled
     )
+    check_float8_grouped_mm(config.float8, device_type, dims.pp, dims.cp)
     if config.profiling.enable_memory_snapshot and device_type != "cuda":
         raise TitanError(
             "profiling.enable_memory_snapshot needs CUDA (it records the CUDA caching allocator's"
@@ -162,6 +164,8 @@ def _parallel_dims(config: JobConfig, world_size: int) -> ParallelDims:
         pp=par.pipeline_parallel_degree,
         world_size=world_size,
         enable_loss_parallel=not par.disable_loss_parallel,
+        ep=par.expert_parallel_degree,
+        etp=par.expert_tensor_parallel_degree,
     )
 
 

@@ -76,7 +76,7 @@ def _toml(value: object) -> str:
         (
             ["--model.converters", "mx"],
             "torchtitan key 'model.converters' is not supported by titan: 'mx' is not"
-            " implemented; MX (microscaling) formats and float8 grouped GEMMs (MoE) are not in titan; float8 linears"
+            " implemented; MX (microscaling) formats are not in titan; float8 linears and float8 grouped GEMMs (MoE)"
             " are",
         ),
         (

@@ -23,6 +23,13 @@ class Float8:
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
     """Linear layers whose name contains any of these strings stay in high precision. Layers with
     a dimension that is not a multiple of 16 are always skipped (float8 kernel requirement)."""
+    enable_float8_grouped_mm: bool = False
+    """MoE models: run the routed experts' grouped GEMMs of the modules named in grouped_mm_fqns
+    in float8 (torchao's MoE training: dynamic rowwise scales, scaled grouped GEMMs; CUDA SM89+,
+    no pipeline or context parallel). torchtitan's converter "quantize.grouped_mm.float8"."""
+    grouped_mm_fqns: list[str] = field(default_factory=list)
+    """Modules whose name contains any of these strings get float8 grouped GEMMs, e.g.
+    ["experts"]."""
     emulate: bool = False
     """Run the float8 matmuls in high precision after the casts (for testing on CPU or GPUs older
     than SM89); numerics match float8, speed does not."""
@@ -30,6 +37,12 @@ class Float8:
     def validate(self) -> None:
         """Options that only work together; whether torchao and the GPU can run them is checked at
         build time (titan.parallel.float8)."""
+        require(
+            not self.enable_float8_grouped_mm or bool(self.grouped_mm_fqns),
+            "float8.grouped_mm_fqns",
+            self.grouped_mm_fqns,
+            'the routed experts\' module names (e.g. ["experts"]) when float8.enable_float8_grouped_mm is on',
+        )
         if not self.enable_float8_linear:
             return
         require(

@@ -59,6 +59,14 @@ class Parallelism:
     training.seq_len must be divisible by 2 x this degree (head-tail load balancing)."""
     context_parallel_rotate_method: RotateMethod = "allgather"
     """How context-parallel ranks exchange key/value shards: allgather or alltoall."""
+    expert_parallel_degree: int = 1
+    """Expert parallel (MoE models): the routed experts are split over this many ranks, taken from
+    data_parallel_shard x context_parallel x tensor_parallel; tokens reach their experts by
+    all-to-all. Must divide the model's number of experts."""
+    expert_tensor_parallel_degree: int = 1
+    """Expert tensor parallel: 1 (under EP the routed experts are not TP-sharded: EP borrows the
+    TP ranks as well) or tensor_parallel_degree (each expert's hidden dim sharded over TP).
+    Without EP, routed experts follow TP like the dense feed-forward."""
 
     def validate(self) -> None:
         require(
@@ -78,6 +86,8 @@ class Parallelism:
             "pipeline_parallel_degree",
             "context_parallel_degree",
             "pipeline_parallel_microbatch_size",
+            "expert_parallel_degree",
+            "expert_tensor_parallel_degree",
         ):
             require(getattr(self, key) >= 1, f"parallelism.{key}", getattr(self, key), "an integer >= 1")
         require(
@@ -88,3 +98,10 @@ class Parallelism:
         )
         for key in ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers"):
             require(getattr(self, key) >= 0, f"parallelism.{key}", getattr(self, key), "an integer >= 0")
+        etp, tp = self.expert_tensor_parallel_degree, self.tensor_parallel_degree
+        require(
+            etp in (1, tp),
+            "parallelism.expert_tensor_parallel_degree",
+            etp,
+            f"1 or tensor_parallel_degree ({tp})",
+        )
