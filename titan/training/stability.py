@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,25 @@ from titan.errors import TitanError
 from titan.log import logger
 from titan.parallel.utils import global_l2_norm
 
-__all__ = ["SpikeDetector", "StabilityMonitor", "StepValues", "param_norm"]
+__all__ = ["SpikeDetector", "StabilityMonitor", "StepResult", "StepValues", "param_norm"]
+
+
+@dataclass
+class StepResult:
+    """One step's logged tensors, still on the device: ``loss`` (summed over the dp x cp ranks on log
+    steps only), ``grad_norm`` (before clipping) and ``extra`` (param_norm on the steps that log it),
+    read into ``StepValues`` by ``StabilityMonitor.read`` on log steps. Unpacks as the pair
+    ``(loss, grad_norm)`` for callers that drive steps themselves (tests, tools)."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    extra: dict[str, torch.Tensor]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter((self.loss, self.grad_norm))
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return (self.loss, self.grad_norm)[index]
 
 
 class SpikeDetector:

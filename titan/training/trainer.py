@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -37,29 +36,12 @@ from titan.training.moe import MoEMonitor
 from titan.training.nonfinite import UpdateMask
 from titan.training.plan import RunPlan, check_run, plan_run
 from titan.training.profiling import Profiler
-from titan.training.stability import StabilityMonitor, param_norm
+from titan.training.stability import StabilityMonitor, StepResult, param_norm
 from titan.training.startup import log_summary, summary_rows
 from titan.training.validator import Validator
 
 DEFAULT_SEED = 0
 T = TypeVar("T")
-
-
-@dataclasses.dataclass
-class StepResult:
-    """One step's logged tensors, still on the device: ``loss`` (summed over the dp x cp ranks on log
-    steps only), ``grad_norm`` (before clipping) and ``extra`` (param_norm on the steps that log it).
-    Unpacks as the pair ``(loss, grad_norm)`` for callers that drive steps themselves (tests, tools)."""
-
-    loss: torch.Tensor
-    grad_norm: torch.Tensor
-    extra: dict[str, torch.Tensor]
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter((self.loss, self.grad_norm))
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return (self.loss, self.grad_norm)[index]
 
 
 class Trainer:
