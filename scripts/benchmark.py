@@ -14,6 +14,12 @@ device, MFU against the device's dense bf16 peak (float8 rows too, so rows compa
 titan/training/flops.py), and the peak memory (CUDA max reserved, the trainer's memory column; peak
 resident memory on CPU) and the last loss.
 
+``--memory``: the loss/memory table of docs/performance.md: full logits against the chunked loss
+(training.loss_chunk_tokens) at Llama 3's vocabulary (128,256 rows), seq 8,192, a small width
+(dim 64, 2 layers; on CUDA the 8B shape cut to 8 layers), local batch 1 and 2, then every
+activation_checkpoint.mode the config offers with the chunked loss at batch 1; each row in a fresh
+process, so its peak resident memory (CPU) or CUDA max reserved is its own.
+
 Default config set: with CUDA, GPU_CONFIGS (eager, compile, float8 tensorwise / rowwise, AC
 none / selective / full, flex) on all GPUs present; on CPU the debug-model set STANDARD. Float8
 on a device without float8 tensor cores (CPU, pre-SM89 GPU) runs emulated and says so.
@@ -99,6 +105,37 @@ PRESETS = {
         ],
     },
 }
+
+
+MEMORY_CHUNK = 1024
+MEMORY_ARGS = {
+    "cpu": ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--model.dim", "64", "--model.n_layers",
+            "2", "--model.n_heads", "4", "--model.n_kv_heads", "2", "--training.mixed_precision_param", "float32"],
+    "cuda": [*PRESETS["llama3_8b_8layers"]["args"], "--activation_checkpoint.mode", "none"],
+}  # fmt: skip
+MEMORY_SHAPE = ["--model.vocab_size", "128256", "--training.seq_len", "8192", "--lr_scheduler.warmup_steps", "1"]
+
+
+def memory_configs() -> list[list[str]]:
+    """Full logits vs chunked loss at batch 1 and 2, then each AC mode (the config's choices)."""
+    from titan.config.choices import ACMode, choices
+
+    rows = []
+    for batch in (1, 2):
+        for name, chunk in (("full logits", 0), (f"chunked {MEMORY_CHUNK}", MEMORY_CHUNK)):
+            rows.append(
+                [f"{name}, batch {batch}", f"--training.local_batch_size {batch} --training.loss_chunk_tokens {chunk}"]
+            )
+    for mode in choices(ACMode):
+        extra = "--compile.enable true --activation_checkpoint.memory_budget 0.5" if mode == "memory_budget" else ""
+        rows.append(
+            [
+                f"AC {mode}, chunked, batch 1",
+                f"--training.local_batch_size 1 --training.loss_chunk_tokens {MEMORY_CHUNK}"
+                f" --activation_checkpoint.mode {mode} --activation_checkpoint.selective_ac_option op {extra}".strip(),
+            ]
+        )
+    return rows
 
 
 def _float8_needs_emulation() -> bool:
@@ -202,8 +239,11 @@ def main(argv: list[str]) -> None:
     preset = PRESETS.get(preset_name or "", {})
     if preset_name is not None and not preset:
         _usage_error(f"--preset got {preset_name!r}; valid: {', '.join(PRESETS)}")
-    warmup = int(_pop(argv, "--warmup", str(preset.get("warmup", 3))))
-    steps = int(_pop(argv, "--steps", str(preset.get("steps", 10))))
+    memory = "--memory" in argv
+    if memory:
+        argv.remove("--memory")
+    warmup = int(_pop(argv, "--warmup", str(preset.get("warmup", 1 if memory else 3))))
+    steps = int(_pop(argv, "--steps", str(preset.get("steps", 2 if memory else 10))))
     if single is not None:
         run_single(argv, warmup, steps, single)
         return
@@ -212,7 +252,9 @@ def main(argv: list[str]) -> None:
     cuda = torch.cuda.is_available()
     nproc = int(_pop(argv, "--nproc", str(torch.cuda.device_count() if cuda else 1)))
     only = _pop(argv, "--only", None)
-    variants = [v.split("=", 1) for v in _pop(argv, "--variant", None, repeat=True)] or default_configs(cuda)
+    variants = [v.split("=", 1) for v in _pop(argv, "--variant", None, repeat=True)] or (
+        memory_configs() if memory else default_configs(cuda)
+    )
     if only is not None:
         wanted = only.split(",")
         names = [n.split(" (")[0] for n, _ in variants]
@@ -221,6 +263,8 @@ def main(argv: list[str]) -> None:
             _usage_error(f"--only got {unknown[0]!r}; valid: {', '.join(names)}")
         variants = [v for v, n in zip(variants, names) if n in wanted]
     argv = list(preset.get("args", [])) + argv
+    if memory:
+        argv = MEMORY_ARGS["cuda" if cuda else "cpu"] + MEMORY_SHAPE + argv
     if not any(a in ("--job.config_file", "--config_file") or a.startswith("--job.config_file=") for a in argv):
         argv = ["--job.config_file", str(REPO / "train_configs/debug_model.toml")] + argv
 
@@ -230,6 +274,7 @@ def main(argv: list[str]) -> None:
     for name, extra in variants:
         print(f"running {name} ({extra or 'no overrides'}) ...", file=sys.stderr, flush=True)
         r = run_variant(argv, extra, warmup, steps, nproc)
+        print(f"{name}: {json.dumps(r)}", file=sys.stderr, flush=True)  # each row as it lands (long runs)
         if "error" in r:
             rows.append([name, "failed"] + [""] * 7)
             print(f"{name} failed: {r['error']}", file=sys.stderr)

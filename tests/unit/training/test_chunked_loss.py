@@ -141,3 +141,21 @@ def test_logits_never_materialised_whole(chunk):
         assert mode.largest <= chunk * args.vocab_size, mode.largest
     else:
         assert mode.largest >= full_logits
+
+
+def test_memory_estimate_counts_the_chunked_loss_and_the_padded_vocabulary():
+    """The estimator runs the configured loss: chunks save at least the fp32 logits and their
+    gradient; model.vocab_size adds its rows to the embedding and the output projection."""
+    from titan.config import load_config
+    from titan.training.memory import estimate_memory
+
+    def estimate(*flags: str):
+        base = ["--training.seq_len", "256", "--training.local_batch_size", "2", "--model.n_layers", "1"]
+        base += ["--training.mixed_precision_param", "float32", "--model.vocab_size", "32768"]
+        return estimate_memory(load_config([*base, *flags]), 1)
+
+    full, chunked = estimate(), estimate("--training.loss_chunk_tokens", "128")
+    logits_fp32 = 2 * 256 * 32768 * 4
+    assert full.activation_bytes - chunked.activation_bytes >= logits_fp32
+    padded = estimate("--model.vocab_size", str(32768 + 4096))
+    assert padded.params - full.params == 2 * 4096 * 256  # debugmodel: dim 256, untied
