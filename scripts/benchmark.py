@@ -185,13 +185,22 @@ def run_single(argv: list[str], warmup: int, steps: int, out_path: str) -> None:
                 "tokens_per_s": statistics.median(r["throughput(tps)"] for r in timed),
                 "tflops": tflops,
                 "mfu": 100 * tflops * 1e12 / peak if peak else None,
-                "peak_gib": max(r["memory/max_reserved(GiB)" if cuda else "memory/rss(GiB)"] for r in timed),
+                # CPU: the process's peak resident memory over the whole run (the logged rss is the
+                # current one at each log line, after the step's logits are freed).
+                "peak_gib": max(r["memory/max_reserved(GiB)"] for r in timed) if cuda else _peak_rss_gib(),
                 "loss": timed[-1]["loss_metrics/global_avg_loss"],
                 "device": name,
                 "torch": torch.__version__,
             }
         )
     )
+
+
+def _peak_rss_gib() -> float:
+    import resource
+
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return (maxrss if sys.platform == "darwin" else maxrss * 1024) / 2**30
 
 
 def run_variant(base: list[str], extra: str, warmup: int, steps: int, nproc: int) -> dict:
@@ -294,7 +303,7 @@ def main(argv: list[str]) -> None:
                 f"{r['loss']:.4f}",
             ]
         )
-    memory = "CUDA max reserved" if device != "cpu" else "the process's resident memory, imports and data included"
+    memory = "CUDA max reserved" if device != "cpu" else "the process's peak resident memory, imports and data included"
     print(
         f"device: {device} x {nproc}; torch {torch_version}; {warmup} warm-up + {steps} timed steps (medians);"
         f" MFU vs the dense bf16 peak; peak mem: {memory}; overrides: {shlex.join(argv)}"
