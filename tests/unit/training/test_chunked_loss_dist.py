@@ -1,6 +1,6 @@
 """The chunked loss against the full logits in the trainer's parallel layouts, on 2 gloo ranks that
 share one spawned process group: TP 2 with loss parallel (vocab-sharded output), PP 2 (last stage,
-per micro-batch), FSDP 2 (the output projection as its own FSDP unit) and DDP 2. fp32, 20 steps:
+per micro-batch) and FSDP 2 (the output projection as its own FSDP unit). fp32, 20 steps:
 losses within 1e-6 each step, gradients within 1e-5 relative after the first and the last step."""
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ LAYOUTS = {
     "tp2": ("--parallelism.tensor_parallel_degree", "2", *_S1),
     "pp2": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B", *_S1),
     "fsdp2": ("--parallelism.data_parallel_shard_degree", "2"),
-    "ddp2": ("--parallelism.data_parallel_replicate_degree", "2", *_S1),
 }
 
 
