@@ -16,6 +16,12 @@ device, MFU against the device's dense bf16 peak (float8 rows too, so rows compa
 titan/training/flops.py), and the peak memory (CUDA max reserved, the trainer's memory column; peak
 resident memory on CPU) and the last loss.
 
+``--memory``: the loss/memory table of docs/performance.md: full logits against the chunked loss
+(training.loss_chunk_tokens) at Llama 3's vocabulary (128,256 rows), seq 8,192, a small width
+(dim 64, 2 layers; on CUDA the 8B shape cut to 8 layers), local batch 1 and 2, then every
+activation_checkpoint.mode the config offers with the chunked loss at batch 1; each row in a fresh
+process, so its peak resident memory (CPU) or CUDA max reserved is its own.
+
 Default config set: with CUDA, GPU_CONFIGS (eager, compile, float8 tensorwise / rowwise, AC
 none / selective / full, flex) on all GPUs present; on CPU the debug-model set STANDARD.
 ``--configs gpu|cpu`` picks the set whatever the device (e.g. the GPU rows rehearsed on CPU). Float8
@@ -139,6 +145,36 @@ PRESETS["llama4_17bx16e_4layers"] = {
     ],
 }
 
+MEMORY_CHUNK = 1024
+MEMORY_ARGS = {
+    "cpu": ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--model.dim", "64", "--model.n_layers",
+            "2", "--model.n_heads", "4", "--model.n_kv_heads", "2", "--training.mixed_precision_param", "float32"],
+    "cuda": [*PRESETS["llama3_8b_8layers"]["args"], "--activation_checkpoint.mode", "none"],
+}  # fmt: skip
+MEMORY_SHAPE = ["--model.vocab_size", "128256", "--training.seq_len", "8192", "--lr_scheduler.warmup_steps", "1"]
+
+
+def memory_configs() -> list[list[str]]:
+    """Full logits vs chunked loss at batch 1 and 2, then each AC mode (the config's choices)."""
+    from titan.config.choices import ACMode, choices
+
+    rows = []
+    for batch in (1, 2):
+        for name, chunk in (("full logits", 0), (f"chunked {MEMORY_CHUNK}", MEMORY_CHUNK)):
+            rows.append(
+                [f"{name}, batch {batch}", f"--training.local_batch_size {batch} --training.loss_chunk_tokens {chunk}"]
+            )
+    for mode in choices(ACMode):
+        extra = "--compile.enable true --activation_checkpoint.memory_budget 0.5" if mode == "memory_budget" else ""
+        rows.append(
+            [
+                f"AC {mode}, chunked, batch 1",
+                f"--training.local_batch_size 1 --training.loss_chunk_tokens {MEMORY_CHUNK}"
+                f" --activation_checkpoint.mode {mode} --activation_checkpoint.selective_ac_option op {extra}".strip(),
+            ]
+        )
+    return rows
+
 
 def _float8_needs_emulation() -> bool:
     import torch
@@ -187,13 +223,22 @@ def run_single(argv: list[str], warmup: int, steps: int, out_path: str) -> None:
                 "tokens_per_s": statistics.median(r["throughput(tps)"] for r in timed),
                 "tflops": tflops,
                 "mfu": 100 * tflops * 1e12 / peak if peak else None,
-                "peak_gib": max(r["memory/max_reserved(GiB)" if cuda else "memory/rss(GiB)"] for r in timed),
+                # CPU: the process's peak resident memory over the whole run (the logged rss is the
+                # current one at each log line, after the step's logits are freed).
+                "peak_gib": max(r["memory/max_reserved(GiB)"] for r in timed) if cuda else _peak_rss_gib(),
                 "loss": timed[-1]["loss_metrics/global_avg_loss"],
                 "device": name,
                 "torch": torch.__version__,
             }
         )
     )
+
+
+def _peak_rss_gib() -> float:
+    import resource
+
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return (maxrss if sys.platform == "darwin" else maxrss * 1024) / 2**30
 
 
 def run_variant(base: list[str], extra: str, warmup: int, steps: int, nproc: int) -> dict:
@@ -241,8 +286,11 @@ def main(argv: list[str]) -> None:
     preset = PRESETS.get(preset_name or "", {})
     if preset_name is not None and not preset:
         _usage_error(f"--preset got {preset_name!r}; valid: {', '.join(PRESETS)}")
-    warmup = int(_pop(argv, "--warmup", str(preset.get("warmup", 3))))
-    steps = int(_pop(argv, "--steps", str(preset.get("steps", 10))))
+    memory = "--memory" in argv
+    if memory:
+        argv.remove("--memory")
+    warmup = int(_pop(argv, "--warmup", str(preset.get("warmup", 1 if memory else 3))))
+    steps = int(_pop(argv, "--steps", str(preset.get("steps", 2 if memory else 10))))
     if single is not None:
         run_single(argv, warmup, steps, single)
         return
@@ -258,7 +306,7 @@ def main(argv: list[str]) -> None:
     variants = [v.split("=", 1) for v in _pop(argv, "--variant", None, repeat=True)] or [
         [n, e.format(nproc=nproc)] for n, e in preset.get("variants", [])
     ]
-    variants = variants or default_configs(gpu_set)
+    variants = variants or (memory_configs() if memory else default_configs(gpu_set))
     if only is not None:
         wanted = only.split(",")
         names = [n.split(" (")[0] for n, _ in variants]
@@ -267,6 +315,8 @@ def main(argv: list[str]) -> None:
             _usage_error(f"--only got {unknown[0]!r}; valid: {', '.join(names)}")
         variants = [v for v, n in zip(variants, names) if n in wanted]
     argv = list(preset.get("args", [])) + argv
+    if memory:
+        argv = MEMORY_ARGS["cuda" if cuda else "cpu"] + MEMORY_SHAPE + argv
     if not any(a in ("--job.config_file", "--config_file") or a.startswith("--job.config_file=") for a in argv):
         argv = ["--job.config_file", str(REPO / "train_configs/debug_model.toml")] + argv
 
@@ -276,6 +326,7 @@ def main(argv: list[str]) -> None:
     for name, extra in variants:
         print(f"running {name} ({extra or 'no overrides'}) ...", file=sys.stderr, flush=True)
         r = run_variant(argv, extra, warmup, steps, nproc)
+        print(f"{name}: {json.dumps(r)}", file=sys.stderr, flush=True)  # each row as it lands (long runs)
         if "error" in r:
             rows.append([name, "failed"] + [""] * 7)
             print(f"{name} failed: {r['error']}", file=sys.stderr)
@@ -295,7 +346,7 @@ def main(argv: list[str]) -> None:
                 f"{r['loss']:.4f}",
             ]
         )
-    memory = "CUDA max reserved" if device != "cpu" else "the process's resident memory, imports and data included"
+    memory = "CUDA max reserved" if device != "cpu" else "the process's peak resident memory, imports and data included"
     print(
         f"device: {device} x {nproc}; torch {torch_version}; {warmup} warm-up + {steps} timed steps (medians);"
         f" MFU vs the dense bf16 peak; peak mem: {memory}; overrides: {shlex.join(argv)}"

@@ -38,7 +38,7 @@ CONFIG_FILE = "config.json"
 # section -> keys compared (None: every key of the section) / keys never compared.
 _RELEVANT: Mapping[str, tuple[str, ...] | None] = MappingProxyType(
     {
-        "model": ("name", "flavor", "tokenizer_path"),
+        "model": ("name", "flavor", "tokenizer_path", "vocab_size"),
         "optimizer": None,
         "lr_scheduler": None,
         "training": (

@@ -28,7 +28,16 @@ class ModelSpec:
     init_weights(buffer_device) (after to_empty) and init_buffers(device) (derived buffers only,
     before loading weights), and forward(tokens, kv_cache=None, doc_ids=None): an optional
     titan.models.kv_cache.KVCache for generation, and with attn_mask_type block_causal the batch's
-    document ids (titan.models.documents.document_ids). It builds its own attention masks."""
+    document ids (titan.models.documents.document_ids). It builds its own attention masks.
+
+    The hand-over to the loss (training.loss_chunk_tokens > 0, titan.training.loss.TokenLoss):
+    a model (and each pipeline part of it) with an ``output: nn.Linear | None`` projection and a
+    final ``norm`` has a bool attribute ``loss_owns_output`` (False after __init__; the trainer sets
+    it before splitting and parallelizing). When True, the part that holds ``output`` returns the
+    normed hidden states [B, S, dim] instead of the logits and never calls ``output`` itself: the
+    loss calls ``output`` chunk by chunk (so FSDP and TP hooks on that module run) and never holds
+    the whole [tokens x vocab] logits. Llama's ``Transformer.forward_tail`` implements it; families
+    built on that skeleton reuse it. A family without the attribute runs with the full logits only."""
     args_cls: type
     """The args dataclass (flavors, model_args.json in DCP folders)."""
     flavors: Mapping[str, Any]

@@ -53,6 +53,17 @@ def apply_fsdp(
     if layers is not None:
         for block in layers.values():
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
+    output = getattr(model, "output", None)
+    if getattr(model, "loss_owns_output", False) and output is not None:
+        # The chunked loss calls `output` after the model's forward: its own unit, so its hooks
+        # gather the weight for the chunks (once; the loss reshards it after the last backward).
+        if output.weight is getattr(getattr(model, "tok_embeddings", None), "weight", None):
+            raise TitanError(
+                "training.loss_chunk_tokens > 0 with FSDP needs untied output weights (model tie_embeddings"
+                " shares them with the embedding, which FSDP gathers with the model);"
+                " set training.loss_chunk_tokens = 0"
+            )
+        fully_shard(output, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
     # The root is used last in forward and first in backward: keeping it gathered saves a re-gather.
     fully_shard(
         model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward == "always", offload_policy=offload

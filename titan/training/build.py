@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from titan.config.job_config import JobConfig
 from titan.data import MixtureLoader, TitanDataLoader, build_dataloader
+from titan.errors import TitanError
 from titan.log import logger
 from titan.parallel.dims import ParallelDims
 from titan.parallel.float8 import apply_float8, register_float8_precompute
@@ -63,6 +64,7 @@ def build_model(
     spec, model_args = plan.spec, plan.model_args
     with torch.device("meta"):
         model = spec.model_cls(model_args)
+    hand_over_hidden(model, t.loss_chunk_tokens > 0, spec.name)
     cast_params_for_optimizer(model, config.optimizer)
     num_params, flops_per_token = spec.get_nparams_and_flops(model, t.seq_len)
     logger.info(
@@ -79,6 +81,18 @@ def build_model(
     else:
         schedule, parts, has_first, has_last = None, [spec.parallelize_fn(model, dims, config)], True, True
     return BuiltModel(parts, schedule, has_first, has_last, num_params, flops_per_token, float8_fqns)
+
+
+def hand_over_hidden(model: nn.Module, chunked_loss: bool, family: str) -> None:
+    """The chunked loss applies the output projection itself: the model's last part must return
+    the normed hidden states (the ``loss_owns_output`` rule of titan.models.ModelSpec)."""
+    if chunked_loss and not hasattr(model, "loss_owns_output"):
+        raise TitanError(
+            f"config key 'training.loss_chunk_tokens' > 0 needs a model that hands its hidden states to the"
+            f" loss (loss_owns_output); model {family!r} does not: set training.loss_chunk_tokens = 0"
+        )
+    if hasattr(model, "loss_owns_output"):
+        setattr(model, "loss_owns_output", chunked_loss)  # noqa: B010 (nn.Module's __setattr__ types)
 
 
 def init_weights(parts: list[nn.Module], seed: int, device: torch.device, cpu_offload: bool = False) -> None:

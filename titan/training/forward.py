@@ -1,7 +1,8 @@
 """One batch through the model, for training and for evaluation, with or without the pipeline schedule.
 
 ``ModelForward`` holds what both need: the model parts, the pipeline schedule and which stages
-this rank holds, the loss function, loss parallel (cross entropy on vocab-sharded DTensor logits),
+this rank holds, the loss (titan.training.loss.TokenLoss: full logits or chunked), loss parallel
+(cross entropy on vocab-sharded DTensor logits),
 the autocast context and the document ids block-causal attention masks with. The Trainer calls
 ``forward_backward`` each micro-batch; the Validator is handed ``eval_loss_sum``.
 """
@@ -20,7 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titan.models.documents import document_ids
 from titan.models.moe import aux_loss_scale
-from titan.training.loss import LossFn, ScaledLoss
+from titan.training.loss import ScaledLoss, TokenLoss
 
 __all__ = ["ModelForward"]
 
@@ -32,12 +33,12 @@ def _replicated(t: torch.Tensor) -> torch.Tensor:
 
 class ModelForward:
     """``parts``: the model parts of this rank; ``pp_schedule`` (None without PP) calls
-    ``pp_loss`` (built around ``loss_fn``) on the last stage; ``pp_group``: the pp process group."""
+    ``pp_loss`` (built around ``loss``) on the last stage; ``pp_group``: the pp process group."""
 
     def __init__(
         self,
         parts: list[nn.Module],
-        loss_fn: LossFn,
+        loss: TokenLoss,
         *,
         device: torch.device,
         loss_parallel_enabled: bool,
@@ -51,7 +52,8 @@ class ModelForward:
     ) -> None:
         if pp_schedule is not None and (pp_loss is None or pp_group is None):
             raise ValueError("a pipeline schedule needs the ScaledLoss it was built with and the pp group")
-        self.parts, self.loss_fn, self.device = parts, loss_fn, device
+        self.parts, self.loss, self.device = parts, loss, device
+        loss.bind(parts)  # the chunked loss applies the output projection of these parts
         self.loss_parallel_enabled, self.amp, self.eos_id = loss_parallel_enabled, amp, eos_id
         self.pp_schedule, self.pp_loss, self.pp_group = pp_schedule, pp_loss, pp_group
         self.pp_has_first, self.pp_has_last = pp_has_first, pp_has_last
@@ -75,18 +77,18 @@ class ModelForward:
                 return self._pp_run(self.pp_schedule.step, inputs, labels) / dp_scale
         # MoE balance losses reach the backward pass normalised like the token loss.
         with self._loss_context(), aux_loss_scale(dp_scale / global_tokens):
+            # The loss inside autocast: the chunked loss applies the output projection itself.
             with self.amp:
-                logits = self.parts[0](inputs, **self._doc_kwargs(inputs))
-            local = self.loss_fn(logits, labels) / global_tokens
-            del logits
-            (local * dp_scale).backward()
-        return _replicated(local.detach())
+                scaled = self.loss(self.parts[0](inputs, **self._doc_kwargs(inputs)), labels, dp_scale / global_tokens)
+            scaled.backward()
+        return _replicated(scaled.detach()) / dp_scale
 
     def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Validation forward (titan/training/validator.py): the batch's summed token loss, on every pp stage."""
         if self.pp_schedule is None:
             with self._loss_context(), self.amp:
-                return _replicated(self.loss_fn(self.parts[0](inputs, **self._doc_kwargs(inputs)), labels))
+                out = self.parts[0](inputs, **self._doc_kwargs(inputs))
+                return _replicated(self.loss(out, labels, torch.ones((), device=self.device)))
         assert self.pp_loss is not None
         with self.pp_loss.scale(torch.ones((), device=self.device)):  # the schedule's loss then sums
             return self._pp_run(self.pp_schedule.eval, inputs, labels)

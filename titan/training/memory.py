@@ -3,7 +3,9 @@
 Static state is counted from the meta model's shapes: fp32 parameters, gradients and AdamW's two
 moments, each split over the FSDP shard group (dim-0 sharding, padded like FSDP2). The dynamic
 part is measured: one forward + loss + backward of the real model code (activation checkpointing
-applied as configured) runs on fake tensors at the per-rank micro-batch, in the trainer's
+applied as configured; the loss as configured: the full logits, or the output projection + cross
+entropy by training.loss_chunk_tokens chunks; the vocabulary rows of model.vocab_size, else the
+tokenizer's) runs on fake tensors at the per-rank micro-batch, in the trainer's
 precision (FSDP: parameters in its param dtype; one rank / DDP: fp32 parameters under autocast,
 whose bf16 weight copies and fp32 residual stream are then part of the measurement), and a
 dispatch mode tracks the bytes of every live tensor storage. Each parameter gradient is swapped
@@ -160,7 +162,8 @@ def _fake_forward_backward_peak(model_cls: type, model_args, config: JobConfig, 
     the forward under autocast: the bf16 copies of the weights, the fp32 residual stream and norm
     outputs, and the casts saved for backward all exist there too, so the fake run does the same.
     """
-    from titan.training.loss import cross_entropy_sum
+    from titan.training.build import hand_over_hidden
+    from titan.training.loss import TokenLoss
 
     t = config.training
     ac = config.activation_checkpoint
@@ -175,6 +178,11 @@ def _fake_forward_backward_peak(model_cls: type, model_args, config: JobConfig, 
             model = model_cls(copy.deepcopy(model_args))
         finally:
             torch.set_default_dtype(previous)
+        # The trainer's loss: the full logits, or the output projection + loss by chunks.
+        hand_over_hidden(model, t.loss_chunk_tokens > 0, getattr(config.model, "name", ""))
+        loss_fn = TokenLoss(t.loss_chunk_tokens)
+        loss_fn.bind([model])
+        # Activation checkpointing as the trainer applies it (each mode's recomputation is measured).
         apply_ac(model, ac.mode, ac.selective_ac_option)
         sharded_grads = []
 
@@ -195,12 +203,10 @@ def _fake_forward_backward_peak(model_cls: type, model_args, config: JobConfig, 
         tracker = LiveBytes()
         tracker.ignore([*model.parameters(), *model.buffers(), tokens, *docs.values()])
         with tracker:
-            # The trainer's order: forward under autocast, the loss outside it, logits dropped
-            # before backward (the loss keeps only what it saved).
+            # The trainer's order (titan.training.forward): forward and loss under autocast (the
+            # chunked loss runs each chunk's backward in it), the model's backward after.
             with torch.autocast("cpu", dtype=compute, enabled=autocast):
-                logits = model(inputs, **docs)
-            loss = cross_entropy_sum(logits, labels)
-            del logits
+                loss = loss_fn(model(inputs, **docs), labels, torch.ones(()))
             loss.backward()
         return tracker.peak
 
@@ -270,10 +276,13 @@ def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
     )
     spec = get_model_spec(config.model.name)
     args = model_args_from_config(spec, config.model)
-    try:  # the trainer sizes the vocabulary from the tokenizer
-        args.vocab_size = build_tokenizer(config.model.tokenizer_path).vocab_size
-    except (TitanError, OSError):  # tokenizer file not on this machine: the flavor's vocabulary
-        pass
+    if config.model.vocab_size is not None:  # the rows asked for (the trainer checks them against the tokenizer)
+        args.vocab_size = config.model.vocab_size
+    else:
+        try:  # the trainer sizes the vocabulary from the tokenizer
+            args.vocab_size = build_tokenizer(config.model.tokenizer_path).vocab_size
+        except (TitanError, OSError):  # tokenizer file not on this machine: the flavor's vocabulary
+            pass
     args.max_seq_len = config.training.seq_len
     args.attn_type = config.model.attn_type
     args.attn_mask_type = config.model.attn_mask_type

@@ -141,8 +141,17 @@ def grad_accumulation_steps(config: JobConfig, dp_degree: int) -> int:
 def run_model_args(config: JobConfig, model_args: Any, vocab_size: int | None) -> Any:
     """The model args as this run builds them: the tokenizer's vocabulary (when there is one) and
     the training sequence length, attention and init from the config."""
+    rows = config.model.vocab_size
+    if rows is not None:
+        if vocab_size is not None and rows < vocab_size:
+            raise TitanError(
+                f"config key 'model.vocab_size' got {rows}; valid: at least the tokenizer's vocabulary size"
+                f" {vocab_size} ({config.model.tokenizer_path or 'the shipped tokenizer'}), or unset"
+            )
+        vocab_size = rows
     if vocab_size is not None and model_args.vocab_size != vocab_size:
-        logger.info(f"model vocab_size {model_args.vocab_size} -> {vocab_size} (from the tokenizer)")
+        why = "model.vocab_size" if rows is not None else "from the tokenizer"
+        logger.info(f"model vocab_size {model_args.vocab_size} -> {vocab_size} ({why})")
         model_args.vocab_size = vocab_size
     model_args.max_seq_len = config.training.seq_len
     model_args.attn_type = config.model.attn_type

@@ -76,6 +76,20 @@ def _memory_text(config: JobConfig, world_size: int, capacity: float | None, wha
     return f"{_size(estimate)} per rank of {_size(capacity)} {what}: {share} (titan/training/memory.py)"
 
 
+def _loss_text(config: JobConfig, model_parts: list[nn.Module]) -> str:
+    """How the loss meets the vocabulary: the rows the model has and whether the logits exist whole."""
+    t = config.training
+    from titan.training.loss import output_module
+
+    output = output_module(model_parts)  # its weight's global shape, also under FSDP / TP
+    weight = getattr(output, "weight", None)
+    vocab = f"{weight.shape[0]:,} vocabulary rows" if weight is not None else "output on another pipeline stage"
+    tokens = t.local_batch_size * t.seq_len
+    if t.loss_chunk_tokens > 0:
+        return f"output + cross entropy by chunks of {t.loss_chunk_tokens:,} tokens ({vocab})"
+    return f"full logits, {tokens:,} tokens per micro-batch ({vocab})"
+
+
 def summary_rows(
     config: JobConfig,
     *,
@@ -100,6 +114,7 @@ def summary_rows(
             f" tp {pd.tp}, pp {pd.pp}, cp {pd.cp}",
         ),
         ("model", f"{config.model.name} {config.model.flavor}: {num_params:,} parameters"),
+        ("loss", _loss_text(config, model_parts)),
         ("parameter memory", f"{_size(full_bytes)} in all ({', '.join(dtypes)}), {_size(local_bytes)} on rank 0"),
         ("FLOPs per token", f"{flops_per_token:,} (forward + backward at seq_len {config.training.seq_len})"),
         ("peak FLOP/s for MFU", _peak_text(peak_flops, name, device, float8)),

@@ -30,7 +30,7 @@ from titan.training.determinism import DeterministicMode
 from titan.training.forward import ModelForward
 from titan.training.gc_handler import GarbageCollection
 from titan.training.goodput import GoodputRecorder
-from titan.training.loss import IGNORE_INDEX, ScaledLoss, cross_entropy_sum
+from titan.training.loss import IGNORE_INDEX, ScaledLoss, TokenLoss, cross_entropy_sum
 from titan.training.metrics import MetricsProcessor
 from titan.training.moe import MoEMonitor
 from titan.training.nonfinite import UpdateMask
@@ -81,7 +81,8 @@ class Trainer:
             config, plan.spec, plan.model_args, self.run_start.found is not None, tokenizer.vocab_size
         ):
             check_run(config, self.parallel_dims, plan.model_args, self.device.type)
-        self.loss_fn = build_loss_fn(cross_entropy_sum, config.compile.enable and "loss" in config.compile.components)
+        ce = build_loss_fn(cross_entropy_sum, config.compile.enable and "loss" in config.compile.components)
+        self.loss_fn = TokenLoss(t.loss_chunk_tokens, ce)  # full logits, or output + loss by chunks
         pp_loss = ScaledLoss(self.loss_fn)
         built = build_model(config, plan, self.parallel_dims, self.device, pp_loss)
         self.model_parts, self.pp_schedule = built.parts, built.pp_schedule

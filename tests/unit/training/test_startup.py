@@ -18,6 +18,7 @@ ROWS = (
     "device",
     "world size, layout",
     "model",
+    "loss",
     "parameter memory",
     "FLOPs per token",
     "peak FLOP/s for MFU",
@@ -60,6 +61,8 @@ def test_summary_rows_on_cpu(tmp_path, caplog):
     assert _row(summary, "device") == f"1 x cpu ({os.cpu_count()} cores)"
     assert _row(summary, "world size, layout") == "1: dp_replicate 1, dp_shard 1, tp 1, pp 1, cp 1"
     assert _row(summary, "model") == f"llama3 debugmodel: {trainer.num_params:,} parameters"
+    rows = trainer.model_parts[0].output.weight.shape[0]
+    assert _row(summary, "loss") == f"full logits, {2 * 32} tokens per micro-batch ({rows:,} vocabulary rows)"
     assert _row(summary, "parameter memory").startswith(f"{trainer.num_params * 4 / 2**20:.1f} MiB in all (float32)")
     assert _row(summary, "FLOPs per token").startswith(f"{trainer.flops_per_token:,} ")
     assert _row(summary, "peak FLOP/s for MFU").startswith("n/a (no peak for CPUs in titan/training/flops.py")

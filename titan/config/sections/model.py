@@ -39,6 +39,10 @@ class Model:
     """Override the flavor's number of query heads (unset: the flavor's value)."""
     n_kv_heads: int | None = None
     """Override the flavor's number of key/value heads (unset: the flavor's value); must divide n_heads."""
+    vocab_size: int | None = None
+    """Rows of the embedding and output projection (unset: the tokenizer's vocabulary size). At
+    least the tokenizer's size; larger pads the vocabulary, e.g. 128256 (Llama 3's rows) or a
+    multiple of 64 for tensor-core friendly shapes. Weights brought in keep the rows they were saved with."""
     depth_init: bool = True
     """Init std of the residual-stream output projections (wo, w2, w3). true: depth-scaled per
     block, 0.02 / sqrt(2 * (layer_id + 1)) (early blocks larger, as in torchtitan); false: one
@@ -50,6 +54,12 @@ class Model:
             require(
                 value is None or value >= 1, f"model.{key}", value, "an integer >= 1, or unset for the flavor's value"
             )
+        require(
+            self.vocab_size is None or self.vocab_size >= 1,
+            "model.vocab_size",
+            self.vocab_size,
+            "an integer >= the tokenizer's vocabulary size, or unset for the tokenizer's size",
+        )
         require(
             self.attn_type != "varlen" or self.attn_mask_type == "block_causal",
             "model.attn_type",

@@ -95,6 +95,12 @@ class Training:
     (no effect without an accelerator)."""
     dataloader_prefetch_factor: int | None = None
     """Batches each worker loads ahead (needs dataloader_num_workers > 0). None: torch's default, 2."""
+    loss_chunk_tokens: int = 0
+    """Tokens per chunk of the fused output projection + cross entropy. 0: the model computes the
+    whole logits [local_batch_size x seq_len, vocab] and the loss takes them at once. C > 0: the
+    loss applies the output projection C tokens at a time (forward and backward per chunk), so the
+    logits never exist whole: loss memory ~ C x vocab x (logit bytes + 8) instead of
+    local_batch_size x seq_len x vocab x the same (docs/performance.md has measurements)."""
     gc_freq: int = 50
     """Run Python's garbage collector every N steps (automatic gc is disabled to avoid stalls)."""
     nonfinite: NonFinite = "stop"
@@ -126,6 +132,12 @@ class Training:
             "training.dataloader_prefetch_factor",
             prefetch,
             "unset, or an integer >= 1 together with training.dataloader_num_workers > 0",
+        )
+        require(
+            self.loss_chunk_tokens >= 0,
+            "training.loss_chunk_tokens",
+            self.loss_chunk_tokens,
+            "an integer >= 0 (0: the full logits)",
         )
         require(self.gc_freq >= 1, "training.gc_freq", self.gc_freq, "an integer >= 1")
         require(

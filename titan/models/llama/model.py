@@ -264,6 +264,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): self.make_block(i, flex_kernel) for i in range(model_args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+        # True: forward stops after the norm and the loss applies `output` by chunks (ModelSpec).
+        self.loss_owns_output = False
         if model_args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: derived from args, so checkpoints stay free of it; init_weights
@@ -338,7 +340,8 @@ class Transformer(nn.Module):
     def forward(
         self, tokens: torch.Tensor, kv_cache: KVCache | None = None, doc_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """tokens [B, S] int64 -> logits [B, S, vocab] in the parameter dtype.
+        """tokens [B, S] int64 -> logits [B, S, vocab] in the parameter dtype (the normed hidden
+        states [B, S, dim] with ``loss_owns_output``).
 
         Pipeline stages: without tok_embeddings the input is already hidden states [B, S, dim];
         without norm/output the hidden states are returned. With a ``kv_cache`` (generation) the
@@ -361,8 +364,13 @@ class Transformer(nn.Module):
         attn_mask = self.attention_mask(seqlen * self.seq_shards, h.device, doc_ids, kv_cache)
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis, attn_mask, kv_cache=kv_cache)
+        return self.forward_tail(h)
+
+    def forward_tail(self, h: torch.Tensor) -> torch.Tensor:
+        """norm -> output, each where this part has it; the output is left to the loss when
+        ``loss_owns_output`` (the chunked loss). Families built on this skeleton reuse it."""
         if self.norm is not None:
             h = self.norm(h)
-        if self.output is not None:
+        if self.output is not None and not self.loss_owns_output:
             h = self.output(h)
         return h
