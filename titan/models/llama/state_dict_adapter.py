@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -134,6 +134,46 @@ def _ffn_settings(dim: int, intermediate: int) -> dict[str, Any]:
     raise TitanError(f"config.json intermediate_size {intermediate} cannot be expressed for hidden_size {dim}")
 
 
+_Args = TypeVar("_Args", bound=TransformerModelArgs)
+
+
+def hf_rope(config: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE settings of an HF config.json: transformers >= 5 writes rope_parameters; older
+    files have rope_theta + rope_scaling."""
+    return dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+
+
+def with_hf_rope_scaling(args: _Args, rope: dict[str, Any]) -> _Args:
+    """``args`` with the Llama 3.1 frequency scaling that ``rope`` (``hf_rope``) describes; other
+    RoPE types than default and llama3 are refused."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3":
+        return replace(
+            args,
+            use_rope_scaling=True,
+            rope_scale_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    if rope_type != "default":
+        raise TitanError(f"config.json rope type {rope_type!r} is not supported; valid: default, llama3")
+    return args
+
+
+def hf_rope_scaling(args: TransformerModelArgs) -> dict[str, Any] | None:
+    """The config.json rope scaling entries of ``args`` (None without Llama 3.1 scaling)."""
+    if not args.use_rope_scaling:
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": args.rope_scale_factor,
+        "low_freq_factor": args.rope_low_freq_factor,
+        "high_freq_factor": args.rope_high_freq_factor,
+        "original_max_position_embeddings": args.rope_original_max_position_embeddings,
+    }
+
+
 def hf_config_to_args(config: dict[str, Any]) -> TransformerModelArgs:
     """HF Llama config.json (as a dict) -> TransformerModelArgs; unsupported variants raise."""
 
@@ -150,10 +190,8 @@ def hf_config_to_args(config: dict[str, Any]) -> TransformerModelArgs:
     dim, n_heads = need("hidden_size"), need("num_attention_heads")
     if config.get("head_dim") not in (None, dim // n_heads):
         raise TitanError(f"config.json head_dim {config['head_dim']} != hidden_size / num_attention_heads")
-    # transformers >= 5 writes rope_parameters; older files have rope_theta + rope_scaling.
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope = hf_rope(config)
     theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
     args = TransformerModelArgs(
         dim=dim,
         n_layers=need("num_hidden_layers"),
@@ -166,32 +204,14 @@ def hf_config_to_args(config: dict[str, Any]) -> TransformerModelArgs:
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         **_ffn_settings(dim, need("intermediate_size")),
     )
-    if rope_type == "llama3":
-        args = replace(
-            args,
-            use_rope_scaling=True,
-            rope_scale_factor=float(rope["factor"]),
-            rope_low_freq_factor=float(rope["low_freq_factor"]),
-            rope_high_freq_factor=float(rope["high_freq_factor"]),
-            rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
-    elif rope_type != "default":
-        raise TitanError(f"config.json rope type {rope_type!r} is not supported; valid: default, llama3")
+    args = with_hf_rope_scaling(args, rope)
     args.validate()
     return args
 
 
 def args_to_hf_config(args: TransformerModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """TransformerModelArgs -> a config.json dict that transformers' LlamaForCausalLM loads."""
-    rope_scaling = None
-    if args.use_rope_scaling:
-        rope_scaling = {
-            "rope_type": "llama3",
-            "factor": args.rope_scale_factor,
-            "low_freq_factor": args.rope_low_freq_factor,
-            "high_freq_factor": args.rope_high_freq_factor,
-            "original_max_position_embeddings": args.rope_original_max_position_embeddings,
-        }
+    rope_scaling = hf_rope_scaling(args)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

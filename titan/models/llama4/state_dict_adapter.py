@@ -23,7 +23,14 @@ import torch
 from titan.errors import TitanError
 from titan.log import logger
 from titan.models.llama.model import ffn_hidden_dim
-from titan.models.llama.state_dict_adapter import _ffn_settings, args_from_shapes
+from titan.models.llama.state_dict_adapter import (
+    _cast,
+    _ffn_settings,
+    args_from_shapes,
+    hf_rope,
+    hf_rope_scaling,
+    with_hf_rope_scaling,
+)
 from titan.models.llama4.args import Llama4ModelArgs
 from titan.models.moe import MoEArgs
 
@@ -55,10 +62,6 @@ _LAYER_INV = MappingProxyType({v: k for k, v in _LAYER_MAP.items()})
 _TOP_INV = MappingProxyType({v: k for k, v in _TOP_MAP.items()})
 _TITAN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
 def to_hf(
@@ -178,8 +181,7 @@ def hf_config_to_args(config: dict[str, Any]) -> Llama4ModelArgs:
             "config.json attention_chunk_size is set without NoPE layers; titan's llama4 chunks attention"
             " only in iRoPE models"
         )
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope = hf_rope(config)
     theta = float(config.get("rope_theta", rope.get("rope_theta", 500000.0)))
     args = Llama4ModelArgs(
         dim=dim,
@@ -204,17 +206,7 @@ def hf_config_to_args(config: dict[str, Any]) -> Llama4ModelArgs:
     )
     if args.moe_hidden_dim != need("intermediate_size"):  # not the width the dense FFN's settings derive
         args.moe_args.hidden_dim = config["intermediate_size"]
-    if rope_type == "llama3":
-        args = replace(
-            args,
-            use_rope_scaling=True,
-            rope_scale_factor=float(rope["factor"]),
-            rope_low_freq_factor=float(rope["low_freq_factor"]),
-            rope_high_freq_factor=float(rope["high_freq_factor"]),
-            rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
-    elif rope_type != "default":
-        raise TitanError(f"config.json rope type {rope_type!r} is not supported; valid: default, llama3")
+    args = with_hf_rope_scaling(args, rope)
     args.validate()
     return args
 
@@ -230,16 +222,7 @@ def args_to_hf_config(args: Llama4ModelArgs, dtype: torch.dtype = torch.float32)
         )
     if not moe.score_before_experts:
         raise TitanError("Hugging Face Llama 4 scales the experts' inputs by the router score (score_before_experts)")
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
-    if args.use_rope_scaling:
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": args.rope_theta,
-            "factor": args.rope_scale_factor,
-            "low_freq_factor": args.rope_low_freq_factor,
-            "high_freq_factor": args.rope_high_freq_factor,
-            "original_max_position_embeddings": args.rope_original_max_position_embeddings,
-        }
+    rope: dict[str, Any] = {"rope_type": "default", **(hf_rope_scaling(args) or {}), "rope_theta": args.rope_theta}
     irope = args.every_n_layers_nope is not None
     return {
         "architectures": ["Llama4ForCausalLM"],
