@@ -22,9 +22,9 @@ from titan.models.moe import MoEArgs
 from titan.training.trainer import Trainer
 
 TOL = 1e-5
-# Pipeline micro-batches sum the loss and gradients in another order than one process does: the
-# dense pipeline parity tests' tolerance (a few float32 ulps of the loss, not growing over the steps).
-PP_TOL = 1e-4
+# Pipeline micro-batches sum the loss and gradients in another order than one process does: a few
+# float32 ulps of the loss (1.3e-5 at a loss of about 7), not growing over the steps; so relative.
+PP_RTOL = 1e-5
 TITAN = Path(__file__).resolve().parents[3] / "titan"
 # 4 layers, MoE in layers 1 and 3; 4 experts (EP 1, 2 or 4), top 2, a shared expert, bias balancing on.
 EPTEST = Llama4ModelArgs(
@@ -156,11 +156,17 @@ def on_four_ranks(rank: int, world: int, dump: str) -> dict:
         return out
 
 
-def _close(a: list, b: list, name: str, tol: float = TOL) -> float:
-    diffs = [abs(x[0] - y[0]) for x, y in zip(a, b, strict=True)]
+def _close(a: list, b: list, name: str, tol: float = TOL, relative: bool = False) -> float:
+    """Per step (loss, grad norm) of ``a`` against ``b``: losses within ``tol`` (of ``b``'s loss if
+    ``relative``), grad norms within 10x that."""
+
+    def diff(x: float, y: float) -> float:
+        return abs(x - y) / (abs(y) if relative else 1.0)
+
+    diffs = [diff(x[0], y[0]) for x, y in zip(a, b, strict=True)]
     worst = max(diffs)
     assert worst < tol, (name, diffs, a, b)
-    assert all(abs(x[1] - y[1]) < 10 * tol for x, y in zip(a, b)), (name, a, b)
+    assert all(diff(x[1], y[1]) < 10 * tol for x, y in zip(a, b)), (name, a, b)
     return worst
 
 
@@ -183,7 +189,7 @@ def test_pp2_reproduces_the_one_rank_curve(two, tmp_path) -> None:
         # One sequence per forward, as the pipeline's micro-batches: the same matmul shapes.
         reference = _curve(_trainer(str(tmp_path), GLOBAL_BATCH))
     for per_rank in two[0]:
-        _close(per_rank["pp2"], reference, "pp2", PP_TOL)
+        _close(per_rank["pp2"], reference, "pp2", PP_RTOL, relative=True)
 
 
 def test_saved_at_ep2_resumed_at_ep1_continues_the_curve(two) -> None:
