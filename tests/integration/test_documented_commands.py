@@ -43,6 +43,12 @@ SKIP = {
     "python scripts/convert_hf.py from_hf meta-llama/Llama-3.1-8B-local-copy dcp_out": "Llama 3.1 8B weights",
     "./run_train.sh --training.dataset_path /tmp/pydoc_tokens": "the store the tokenize_dataset.py command writes,"
     " run at the same time (tests/integration/test_token_store.py trains from a store)",
+    "python scripts/benchmark.py --nproc 8 --steps 20 --warmup 5 --job.config_file train_configs/llama3_8b.toml"
+    " --variant 'eager=--compile.enable false' --variant compile=--compile.enable": "8 GPUs (the 8B model)",
+    "python scripts/benchmark.py --memory": "up to 25 GiB and minutes a row: full logits at vocab 128,256 x seq"
+    " 8,192 (tests/unit/training/test_chunked_loss.py checks the loss's memory without the whole logits)",
+    "python scripts/benchmark.py --preset moe_debug_cpu": "three 2-rank rows of minutes each"
+    " (tests/integration/test_llama4_configs.py checks each row's layout; test_expert_parallel.py trains them)",
 }
 SKIP_PREFIXES = [
     # (command prefix, reason): families of commands that need what this machine lacks
