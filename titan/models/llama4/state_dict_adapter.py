@@ -13,7 +13,6 @@ HF's multimodal checkpoints (``language_model.`` prefix) are read as their text 
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
@@ -24,6 +23,10 @@ from titan.errors import TitanError
 from titan.log import logger
 from titan.models.llama.model import ffn_hidden_dim
 from titan.models.llama.state_dict_adapter import (
+    _HF_LAYER,
+    _TITAN_LAYER,
+    _TOP_MAP,
+    _TOP_MAP_INV,
     _cast,
     _ffn_settings,
     args_from_shapes,
@@ -51,17 +54,8 @@ _LAYER_MAP = MappingProxyType(
         "moe.shared_experts.w2.weight": "feed_forward.shared_expert.down_proj.weight",
     }
 )
-_TOP_MAP = MappingProxyType(
-    {
-        "tok_embeddings.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-    }
-)
 _LAYER_INV = MappingProxyType({v: k for k, v in _LAYER_MAP.items()})
-_TOP_INV = MappingProxyType({v: k for k, v in _TOP_MAP.items()})
-_TITAN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_TOP_INV = _TOP_MAP_INV  # embedding, final norm and lm_head are named as in Llama 3
 
 
 def to_hf(
