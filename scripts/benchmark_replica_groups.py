@@ -5,8 +5,11 @@ its own launcher), against the same groups uninterrupted.
 
 1. The reference: the groups uninterrupted, stopped (SIGTERM to their launchers: they save and
    exit 0) after --seconds of training; the step they reached is the length of both runs.
-2. The faulty run: the same with failures, to that step. Its median step time is the step time
-   at full strength (a shared machine's speed drifts between the two runs).
+2. The faulty run: the same with failures, to that step. Its step time at full strength is the
+   mean time per step, from the groups' own log timestamps, over the stretches where no failure
+   is being recovered (from a kill to its group's heal): checkpoint saves and the other periodic
+   work of a full-strength run stay in it. Measured in the same run because a shared machine's
+   speed drifts between runs.
 
 The last line is JSON: failures, restarts, steps, committed_group_steps, discarded_steps, heals,
 heal_s (per failure: the kill to its group's healed step), goodput = committed group-steps /
@@ -26,12 +29,15 @@ import socket
 import statistics
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
 STEP_LINE = re.compile(r"\[replica(\d+)_rank0\]:.*step:\s*(\d+)\s+loss:\s*([0-9.]+)")
+# titan's own time stamp of a line (the console's arrival times carry the pipes' buffering)
+STAMP = re.compile(r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
 def _port() -> int:
@@ -44,9 +50,30 @@ def _env(groups: int) -> dict[str, str]:
     return {"NGPU": "1", "REPLICA_GROUPS": str(groups), "LIGHTHOUSE_PORT": str(_port())}
 
 
+def _stamp(t: float, line: str) -> float:
+    """The line's own time stamp (titan's logger), else its arrival time."""
+    m = STAMP.search(line)
+    return datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp() if m else t
+
+
 def _steps(run: Any) -> list[tuple[float, int, int, float]]:
     """(time, group, step, loss) of every step line."""
-    return [(t, int(m[1]), int(m[2]), float(m[3])) for t, line in list(run.lines) if (m := STEP_LINE.search(line))]
+    return [
+        (_stamp(t, line), int(m[1]), int(m[2]), float(m[3]))
+        for t, line in list(run.lines)
+        if (m := STEP_LINE.search(line))
+    ]
+
+
+def full_strength_step_s(lines: list[tuple[float, int, int, float]], windows: list[tuple[float, float]]) -> float:
+    """Mean seconds per step of each group's consecutive steps that overlap no recovery window."""
+    deltas = []
+    for g in {g for _, g, _, _ in lines}:
+        own = sorted((t, s) for t, gg, s, _ in lines if gg == g)
+        for (t0, s0), (t1, s1) in zip(own, own[1:]):
+            if s1 == s0 + 1 and not any(t0 < end and t1 > start for start, end in windows):
+                deltas.append(t1 - t0)
+    return statistics.fmean(deltas)
 
 
 def _final_loss(run: Any, step: int) -> float | None:
@@ -112,22 +139,22 @@ def main(a: Any, out: Path, launch: Any, run_args: Any, ranks: Any) -> int:
         print(f"benchmark: {time.time() - t0:7.1f} s: SIGKILL to group {group}", file=sys.stderr, flush=True)
         due = time.time() + rng.expovariate(1 / a.mtbf)
     rc = run.wait()
-    text = [(t, line) for t, line in run.lines]
+    text = [(_stamp(t, line), line) for t, line in run.lines]
     lines = _steps(run)
     discarded = [(t, line) for t, line in text if "discarded (a replica group failed" in line]
     healed = [
         (t, int(m[1])) for t, line in text if (m := re.search(r"replica group (\d+) healed from a live peer", line))
     ]
-    heal_s = []
+    end = max(t for t, *_ in lines)
+    heal_s, windows = [], []
     for k, g in kills:
         done = next((t for t, hg in healed if hg == g and t > k), None)
+        windows.append((k, end if done is None else done))
         if done is not None:
             heal_s.append(round(done - k, 1))
     committed = len(lines) - len(discarded)
-    # Full strength: this run's own median step time (a shared machine's speed drifts between runs).
-    own = sorted((t, s) for t, g, s, _ in lines if g == 0)
-    step_s = statistics.median(b[0] - a[0] for a, b in zip(own, own[1:]) if b[1] == a[1] + 1)
-    wall = max(t for t, *_ in lines) - min(t for t, *_ in lines) + step_s
+    step_s = full_strength_step_s(lines, windows)
+    wall = end - min(t for t, *_ in lines) + step_s  # the first step's own time included
     states = [_state(out / "faulty" / f"replica_{i}", steps) for i in range(groups)]
     result = {
         "failures": len(kills),
