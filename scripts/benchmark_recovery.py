@@ -71,6 +71,10 @@ def _args(dump: Path, interval: int, steps: int) -> list[str]:
         str(steps),
         "--lr_scheduler.decay_ratio",
         "0",
+        # pydoc without the pydoc_validation topics: the replica-group runs measure their final
+        # weights on those, held out
+        "--training.dataset",
+        "pydoc_train",
         "--checkpoint.enable",
         "--checkpoint.interval",
         str(interval),

@@ -15,7 +15,11 @@ The last line is JSON: failures, restarts, steps, committed_group_steps, discard
 heal_s (per failure: the kill to its group's healed step), goodput = committed group-steps /
 (groups x the steps the wall time holds at full strength), heals_bitwise_equal (every group's
 final weights and optimizer state equal, bitwise: a healed group took its peer's state exactly),
-final_loss and final_loss_uninterrupted (the mean over the groups of the last step's loss).
+final_loss and final_loss_uninterrupted: the final weights' loss on the same held-out text (the
+pydoc_validation topics, which pydoc_train, the runs' data, leaves out; 128-token windows): the
+groups' last training batches differ between the runs (a restarted group reads on from its own
+data position); and train_loss_last50 of both runs (mean and spread over both groups' last 50
+steps).
 """
 
 from __future__ import annotations
@@ -76,9 +80,9 @@ def full_strength_step_s(lines: list[tuple[float, int, int, float]], windows: li
     return statistics.fmean(deltas)
 
 
-def _final_loss(run: Any, step: int) -> float | None:
-    last = {g: loss for _, g, s, loss in _steps(run) if s == step}
-    return round(sum(last.values()) / len(last), 4) if last else None
+def _newest(folder: Path) -> Path:
+    """The newest step-N folder (the reference saves when it is stopped)."""
+    return max(folder.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
 
 
 def _state(folder: Path, step: int) -> dict[str, Any]:
@@ -88,6 +92,35 @@ def _state(folder: Path, step: int) -> dict[str, Any]:
     dcp_to_torch_save(str(folder / "checkpoint" / f"step-{step}"), str(target))
     state = torch.load(target, weights_only=False)
     return {"model": state["model"], "optimizer": state["optimizer"]}
+
+
+def _heldout_loss(step_dir: Path, seq: int = 128, windows: int = 64) -> float:
+    """The checkpoint's mean next-token loss over the first ``windows`` windows of pydoc_validation."""
+    from pydoc_data.topics import topics
+
+    from titan.data.datasets import PYDOC_VALIDATION_EVERY
+    from titan.data.tokenizer import build_tokenizer
+    from titan.tools.generate import load_model
+
+    tokenizer = build_tokenizer("")
+    ids: list[int] = []
+    for key in sorted(topics)[::PYDOC_VALIDATION_EVERY]:
+        ids += tokenizer.encode(topics[key], bos=True, eos=True)
+    data = torch.tensor(ids[: windows * seq + 1])
+    inputs = data[:-1].view(windows, seq)
+    labels = data[1:].view(windows, seq)
+    model = load_model(step_dir, max_seq_len=seq, device=torch.device("cpu"), flavor="debugmodel").eval()
+    with torch.no_grad():
+        logits = model(inputs)
+    return round(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item(), 4)
+
+
+def _last_steps_loss(run: Any, last: int = 50) -> tuple[float, float]:
+    """Mean and standard deviation of both groups' training loss over their last ``last`` steps."""
+    lines = _steps(run)
+    end = max(s for _, _, s, _ in lines)
+    losses = [loss for _, _, s, loss in lines if s > end - last]
+    return round(statistics.fmean(losses), 4), round(statistics.stdev(losses), 4)
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -166,8 +199,10 @@ def main(a: Any, out: Path, launch: Any, run_args: Any, ranks: Any) -> int:
         "heal_s": heal_s,
         "goodput": round(committed / (groups * wall / step_s), 4),
         "heals_bitwise_equal": all(_equal(states[0], s) for s in states[1:]),
-        "final_loss": _final_loss(run, steps),
-        "final_loss_uninterrupted": _final_loss(ref, steps),
+        "final_loss": _heldout_loss(out / "faulty" / "replica_0" / "checkpoint" / f"step-{steps}"),
+        "final_loss_uninterrupted": _heldout_loss(_newest(out / "reference" / "replica_0" / "checkpoint")),
+        "train_loss_last50": _last_steps_loss(run),
+        "train_loss_last50_uninterrupted": _last_steps_loss(ref),
         "wall_s": round(wall, 1),
         "step_s_full_strength": round(step_s, 3),
         "status": rc,

@@ -9,6 +9,7 @@ import glob
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -86,13 +87,14 @@ def flat(tree: object, prefix: str = "") -> dict[str, object]:
 
 
 def test_killed_group_heals_from_live_peer(lighthouse: str, tmp_path: Path) -> None:
-    ready = str(tmp_path / "ready1")
-    # Group 0 starts its first step with group 1 up, and its step 7 once group 1's restart is up:
-    # the kill and the return are ordered against group 0's steps by events, not timers.
-    gates = {WAIT_ENV: f"step=1:{ready}.0,step=7:{ready}.1"}
+    ready, ready0 = str(tmp_path / "ready1"), str(tmp_path / "ready0")
+    # Both groups start their first step with the other up (one first quorum holds both), and
+    # group 0 its step 7 once group 1's restart is up: the kill and the return are ordered
+    # against group 0's steps by events, not timers.
+    gates = {WAIT_ENV: f"step=1:{ready}.0,step=7:{ready}.1", READY_ENV: ready0}
     g0 = group(lighthouse, tmp_path, 0, env=kill_env("", gates) | gates)
     # Group 1 dies inside step 4, after its backward, before the gradient exchange.
-    g1_env = kill_env("sync:step=4@attempt0") | {READY_ENV: ready}
+    g1_env = kill_env("sync:step=4@attempt0") | {READY_ENV: ready, WAIT_ENV: f"step=1:{ready0}.0"}
     g1 = group(lighthouse, tmp_path, 1, env=g1_env, restarts=1)
     out1 = output(g1, tmp_path, 1, timeout=180)
     out0 = output(g0, tmp_path, 0, timeout=60)
@@ -103,6 +105,8 @@ def test_killed_group_heals_from_live_peer(lighthouse: str, tmp_path: Path) -> N
     assert "step 4 discarded" in out0 and "SIGKILL at sync of step 4" in out1
     # The restarted group took the peer's state and step, not its own fresh start.
     assert "healed from a live peer at step 7" in out1
+    # Its data reads on after its last step (step 4 died before its update: its batches come again).
+    assert "data position of step 3 restored" in out1, out1[-3000:]
     # Each group's goodput record counts its replica-group steps.
     assert "replica group steps this attempt: 8 committed, 1 discarded; 0 heal(s)" in out0
     assert "replica group steps this attempt: 3 committed, 0 discarded; 1 heal(s)" in out1
@@ -113,6 +117,34 @@ def test_killed_group_heals_from_live_peer(lighthouse: str, tmp_path: Path) -> N
             assert torch.equal(value, b[key]), key
         else:
             assert value == b[key], key
+
+
+def test_replica_id_used_twice_stops_the_newcomer(lighthouse: str, tmp_path: Path) -> None:
+    # Group A (id 0) trains its first step alone, then holds before its step 2 until B (also id 0)
+    # is about to ask for its first quorum, so that quorum holds both: B stops with its line,
+    # before it trains; A trains on.
+    ready = str(tmp_path / "ready_b")
+    gates = {WAIT_ENV: f"step=2:{ready}.0"}
+    a = group(lighthouse, tmp_path, 0, env=kill_env("", gates) | gates)
+    log_a = tmp_path / "group0.log"
+    deadline = time.monotonic() + 180
+    while not STEP_RE.search(log_a.read_text()):  # A's first step is an event in its log
+        assert a.poll() is None and time.monotonic() < deadline, log_a.read_text()[-3000:]
+        time.sleep(0.1)
+    b_folder = tmp_path / "b"
+    b_folder.mkdir()
+    b = group(lighthouse, b_folder, 0, env=kill_env("", {READY_ENV: ready}) | {READY_ENV: ready}, restarts=2)
+    out_b = output(b, b_folder, 0, timeout=180)
+    out_a = output(a, tmp_path, 0, timeout=120)
+    assert b.returncode == 2, out_b[-3000:]
+    assert (
+        "config key 'fault_tolerance.replica_id' = 0 is already used by another live replica group"
+        in (out_b.splitlines()[-1])
+    )
+    assert not STEP_RE.search(out_b), out_b[-3000:]  # not one step trained
+    assert "restart 1 of" not in out_b  # a user error: its launcher does not retry it
+    assert a.returncode == 0, out_a[-3000:]
+    assert sorted({int(m[1]) for m in STEP_RE.finditer(out_a)}) == list(range(1, STEPS + 1))
 
 
 def test_config_error_in_one_group_is_not_retried(tmp_path: Path) -> None:

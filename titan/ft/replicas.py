@@ -9,6 +9,9 @@ discarded (no group does)? Around it:
 - ``sync_gradients``: the gradients are averaged over the groups of the quorum (one flat
   all-reduce per dtype), then torchft decides: committed, or discarded because a group failed
   during the step (its collectives errored or timed out) or too few groups took part.
+- the group's data position is its own, kept per step (titan/ft/data_position.py).
+- a group whose first quorum holds another live group under its replica id stops with one line
+  (torchft itself tells the two apart by a random suffix and would train both).
 
 Inside a group the layout is titan's own (FSDP, TP, PP, CP): rank r of every group holds the same
 shards, and torchft's process group joins rank r of every group.
@@ -23,7 +26,7 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -32,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from titan.config.sections.fault_tolerance import FaultTolerance
 from titan.errors import TitanError
+from titan.ft.data_position import DataPosition
 from titan.ft.semi_sync import SemiSync
 from titan.ft.transfer import like, to_local
 from titan.log import logger
@@ -92,14 +96,22 @@ class ReplicaGroups:
     group takes from its peer (model, optimizer, LR schedulers, train state: everything but the data
     loader and RNG, which stay the group's own)."""
 
-    def __init__(self, cfg: FaultTolerance, states: dict[str, Any], rank_states: dict[str, Any], device: torch.device):
+    def __init__(
+        self,
+        cfg: FaultTolerance,
+        states: dict[str, Any],
+        rank_states: dict[str, Any],
+        device: torch.device,
+        data: DataPosition | None = None,
+    ):
         import torchft  # the titan[ft] extra; checked with one line by join_replica_groups
 
-        self.cfg, self.states, self.device = cfg, dict(states), device
+        self.cfg, self.states, self.device, self.data = cfg, dict(states), device, data
         self.record = ReplicaRecord()
         self.committed = True
         self._params: list[torch.nn.Parameter] = []
-        url = lighthouse_address()
+        self._first_quorum = True
+        self.url = url = lighthouse_address()
         timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
         backend = cfg.process_group
         if backend == "nccl" and device.type != "cuda":
@@ -129,6 +141,8 @@ class ReplicaGroups:
             **where,
         )
         self.manager.register_state_dict_fn("titan", self._load_peer_state, self._peer_state)
+        # torchft keeps each quorum's member ids to itself: its client is wrapped to show them.
+        cast(Any, self.manager)._client = FirstQuorumCheck(self.manager._client, self)
         states["fault_tolerance"] = self  # saved with this group's checkpoints (not sent to peers)
         self.semi_sync: SemiSync | None = None
         if cfg.semi_sync_method != "none":
@@ -174,10 +188,30 @@ class ReplicaGroups:
     # ------------------------------------------------------------ one step
     def start_step(self) -> None:
         """Before the forward: the quorum of live groups for this step (a group that is behind
-        heals from a peer before the step's update). Semi-synchronous methods take theirs at each
-        synchronization instead."""
+        heals from a peer before the step's update). The process's first quorum is awaited here,
+        so a replica id in use stops the group before it trains. Semi-synchronous methods take
+        theirs at each synchronization instead."""
         if self.semi_sync is None:
+            first = self._first_quorum
             self.manager.start_quorum()
+            if first:
+                self.manager.wait_quorum()
+
+    def check_quorum(self, replica_ids: list[str]) -> None:
+        """This process's first quorum (``replica_ids``: torchft's ``<id>:<random suffix>``): a
+        second member under this group's id is another live group launched with the same
+        fault_tolerance.replica_id (a dead one is not in a quorum)."""
+        if not self._first_quorum:
+            return
+        self._first_quorum = False
+        mine = f"{REPLICA_PREFIX}{self.cfg.replica_id}:"
+        same = [r for r in replica_ids if r.startswith(mine)]
+        if len(same) > 1:
+            raise TitanError(
+                f"config key 'fault_tolerance.replica_id' = {self.cfg.replica_id} is already used by another live"
+                f" replica group at the lighthouse {self.url}; valid: an id no other group uses, 0 .."
+                f" {self.cfg.groups - 1} (fault_tolerance.group_size = {self.cfg.group_size})"
+            )
 
     def sync_gradients(self, params: list[torch.nn.Parameter]) -> bool:
         """After the backward: average the gradients over the quorum's groups and ask torchft
@@ -185,6 +219,8 @@ class ReplicaGroups:
         that follows changes no weight and no optimizer state; like a non-finite skipped step it
         still counts (step number and LR schedule stay aligned across groups)."""
         self._params = params  # a heal (inside should_commit) sets their gradients aside
+        if self.data is not None:
+            self.data.save(self._train_step)
         if self.semi_sync is not None:
             return True  # inner steps are local; torchft synchronizes after the optimizer step
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
@@ -212,6 +248,20 @@ class ReplicaGroups:
         return False
 
     # ------------------------------------------------------------ this group's checkpoint
+    def after_load(self, checkpointer: Any) -> None:
+        """After the group's own checkpoint (if any) was loaded: its data reads on from its last
+        step when that is newer (a restart)."""
+        if self.data is None:
+            return
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+        ckpt = checkpointer.cfg
+        self.data.restore(
+            self._train_step,
+            resumed=checkpointer.start.found is not None or restarted,
+            load_step=ckpt.load_step,
+            excluded="dataloader" in ckpt.exclude_from_loading,
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """torchft's count of committed steps: a restarted group resumes it, so it is never ahead
         of the live groups (the group with the most commits is the one the others heal from)."""
@@ -224,6 +274,21 @@ class ReplicaGroups:
         self.manager.shutdown(wait=False)
 
 
+class FirstQuorumCheck:
+    """torchft's manager client with this process's first quorum result checked by the group."""
+
+    def __init__(self, client: Any, group: ReplicaGroups) -> None:
+        self._client, self._group = client, group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def _quorum(self, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(**kwargs)
+        self._group.check_quorum(list(quorum.replica_ids))
+        return quorum
+
+
 class NoReplicaGroups:
     """fault_tolerance.enable = false: every step commits, nothing is exchanged."""
 
@@ -231,6 +296,9 @@ class NoReplicaGroups:
     record = None
 
     def start_step(self) -> None:
+        return None
+
+    def after_load(self, checkpointer: Any) -> None:
         return None
 
     def sync_gradients(self, params: list[torch.nn.Parameter]) -> bool:
@@ -254,4 +322,5 @@ def join_replica_groups(
         raise TitanError(
             "fault_tolerance.enable needs torchft: pip install 'titan[ft]' (or pip install torchft)"
         ) from None
-    return ReplicaGroups(cfg, checkpointer.states, checkpointer.rank_states, device)
+    data = DataPosition(checkpointer.root, checkpointer.rank, checkpointer.rank_states["dataloader"])
+    return ReplicaGroups(cfg, checkpointer.states, checkpointer.rank_states, device, data)

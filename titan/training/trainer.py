@@ -171,6 +171,7 @@ class Trainer:
         self.checkpointer.before_save = self.stability.resolve
         self.replicas = join_replica_groups(config.fault_tolerance, self.checkpointer, self.device)
         self.checkpointer.load()
+        self.replicas.after_load(self.checkpointer)  # a restarted group's data reads on from its last step
         self.goodput = GoodputRecorder(config, rank=self.rank, step=self.step, metrics=self.metrics)
         self.goodput.replicas = self.replicas.record  # replica groups: committed, discarded, heals
         if self.rank == 0:  # the run is committed to start here (its checkpoint folder checked or resumed)
