@@ -185,3 +185,6 @@ def test_torchtitan_llama3_ft_config_dry_runs_and_trains(lighthouse: str, tmp_pa
     assert run.returncode == 0, out[-3000:]
     assert "fault_tolerance.process_group = nccl needs CUDA: replica groups use gloo on this CPU machine" in out
     assert sorted(int(m[1]) for m in STEP_RE.finditer(out)) == [1, 2, 3, 4, 5]
+    # DiLoCo's inner steps and its one synchronization so far, in the goodput record
+    assert "replica group steps this attempt: 5 committed, 0 discarded" in out
+    assert "; 1 synchronization(s), 0 failed" in out, out[-3000:]

@@ -56,10 +56,12 @@ class Stateful(Protocol):
 class ReplicaRecord:
     """What the replica-group machinery did in this process: for the goodput record."""
 
-    committed: int = 0
+    committed: int = 0  # semi-synchronous methods: inner steps (applied locally)
     discarded: int = 0
     heals: int = 0
     heal_seconds: float = 0.0  # loading the peer's state (its transfer overlaps the forward)
+    synced: int = 0  # semi-synchronous methods: synchronizations committed ...
+    sync_failed: int = 0  # ... and failed (the fragment went back to its last global weights)
 
 
 def lighthouse_address(env: Mapping[str, str] | None = None, wait_s: float = CONNECT_WAIT_S) -> str:
@@ -153,11 +155,27 @@ class ReplicaGroups:
                     " with one optimizer (no pipeline parallelism, no optimizer in backward) in each replica group"
                 )
             self.semi_sync = SemiSync(cfg, self.manager, parts[0], optimizers[0])
+            self._count_syncs()
             rank_states["semi_sync"] = self.semi_sync  # each rank's shards of the outer state
         logger.info(
             f"replica group {cfg.replica_id} of {cfg.groups} joined the lighthouse at {url}"
             f" (min_replica_size {cfg.min_replica_size}, {backend} between groups)"
         )
+
+    def _count_syncs(self) -> None:
+        """torchft's LocalSGD / DiLoCo ask the manager whether each synchronization commits: the
+        answers go to the goodput record."""
+        should_commit = self.manager.should_commit
+
+        def counted(*args: Any, **kwargs: Any) -> bool:
+            ok = should_commit(*args, **kwargs)
+            if ok:
+                self.record.synced += 1
+            else:
+                self.record.sync_failed += 1
+            return ok
+
+        cast(Any, self.manager).should_commit = counted
 
     # ------------------------------------------------------------ healing
     def _peer_state(self) -> dict[str, Any]:
@@ -222,6 +240,7 @@ class ReplicaGroups:
         if self.data is not None:
             self.data.save(self._train_step)
         if self.semi_sync is not None:
+            self.record.committed += 1
             return True  # inner steps are local; torchft synchronizes after the optimizer step
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
         buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}

@@ -238,6 +238,7 @@ class GoodputRecorder:
             logger.info(
                 f"goodput: replica group steps this attempt: {r.committed} committed, {r.discarded} discarded;"
                 f" {r.heals} heal(s) from a live peer ({r.heal_seconds:.1f} s loading its state)"
+                + (f"; {r.synced} synchronization(s), {r.sync_failed} failed" if r.synced or r.sync_failed else "")
             )
         scalars = {"goodput/attempt(%)": 100 * goodput(attempt), "goodput/run(%)": 100 * goodput(run)}
         scalars.update({f"goodput/attempt_{k}(s)": v for k, v in attempt.items()})
