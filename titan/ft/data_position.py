@@ -24,14 +24,25 @@ class DataPosition:
     def __init__(self, root: str, rank: int, loader: Any) -> None:
         self.loader = loader
         self.path = os.path.join(root, FOLDER, f"rank{rank}.pt")
+        self._warned = False
 
     def save(self, step: int) -> None:
         """After step ``step``'s batches were drawn (committed or discarded: the live group goes on
         reading after them either way)."""
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         tmp = f"{self.path}.tmp"
-        torch.save({"step": step, "dataloader": self.loader.state_dict()}, tmp)
-        os.replace(tmp, self.path)
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            torch.save({"step": step, "dataloader": self.loader.state_dict()}, tmp)
+            os.replace(tmp, self.path)
+        except OSError as e:  # a full disk must not stop training: a restart falls back to the checkpoint's
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            if not self._warned:
+                self._warned = True
+                logger.warning(
+                    f"data position of step {step} not written to {self.path} ({e.strerror or e}): a restarted"
+                    " group reads on from its last checkpoint's position until it can be written again"
+                )
 
     def restore(self, loaded_step: int, *, resumed: bool, load_step: int, excluded: bool) -> None:
         """Continue from the saved position when it is newer than the checkpoint just loaded

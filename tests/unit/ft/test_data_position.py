@@ -60,3 +60,12 @@ def test_no_file_changes_nothing(tmp_path: Path) -> None:
     loader = Loader(drawn=7)
     DataPosition(str(tmp_path), 0, loader).restore(7, resumed=True, load_step=-1, excluded=False)
     assert loader.drawn == 7
+
+
+def test_an_unwritable_folder_warns_once_and_training_goes_on(tmp_path: Path, caplog) -> None:
+    (tmp_path / "data_position").write_text("a file where the folder should be")
+    pos = DataPosition(str(tmp_path), 0, Loader(drawn=3))
+    with caplog.at_level("WARNING", logger="titan"):
+        pos.save(3)
+        pos.save(4)
+    assert sum("not written to" in r.getMessage() for r in caplog.records) == 1
