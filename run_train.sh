@@ -13,8 +13,8 @@
 # `pip install 'titan[ft]'`): a lighthouse (unless TORCHFT_LIGHTHOUSE names a running one; port
 # LIGHTHOUSE_PORT, default 29510) and one launcher per group, each restarting its own group when it
 # fails (MAX_RESTARTS, default 3 here) while the others train on; a restarted group heals from a live
-# peer. Group i writes to <--job.dump_folder or DUMP_FOLDER, default ./outputs>/replica_<i>, uses GPUs
-# i*NGPU .. i*NGPU+NGPU-1 and prefixes its lines with [replica<i>_rank<r>]. docs/fault_tolerance.md.
+# peer. Group i writes to <job.dump_folder>/replica_<i> (the merged config's: TOML, then flags), uses
+# GPUs i*NGPU .. i*NGPU+NGPU-1 and prefixes its lines with [replica<i>_rank<r>]. docs/fault_tolerance.md.
 #   NGPU=1 REPLICA_GROUPS=2 ./run_train.sh --fault_tolerance.enable
 # COMM_MODE=fake_backend: no training; one CPU process dry-runs the layout for NGPU ranks
 # (mesh, per-stage layers, per-rank parameters and memory), e.g.
@@ -32,6 +32,11 @@ MAX_RESTARTS=${MAX_RESTARTS:-0}
 # Expandable segments reduce fragmentation with FSDP's varying all-gather buffer sizes.
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 export TORCHAO_FORCE_SKIP_LOADING_SO_FILES=${TORCHAO_FORCE_SKIP_LOADING_SO_FILES:-1}
+# Bad launch input ends here with one line, before anything is started.
+if [ -n "${REPLICA_GROUPS:-}" ] && ! [[ "$REPLICA_GROUPS" =~ ^[1-9][0-9]*$ ]]; then
+  echo "titan: error: REPLICA_GROUPS='${REPLICA_GROUPS}' is not a number of replica groups (1 or more)" >&2
+  exit 2
+fi
 RANKS=$((NGPU * ${REPLICA_GROUPS:-1}))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / RANKS > 0 ? $(nproc) / RANKS : 1 ))}
 
@@ -40,15 +45,14 @@ if [ "${COMM_MODE:-}" = "fake_backend" ]; then
 fi
 
 if [ -n "${REPLICA_GROUPS:-}" ]; then
-  # The groups' dump folders go under --job.dump_folder when given, else DUMP_FOLDER.
-  DUMP_FOLDER=${DUMP_FOLDER:-./outputs}
-  args=("$@")
-  for ((k = 0; k < ${#args[@]}; k++)); do
-    case "${args[k]}" in
-      --job.dump_folder | --job.dump-folder) DUMP_FOLDER=${args[k + 1]:-$DUMP_FOLDER} ;;
-      --job.dump_folder=* | --job.dump-folder=*) DUMP_FOLDER=${args[k]#*=} ;;
-    esac
-  done
+  if [ -z "${TORCHFT_LIGHTHOUSE:-}" ] && ! command -v torchft_lighthouse >/dev/null; then
+    echo "titan: error: REPLICA_GROUPS needs torchft's lighthouse (torchft_lighthouse is not on PATH): pip install 'titan[ft]'" >&2
+    exit 2
+  fi
+  # The config is checked once before the lighthouse starts (group 0's flags), and the groups'
+  # folders go under its merged job.dump_folder: TOML, then flags, as the ranks read it.
+  DUMP_FOLDER=$(python -m titan.launch.check --print_value job.dump_folder --job.config_file "${CONFIG_FILE}" "$@" \
+    --fault_tolerance.enable --fault_tolerance.group_size "${REPLICA_GROUPS}" --fault_tolerance.replica_id 0)
   GPUS=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
   if [ -z "${TORCHFT_LIGHTHOUSE:-}" ]; then
     LIGHTHOUSE_PORT=${LIGHTHOUSE_PORT:-29510}
@@ -64,14 +68,15 @@ if [ -n "${REPLICA_GROUPS:-}" ]; then
   pids=()
   for ((i = 0; i < REPLICA_GROUPS; i++)); do
     if [ "$GPUS" -gt 0 ]; then
-      export CUDA_VISIBLE_DEVICES=$(seq -s, $((i * NGPU)) $((i * NGPU + NGPU - 1)))
+      CUDA_VISIBLE_DEVICES=$(seq -s, $((i * NGPU)) $((i * NGPU + NGPU - 1)))
+      export CUDA_VISIBLE_DEVICES
     fi
     python -m titan.launch --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
       --max-restarts "${MAX_RESTARTS_SET:-3}" \
       --local-ranks-filter "${LOG_RANK}" --role "replica${i}_rank" --tee 3 \
       train.py --job.config_file "${CONFIG_FILE}" "$@" --fault_tolerance.enable \
       --fault_tolerance.group_size "${REPLICA_GROUPS}" --fault_tolerance.replica_id "${i}" \
-      --job.dump_folder "${DUMP_FOLDER}/replica_${i}" &
+      --job.dump_folder "${DUMP_FOLDER%/}/replica_${i}" &
     pids+=($!)
   done
   status=0

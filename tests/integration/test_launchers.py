@@ -1,8 +1,10 @@
-"""Launch scripts: syntax, shellcheck, the dry run through run_train.sh as a user runs it, user errors
-(one line, exit 2, no torchrun traceback), signals to the launcher (save, exit 0, resume, no restart),
-kill -9 of the launcher (the ranks stop), and restarts inside the job (MAX_RESTARTS): a killed rank
-is restarted and the run ends with the uninterrupted losses and goodput records that add up; a
-titan error is not restarted; a spent budget ends with the last cause."""
+"""Launch scripts: syntax, shellcheck, the dry run through run_train.sh as a user runs it, the
+replica-group launch of run_train.sh and multinode_trainer.slurm (layout, dump folders, bad input:
+on stand-ins for python, srun and scontrol), user errors (one line, exit 2, no torchrun
+traceback), signals to the launcher (save, exit 0, resume, no restart), kill -9 of the launcher
+(the ranks stop), and restarts inside the job (MAX_RESTARTS): a killed rank is restarted and the
+run ends with the uninterrupted losses and goodput records that add up; a titan error is not
+restarted; a spent budget ends with the last cause."""
 
 import json
 import os
@@ -86,6 +88,194 @@ def test_run_train_sh_hands_its_variables_to_the_launcher(tmp_path):
         "--training.steps",
         "5",
     ]
+
+
+def _shims(tmp_path: Path, **scripts: str) -> Path:
+    """A folder of stand-in commands for PATH (name -> bash body)."""
+    bin_dir = tmp_path / "shims"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def test_run_train_sh_puts_replica_groups_under_the_merged_dump_folder(tmp_path):
+    """REPLICA_GROUPS: each group's folder is under the job.dump_folder the ranks will read, here
+    set in the TOML file only (a `python` on PATH writes down each launcher's arguments and passes
+    the config check on to Python; TORCHFT_LIGHTHOUSE names a lighthouse: none is started)."""
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    record = 'if [ "$1 $2" = "-m titan.launch" ]; then printf "%s\\n" "$@" > "$CALLS/$$"; exit 0; fi'
+    shims = _shims(tmp_path, python=f'{record}\nexec "{sys.executable}" "$@"')
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'extends = "{REPO / "train_configs/debug_model.toml"}"\n[job]\ndump_folder = "{tmp_path}/out/"\n'
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("COMM_MODE", "MAX_RESTARTS")}
+    env.update(
+        PATH=f"{shims}:{os.environ['PATH']}",
+        CALLS=str(calls),
+        CONFIG_FILE=str(config),
+        NGPU="1",
+        REPLICA_GROUPS="2",
+        TORCHFT_LIGHTHOUSE="http://localhost:1",
+        CUDA_VISIBLE_DEVICES="",
+    )
+    out = subprocess.run(["./run_train.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    launched = sorted(
+        (p.read_text().splitlines() for p in calls.iterdir()),
+        key=lambda a: a[a.index("--fault_tolerance.replica_id") + 1],
+    )
+    assert [a[a.index("--job.dump_folder") + 1] for a in launched] == [f"{tmp_path}/out/replica_{i}" for i in range(2)]
+    assert all(dict(zip(a, a[1:]))["--max-restarts"] == "3" for a in launched), launched
+
+
+# The Slurm script's replica-group layout, on stand-ins for srun and scontrol: nodes n0.. with
+# addresses 10.0.0.<i>; each srun call is written down (TORCHFT_LIGHTHOUSE and its arguments).
+SRUN = """{ echo "TORCHFT_LIGHTHOUSE=${TORCHFT_LIGHTHOUSE:-}"; printf '%s\\n' "$@"; } > "$CALLS/$$"
+case "$*" in *SLURMD_NODENAME*) for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do echo "n$i 10.0.0.$i"; done ;; esac"""
+SCONTROL = 'for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do echo "n$i"; done'
+# the config check prints the merged dump folder; the GPU count of a node is 8
+PYTHON = """case "$*" in *--print_value*) echo /dump/ ;; *device_count*) echo 8 ;; esac
+printf '%s\\n' "$@" > "$CALLS/python-$$"
+"""
+
+
+def _slurm_script(tmp_path: Path, nodes: int, lighthouse: bool = True, **env_extra: str):
+    """multinode_trainer.slurm run by bash as Slurm would run it on an allocation of ``nodes``
+    nodes: (its result, the srun and python calls it made)."""
+    calls = tmp_path / "calls"
+    calls.mkdir(exist_ok=True)
+    shims = {"srun": SRUN, "scontrol": SCONTROL, "python": PYTHON}
+    if lighthouse:
+        shims["torchft_lighthouse"] = "exit 0"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "TORCHFT", "CUDA_VISIBLE"))}
+    env.update(
+        PATH=f"{_shims(tmp_path, **shims)}:/usr/bin:/bin",
+        CALLS=str(calls),
+        SLURM_JOB_ID="7",
+        SLURM_JOB_NUM_NODES=str(nodes),
+        SLURM_JOB_NODELIST=f"n[0-{nodes - 1}]",
+        **env_extra,
+    )
+    out = subprocess.run(
+        ["bash", str(REPO / "multinode_trainer.slurm"), "--training.steps", "5"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return out, [p.read_text().splitlines() for p in sorted(calls.iterdir())]
+
+
+def _groups(calls: list[list[str]]) -> dict[int, list[str]]:
+    """The groups' srun calls by replica id."""
+    steps = [c for c in calls if c[0].startswith("TORCHFT_LIGHTHOUSE=") and "--fault_tolerance.replica_id" in c]
+    return {int(c[c.index("--fault_tolerance.replica_id") + 1]): c for c in steps}
+
+
+def test_slurm_replica_groups_on_whole_nodes_with_the_users_lighthouse(tmp_path):
+    out, calls = _slurm_script(tmp_path, 4, lighthouse=False, REPLICA_GROUPS="2", TORCHFT_LIGHTHOUSE="http://lh:1")
+    assert out.returncode == 0, out.stderr
+    assert not any("torchft_lighthouse" in " ".join(c) for c in calls)  # TORCHFT_LIGHTHOUSE names one
+    assert "lighthouse: http://lh:1" in out.stdout, out.stdout
+    groups = _groups(calls)
+    assert sorted(groups) == [0, 1]
+    for g, hosts in [(0, "n0,n1"), (1, "n2,n3")]:
+        call = groups[g]
+        flags = dict(zip(call, call[1:]))
+        assert call[0] == "TORCHFT_LIGHTHOUSE=http://lh:1" and "--overlap" not in call, call
+        assert "--nodes=2" in call and "--ntasks=2" in call, call
+        assert flags["-w"] == hosts and flags["--nnodes"] == "2" and flags["--nproc_per_node"] == "8", call
+        assert flags["--rdzv_endpoint"] == f"10.0.0.{2 * g}:29500" and flags["--max-restarts"] == "3", call
+        assert flags["--fault_tolerance.group_size"] == "2" and flags["--job.dump_folder"] == f"/dump/replica_{g}"
+        assert flags["--role"] == f"replica{g}_rank" and not any(a.startswith("CUDA_VISIBLE_DEVICES=") for a in call)
+    assert not list((tmp_path / "logs").iterdir())  # the launch summaries' folder is gone
+
+
+def test_slurm_replica_groups_sharing_nodes_split_their_gpus(tmp_path):
+    out, calls = _slurm_script(tmp_path, 2, REPLICA_GROUPS="4", GPUS_PER_NODE="8", LIGHTHOUSE_PORT="29999")
+    assert out.returncode == 0, out.stderr
+    (lighthouse,) = [c for c in calls if "--bind" in c]
+    assert "--overlap" in lighthouse and dict(zip(lighthouse, lighthouse[1:]))["-w"] == "n0", lighthouse
+    assert "[::]:29999" in lighthouse and "lighthouse: http://10.0.0.0:29999" in out.stdout
+    groups = _groups(calls)
+    for g, (node, port, gpus) in enumerate(
+        [("n0", 29500, "0,1,2,3"), ("n0", 29501, "4,5,6,7"), ("n1", 29500, "0,1,2,3"), ("n1", 29501, "4,5,6,7")]
+    ):
+        call = groups[g]
+        flags = dict(zip(call, call[1:]))
+        assert call[0] == "TORCHFT_LIGHTHOUSE=http://10.0.0.0:29999" and "--overlap" in call, call
+        assert flags["-w"] == node and flags["--nproc_per_node"] == "4" and flags["--nnodes"] == "1", call
+        assert flags["--rdzv_endpoint"] == f"10.0.0.{node[1]}:{port}" and f"CUDA_VISIBLE_DEVICES={gpus}" in call
+
+
+@pytest.mark.parametrize(
+    "nodes, groups, gpus, lighthouse, line",
+    [
+        (1, "0", "2", True, "REPLICA_GROUPS='0' is not a number of replica groups (1 or more)"),
+        (
+            4,
+            "3",
+            "8",
+            True,
+            "REPLICA_GROUPS=3 does not divide the job's 4 nodes:"
+            " every replica group gets the same number of whole nodes",
+        ),
+        (
+            4,
+            "6",
+            "8",
+            True,
+            "REPLICA_GROUPS=6 is not a multiple of the job's 4 nodes:"
+            " groups that share nodes are as many on every node",
+        ),
+        (
+            1,
+            "3",
+            "2",
+            True,
+            "REPLICA_GROUPS=3 on 1 node(s) puts 3 groups on each node, which does not divide its GPUS_PER_NODE=2 ranks",
+        ),
+        (
+            2,
+            "2",
+            "8",
+            False,
+            "REPLICA_GROUPS needs torchft's lighthouse (torchft_lighthouse is not on PATH): pip install 'titan[ft]'",
+        ),
+    ],
+    ids=["zero", "not-dividing-nodes", "not-a-multiple", "not-dividing-gpus", "no-torchft"],
+)
+def test_slurm_bad_replica_group_input_is_one_line_and_starts_nothing(tmp_path, nodes, groups, gpus, lighthouse, line):
+    if not lighthouse and shutil.which("torchft_lighthouse", path="/usr/bin:/bin"):
+        pytest.skip("torchft_lighthouse is installed system-wide")
+    out, calls = _slurm_script(tmp_path, nodes, lighthouse=lighthouse, REPLICA_GROUPS=groups, GPUS_PER_NODE=gpus)
+    assert out.returncode == 2 and out.stderr == f"titan: error: {line}\n" and out.stdout == "", out
+    assert calls == []  # not even the config check
+
+
+@pytest.mark.parametrize(
+    "env, line",
+    [
+        ({"REPLICA_GROUPS": "0"}, "REPLICA_GROUPS='0' is not a number of replica groups (1 or more)"),
+        ({"REPLICA_GROUPS": "x"}, "REPLICA_GROUPS='x' is not a number of replica groups (1 or more)"),
+        (
+            {"REPLICA_GROUPS": "2", "PATH": "/usr/bin:/bin"},
+            "REPLICA_GROUPS needs torchft's lighthouse (torchft_lighthouse is not on PATH): pip install 'titan[ft]'",
+        ),
+    ],
+    ids=["zero", "not-a-number", "no-torchft"],
+)
+def test_run_train_sh_bad_replica_group_input_is_one_line(env, line):
+    if "PATH" in env and shutil.which("torchft_lighthouse", path=env["PATH"]):
+        pytest.skip("torchft_lighthouse is on the PATH without torchft's environment")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHFT_LIGHTHOUSE"} | {"NGPU": "1"} | env
+    out = subprocess.run(["./run_train.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == "" and out.stderr == f"titan: error: {line}\n", out
 
 
 @pytest.mark.slow
@@ -175,6 +365,7 @@ TINY = [
 
 
 def _until_step(proc: subprocess.Popen, step: int) -> list[str]:
+    assert proc.stdout is not None
     lines = []
     for line in proc.stdout:
         lines.append(line)

@@ -1,6 +1,7 @@
 """multinode_trainer.slurm on a real one-node Slurm (scripts/slurm_local.sh up, brought down at the
 end whatever happened): a run to the end, preemption by USR1 (requeue from the script), an
-external `scontrol requeue` (SIGTERM), and a config error. CPU ranks over gloo, tiny model; the
+external `scontrol requeue` (SIGTERM), a config error, and REPLICA_GROUPS (two torchft replica
+groups sharing the node; a group count that does not fit it). CPU ranks over gloo, tiny model; the
 script is submitted unchanged with the command-line overrides its header documents."""
 
 import os
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -112,7 +114,7 @@ def _submit(tmp: Path, *args: str, err: str = "job.out", **env: str) -> str:
 
 def _job(job: str) -> dict[str, str]:
     text = _sh("scontrol", "show", "job", job).stdout
-    return dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", text))
+    return {m[1]: m[2] for m in re.finditer(r"(\w+)=(\S*)", text)}
 
 
 def _wait(job: str, tmp: Path, timeout: float = 240) -> dict[str, str]:
@@ -142,7 +144,7 @@ def _wait_for_step(tmp: Path, step: int, timeout: float = 180) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(slurm, tmp_path_factory) -> dict[int, str]:
+def reference(slurm, tmp_path_factory) -> dict[str, Any]:
     """An uninterrupted run: the first test's subject and the others' losses to match."""
     tmp = tmp_path_factory.mktemp("reference")
     info = _wait(_submit(tmp, *TINY), tmp)
@@ -220,3 +222,33 @@ def test_user_error_fails_the_job_with_titans_line_last(slurm, tmp_path, where):
     err = (tmp_path / "job.err").read_text().strip().splitlines()
     assert err[-1] == line, err[-10:]
     assert "Traceback" not in "\n".join(err) and "restarting the ranks" not in _log(tmp_path)
+
+
+# a group's rank-0 step lines, prefixed by its launcher: "[replica1_rank0]:[titan] ... step: 3 ..."
+REPLICA_STEP_RE = re.compile(r"^\[replica(\d+)_rank0\]:\[titan\] [0-9-]+ [0-9:,]+ - INFO - step:\s*(\d+)\s", re.M)
+
+
+def test_replica_groups_share_the_node_and_each_trains_to_the_end(slurm, tmp_path):
+    """REPLICA_GROUPS=2 on one node of GPUS_PER_NODE=2: a lighthouse and two groups of one CPU rank,
+    each with its own rendezvous and its own folder under job.dump_folder."""
+    pytest.importorskip("torchft")
+    steps = 4
+    env = {"REPLICA_GROUPS": "2", "LIGHTHOUSE_PORT": str(_free_port())}
+    info = _wait(_submit(tmp_path, *TINY, "--training.steps", str(steps), **env), tmp_path)
+    log = _log(tmp_path)
+    assert info["JobState"] == "COMPLETED", f"{info}\n{log[-3000:]}"
+    assert "replica groups: 2 on 1 node(s), each 1 node(s) x 1 ranks" in log, log[-3000:]
+    for group in range(2):
+        assert f"replica group {group} of 2 joined the lighthouse" in log, log[-3000:]
+        done = sorted(int(s) for g, s in REPLICA_STEP_RE.findall(log) if int(g) == group)
+        assert done == list(range(1, steps + 1)), log[-3000:]
+        assert (tmp_path / "run" / f"replica_{group}" / "checkpoint" / f"step-{steps}").is_dir()
+    assert not list((REPO / "logs").glob(f".launch-summary-{info['JobId']}.*"))
+
+
+def test_replica_groups_that_do_not_divide_the_node_fail_with_one_line(slurm, tmp_path):
+    info = _wait(_submit(tmp_path, *TINY, err="job.err", REPLICA_GROUPS="3"), tmp_path, timeout=60)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
+    line = "REPLICA_GROUPS=3 on 1 node(s) puts 3 groups on each node, which does not divide its GPUS_PER_NODE=2 ranks"
+    assert (tmp_path / "job.err").read_text() == f"titan: error: {line}\n"
+    assert (tmp_path / "job.out").read_text() == "" and not (tmp_path / "run").exists()  # nothing started

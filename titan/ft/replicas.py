@@ -73,7 +73,7 @@ def lighthouse_address(env: Mapping[str, str] | None = None, wait_s: float = CON
         raise TitanError(
             f"fault_tolerance.enable needs the lighthouse address in {LIGHTHOUSE_ENV} (e.g. http://host:29510);"
             " start one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510`"
-            " (run_train.sh with REPLICA_GROUPS starts it for you)"
+            " (run_train.sh and multinode_trainer.slurm with REPLICA_GROUPS start it for you)"
         )
     parsed = urllib.parse.urlparse(url)
     host, port = parsed.hostname, parsed.port

@@ -105,3 +105,27 @@ def test_check_entry_point_runs_the_whole_pass(capsys):
     assert main(["--optimizer.lr", "-1"]) == 2
     assert capsys.readouterr().err.strip() == "titan: error: config key 'optimizer.lr' got -1.0; valid: a number > 0"
     assert main(["--training.seq_len", "32"]) == 0
+
+
+def test_check_prints_a_merged_value_for_the_launch_scripts(capsys, tmp_path):
+    """--print_value KEY: the value after TOML and flags, alone on stdout (the replica-group
+    launchers place each group's folder under job.dump_folder this way)."""
+    from titan.launch.check import main
+
+    config = tmp_path / "run.toml"
+    config.write_text(f'extends = "{REPO / "train_configs/debug_model.toml"}"\n[job]\ndump_folder = "/from/toml"\n')
+    assert main(["--print_value", "job.dump_folder", "--job.config_file", str(config)]) == 0
+    assert capsys.readouterr().out == "/from/toml\n"
+    assert (
+        main(["--job.config_file", str(config), "--job.dump_folder", "/cli", "--print_value", "job.dump_folder"]) == 0
+    )
+    assert capsys.readouterr().out == "/cli\n"
+    assert main(["--print_value", "training.steps", "--training.steps", "7"]) == 0
+    assert capsys.readouterr().out == "7\n"
+    for argv, line in [
+        (["--print_value", "job.dump_foldr"], "unknown config key 'job.dump_foldr'; did you mean 'job.dump_folder'?"),
+        (["--print_value"], "--print_value needs a config key (section.key), e.g. --print_value job.dump_folder"),
+    ]:
+        assert main(argv) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.strip() == f"titan: error: {line}"
