@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import glob
 import shutil
-import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,8 +24,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.distributed import _free_port
-from tests.integration.test_replica_groups import flat, group, output
+from tests.helpers.replica_groups import flat, group, output
+from tests.helpers.replica_groups import lighthouse as start_lighthouse
 
 pytest.importorskip("torchft")
 
@@ -50,13 +49,8 @@ HALVES = (("tok_embeddings.", "layers.0."), ("layers.1.", "norm.", "output."))
 def lighthouse() -> Iterator[str]:
     """A lighthouse that waits for both groups before any quorum: every synchronization averages
     over the two, never over whichever group asked first."""
-    port = _free_port()
-    cmd = ["torchft_lighthouse", "--min_replicas", str(GROUPS), "--bind", f"[::]:{port}"]
-    cmd += ["--join_timeout_ms", "20000", "--quorum_tick_ms", "20"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    yield f"http://localhost:{port}"
-    proc.kill()
-    proc.wait()
+    with start_lighthouse(GROUPS, "--join_timeout_ms", "20000", "--quorum_tick_ms", "20") as url:
+        yield url
 
 
 def tiny_llama() -> Transformer:

@@ -17,58 +17,20 @@ import pytest
 import torch
 
 from tests.helpers.debug_kill import READY_ENV, WAIT_ENV, kill_env
-from tests.helpers.distributed import _free_port
-from tests.helpers.runs import REPO, STEP_RE, TINY_CKPT, run_env
+from tests.helpers.replica_groups import STEPS, flat, group, output
+from tests.helpers.replica_groups import lighthouse as start_lighthouse
+from tests.helpers.runs import REPO, STEP_RE, run_env
 
 pytest.importorskip("torchft")
-STEPS = 9
 
 
 @pytest.fixture
 def lighthouse() -> Iterator[str]:
     """A lighthouse that forms a quorum from one group (so a survivor goes on alone) and notices a
     dead group within a second."""
-    port = _free_port()
-    cmd = ["torchft_lighthouse", "--min_replicas", "1", "--bind", f"[::]:{port}"]
-    cmd += ["--join_timeout_ms", "20000", "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "50"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    yield f"http://localhost:{port}"
-    proc.kill()
-    proc.wait()
-
-
-def group(lighthouse: str, folder: Path, replica: int, *args: str, env: dict[str, str], restarts: int = 0):
-    """One replica group of one rank, started as run_train.sh starts it."""
-    cmd = [sys.executable, "-m", "titan.launch", "--nproc_per_node=1", "--rdzv_backend", "c10d"]
-    cmd += ["--rdzv_endpoint=localhost:0", "--max-restarts", str(restarts), "train.py", *TINY_CKPT]
-    cmd += [
-        "--training.steps",
-        str(STEPS),
-        "--checkpoint.interval",
-        "100",
-        "--job.dump_folder",
-        str(folder / f"r{replica}"),
-    ]
-    cmd += [
-        "--fault_tolerance.enable",
-        "--fault_tolerance.group_size",
-        "2",
-        "--fault_tolerance.replica_id",
-        str(replica),
-    ]
-    cmd += ["--fault_tolerance.process_group_timeout_ms", "5000", *args]
-    env = run_env(TORCHFT_LIGHTHOUSE=lighthouse, **env)
-    log = open(folder / f"group{replica}.log", "w")  # noqa: SIM115 (read back by output())
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-
-
-def output(proc: subprocess.Popen, folder: Path, replica: int, timeout: float) -> str:
-    """The group's exit, then its whole console output."""
-    try:
-        proc.wait(timeout=timeout)
-    finally:
-        proc.kill()
-    return (folder / f"group{replica}.log").read_text()
+    flags = ["--join_timeout_ms", "20000", "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "50"]
+    with start_lighthouse(1, *flags) as url:
+        yield url
 
 
 def final_state(folder: Path) -> dict:
@@ -78,12 +40,6 @@ def final_state(folder: Path) -> dict:
     out = folder / "final.pt"
     dcp_to_torch_save(step, str(out))
     return torch.load(out, weights_only=False)
-
-
-def flat(tree: object, prefix: str = "") -> dict[str, object]:
-    if isinstance(tree, dict):
-        return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
-    return {prefix: tree}
 
 
 def test_killed_group_heals_from_live_peer(lighthouse: str, tmp_path: Path) -> None:
@@ -114,7 +70,8 @@ def test_killed_group_heals_from_live_peer(lighthouse: str, tmp_path: Path) -> N
     assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
     for key, value in a.items():
         if isinstance(value, torch.Tensor):
-            assert torch.equal(value, b[key]), key
+            other = b[key]
+            assert isinstance(other, torch.Tensor) and torch.equal(value, other), key
         else:
             assert value == b[key], key
 
