@@ -3,11 +3,13 @@ train.py subprocess with the CPU environment, and a SIGTERM delivered during a c
 
 from __future__ import annotations
 
+import importlib
 import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 from tests.helpers.debug_kill import ENV, kill_env
 from tests.helpers.distributed import cpu_env
@@ -68,3 +70,12 @@ def train_subprocess(folder: Path, *args: str, kill_at: str = "") -> tuple[int, 
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     text = out.stdout + out.stderr
     return out.returncode, text, {int(m[1]): m[2] for m in STEP_RE.finditer(text)}
+
+
+def script_module(name: str) -> ModuleType:
+    """scripts/<name>.py imported as a module (the scripts folder is not a package)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)

@@ -3,22 +3,18 @@ out the steps a failure's recovery overlaps and keeps the periodic ones (checkpo
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.runs import script_module
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
 def bench():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import benchmark_replica_groups
-    finally:
-        sys.path.pop(0)
-    return benchmark_replica_groups
+    return script_module("benchmark_replica_groups")
 
 
 def test_full_strength_keeps_saves_and_leaves_out_recoveries(bench) -> None:

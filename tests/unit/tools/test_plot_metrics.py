@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.runs import script_module
 
 REPO = Path(__file__).resolve().parents[3]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -14,12 +15,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture
 def plot_metrics():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import plot_metrics
-    finally:
-        sys.path.pop(0)
-    return plot_metrics
+    return script_module("plot_metrics")
 
 
 def _tb_run(folder: Path, losses: list[float]) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.runs import script_module
 from tests.helpers.tiny import TINY, build, patch_flavors
 from titan.config import load_config
 from titan.errors import TitanError
@@ -116,11 +117,7 @@ def test_views_of_parameters_are_not_allocations():
 
 
 def test_script_prints_a_table(tiny_flavor):
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import estimate_memory as script
-    finally:
-        sys.path.pop(0)
+    script = script_module("estimate_memory")
     from contextlib import redirect_stdout
     from io import StringIO
 

@@ -7,7 +7,6 @@ traces, TensorBoard / JSONL hold the scalars and scripts/plot_metrics.py draws t
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 
 import train as train_entry
 from tests.helpers.inject import Inject
+from tests.helpers.runs import script_module
 from titan.config import load_config
 from titan.errors import TitanError
 from titan.training.trainer import Trainer
@@ -143,11 +143,7 @@ def test_spike_validation_profiler_and_metric_files(tmp_path, monkeypatch):
 
     # scripts/plot_metrics.py draws PNGs from both sources
     pytest.importorskip("matplotlib")
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import plot_metrics
-    finally:
-        sys.path.pop(0)
+    plot_metrics = script_module("plot_metrics")
     for src, name in ((jsonl, "a.png"), (tb_dir, "b.png")):
         assert plot_metrics.main([str(src), "-o", str(tmp_path / name)]) == 0
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
