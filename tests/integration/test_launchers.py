@@ -252,7 +252,7 @@ def test_slurm_replica_groups_sharing_nodes_split_their_gpus(tmp_path):
 )
 def test_slurm_bad_replica_group_input_is_one_line_and_starts_nothing(tmp_path, nodes, groups, gpus, lighthouse, line):
     if not lighthouse and shutil.which("torchft_lighthouse", path="/usr/bin:/bin"):
-        pytest.skip("torchft_lighthouse is installed system-wide")
+        pytest.skip("torchft_lighthouse is in /usr/bin or /bin here: no PATH can hide it to show the no-torchft line")
     out, calls = _slurm_script(tmp_path, nodes, lighthouse=lighthouse, REPLICA_GROUPS=groups, GPUS_PER_NODE=gpus)
     assert out.returncode == 2 and out.stderr == f"titan: error: {line}\n" and out.stdout == "", out
     assert calls == []  # not even the config check
@@ -272,7 +272,7 @@ def test_slurm_bad_replica_group_input_is_one_line_and_starts_nothing(tmp_path, 
 )
 def test_run_train_sh_bad_replica_group_input_is_one_line(env, line):
     if "PATH" in env and shutil.which("torchft_lighthouse", path=env["PATH"]):
-        pytest.skip("torchft_lighthouse is on the PATH without torchft's environment")
+        pytest.skip(f"torchft_lighthouse is in {env['PATH']} here: no PATH can hide it to show the no-torchft line")
     env = {k: v for k, v in os.environ.items() if k != "TORCHFT_LIGHTHOUSE"} | {"NGPU": "1"} | env
     out = subprocess.run(["./run_train.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stdout == "" and out.stderr == f"titan: error: {line}\n", out
