@@ -143,31 +143,49 @@ class Attention(nn.Module):
         attn_mask: AttnMask = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
+        # Four steps a family overrides one at a time (q/k norms, biases, sinks, another kernel)
+        # instead of copying the whole forward: project, position, attend, output projection.
+        bs, seqlen, _ = x.shape
+        xq, xk, xv = self.project(x)
+        # Sliced here, not by the caller: under TP/SP the caller only sees its sequence shard,
+        # while attention runs on the gathered sequence (under CP both are the local shard).
+        start = kv_cache.pos if kv_cache is not None else 0
+        xq, xk = self.position(xq, xk, freqs_cis[start : start + seqlen], start)
+        if kv_cache is not None:
+            out = self._cached_attention(xq, xk, xv, kv_cache)
+        else:
+            q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # [B, H | KVH, S, Dh]
+            out = self.attend(q, k, v, attn_mask)
+        out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
+        return self.wo(out)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, S, dim] -> q, k, v [B, S, heads, head_dim]."""
         bs, seqlen, _ = x.shape
         # Head counts are inferred (-1) so tensor parallelism can hand us a local shard of heads.
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        # Sliced here, not by the caller: under TP/SP the caller only sees its sequence shard,
-        # while attention runs on the gathered sequence (under CP both are the local shard).
-        start = kv_cache.pos if kv_cache is not None else 0
+        return xq, xk, xv
+
+    def position(
+        self, xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE (``freqs_cis`` already sliced to positions start .. start + S), or nothing on NoPE
+        layers. ``start`` is the first position (a KV cache's offset)."""
         if self.use_rope:
-            xq, xk = apply_rotary_emb(xq, xk, freqs_cis[start : start + seqlen])
-        if kv_cache is not None:
-            out = self._cached_attention(xq, xk, xv, kv_cache)
-        elif self.attn_type == "flex":
+            return apply_rotary_emb(xq, xk, freqs_cis)
+        return xq, xk
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: AttnMask) -> torch.Tensor:
+        """q [B, H, S, Dh], k/v [B, KVH, S, Dh] -> [B, H, S, Dh]: the training/prefill kernel.
+        k/v keep their n_kv_heads: the kernel reads kv head h // n_rep for query head h."""
+        if self.attn_type == "flex":
             if attn_mask is None:
                 raise TitanError("flex attention needs the BlockMask built by Transformer.forward")
-            # flex reads kv head h // n_rep for query head h itself (enable_gqa): no k/v copies.
-            q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # [B, H, S, Dh]
-            out = self.inner_attention(q, k, v, block_mask=attn_mask)
-        else:
-            # k/v keep their n_kv_heads: the kernel reads kv head h // n_rep for query head h.
-            q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # [B, H | KVH, S, Dh]
-            # Context parallelism hooks the kernel's (q, k, v) call: the mask goes only where there is one.
-            out = self.inner_attention(q, k, v) if attn_mask is None else self.inner_attention(q, k, v, attn_mask)
-        out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
-        return self.wo(out)
+            return self.inner_attention(q, k, v, block_mask=attn_mask)
+        # Context parallelism hooks the kernel's (q, k, v) call: the mask goes only where there is one.
+        return self.inner_attention(q, k, v) if attn_mask is None else self.inner_attention(q, k, v, attn_mask)
 
     def _cached_attention(
         self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, kv_cache: KVCache
