@@ -104,7 +104,9 @@ def test_router_bias_selects_but_does_not_weigh_and_force_balance_is_round_robin
     scores = m.router.scores(x)
     m.expert_bias.copy_(torch.tensor([10.0, 0.0, 0.0, 0.0]))  # expert 0 wins every token
     top, experts, counts, _ = m.router(x, m.expert_bias)
-    assert experts.flatten().tolist() == [0] * 8 and counts.tolist() == [8.0, 0.0, 0.0, 0.0]
+    assert experts.flatten().tolist() == [0] * 8 and counts.tolist() == [8, 0, 0, 0]
+    # Integers: a mixed-precision policy casts the experts' floating-point inputs, never these.
+    assert counts.dtype == torch.int64
     torch.testing.assert_close(top[:, 0], scores[:, 0])  # weighed by the unbiased score
     m.router.force_load_balance, m.router.top_k = True, 2
     top, experts, counts, _ = m.router(x, m.expert_bias)
@@ -120,11 +122,11 @@ def test_route_norm_makes_weights_sum_to_route_scale():
 
 def test_bias_update_follows_the_rule_with_counts_summed_by_reduce_fn():
     m = _moe(load_balance_coeff=0.01)
-    m.tokens_per_expert.copy_(torch.tensor([6.0, 1.0, 3.0, 2.0]))  # mean 3: two over, one at, one under
+    m.tokens_per_expert.copy_(torch.tensor([6, 1, 3, 2]))  # mean 3: two over, one at, one under
     update_expert_bias([m], reduce_fn=lambda c: c * 2)  # a second rank with the same counts
     # sign(mean - load) = [-1, 1, 0, 1], re-centred by its mean 0.25.
     torch.testing.assert_close(m.expert_bias, 0.01 * torch.tensor([-1.25, 0.75, -0.25, 0.75]))
-    torch.testing.assert_close(m.tokens_since_log, torch.tensor([12.0, 2.0, 6.0, 4.0]))
+    assert m.tokens_since_log.tolist() == [12, 2, 6, 4]
     assert m.tokens_per_expert.abs().sum() == 0
     torch.testing.assert_close(bias_delta(torch.ones(4), 0.5), torch.zeros(4))
     # Balancing lowers the overloaded expert's chance: its biased score drops relative to the others.

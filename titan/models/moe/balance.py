@@ -29,7 +29,9 @@ def moe_layers(model_parts: Iterable[nn.Module]) -> list[tuple[str, MoE]]:
 def bias_delta(tokens_per_expert: torch.Tensor, coeff: float) -> torch.Tensor:
     """coeff * sign(mean load - load), re-centred to mean zero: overloaded experts go down, starved
     ones up, by the same step whatever the imbalance."""
-    delta = coeff * torch.sign(tokens_per_expert.mean() - tokens_per_expert)
+    # sign(mean - load) as sign(sum - E * load): exact in the counts' integers.
+    load = tokens_per_expert
+    delta = coeff * torch.sign(load.sum() - load * load.numel()).float()
     return delta - delta.mean()
 
 

@@ -108,9 +108,10 @@ class MoE(nn.Module):
         # The step's routed token counts (summed over micro-batches; update_expert_bias reads and
         # zeroes them after the step) and, for the logs, the counts and grouped-GEMM padding rows
         # since the last log step. Not checkpointed: they are zero at every step boundary but the log's.
-        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
-        self.register_buffer("tokens_since_log", torch.zeros(args.num_experts), persistent=False)
-        self.register_buffer("padded_since_log", torch.zeros(()), persistent=False)
+        # Integers (int64), like the router's counts: a float32 sum is exact only up to 2^24 tokens.
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("tokens_since_log", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("padded_since_log", torch.zeros((), dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, S, dim] -> [B, S, dim]."""
@@ -163,6 +164,6 @@ class MoE(nn.Module):
         """Zero the token and padding counters (on ``device``, default where they are): after a
         meta-device build and to_empty() they hold garbage, and no checkpoint restores them."""
         device = device if device is not None else self.tokens_per_expert.device
-        self.tokens_per_expert = torch.zeros(self.num_experts, device=device)
-        self.tokens_since_log = torch.zeros(self.num_experts, device=device)
-        self.padded_since_log = torch.zeros((), device=device)
+        self.tokens_per_expert = torch.zeros(self.num_experts, device=device, dtype=torch.int64)
+        self.tokens_since_log = torch.zeros(self.num_experts, device=device, dtype=torch.int64)
+        self.padded_since_log = torch.zeros((), device=device, dtype=torch.int64)

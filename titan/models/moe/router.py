@@ -33,7 +33,7 @@ class TokenChoiceTopKRouter(nn.Module):
     def forward(
         self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, dim] -> (top_scores [N, k] fp32, experts [N, k] int64, tokens per expert [E] fp32,
+        """x [N, dim] -> (top_scores [N, k] fp32, experts [N, k] int64, tokens per expert [E] int64,
         all scores [N, E] fp32). ``expert_bias`` shifts only which experts are chosen; the weights
         the chosen experts get are the unbiased scores."""
         scores = self.scores(x)
@@ -48,8 +48,10 @@ class TokenChoiceTopKRouter(nn.Module):
             top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
         top = top * self.route_scale
         # scatter_add, not bincount/histc: bincount reads its max on the host, histc has no int path on CPU.
-        counts = torch.zeros(self.num_experts, device=x.device, dtype=torch.float32)
-        counts.scatter_add_(0, experts.reshape(-1), torch.ones(experts.numel(), device=x.device))
+        # Integer counts: a mixed-precision policy casts floating-point inputs of the experts' forward
+        # (bf16 holds whole numbers exactly only up to 256), never integer ones.
+        counts = torch.zeros(self.num_experts, device=x.device, dtype=torch.int64)
+        counts.scatter_add_(0, experts.reshape(-1), torch.ones(experts.numel(), device=x.device, dtype=torch.int64))
         return top, experts, counts, scores
 
     def init_weights(self, init_std: float) -> None:
