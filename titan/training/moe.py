@@ -65,9 +65,9 @@ class MoEMonitor:
         out: dict[str, torch.Tensor] = {}
         ratios, padded, routed = [], [], []
         for name, m in self.layers:
-            counts = m.tokens_since_log
+            counts = m.tokens_since_log.float()
             ratio = counts.max() / counts.mean().clamp_min(1e-9)
-            pad = m.padded_since_log.clone()  # the buffer is zeroed below
+            pad = m.padded_since_log.float()  # a copy: the buffer is zeroed below
             out[f"{PER_LAYER_PREFIX}{name}/tokens_max_over_mean"] = ratio
             out[f"{PER_LAYER_PREFIX}{name}/padded_fraction"] = pad / (pad + counts.sum()).clamp_min(1e-9)
             out[f"{PER_LAYER_PREFIX}{name}/starved_experts"] = (counts == 0).sum()
@@ -89,5 +89,6 @@ class MoEMonitor:
             if self.starved_for[name] == STARVED_LOG_STEPS:
                 logger.warning(
                     f"MoE layer {name}: {int(starved)} expert(s) got no token at step {step} and at each of the"
-                    f" last {STARVED_LOG_STEPS} log steps (routing collapse? check load_balance_coeff)"
+                    f" last {STARVED_LOG_STEPS} log steps (routing collapse? raise model.moe_load_balance_coeff"
+                    " or set model.moe_aux_loss_coeff)"
                 )

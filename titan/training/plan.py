@@ -160,6 +160,18 @@ def run_model_args(config: JobConfig, model_args: Any, vocab_size: int | None) -
     moe_args = getattr(model_args, "moe_args", None)  # families with MoE layers
     if moe_args is not None:
         moe_args.force_load_balance = config.debug.moe_force_load_balance
+        balance, aux = config.model.moe_load_balance_coeff, config.model.moe_aux_loss_coeff
+        if balance is not None:
+            moe_args.load_balance_coeff = balance if balance > 0 else None
+        if aux is not None:
+            moe_args.aux_loss_coeff = aux
+    else:
+        for key in ("moe_load_balance_coeff", "moe_aux_loss_coeff"):
+            if getattr(config.model, key) is not None:
+                raise TitanError(
+                    f"config key 'model.{key}' got {getattr(config.model, key)!r}; valid: unset"
+                    f" (model {config.model.name} {config.model.flavor} has no MoE layers)"
+                )
     return model_args
 
 

@@ -116,6 +116,26 @@ def test_bad_llama4_args_name_the_key():
     assert set(llama4_configs) >= {"debugmodel", "debugmodel_irope"}
 
 
+def test_moe_balancing_keys_reach_the_moe_args_and_are_refused_on_dense_models():
+    from titan.config import load_config
+    from titan.models import model_args_from_config
+    from titan.training.plan import run_model_args
+
+    def moe_args(*flags: str):
+        config = load_config(["--model.name", "llama4", *flags])
+        return run_model_args(config, model_args_from_config(get_model_spec("llama4"), config.model), None).moe_args
+
+    assert (moe_args().load_balance_coeff, moe_args().aux_loss_coeff) == (1e-3, 0.0)  # the flavor's
+    tuned = moe_args("--model.moe_load_balance_coeff", "0.01", "--model.moe_aux_loss_coeff", "0.001")
+    assert (tuned.load_balance_coeff, tuned.aux_loss_coeff) == (0.01, 0.001)
+    assert moe_args("--model.moe_load_balance_coeff", "0").load_balance_coeff is None  # no biases
+    with pytest.raises(TitanError, match="model.moe_load_balance_coeff.*valid: a number >= 0"):
+        load_config(["--model.name", "llama4", "--model.moe_load_balance_coeff", "-1"])
+    dense = load_config(["--model.moe_aux_loss_coeff", "0.001"])
+    with pytest.raises(TitanError, match=r"'model.moe_aux_loss_coeff' got 0.001; valid: unset \(model llama3"):
+        run_model_args(dense, model_args_from_config(get_model_spec("llama3"), dense.model), None)
+
+
 def test_debug_moe_force_load_balance_reaches_the_routers():
     from titan.config import load_config
     from titan.models import model_args_from_config

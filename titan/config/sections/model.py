@@ -47,6 +47,13 @@ class Model:
     """Init std of the residual-stream output projections (wo, w2, w3). true: depth-scaled per
     block, 0.02 / sqrt(2 * (layer_id + 1)) (early blocks larger, as in torchtitan); false: one
     factor for all blocks, 0.02 / sqrt(2 * n_layers) (GPT-2 / Megatron style)."""
+    moe_load_balance_coeff: float | None = None
+    """MoE models: auxiliary-loss-free balancing, the step by which every expert's routing bias
+    moves towards balance after each optimizer step (overloaded experts down, starved ones up).
+    Unset: the flavor's value (llama4: 1e-3); 0 turns the biases off (routing by score alone)."""
+    moe_aux_loss_coeff: float | None = None
+    """MoE models: weight of the sequence-wise balance loss (DeepSeek-V3's) added to the backward
+    pass. Unset: the flavor's value (llama4: 0, off)."""
 
     def validate(self) -> None:
         for key in SHAPE_OVERRIDES:
@@ -60,6 +67,14 @@ class Model:
             self.vocab_size,
             "an integer >= the tokenizer's vocabulary size, or unset for the tokenizer's size",
         )
+        for key in ("moe_load_balance_coeff", "moe_aux_loss_coeff"):
+            value = getattr(self, key)
+            require(
+                value is None or value >= 0,
+                f"model.{key}",
+                value,
+                "a number >= 0 (0: off), or unset for the flavor's value",
+            )
         require(
             self.attn_type != "varlen" or self.attn_mask_type == "block_causal",
             "model.attn_type",
