@@ -2,14 +2,20 @@
 (torchtitan/models/llama4/train_configs/), through the dry run at their rank counts: 8 ranks for
 the debug model, 64 for 17bx16e (TP 8 x FSDP 8, experts TP-sharded) and 17bx128e (PP 4 x TP 8 x
 FSDP 2). Only the tokenizer location is missing here (the dry run then uses the flavor's
-vocabulary) and the debug model's c4_test is titan's offline corpus."""
+vocabulary) and the debug model's c4_test is titan's offline corpus. The debug model also trains,
+at EP 2 on 2 CPU ranks in its bfloat16 parameters, from a folder laid out as torchtitan's
+repository (its tokenizer folder)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.helpers.distributed import run_distributed
 from titan.config import load_config
 from titan.errors import TitanError
 from titan.launch.entry import main
@@ -329,3 +335,33 @@ def test_ep_with_per_op_selective_ac_is_refused_at_the_dry_run(tmp_path: Path, c
     ep_full = ("--parallelism.expert_parallel_degree", "8", "--activation_checkpoint.mode", "full")
     status, _, _ = _dry_run(tmp_path, "debug_model", *ep_full)
     assert status == 0, capsys.readouterr().err.strip().splitlines()[-1:]
+
+
+def _debug_model_at_ep2(rank: int, world: int, folder: str) -> dict[int, float]:
+    from titan.training.trainer import Trainer
+
+    os.chdir(folder)  # the file's relative paths: ./tests/assets/tokenizer, ./outputs
+    flags = [
+        *("--job.config_file", "debug_model.toml", "--parallelism.expert_parallel_degree", "2"),
+        # Per-op selective AC does not combine with EP (refused above); every-2nd-block AC does.
+        *("--activation_checkpoint.selective_ac_option", "2", "--training.steps", "20"),
+        # 8 x 64 tokens per rank instead of 8 x 2048, for time: 64 per expert on average, and the
+        # busiest expert's load grows to 4-5x the mean within 10 steps: over 256 tokens, where
+        # counts in bfloat16 would stop being exact.
+        *("--training.seq_len", "64", "--metrics.log_freq", "5"),
+    ]
+    config = load_config(flags)
+    assert config.training.mixed_precision_param == "bfloat16"  # the file's (torchtitan's) default
+    return Trainer(config).train()
+
+
+@pytest.mark.slow
+def test_debug_model_trains_at_ep2_in_bf16_on_two_ranks(tmp_path: Path) -> None:
+    (tmp_path / "debug_model.toml").write_text(CONFIGS["debug_model"])
+    tokenizer = tmp_path / "tests/assets/tokenizer"
+    tokenizer.mkdir(parents=True)
+    shutil.copy(Path(__file__).resolve().parents[2] / "titan/data/assets/tokenizer.model", tokenizer)
+    for losses in run_distributed(_debug_model_at_ep2, 2, str(tmp_path), timeout=600):
+        assert sorted(losses) == [1, 5, 10, 15, 20], losses
+        assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+        assert losses[20] < losses[1] - 0.5, losses

@@ -1,7 +1,8 @@
-"""Expert parallelism on a tiny llama4 (fp32, gloo ranks): each EP layout's losses and grad norms
-against the same layout without EP, PP against the one-process run, the host reads of a quiet EP
-step, and checkpoints that move between EP degrees. The layouts of one world size share one
-spawned process group; each builds its Trainer in turn."""
+"""Expert parallelism on a tiny llama4 (gloo ranks): each EP layout's losses and grad norms against
+the same layout without EP, PP against the one-process run, in float32 and in bfloat16 parameters
+(the default); the host reads of a quiet EP step; checkpoints that move between EP degrees; and
+the routing counts of an MoE layer whose experts have their own bf16 FSDP policy. The layouts of
+one world size share one spawned process group; each builds its Trainer in turn."""
 
 from __future__ import annotations
 
@@ -18,13 +19,22 @@ from tests.helpers.distributed import run_distributed
 from tests.helpers.parity import GLOBAL_BATCH, VOCAB, batches, config
 from titan.models import get_model_spec, register_flavor, register_model_spec
 from titan.models.llama4.args import Llama4ModelArgs
-from titan.models.moe import MoEArgs
+from titan.models.moe import MoE, MoEArgs
 from titan.training.trainer import Trainer
 
 TOL = 1e-5
 # Pipeline micro-batches sum the loss and gradients in another order than one process does: a few
 # float32 ulps of the loss (1.3e-5 at a loss of about 7), not growing over the steps; so relative.
 PP_RTOL = 1e-5
+# bfloat16 parameters: the layouts round at different points (EP regroups the experts' rows, FSDP's
+# bf16 policy vs one process's autocast, the pipeline's micro-batches). One rounding moves a value
+# by at most u = 2^-8 relative; the logits here are O(1) (init std 0.02), and cross-entropy moves by
+# at most 2 max|d logit| per token (its gradient in the logits has L1 norm <= 2), so one rounding
+# of every logit, all the same way, moves the loss (~7.6) by <= 2u / 7.6 ~ 2^-10 relative. 5 steps
+# at lr 1e-4 add little drift. Measured: 0 (EP 2) and 5e-6 (PP 2) relative. Grad norms: 10x.
+BF16_RTOL = 2.0**-10
+BF16 = ("--training.mixed_precision_param", "bfloat16")
+BF16_STEPS = 5  # bf16 matmuls are slow on CPU: half the float32 layouts' steps
 TITAN = Path(__file__).resolve().parents[3] / "titan"
 # 4 layers, MoE in layers 1 and 3; 4 experts (EP 1, 2 or 4), top 2, a shared expert, bias balancing on.
 EPTEST = Llama4ModelArgs(
@@ -73,12 +83,12 @@ def _count_host_reads(monkeypatch_like: list, trainer: Trainer, step: int, count
         setattr(torch.Tensor, name, wrapper)
 
 
-def _curve(trainer: Trainer, reads: dict[int, int] | None = None) -> list[tuple[float, float]]:
-    """(loss, grad norm) per step over the fixed batches, this rank's rows of each."""
+def _curve(trainer: Trainer, reads: dict[int, int] | None = None, steps: int = 10) -> list[tuple[float, float]]:
+    """(loss, grad norm) per step over the first ``steps`` fixed batches, this rank's rows of each."""
     dp = trainer.parallel_dims.dp_degree
     per, r = GLOBAL_BATCH // dp, trainer.dp_rank
     out = []
-    for step, (inputs, labels) in enumerate(batches(), start=1):
+    for step, (inputs, labels) in enumerate(batches()[:steps], start=1):
         x, y = inputs[r * per : (r + 1) * per], labels[r * per : (r + 1) * per]
         patched: list = []
         if reads is not None and step == 3:  # not a log step (log_freq 5)
@@ -96,7 +106,8 @@ def _curve(trainer: Trainer, reads: dict[int, int] | None = None) -> list[tuple[
 def _layouts(dump: str, layouts: dict[str, tuple[int, tuple[str, ...]]], reads: dict | None = None) -> dict:
     results = {}
     for name, (dp, flags) in layouts.items():
-        results[name] = _curve(_trainer(dump, dp, *flags), reads if name == "ep2" else None)
+        steps = BF16_STEPS if name.endswith("_bf16") else 10
+        results[name] = _curve(_trainer(dump, dp, *flags), reads if name == "ep2" else None, steps)
     return results
 
 
@@ -115,6 +126,38 @@ def _train_loop(dump: str, world: int, steps: int, *flags: str) -> dict[int, flo
     return t.train()
 
 
+def _bf16_routing_counts(rank: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """An MoE layer (4 experts, EP 2) whose experts have their own FSDP with a bf16 policy, as
+    llama4's plan builds it, over 1030 tokens per rank routed round robin: 258, 258, 257, 257 per
+    expert. bf16 holds 257 as 256: counts cast with the experts' floating-point inputs would no
+    longer add up to the tokens. (EP output, the same layer computed whole on this rank, the
+    dtypes of the counts the experts were called with.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from titan.parallel.expert_parallel import ExpertParallel, apply_experts_fsdp
+
+    torch.manual_seed(0)
+    args = MoEArgs(num_experts=4, top_k=1, num_shared_experts=0, load_balance_coeff=None, force_load_balance=True)
+    whole = MoE(args, dim=16, hidden_dim=32)
+    whole.init_weights(0.02)
+    whole.to(torch.bfloat16)
+    sharded = MoE(args, dim=16, hidden_dim=32)
+    sharded.load_state_dict(whole.state_dict())
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("efsdp", "ep"))
+    seen: list = []
+    # Runs after FSDP's input cast (FSDP prepends its hook) and before EP's dispatch (added after).
+    sharded.experts.register_forward_pre_hook(lambda _, a: seen.append(a[1].dtype))
+    parallelize_module(sharded.experts, mesh["ep"], ExpertParallel())
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    apply_experts_fsdp(sharded.experts, mesh["efsdp"], args.num_experts, 2, mp_policy=policy)
+    sharded.router.to(torch.bfloat16)
+    x = torch.randn(1, 1030, 16, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    with torch.no_grad():
+        return sharded(x), whole(x), seen
+
+
 def on_two_ranks(rank: int, world: int, dump: str) -> dict:
     with eptest_flavor():
         reads: dict[int, int] = {}
@@ -124,9 +167,13 @@ def on_two_ranks(rank: int, world: int, dump: str) -> dict:
                 "fsdp2": (2, (SHARD, "2")),
                 "ep2": (2, (SHARD, "2", *EP2)),
                 "pp2": (1, ("--parallelism.pipeline_parallel_degree", "2", SHARD, "1")),
+                "fsdp2_bf16": (2, (SHARD, "2", *BF16)),
+                "ep2_bf16": (2, (SHARD, "2", *EP2, *BF16)),
+                "pp2_bf16": (1, ("--parallelism.pipeline_parallel_degree", "2", SHARD, "1", *BF16)),
             },
             reads,
         )
+        out["bf16_counts"] = _bf16_routing_counts(rank)
         out["reads"] = reads
         # Save at EP 2 (steps 5 and 10); resume step 5 at EP 1, which saves step 10 again at EP 1.
         out["uninterrupted"] = _train_loop(f"{dump}/ep2", world, 10, SHARD, "2", *EP2)
@@ -184,12 +231,32 @@ def test_ep2_reproduces_the_fsdp2_curve_and_reads_the_host_once_per_moe_layer(tw
         assert per_rank["reads"] == {3: MOE_LAYERS}, per_rank["reads"]
 
 
-def test_pp2_reproduces_the_one_rank_curve(two, tmp_path) -> None:
+def test_ep2_in_bf16_reproduces_the_fsdp2_bf16_curve(two) -> None:
+    for per_rank in two[0]:
+        worst = _close(per_rank["ep2_bf16"], per_rank["fsdp2_bf16"], "ep2 bf16", BF16_RTOL, relative=True)
+        print("ep2 bf16 vs fsdp2 bf16, worst relative loss difference:", worst)
+
+
+def test_ep_routing_counts_stay_integers_under_a_bf16_experts_policy(two) -> None:
+    for out, whole, dtypes in (per_rank["bf16_counts"] for per_rank in two[0]):
+        # The experts' forward (its EP dispatch included) was given integer counts ...
+        assert dtypes == [torch.int64], dtypes
+        # ... and every token reached its expert: the whole layer's output, to bf16's rounding.
+        torch.testing.assert_close(out, whole)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pp2_reproduces_the_one_rank_curve(two, tmp_path, dtype) -> None:
+    bf16 = dtype == "bfloat16"
     with eptest_flavor():
         # One sequence per forward, as the pipeline's micro-batches: the same matmul shapes.
-        reference = _curve(_trainer(str(tmp_path), GLOBAL_BATCH))
+        reference = _curve(
+            _trainer(str(tmp_path), GLOBAL_BATCH, *(BF16 if bf16 else ())), steps=BF16_STEPS if bf16 else 10
+        )
     for per_rank in two[0]:
-        _close(per_rank["pp2"], reference, "pp2", PP_RTOL, relative=True)
+        name = "pp2_bf16" if bf16 else "pp2"
+        worst = _close(per_rank[name], reference, name, BF16_RTOL if bf16 else PP_RTOL, relative=True)
+        print(f"{name} vs one process, worst relative loss difference:", worst)
 
 
 def test_saved_at_ep2_resumed_at_ep1_continues_the_curve(two) -> None:

@@ -54,22 +54,35 @@ def test_llama4_trains_and_resumes_exactly(tmp_path):
         assert again[step]["loss_metrics/global_avg_loss"] == ref[step]["loss_metrics/global_avg_loss"], step
 
 
-def _two_rank_biases(rank: int, world: int, tmp: str) -> tuple[float, dict]:
+def _two_rank_biases(rank: int, world: int, tmp: str) -> dict[str, tuple[float, dict]]:
     from pathlib import Path
 
     from tests.helpers.runs import trainer
 
-    t = trainer(Path(tmp), *TINY_LLAMA4, "--training.steps", "3", "--metrics.log_freq", "3")
-    losses = t.train()
-    return losses[3], {name: m.expert_bias.clone() for name, m in t.moe_monitor.layers}
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        flags = ("--training.steps", "3", "--metrics.log_freq", "3", "--training.mixed_precision_param", dtype)
+        t = trainer(Path(tmp) / dtype, *TINY_LLAMA4, *flags)
+        losses = t.train()
+        out[dtype] = losses[3], {name: m.expert_bias.clone() for name, m in t.moe_monitor.layers}
+        del t
+    return out
 
 
-def test_two_rank_fsdp_keeps_the_balancing_biases_identical(tmp_path):
-    """Each rank routes its own tokens; the bias update sums the counts over the data-parallel ranks,
-    so every rank moves its biases the same way (a buffer FSDP does not synchronise)."""
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> list[dict]:
+    """Both dtypes' runs on one spawned process group."""
     from tests.helpers.distributed import run_distributed
 
-    (loss0, bias0), (loss1, bias1) = run_distributed(_two_rank_biases, 2, str(tmp_path), timeout=300)
+    return run_distributed(_two_rank_biases, 2, str(tmp_path_factory.mktemp("biases")), timeout=300)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_rank_fsdp_keeps_the_balancing_biases_identical(two_rank_runs, dtype):
+    """Each rank routes its own tokens; the bias update sums the counts over the data-parallel ranks,
+    so every rank moves its biases the same way (a buffer FSDP does not synchronise), in float32
+    and in bfloat16 parameters."""
+    (loss0, bias0), (loss1, bias1) = (per_rank[dtype] for per_rank in two_rank_runs)
     assert loss0 == loss1 and list(bias0) == ["layers.1.moe"]
     assert torch.equal(bias0["layers.1.moe"], bias1["layers.1.moe"])
     assert bias0["layers.1.moe"].abs().sum() > 0
