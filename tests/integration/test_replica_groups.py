@@ -1,7 +1,8 @@
 """Replica groups through torchft, as users launch them: a real lighthouse on localhost and one
 launcher (torchrun) per group, gloo between the groups. A group killed mid-step does not stop the
 other; restarted by its own launcher it heals from the live peer (weights and optimizer state
-equal, bitwise); a config error in one group is not retried."""
+equal, bitwise); a config error in one group is not retried. The kill-and-heal run trains in
+bfloat16 parameters (the default), the others in float32."""
 
 from __future__ import annotations
 
@@ -48,10 +49,11 @@ def test_killed_group_heals_from_live_peer(lighthouse: str, tmp_path: Path) -> N
     # group 0 its step 7 once group 1's restart is up: the kill and the return are ordered
     # against group 0's steps by events, not timers.
     gates = {WAIT_ENV: f"step=1:{ready}.0,step=7:{ready}.1", READY_ENV: ready0}
-    g0 = group(lighthouse, tmp_path, 0, env=kill_env("", gates) | gates)
+    bf16 = ("--training.mixed_precision_param", "bfloat16")
+    g0 = group(lighthouse, tmp_path, 0, *bf16, env=kill_env("", gates) | gates)
     # Group 1 dies inside step 4, after its backward, before the gradient exchange.
     g1_env = kill_env("sync:step=4@attempt0") | {READY_ENV: ready, WAIT_ENV: f"step=1:{ready0}.0"}
-    g1 = group(lighthouse, tmp_path, 1, env=g1_env, restarts=1)
+    g1 = group(lighthouse, tmp_path, 1, *bf16, env=g1_env, restarts=1)
     out1 = output(g1, tmp_path, 1, timeout=180)
     out0 = output(g0, tmp_path, 0, timeout=60)
     assert g0.returncode == 0, out0[-3000:]
