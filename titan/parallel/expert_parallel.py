@@ -62,6 +62,9 @@ def dispatch(
     ``x`` [T, dim] sorted by global expert, ``counts`` [E] (E = ep x local experts) -> (the tokens
     this rank's experts process, sorted by local expert [T', dim], their counts [local experts], the
     route back). Rank j's experts are j*L .. j*L+L-1, as Shard(0) of the expert weights lays them out."""
+    if counts.is_floating_point():
+        # A mixed-precision cast would have rounded them (bf16: whole numbers exact only to 256).
+        raise TypeError(f"EP dispatch needs integer token counts per expert, got {counts.dtype}")
     counts = counts.to(torch.int64)
     local = counts.numel() // ep
     with torch.no_grad():

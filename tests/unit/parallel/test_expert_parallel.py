@@ -194,6 +194,8 @@ def on_four_ranks(rank: int, world: int, dump: str) -> dict:
                 "ep2_fsdp2": (4, (SHARD, "4", *EP2)),
                 "tp2": (2, tp2),
                 "ep2_etp2": (2, (*tp2, *EP2, "--parallelism.expert_tensor_parallel_degree", "2")),
+                "tp2_bf16": (2, (*tp2, *BF16)),
+                "ep2_etp2_bf16": (2, (*tp2, *EP2, "--parallelism.expert_tensor_parallel_degree", "2", *BF16)),
             },
         )
         # EP 1's step-10 checkpoint (saved by the two-rank group) loads at EP 4 and trains on.
@@ -274,5 +276,13 @@ def test_four_rank_layouts_and_reshard_to_ep4(two) -> None:
     for per_rank in results:
         _close(per_rank["ep2_fsdp2"], per_rank["fsdp4"], "ep2 x fsdp2")
         _close(per_rank["ep2_etp2"], per_rank["tp2"], "ep2 x tp2 (etp 2)")
+        _close(per_rank["ep2_etp2_bf16"], per_rank["tp2_bf16"], "ep2 x tp2 (etp 2), bf16", BF16_RTOL, relative=True)
         # Loaded EP 1's step 10 (nothing else to train from) and trained step 11.
         assert list(per_rank["ep4"]) == [11] and torch.isfinite(torch.tensor(per_rank["ep4"][11]))
+
+
+def test_dispatch_refuses_floating_point_counts_before_any_collective() -> None:
+    from titan.parallel.expert_parallel import dispatch
+
+    with pytest.raises(TypeError, match="integer token counts per expert, got torch.bfloat16"):
+        dispatch(torch.zeros(4, 8), torch.tensor([1.0, 3.0]).to(torch.bfloat16), None, 2)  # type: ignore[arg-type]
