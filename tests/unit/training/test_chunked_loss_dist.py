@@ -2,7 +2,7 @@
 share one spawned process group: TP 2 with loss parallel (vocab-sharded output), PP 2 (last stage,
 per micro-batch) and FSDP 2 (the output projection as its own FSDP unit). fp32, 20 steps:
 losses within 1e-6 each step, gradients within 1e-5 relative after the first and the last step.
-bfloat16 parameters, 5 steps: the same layout with full logits as the reference, within bf16's
+bfloat16 parameters, 3 steps: the same layout with full logits as the reference, within bf16's
 rounding (see BF16_RTOL)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tests.helpers.tiny import extra_flavors
 from titan.training.trainer import Trainer
 
 STEPS = 20
-BF16_STEPS = 5  # bf16 matmuls are slow on CPU
+BF16_STEPS = 3  # bf16 matmuls are slow on CPU: the first and last step compare gradients
 BF16 = ("--training.mixed_precision_param", "bfloat16")
 # Chunking changes how many rows one output matmul computes, not their arithmetic, except where a
 # bf16 kernel's blocking follows the row count: then some logits round differently, by at most
