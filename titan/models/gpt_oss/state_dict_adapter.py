@@ -222,7 +222,10 @@ def hf_config_to_args(config: dict[str, Any]) -> GptOssModelArgs:
         tie_embeddings=bool(get("tie_word_embeddings")),
         attention_bias=bool(get("attention_bias")),
         sliding_window_size=window,
-        layer_types=None if layer_types is None or list(layer_types) == default_types else list(layer_types),
+        # Without a window every layer attends over the whole causal window, whatever its type.
+        layer_types=None
+        if layer_types is None or window is None or list(layer_types) == default_types
+        else list(layer_types),
         moe_args=moe,
         **_rope_args(config, get),
     )
@@ -277,7 +280,9 @@ def args_to_hf_config(args: GptOssModelArgs, dtype: torch.dtype = torch.float32)
         "swiglu_alpha": moe.swiglu_alpha,
         "swiglu_limit": moe.swiglu_limit,
         "sliding_window": args.sliding_window_size,
-        "layer_types": ["sliding_attention" if args.is_sliding(i) else "full_attention" for i in range(args.n_layers)],
+        "layer_types": list(args.layer_types)
+        if args.layer_types is not None
+        else ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(args.n_layers)],
         "attention_bias": args.attention_bias,
         "attention_dropout": 0.0,
         "hidden_act": "silu",
