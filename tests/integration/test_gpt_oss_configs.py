@@ -126,3 +126,19 @@ def test_refused_layouts_say_so_in_one_line(tmp_path: Path, capsys: pytest.Captu
     status = _dry_run(tmp_path, *flags)
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and line in err[-1], err[-1:]
+
+
+def test_gpt_oss_benchmark_presets_are_valid_configs() -> None:
+    """scripts/benchmark.py's gpt-oss rows: each variant loads and plans as the layout it names."""
+    from tests.helpers.runs import script_module
+    from titan.training.checks import load_job
+    from titan.training.plan import plan_run
+
+    benchmark = script_module("benchmark")
+    for name, world in (("gpt_oss_debug_cpu", 2), ("gpt_oss_20b_4layers", 8)):
+        preset = benchmark.PRESETS[name]
+        for _, extra in preset["variants"]:
+            config = load_job(preset.get("args", []) + extra.format(nproc=world).split())
+            plan = plan_run(config, world, "cuda" if world == 8 else "cpu")
+            assert config.model.name == "gpt_oss"
+            assert plan.parallel_dims.ep == config.parallelism.expert_parallel_degree
