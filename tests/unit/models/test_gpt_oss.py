@@ -209,3 +209,29 @@ def test_trains_on_cpu_and_the_loss_falls() -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5 and math.isfinite(losses[-1]), losses
+
+
+def test_memory_estimate_equals_the_real_peak(monkeypatch) -> None:
+    """The estimate's fake forward/backward allocates what the real one does: the sink attention's
+    scores of every layer, the routed experts' activations, all experts stored."""
+    import titan.models
+    from titan.config import load_config
+    from titan.models import register_flavor
+    from titan.training.loss import cross_entropy_sum
+    from titan.training.memory import LiveBytes, estimate_memory
+
+    args = tiny(vocab_size=2048)
+    specs = titan.models._REGISTRY.specs()
+    monkeypatch.setitem(specs, "gpt_oss", specs["gpt_oss"])  # restored at teardown
+    register_flavor("gpt_oss", "tiny", args, replace=True)
+    flags = ["--model.name", "gpt_oss", "--model.flavor", "tiny", "--training.seq_len", "32"]
+    cfg = load_config([*flags, "--training.local_batch_size", "4", "--training.mixed_precision_param", "float32"])
+    estimate = estimate_memory(cfg, 1)
+    model = build(dataclasses.replace(args, max_seq_len=32))
+    assert estimate.params == sum(p.numel() for p in model.parameters())
+    tokens = torch.randint(0, args.vocab_size, (4, 33))
+    tracker = LiveBytes()
+    tracker.ignore([*model.parameters(), *model.buffers(), tokens])
+    with tracker:
+        cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    assert estimate.activation_bytes == pytest.approx(tracker.peak, rel=1e-3)
