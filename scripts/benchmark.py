@@ -5,6 +5,8 @@
     python scripts/benchmark.py --preset llama3_8b_8layers --only eager,compile,float8-tensorwise
     python scripts/benchmark.py --preset moe_debug_cpu            # MoE: dense vs EP 1 vs EP 2 on 2 CPU ranks
     python scripts/benchmark.py --preset llama4_17bx16e_4layers   # MoE on the GPUs present: EP 1 vs EP = GPUs
+    python scripts/benchmark.py --preset gpt_oss_debug_cpu        # gpt-oss: EP 1 vs EP 2 on 2 CPU ranks
+    python scripts/benchmark.py --preset gpt_oss_20b_4layers      # gpt-oss 20b, 4 layers: EP 1 vs EP = GPUs
     python scripts/benchmark.py --steps 20 --warmup 5 --nproc 8 --job.config_file train_configs/llama3_8b.toml \\
         --variant "eager=" --variant "compile+fp8=--compile.enable --float8.enable_float8_linear"
 
@@ -138,6 +140,40 @@ PRESETS["llama4_17bx16e_4layers"] = {
         "17bx16e",
         "--model.n_layers",
         "4",
+    ],
+    "variants": [
+        ("EP 1", ""),
+        ("EP = GPUs", "--parallelism.expert_parallel_degree {nproc}"),
+    ],
+}
+# gpt-oss rows. On CPU (2 ranks): the debug model (8 experts of width 2880, top 4, eager sink
+# attention) at EP 1 (FSDP 2) and EP 2. On GPUs: 20b's shape cut to 4 layers (2 sliding-window),
+# seq 8192, bf16, flex sink attention, EP over all GPUs present against EP 1 (8 GPUs: 32 experts, EP 8).
+_GPT_OSS_DEBUG = "--model.name gpt_oss --model.flavor debugmodel"
+PRESETS["gpt_oss_debug_cpu"] = {
+    "warmup": 2,
+    "steps": 5,
+    "nproc": 2,
+    "variants": [
+        ("gpt_oss debugmodel EP 1", f"{_GPT_OSS_DEBUG} {_MOE_CPU}"),
+        ("gpt_oss debugmodel EP 2", f"{_GPT_OSS_DEBUG} {_MOE_CPU} --parallelism.expert_parallel_degree 2"),
+    ],
+}
+PRESETS["gpt_oss_20b_4layers"] = {
+    "warmup": 5,
+    "steps": 10,
+    "args": [
+        *PRESETS["llama3_8b_8layers"]["args"][2:],  # the llama3 preset's data, precision, optimizer and AC
+        "--model.name",
+        "gpt_oss",
+        "--model.flavor",
+        "20b",
+        "--model.n_layers",
+        "4",
+        "--model.attn_type",
+        "flex",
+        "--activation_checkpoint.mode",  # per-op selective AC does not combine with EP
+        "full",
     ],
     "variants": [
         ("EP 1", ""),

@@ -117,8 +117,27 @@ def _llama4() -> ModelSpec:
     )
 
 
+def _gpt_oss() -> ModelSpec:
+    from titan.models.gpt_oss import args as gpt_oss_args
+    from titan.models.gpt_oss.model import GptOssTransformer
+    from titan.models.gpt_oss.parallelize import parallelize_gpt_oss
+    from titan.models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
+    from titan.models.llama.pipeline import pipeline_llama
+
+    return ModelSpec(
+        "gpt_oss",
+        GptOssTransformer,
+        gpt_oss_args.GptOssModelArgs,
+        gpt_oss_args.gpt_oss_configs,
+        parallelize_gpt_oss,
+        gpt_oss_args.get_nparams_and_flops,
+        pipeline_llama,
+        state_dict_adapter=GptOssStateDictAdapter,
+    )
+
+
 # The one table that changes at run time: the registry that users and tests add to.
-_REGISTRY = _Registry(MappingProxyType({"llama3": _llama3, "llama4": _llama4}))
+_REGISTRY = _Registry(MappingProxyType({"llama3": _llama3, "llama4": _llama4, "gpt_oss": _gpt_oss}))
 
 
 def register_model_spec(spec: ModelSpec, *, replace: bool = False) -> None:

@@ -14,10 +14,10 @@ SHAPE_OVERRIDES = ("n_layers", "dim", "n_heads", "n_kv_heads")
 @dataclass
 class Model:
     name: str = "llama3"
-    """Model family from the registry in titan/models (currently: llama3, llama4)."""
+    """Model family from the registry in titan/models (currently: llama3, llama4, gpt_oss)."""
     flavor: str = "debugmodel"
     """Model size: llama3 debugmodel, 8B, 70B, 405B; llama4 debugmodel, 17bx16e, 17bx128e and their
-    _irope variants."""
+    _irope variants; gpt_oss debugmodel, 20b, 120b."""
     tokenizer_path: str = ""
     """Tokenizer file (tiktoken `tokenizer.model`, sentencepiece `.model` or HF `tokenizer.json`).
     Empty: the small tokenizer shipped in titan/data/assets."""

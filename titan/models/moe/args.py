@@ -36,6 +36,13 @@ class MoEArgs:
     """Weight of the sequence-wise balance loss added to the backward pass (0: off)."""
     hidden_dim: int | None = None
     """Hidden width of each routed expert; None: the embedding family decides (llama4 derives it)."""
+    experts_bias: bool = False
+    """Each routed expert's three projections carry a bias, added per token by its expert (gpt-oss)."""
+    swiglu_limit: float | None = None
+    """None: the experts' SwiGLU is silu(gate) * up. A number: gpt-oss's clamped variant, gate clamped
+    above and up on both sides at this limit, then gate * sigmoid(swiglu_alpha * gate) * (up + 1)."""
+    swiglu_alpha: float = 1.702
+    """The sigmoid gain of the clamped SwiGLU (used only with swiglu_limit)."""
     force_load_balance: bool = field(default=False, compare=False)
     """Debugging/benchmarks: route token t's k-th choice to expert (t * top_k + k) % num_experts,
     ignoring the router's choice (the scores used are still the router's for those experts)."""
@@ -58,5 +65,7 @@ class MoEArgs:
             raise bad("load_balance_coeff", self.load_balance_coeff, "a number > 0, or None to turn it off")
         if self.aux_loss_coeff < 0:
             raise bad("aux_loss_coeff", self.aux_loss_coeff, "a number >= 0 (0 turns it off)")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise bad("swiglu_limit", self.swiglu_limit, "a number > 0, or None for the plain SwiGLU")
         if self.hidden_dim is not None and (not isinstance(self.hidden_dim, int) or self.hidden_dim <= 0):
             raise bad("hidden_dim", self.hidden_dim, "a positive integer or None")

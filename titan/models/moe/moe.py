@@ -94,7 +94,9 @@ class MoE(nn.Module):
             args.gate_bias,
             args.force_load_balance,
         )
-        self.experts = GroupedExperts(dim, hidden, args.num_experts, args.use_grouped_mm)
+        self.experts = GroupedExperts(
+            dim, hidden, args.num_experts, args.use_grouped_mm, args.experts_bias, args.swiglu_limit, args.swiglu_alpha
+        )
         self.shared_experts = FeedForward(dim, hidden * args.num_shared_experts) if args.num_shared_experts else None
         self.score_before_experts = args.score_before_experts
         self.load_balance_coeff = args.load_balance_coeff

@@ -1,0 +1,178 @@
+"""gpt_oss's layouts on gloo ranks: each layout's losses and grad norms against the same
+data-parallel layout without it, 10 steps, fp32 within 1e-5 (EP, EP + full AC, HSDP, EP x FSDP,
+EP 4; PP against one process) and bf16 parameters within bf16's tolerance (EP 2 against FSDP 2);
+checkpoints resume exactly at the same layout and move between EP degrees (2 -> 1 -> 4). The
+layouts of one world size share one spawned process group; each builds its Trainer in turn."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import GLOBAL_BATCH, VOCAB, batches, config
+from titan.models import get_model_spec, register_flavor, register_model_spec
+from titan.models.gpt_oss.args import GptOssModelArgs, gpt_oss_moe
+from titan.training.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+TOL = 1e-5
+PP_RTOL = 1e-5  # micro-batches sum in another order than one process: relative float32 ulps
+# bf16 parameters: both runs round every matmul to 8 bits of mantissa, in different orders
+# (all-to-all vs local rows): a few bf16 ulps of a loss near 7.6 (ulp 0.03).
+BF16_TOL = 0.1
+# 4 layers (2 sliding over 8 of the 32 positions), 4 experts of 32 (EP 1, 2 or 4), top 2, biases
+# everywhere, YaRN over an original context of 16, bias balancing on.
+GPTEST = GptOssModelArgs(
+    dim=64,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    vocab_size=VOCAB,
+    max_seq_len=64,
+    sliding_window_size=8,
+    rope_factor=4.0,
+    original_seq_len=16,
+    moe_args=dataclasses.replace(gpt_oss_moe(4), top_k=2, hidden_dim=32, load_balance_coeff=1e-2),
+)
+SHARD = "--parallelism.data_parallel_shard_degree"
+EP2 = ("--parallelism.expert_parallel_degree", "2")
+BF16 = ("--training.mixed_precision_param", "bfloat16")
+# Pipeline parallel without bias balancing: torch's pipeline stages run one extra forward on the
+# first step to infer their shapes (the last stage on uninitialised inputs), which the MoE layers'
+# token counts include; the step's balancing update then differs from one process's.
+GPTEST_NOLB = dataclasses.replace(GPTEST, moe_args=dataclasses.replace(GPTEST.moe_args, load_balance_coeff=None))
+GPT_OSS = ("--model.name", "gpt_oss", "--model.flavor", "gptest")
+NOLB = ("--model.flavor", "gptest_nolb")
+
+
+@contextlib.contextmanager
+def gptest_flavor() -> Iterator[None]:
+    saved = get_model_spec("gpt_oss")
+    try:
+        register_flavor("gpt_oss", "gptest", GPTEST, replace=True)
+        register_flavor("gpt_oss", "gptest_nolb", GPTEST_NOLB, replace=True)
+        yield
+    finally:
+        register_model_spec(saved, replace=True)
+
+
+def _trainer(dump: str, dp: int, *flags: str) -> Trainer:
+    batch = ("--training.local_batch_size", str(GLOBAL_BATCH // dp), "--training.global_batch_size", str(GLOBAL_BATCH))
+    return Trainer(config(dump, *GPT_OSS, *batch, "--metrics.log_freq", "5", "--optimizer.lr", "1e-3", *flags))
+
+
+def _curve(trainer: Trainer) -> list[tuple[float, float]]:
+    dp = trainer.parallel_dims.dp_degree
+    per, r = GLOBAL_BATCH // dp, trainer.dp_rank
+    out = []
+    for inputs, labels in batches():
+        x, y = inputs[r * per : (r + 1) * per], labels[r * per : (r + 1) * per]
+        n = trainer.grad_accum_steps
+        loss, norm = trainer.train_step(list(zip(x.chunk(n), y.chunk(n))))
+        out.append((loss.item(), norm.item()))
+    return out
+
+
+def _layouts(dump: str, layouts: dict[str, tuple[int, tuple[str, ...]]]) -> dict:
+    return {name: _curve(_trainer(f"{dump}/{name}", dp, *flags)) for name, (dp, flags) in layouts.items()}
+
+
+def _train_loop(dump: str, world: int, steps: int, *flags: str) -> dict[int, float]:
+    """Trainer.train over the config's own data, checkpointing every 5 steps."""
+    ckpt = ("--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0")
+    return _trainer(dump, world, "--training.steps", str(steps), "--metrics.log_freq", "1", *ckpt, *flags).train()
+
+
+def on_two_ranks(rank: int, world: int, dump: str) -> dict:
+    with gptest_flavor():
+        out = _layouts(
+            f"{dump}/parity",
+            {
+                "fsdp2": (2, (SHARD, "2")),
+                "ep2": (2, (SHARD, "2", *EP2)),
+                "ep2_ac": (2, (SHARD, "2", *EP2, "--activation_checkpoint.mode", "full")),
+                "pp2": (1, ("--parallelism.pipeline_parallel_degree", "2", SHARD, "1", *NOLB)),
+                "fsdp2_bf16": (2, (SHARD, "2", *BF16)),
+                "ep2_bf16": (2, (SHARD, "2", *EP2, *BF16)),
+            },
+        )
+        # Saved at EP 2 (steps 5 and 10); step 5 resumed at EP 2 (exact) and at EP 1 (resharded).
+        out["uninterrupted"] = _train_loop(f"{dump}/ep2", world, 10, SHARD, "2", *EP2)
+        if rank == 0:
+            for name in ("same", "ep1"):
+                shutil.copytree(f"{dump}/ep2", f"{dump}/{name}", ignore=shutil.ignore_patterns("step-10"))
+        torch.distributed.barrier()
+        out["resumed_same"] = _train_loop(f"{dump}/same", world, 10, SHARD, "2", *EP2)
+        out["resumed_ep1"] = _train_loop(f"{dump}/ep1", world, 10, SHARD, "2")
+        return out
+
+
+def on_four_ranks(rank: int, world: int, dump: str) -> dict:
+    with gptest_flavor():
+        out = _layouts(
+            f"{dump}/parity4",
+            {
+                "fsdp4": (4, (SHARD, "4")),
+                "ep2_fsdp4": (4, (SHARD, "4", *EP2)),
+                "ep4": (4, (SHARD, "4", "--parallelism.expert_parallel_degree", "4")),
+                "hsdp": (4, (SHARD, "2", "--parallelism.data_parallel_replicate_degree", "2")),
+            },
+        )
+        # EP 1's step-10 checkpoint (saved by the two-rank group) loads at EP 4 and trains on.
+        new = ("--checkpoint.config_mismatch", "use_new")  # 4 ranks: another local batch size
+        ep4 = ("--parallelism.expert_parallel_degree", "4")
+        out["to_ep4"] = _train_loop(f"{dump}/ep1", world, 11, SHARD, "4", *ep4, *new)
+        return out
+
+
+def _close(a: list, b: list, name: str, tol: float = TOL, relative: bool = False) -> float:
+    def diff(x: float, y: float) -> float:
+        return abs(x - y) / (abs(y) if relative else 1.0)
+
+    worst = max(diff(x[0], y[0]) for x, y in zip(a, b, strict=True))
+    assert worst < tol, (name, a, b)
+    assert all(diff(x[1], y[1]) < 10 * tol for x, y in zip(a, b)), (name, a, b)
+    return worst
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> tuple[list[dict], Path]:
+    dump = tmp_path_factory.mktemp("gpt_oss")
+    return run_distributed(on_two_ranks, 2, str(dump), timeout=900), dump
+
+
+def test_two_rank_layouts_match_fsdp2(two, tmp_path) -> None:
+    results, _ = two
+    with gptest_flavor():
+        reference = _curve(_trainer(str(tmp_path), GLOBAL_BATCH, *NOLB))  # one process, one sequence per forward
+    for per_rank in results:
+        _close(per_rank["ep2"], per_rank["fsdp2"], "ep2")
+        _close(per_rank["ep2_ac"], per_rank["fsdp2"], "ep2 + full AC")
+        _close(per_rank["pp2"], reference, "pp2", PP_RTOL, relative=True)
+        _close(per_rank["ep2_bf16"], per_rank["fsdp2_bf16"], "ep2 bf16", BF16_TOL)
+        _close(per_rank["fsdp2_bf16"], per_rank["fsdp2"], "fsdp2 bf16 vs fp32", BF16_TOL)
+
+
+def test_checkpoints_resume_exactly_and_reshard_from_ep2_to_ep1(two) -> None:
+    for per_rank in two[0]:
+        full = per_rank["uninterrupted"]
+        assert sorted(per_rank["resumed_same"]) == list(range(6, 11))
+        assert all(per_rank["resumed_same"][s] == full[s] for s in range(6, 11)), (full, per_rank["resumed_same"])
+        assert max(abs(per_rank["resumed_ep1"][s] - full[s]) for s in range(6, 11)) < TOL
+
+
+def test_four_rank_layouts_and_reshard_to_ep4(two) -> None:
+    _, dump = two
+    for per_rank in run_distributed(on_four_ranks, 4, str(dump), timeout=900):
+        for name in ("ep2_fsdp4", "ep4", "hsdp"):
+            _close(per_rank[name], per_rank["fsdp4"], name)
+        assert list(per_rank["to_ep4"]) == [11] and torch.isfinite(torch.tensor(per_rank["to_ep4"][11]))

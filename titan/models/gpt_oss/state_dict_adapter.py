@@ -1,0 +1,329 @@
+"""titan gpt_oss <-> Hugging Face `GptOssForCausalLM` state dicts and configs.
+
+Layout differences besides names:
+- Routed experts: HF fuses gate and up into ``experts.gate_up_proj`` [E, dim, 2 * hidden] with the
+  gate in the EVEN columns and up in the odd ones (and ``gate_up_proj_bias`` [E, 2 * hidden] alike),
+  and stores ``down_proj`` [E, hidden, dim]; titan keeps w1 / w3 [E, hidden, dim], w2 [E, dim,
+  hidden] and the biases b1 / b3 / b2 apart. Strided slices, transposes and an interleave: a round
+  trip is bitwise lossless. A layer's w1, w3, b1 and b3 must be converted together.
+- RoPE: titan's gpt_oss rotates the two halves of each head, as transformers does: no permutation.
+- Routing bias: HF has none; the auxiliary-loss-free balancing bias (``moe.expert_bias``) is dropped
+  on export (with a warning when it is not zero) and starts at zero on import.
+
+Every GptOssConfig field is either represented in GptOssModelArgs or refused in one line unless
+it has the value titan computes with (see hf_config_to_args); absent fields are transformers'
+defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from titan.errors import TitanError
+from titan.log import logger
+from titan.models.gpt_oss.args import GptOssModelArgs, gpt_oss_moe
+from titan.models.llama.state_dict_adapter import _HF_LAYER, _TITAN_LAYER, _TOP_MAP, _TOP_MAP_INV, _cast
+
+_LAYER_MAP = MappingProxyType(
+    {
+        **{f"attention.w{a}.{p}": f"self_attn.{a}_proj.{p}" for a in "qkvo" for p in ("weight", "bias")},
+        "attention.sinks": "self_attn.sinks",
+        "attention_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "moe.router.gate.weight": "mlp.router.weight",
+        "moe.router.gate.bias": "mlp.router.bias",
+        "moe.experts.b2": "mlp.experts.down_proj_bias",
+    }
+)
+_LAYER_INV = MappingProxyType({v: k for k, v in _LAYER_MAP.items()})
+_FUSED = ("moe.experts.w1", "moe.experts.w3", "moe.experts.b1", "moe.experts.b3")
+
+
+def _need(state_dict: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    if key not in state_dict:
+        raise TitanError(f"{key} is missing: HF fuses a layer's experts w1, w3, b1 and b3, convert them together")
+    return state_dict[key]
+
+
+def to_hf(
+    state_dict: dict[str, torch.Tensor], model_args: GptOssModelArgs, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """titan state dict (full tensors) -> HF GptOssForCausalLM keys."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        if key in _TOP_MAP:
+            if not (key == "output.weight" and model_args.tie_embeddings):
+                out[_TOP_MAP[key]] = _cast(value, dtype)
+            continue
+        m = _TITAN_LAYER.match(key)
+        if m is None:
+            raise TitanError(f"state dict key {key!r} has no Hugging Face gpt-oss equivalent")
+        layer, rest = m.groups()
+        prefix = f"model.layers.{layer}.mlp.experts"
+        if rest in _LAYER_MAP:
+            out[f"model.layers.{layer}.{_LAYER_MAP[rest]}"] = _cast(value, dtype)
+        elif rest == "moe.expert_bias":
+            if bool(value.abs().max() > 0):
+                logger.warning(
+                    f"layers.{layer}.moe.expert_bias is not zero (max |bias| {float(value.abs().max()):.3g}): Hugging"
+                    " Face gpt-oss has no routing bias, so the exported model routes by the router logits alone"
+                )
+        elif rest == "moe.experts.w2":
+            out[f"{prefix}.down_proj"] = _cast(value.transpose(-2, -1).contiguous(), dtype)
+        elif rest == "moe.experts.w1":
+            w3 = _need(state_dict, f"layers.{layer}.moe.experts.w3")
+            # [E, dim, hidden, 2] -> [E, dim, 2 * hidden]: gate in column 2j, up in 2j + 1.
+            fused = torch.stack([value.transpose(-2, -1), w3.transpose(-2, -1)], dim=-1).flatten(-2)
+            out[f"{prefix}.gate_up_proj"] = _cast(fused, dtype)
+        elif rest == "moe.experts.b1":
+            b3 = _need(state_dict, f"layers.{layer}.moe.experts.b3")
+            out[f"{prefix}.gate_up_proj_bias"] = _cast(torch.stack([value, b3], dim=-1).flatten(-2), dtype)
+        elif rest not in _FUSED:
+            raise TitanError(f"state dict key {key!r} has no Hugging Face gpt-oss equivalent")
+    return out
+
+
+def from_hf(
+    hf_state_dict: dict[str, torch.Tensor], model_args: GptOssModelArgs, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """HF GptOssForCausalLM state dict -> titan keys."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in hf_state_dict.items():
+        if key.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer titan derives
+        if key in _TOP_MAP_INV:
+            out[_TOP_MAP_INV[key]] = _cast(value, dtype)
+            continue
+        m = _HF_LAYER.match(key)
+        if m is None:
+            raise TitanError(f"Hugging Face key {key!r} is not part of a gpt-oss model titan can load")
+        layer, rest = m.groups()
+        prefix = f"layers.{layer}.moe.experts"
+        if rest in _LAYER_INV:
+            out[f"layers.{layer}.{_LAYER_INV[rest]}"] = _cast(value, dtype)
+        elif rest == "mlp.experts.gate_up_proj":
+            out[f"{prefix}.w1"] = _cast(value[..., 0::2].transpose(-2, -1).contiguous(), dtype)
+            out[f"{prefix}.w3"] = _cast(value[..., 1::2].transpose(-2, -1).contiguous(), dtype)
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            out[f"{prefix}.b1"] = _cast(value[..., 0::2].contiguous(), dtype)
+            out[f"{prefix}.b3"] = _cast(value[..., 1::2].contiguous(), dtype)
+        elif rest == "mlp.experts.down_proj":
+            out[f"{prefix}.w2"] = _cast(value.transpose(-2, -1).contiguous(), dtype)
+        else:
+            raise TitanError(f"Hugging Face key {key!r} is not part of a gpt-oss model titan can load")
+    if model_args.moe_args.load_balance_coeff is not None:  # the balancing bias starts at zero
+        for layer in {int(k.split(".")[1]) for k in out if ".moe.router." in k}:
+            out[f"layers.{layer}.moe.expert_bias"] = torch.zeros(model_args.moe_args.num_experts)
+    if model_args.tie_embeddings and "tok_embeddings.weight" in out:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+# GptOssConfig fields that do not change the forward pass titan trains (bookkeeping, generation
+# and initialisation settings): read and ignored.
+HF_IGNORED = frozenset(
+    {"initializer_range", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "router_aux_loss_coef"}
+)
+# Fields titan computes with one value only: refused in one line when the config has another.
+HF_FIXED: MappingProxyType[str, Any] = MappingProxyType(
+    {"hidden_act": "silu", "attention_dropout": 0.0, "output_router_logits": False}
+)
+# transformers' GptOssConfig defaults (an absent field means these).
+HF_DEFAULTS: MappingProxyType[str, Any] = MappingProxyType(
+    {
+        "num_hidden_layers": 36,
+        "num_local_experts": 128,
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "head_dim": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "sliding_window": 128,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "num_experts_per_tok": 4,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "attention_bias": True,
+        "rope_theta": 150000.0,
+    }
+)
+_YARN_DEFAULT = MappingProxyType(
+    {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+     "original_max_position_embeddings": 4096}
+)  # fmt: skip
+_YARN_KEYS = frozenset(
+    {"rope_type", "type", "factor", "beta_fast", "beta_slow", "truncate", "rope_theta",
+     "original_max_position_embeddings", "attention_factor", "mscale", "mscale_all_dim"}
+)  # fmt: skip
+HF_MAPPED = frozenset(HF_DEFAULTS) | {"rope_parameters", "layer_types"}
+"""The GptOssConfig fields GptOssModelArgs represents (tests check these three sets cover them all)."""
+
+
+def _rope_args(config: dict[str, Any], get: Any) -> dict[str, Any]:
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or _YARN_DEFAULT)
+    unknown = sorted(set(rope) - _YARN_KEYS)
+    if unknown:
+        raise TitanError(f"config.json rope_parameters has {unknown}, which titan's gpt_oss does not represent")
+    theta = float(config.get("rope_theta", rope.get("rope_theta", get("rope_theta"))))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return {"rope_type": "default", "rope_theta": theta}
+    if rope_type != "yarn":
+        raise TitanError(f"config.json rope type {rope_type!r} is not supported by gpt_oss; valid: yarn, default")
+    if rope.get("mscale") or rope.get("mscale_all_dim"):
+        raise TitanError("config.json rope_parameters mscale / mscale_all_dim are DeepSeek's; gpt_oss refuses them")
+    original = int(rope.get("original_max_position_embeddings") or get("max_position_embeddings"))
+    return {
+        "rope_type": "yarn",
+        "rope_theta": theta,
+        # No factor: transformers derives it from the two context lengths.
+        "rope_factor": float(rope.get("factor") or get("max_position_embeddings") / original),
+        "original_seq_len": original,
+        "ntk_beta": float(rope.get("beta_fast") or 32.0),
+        "ntk_alpha": float(rope.get("beta_slow") or 1.0),
+        "rope_truncate": bool(rope.get("truncate", True)),
+        "rope_attention_factor": None if rope.get("attention_factor") is None else float(rope["attention_factor"]),
+    }
+
+
+def hf_config_to_args(config: dict[str, Any]) -> GptOssModelArgs:
+    """HF GptOssConfig (config.json as a dict) -> GptOssModelArgs."""
+
+    def get(key: str) -> Any:
+        value = config.get(key)
+        return HF_DEFAULTS[key] if value is None and key in HF_DEFAULTS else value
+
+    for key, ok in HF_FIXED.items():
+        if config.get(key, ok) != ok:
+            raise TitanError(f"config.json {key} is {config[key]!r}; titan's gpt_oss supports only {ok!r}")
+    n_layers = get("num_hidden_layers")
+    layer_types = config.get("layer_types")
+    window = config.get("sliding_window", HF_DEFAULTS["sliding_window"])
+    default_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    moe = gpt_oss_moe(get("num_local_experts"))
+    moe.top_k, moe.hidden_dim = get("num_experts_per_tok"), get("intermediate_size")
+    moe.swiglu_limit, moe.swiglu_alpha = float(get("swiglu_limit")), float(get("swiglu_alpha"))
+    args = GptOssModelArgs(
+        dim=get("hidden_size"),
+        n_layers=n_layers,
+        n_heads=get("num_attention_heads"),
+        n_kv_heads=get("num_key_value_heads") or get("num_attention_heads"),
+        head_dim=get("head_dim") or get("hidden_size") // get("num_attention_heads"),
+        vocab_size=get("vocab_size"),
+        norm_eps=float(get("rms_norm_eps")),
+        max_seq_len=get("max_position_embeddings"),
+        tie_embeddings=bool(get("tie_word_embeddings")),
+        attention_bias=bool(get("attention_bias")),
+        sliding_window_size=window,
+        # Without a window every layer attends over the whole causal window, whatever its type.
+        layer_types=None
+        if layer_types is None or window is None or list(layer_types) == default_types
+        else list(layer_types),
+        moe_args=moe,
+        **_rope_args(config, get),
+    )
+    args.validate()
+    return args
+
+
+def args_to_hf_config(args: GptOssModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """GptOssModelArgs -> a config.json dict that transformers' GptOssForCausalLM loads."""
+    moe = args.moe_args
+    if not (moe.score_func == "softmax" and moe.route_norm and moe.route_scale == 1.0 and moe.gate_bias):
+        raise TitanError(
+            "Hugging Face gpt-oss routes by a softmax over the top-k biased logits (score_func softmax, route_norm,"
+            f" route_scale 1, gate_bias); this model has {moe.score_func!r}, {moe.route_norm}, {moe.route_scale},"
+            f" {moe.gate_bias}"
+        )
+    if moe.score_before_experts or not moe.experts_bias or moe.swiglu_limit is None or moe.num_shared_experts:
+        raise TitanError(
+            "Hugging Face gpt-oss scales the experts' outputs, has expert biases, the clamped SwiGLU and no shared"
+            " expert (score_before_experts false, experts_bias true, swiglu_limit set, num_shared_experts 0)"
+        )
+    yarn = args.yarn()
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if yarn is not None:
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": args.rope_theta,
+            "factor": yarn.factor,
+            "beta_fast": yarn.beta_fast,
+            "beta_slow": yarn.beta_slow,
+            "truncate": yarn.truncate,
+            "original_max_position_embeddings": yarn.original_max_position_embeddings,
+        }
+        if yarn.attention_factor is not None:
+            rope["attention_factor"] = yarn.attention_factor
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": args.dim,
+        "intermediate_size": moe.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_parameters": rope,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "swiglu_alpha": moe.swiglu_alpha,
+        "swiglu_limit": moe.swiglu_limit,
+        "sliding_window": args.sliding_window_size,
+        "layer_types": list(args.layer_types)
+        if args.layer_types is not None
+        else ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(args.n_layers)],
+        "attention_bias": args.attention_bias,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def args_from_shapes(shapes: dict[str, tuple[int, ...]], base: GptOssModelArgs, where: str) -> GptOssModelArgs:
+    """``base`` (a flavor) with vocab_size, n_layers and tie_embeddings read off a checkpoint's shapes."""
+    if "tok_embeddings.weight" not in shapes:
+        raise TitanError(f"{where}: no tok_embeddings.weight; cannot infer the model shape")
+    vocab, dim = shapes["tok_embeddings.weight"]
+    if dim != base.dim:
+        raise TitanError(
+            f"{where}: embedding width {dim} does not match the flavor's dim {base.dim}; pick the right flavor"
+        )
+    n_layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("layers."))
+    layer_types = None if base.layer_types is None else base.layer_types[:n_layers]
+    args = replace(
+        base, vocab_size=vocab, n_layers=n_layers, tie_embeddings="output.weight" not in shapes, layer_types=layer_types
+    )
+    args.validate()
+    return args
+
+
+def state_dict_shapes(args: GptOssModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor a full model state dict holds (parameters and the balancing bias), unsharded."""
+    from titan.models.gpt_oss.model import GptOssTransformer
+
+    with torch.device("meta"):
+        model = GptOssTransformer(replace(args, max_seq_len=1))
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+class GptOssStateDictAdapter:
+    """The registry's handle on this module (ModelSpec.state_dict_adapter)."""
+
+    hf_model_types = ("gpt_oss",)
+    args_from_shapes = staticmethod(args_from_shapes)
+    state_dict_shapes = staticmethod(state_dict_shapes)
+    to_hf = staticmethod(to_hf)
+    from_hf = staticmethod(from_hf)
+    hf_config_to_args = staticmethod(hf_config_to_args)
+    args_to_hf_config = staticmethod(args_to_hf_config)
