@@ -175,3 +175,26 @@ def test_yarn_follows_torchtitans_rule_and_scales_softmax():
     long = dataclasses.replace(args, max_seq_len=4097, mscale=0.7)
     assert long.yarn_enabled
     assert long.softmax_scale == pytest.approx(10**-0.5 * (0.1 * 0.7 * math.log(40) + 1) ** 2)
+
+
+def test_kv_cache_decoding_matches_full_recompute():
+    """The cache keeps keys (qk_head_dim) and values (v_head_dim) at their own widths."""
+    from titan.models.kv_cache import KVCache
+
+    args = DeepSeekV3ModelArgs(
+        **{**MLA, "max_seq_len": 16}, vocab_size=64, n_layers=2, n_dense_layers=1, inter_dim=32, moe_inter_dim=16,
+        moe_args=MoEArgs(num_experts=4, top_k=2, score_before_experts=False), use_yarn=True, original_seq_len=4,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = DeepSeekV3Transformer(args)
+    model.init_weights()
+    tokens = torch.randint(0, 64, (2, 12))
+    cache = KVCache(16)
+    with torch.no_grad():
+        full = model(tokens)
+        steps = [model(tokens[:, :8], kv_cache=cache)]
+        cache.advance(8)
+        for i in range(8, 12):
+            steps.append(model(tokens[:, i : i + 1], kv_cache=cache))
+            cache.advance(1)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)

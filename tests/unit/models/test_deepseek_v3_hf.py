@@ -168,3 +168,22 @@ def test_absent_fields_are_transformers_defaults():
 def test_export_refuses_softmax_routing_in_one_line():
     with pytest.raises(TitanError, match="sigmoid"):
         args_to_hf_config(deepseek_v3_configs["16B"])
+
+
+def test_hf_folder_written_by_titan_loads_in_transformers(tmp_path):
+    from titan.checkpointing.hf import load_hf, save_hf
+
+    args = TITAN_ARGS["groups_sigmoid"]
+    torch.manual_seed(0)
+    model = DeepSeekV3Transformer(dataclasses.replace(args))
+    model.init_weights()
+    _randomize(model, 5)
+    save_hf(model.state_dict(), args, tmp_path / "hf", max_shard_bytes=40_000)  # several files
+    hf = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    tokens = _tokens(args.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
+    state, back_args = load_hf(tmp_path / "hf")
+    assert dataclasses.replace(back_args, use_yarn=None) == args
+    for key, value in model.state_dict().items():
+        assert torch.equal(state[key], value), key
