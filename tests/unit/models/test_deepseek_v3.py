@@ -198,3 +198,40 @@ def test_kv_cache_decoding_matches_full_recompute():
             steps.append(model(tokens[:, i : i + 1], kv_cache=cache))
             cache.advance(1)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_memory_estimate_stores_every_expert_and_measures_latent_attention(monkeypatch):
+    """Static memory: every parameter (all experts, the latent projections) by hand; the fake-tensor
+    forward/backward peak equals the real one's."""
+    import titan.models
+    from titan.config import load_config
+    from titan.models import register_flavor
+    from titan.training.loss import cross_entropy_sum
+    from titan.training.memory import LiveBytes, estimate_memory
+
+    args = DeepSeekV3ModelArgs(
+        **{**MLA, "max_seq_len": 32}, vocab_size=2048, n_layers=2, n_dense_layers=1, inter_dim=32, moe_inter_dim=16,
+        q_lora_rank=8, moe_args=MoEArgs(num_experts=4, top_k=2, score_before_experts=False),
+    )  # fmt: skip
+    specs = titan.models._REGISTRY.specs()
+    monkeypatch.setitem(specs, "deepseek_v3", specs["deepseek_v3"])  # restored at teardown
+    register_flavor("deepseek_v3", "memtest", args, replace=True)
+    config = load_config(
+        ["--model.name", "deepseek_v3", "--model.flavor", "memtest", "--training.seq_len", "32"]
+        + ["--training.local_batch_size", "2", "--training.mixed_precision_param", "float32"]
+    )
+    # Per block wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b, wo, two norms; the dense FFN; router, 4 experts,
+    # the shared one; the vocabulary rows are the shipped tokenizer's 2048.
+    attention = 32 * 8 + 8 + 8 * 3 * 10 + 32 * (12 + 4) + 12 + 12 * 3 * (6 + 5) + 3 * 5 * 32 + 2 * 32
+    stored = 2048 * 32 + 2 * attention + 3 * 32 * 32 + (32 * 4 + 4 * 3 * 32 * 16 + 3 * 32 * 16) + 32 + 32 * 2048
+    assert estimate_memory(config, 1).params == stored
+    est = estimate_memory(config, 1).activation_bytes
+    torch.manual_seed(0)
+    model = DeepSeekV3Transformer(dataclasses.replace(args))
+    model.init_weights()
+    tokens = torch.randint(0, 2048, (2, 33))
+    tracker = LiveBytes()
+    tracker.ignore([*model.parameters(), *model.buffers(), tokens])
+    with tracker:
+        cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    assert est == pytest.approx(tracker.peak, rel=1e-3)
