@@ -235,3 +235,16 @@ def test_memory_estimate_stores_every_expert_and_measures_latent_attention(monke
     with tracker:
         cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
     assert est == pytest.approx(tracker.peak, rel=1e-3)
+
+
+def test_the_model_keeps_the_yarn_choice_it_was_built_with():
+    """A run builds with max_seq_len = its seq_len; an export raises max_seq_len to the context length,
+    which must not turn YaRN on for weights trained without it."""
+    from titan.checkpointing.hf import export_args, model_args_of
+
+    flavor = deepseek_v3_configs["671B"]
+    with torch.device("meta"):
+        model = DeepSeekV3Transformer(dataclasses.replace(flavor, max_seq_len=4096, n_layers=4))
+    args = export_args(model_args_of(model), {"model": {"name": "deepseek_v3", "flavor": "671B"}})
+    assert args.max_seq_len == 16384 and args.use_yarn is False and not args.yarn_enabled
+    assert flavor.use_yarn is None  # the flavor table is untouched

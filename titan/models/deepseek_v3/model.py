@@ -11,6 +11,7 @@ with it (Meta's interleaved pairs, YaRN-scaled); values are ``v_head_dim`` wide.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -152,6 +153,10 @@ class DeepSeekV3Transformer(Transformer):
 
     def __init__(self, model_args: DeepSeekV3ModelArgs) -> None:
         model_args.validate()
+        if model_args.use_yarn is None:
+            # torchtitan's rule reads max_seq_len (a run sets it to its seq_len), which an export
+            # replaces by the context length: the model keeps the choice it was built with.
+            model_args = dataclasses.replace(model_args, use_yarn=model_args.yarn_enabled)
         super().__init__(model_args)
         self.freqs_cis = precompute_freqs_cis(model_args, device=self.freqs_cis.device)
 
