@@ -298,3 +298,16 @@ def test_deepseek_v3_benchmark_presets_are_valid_configs() -> None:
             plan = plan_run(config, world, "cuda" if world == 8 else "cpu")
             assert config.model.name == "deepseek_v3"
             assert plan.parallel_dims.ep == config.parallelism.expert_parallel_degree
+
+
+REFUSED = 'is not supported for model.name = "deepseek_v3"'
+
+
+@pytest.mark.parametrize("dim", ["tensor_parallel_degree", "context_parallel_degree"])
+def test_tensor_and_context_parallel_are_refused_in_one_line(
+    dim: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    small = ("--model.n_layers", "2", "--training.seq_len", "256", "--activation_checkpoint.mode", "none")
+    status = _dry_run(tmp_path, "debug_model", *small, f"--parallelism.{dim}", "2")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and f"{dim} = 2 {REFUSED}" in err[-1], err[-1:]
