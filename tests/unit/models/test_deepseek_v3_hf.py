@@ -6,6 +6,7 @@ refused in one line, or without effect on the logits."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -187,3 +188,20 @@ def test_hf_folder_written_by_titan_loads_in_transformers(tmp_path):
     assert dataclasses.replace(back_args, use_yarn=None) == args
     for key, value in model.state_dict().items():
         assert torch.equal(state[key], value), key
+
+
+def test_released_config_json_reads_as_the_671b_flavor_with_yarn():
+    """deepseek-ai/DeepSeek-V3's config.json spelling (rope_scaling with "type", legacy keys beside)."""
+    released = {
+        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "rope_theta": 10000,
+        "max_position_embeddings": 163840, "num_nextn_predict_layers": 1, "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid", "moe_layer_freq": 1, "ep_size": 1,
+        "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    }  # fmt: skip
+    args = hf_config_to_args(released)
+    flavor = deepseek_v3_configs["671B"]
+    assert (args.dim, args.n_layers, args.n_heads, args.q_lora_rank) == (flavor.dim, 61, 128, 1536)
+    assert args.use_yarn and (args.rope_factor, args.original_seq_len, args.mscale) == (40.0, 4096, 1.0)
+    assert args.rope_attention_factor == 1.0  # mscale / mscale_all_dim: the table is unscaled, as torchtitan's
+    assert args.softmax_scale == pytest.approx(192**-0.5 * (0.1 * math.log(40) + 1) ** 2)

@@ -94,8 +94,8 @@ HF_FIELDS: MappingProxyType[str, str] = MappingProxyType(
 
 _HF_LATENT_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm keep their default eps
 _YARN_KEYS = frozenset(
-    {"rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-     "mscale_all_dim", "attention_factor", "truncate", "partial_rotary_factor"}
+    {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+     "mscale", "mscale_all_dim", "attention_factor", "truncate", "partial_rotary_factor"}
 )  # fmt: skip
 
 
