@@ -7,6 +7,8 @@
     python scripts/benchmark.py --preset llama4_17bx16e_4layers   # MoE on the GPUs present: EP 1 vs EP = GPUs
     python scripts/benchmark.py --preset gpt_oss_debug_cpu        # gpt-oss: EP 1 vs EP 2 on 2 CPU ranks
     python scripts/benchmark.py --preset gpt_oss_20b_4layers      # gpt-oss 20b, 4 layers: EP 1 vs EP = GPUs
+    python scripts/benchmark.py --preset deepseek_v3_debug_cpu    # DeepSeek-V3 debug: EP 1 vs EP 2, 2 CPU ranks
+    python scripts/benchmark.py --preset deepseek_v3_16b_4layers  # DeepSeek-V3 16B, 4 layers: EP 1 vs EP = GPUs
     python scripts/benchmark.py --steps 20 --warmup 5 --nproc 8 --job.config_file train_configs/llama3_8b.toml \\
         --variant "eager=" --variant "compile+fp8=--compile.enable --float8.enable_float8_linear"
 
@@ -174,6 +176,32 @@ PRESETS["gpt_oss_20b_4layers"] = {
         "flex",
         "--activation_checkpoint.mode",  # per-op selective AC does not combine with EP
         "full",
+    ],
+    "variants": [
+        ("EP 1", ""),
+        ("EP = GPUs", "--parallelism.expert_parallel_degree {nproc}"),
+    ],
+}
+# DeepSeek-V3: the debug model (latent attention, 8 experts top 3 + 2 shared, softmax) at EP 1 and
+# EP 2 on 2 CPU ranks; on GPUs the 16B shape (64 experts, top 6) cut to 4 layers with the llama3
+# preset's data, precision and optimizer, full AC (per-op AC does not combine with EP).
+_DEEPSEEK_DEBUG = "--model.name deepseek_v3 --model.flavor debugmodel"
+PRESETS["deepseek_v3_debug_cpu"] = {
+    "warmup": 3,
+    "steps": 10,
+    "nproc": 2,
+    "variants": [
+        ("deepseek_v3 debugmodel EP 1", f"{_DEEPSEEK_DEBUG} {_MOE_CPU}"),
+        ("deepseek_v3 debugmodel EP 2", f"{_DEEPSEEK_DEBUG} {_MOE_CPU} --parallelism.expert_parallel_degree 2"),
+    ],
+}
+PRESETS["deepseek_v3_16b_4layers"] = {
+    "warmup": 5,
+    "steps": 10,
+    "args": [
+        *PRESETS["llama3_8b_8layers"]["args"][2:-4],  # the llama3 preset's data, precision and optimizer
+        *("--activation_checkpoint.mode", "full"),
+        *("--model.name", "deepseek_v3", "--model.flavor", "16B", "--model.n_layers", "4"),
     ],
     "variants": [
         ("EP 1", ""),

@@ -136,8 +136,31 @@ def _gpt_oss() -> ModelSpec:
     )
 
 
+def _deepseek_v3() -> ModelSpec:
+    from titan.models.deepseek_v3 import args as ds_args
+    from titan.models.deepseek_v3.model import DeepSeekV3Transformer
+    from titan.models.deepseek_v3.parallelize import apply_tp as ds_tp
+    from titan.models.deepseek_v3.parallelize import parallelize_deepseek_v3
+    from titan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+    from titan.models.llama.pipeline import pipeline_llama
+
+    return ModelSpec(
+        "deepseek_v3",
+        DeepSeekV3Transformer,
+        ds_args.DeepSeekV3ModelArgs,
+        ds_args.deepseek_v3_configs,
+        parallelize_deepseek_v3,
+        ds_args.get_nparams_and_flops,
+        pipeline_llama,
+        tensor_parallel_fn=ds_tp,
+        state_dict_adapter=DeepSeekV3StateDictAdapter,
+    )
+
+
 # The one table that changes at run time: the registry that users and tests add to.
-_REGISTRY = _Registry(MappingProxyType({"llama3": _llama3, "llama4": _llama4, "gpt_oss": _gpt_oss}))
+_REGISTRY = _Registry(
+    MappingProxyType({"llama3": _llama3, "llama4": _llama4, "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss})
+)
 
 
 def register_model_spec(spec: ModelSpec, *, replace: bool = False) -> None:

@@ -28,8 +28,8 @@ class KVCache:
         if end > self.max_len:
             raise TitanError(f"the KV cache holds {self.max_len} positions; generation reached {end}")
         if layer not in self._kv:
-            shape = (k.shape[0], self.max_len, *k.shape[2:])
-            self._kv[layer] = (k.new_zeros(shape), v.new_zeros(shape))
+            # k and v sized apart: latent attention's values are narrower than its keys.
+            self._kv[layer] = tuple(t.new_zeros(t.shape[0], self.max_len, *t.shape[2:]) for t in (k, v))  # type: ignore[assignment]
         ck, cv = self._kv[layer]
         ck[:, start:end], cv[:, start:end] = k, v
         return ck[:, :end], cv[:, :end]

@@ -183,9 +183,18 @@ def check_ep_ac(parallel_dims: ParallelDims, job_config: JobConfig) -> None:
 
 
 def parallelize_llama4(model: Llama4Transformer, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
+    return parallelize_moe_family(model, parallel_dims, job_config, apply_tp, "llama4")
+
+
+def parallelize_moe_family(
+    model: Any, parallel_dims: ParallelDims, job_config: JobConfig, tp_fn: Any, family: str
+) -> nn.Module:
+    """The order above for any family whose blocks are llama4's shape (``attention``,
+    ``attention_norm``, ``ffn_norm``, ``moe_enabled`` and ``moe`` or ``feed_forward``); ``tp_fn``
+    is the family's TP/SP plan (``apply_tp``'s signature)."""
     par = job_config.parallelism
     if parallel_dims.tp_enabled:
-        apply_tp(
+        tp_fn(
             model,
             enabled_submesh(parallel_dims, "tp"),
             loss_parallel=parallel_dims.loss_parallel_enabled,
@@ -198,7 +207,7 @@ def parallelize_llama4(model: Llama4Transformer, parallel_dims: ParallelDims, jo
         # The iRoPE block masks and the MoE routing statistics are not split along the sequence.
         raise TitanError(
             f"parallelism.context_parallel_degree = {par.context_parallel_degree} is not supported for"
-            ' model.name = "llama4"; use tensor, expert, data or pipeline parallelism'
+            f' model.name = "{family}"; use tensor, expert, data or pipeline parallelism'
         )
     apply_ac(model, ac.mode, ac.selective_ac_option)
     if job_config.compile.enable and "model" in job_config.compile.components:

@@ -43,6 +43,11 @@ class MoEArgs:
     above and up on both sides at this limit, then gate * sigmoid(swiglu_alpha * gate) * (up + 1)."""
     swiglu_alpha: float = 1.702
     """The sigmoid gain of the clamped SwiGLU (used only with swiglu_limit)."""
+    num_expert_groups: int | None = None
+    """Group-limited routing (DeepSeek's node-limited routing): the experts form this many equal
+    groups, and a token picks its top_k only among the ``num_limited_groups`` groups whose two best
+    (bias-shifted) scores add up highest. None: every expert is a candidate."""
+    num_limited_groups: int | None = None
     force_load_balance: bool = field(default=False, compare=False)
     """Debugging/benchmarks: route token t's k-th choice to expert (t * top_k + k) % num_experts,
     ignoring the router's choice (the scores used are still the router's for those experts)."""
@@ -67,5 +72,23 @@ class MoEArgs:
             raise bad("aux_loss_coeff", self.aux_loss_coeff, "a number >= 0 (0 turns it off)")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             raise bad("swiglu_limit", self.swiglu_limit, "a number > 0, or None for the plain SwiGLU")
+        self._validate_groups(bad)
         if self.hidden_dim is not None and (not isinstance(self.hidden_dim, int) or self.hidden_dim <= 0):
             raise bad("hidden_dim", self.hidden_dim, "a positive integer or None")
+
+    def _validate_groups(self, bad) -> None:
+        groups, limited = self.num_expert_groups, self.num_limited_groups
+        if groups is None:
+            if limited is not None:
+                raise bad("num_limited_groups", limited, "None when num_expert_groups is None")
+            return
+        if not isinstance(groups, int) or groups <= 0 or self.num_experts % groups or self.num_experts // groups < 2:
+            valid = f"a divisor of num_experts ({self.num_experts}) leaving >= 2 per group"
+            raise bad("num_expert_groups", groups, valid)
+        per_group = self.num_experts // groups
+        if not isinstance(limited, int) or not 1 <= limited <= groups or limited * per_group < self.top_k:
+            raise bad(
+                "num_limited_groups",
+                limited,
+                f"an integer from 1 to num_expert_groups ({groups}) whose groups hold >= top_k ({self.top_k}) experts",
+            )

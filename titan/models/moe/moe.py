@@ -93,6 +93,8 @@ class MoE(nn.Module):
             args.route_scale,
             args.gate_bias,
             args.force_load_balance,
+            args.num_expert_groups,
+            args.num_limited_groups,
         )
         self.experts = GroupedExperts(
             dim, hidden, args.num_experts, args.use_grouped_mm, args.experts_bias, args.swiglu_limit, args.swiglu_alpha

@@ -1,0 +1,313 @@
+"""torchtitan v0.2.2's three deepseek_v3 training configs, as that release ships them
+(torchtitan/models/deepseek_v3/train_configs/), through the dry run at the 8 ranks its run_train.sh
+starts by default. Only the tokenizer location is missing here (the dry run then uses the flavor's
+vocabulary) and the debug model's c4_test is titan's offline corpus. The 16B file asks for per-op
+selective activation checkpointing with EP 8, which titan refuses in one line (as for llama4:
+torch cannot replay the experts' own FSDP inside a checkpointed block); with full AC it plans."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from titan.launch.entry import main
+
+CONFIGS = {
+    "debug_model": """\
+[job]
+dump_folder = "./outputs"
+description = "DeepSeek-V3 debug training"
+print_config = false
+
+[profiling]
+enable_profiling = false
+save_traces_folder = "profile_trace"
+profile_freq = 10
+enable_memory_snapshot = false
+save_memory_snapshot_folder = "memory_snapshot"
+
+[metrics]
+log_freq = 1
+disable_color_printing = false
+enable_tensorboard = false
+save_tb_folder = "tb"
+enable_wandb = false
+
+[model]
+name = "deepseek_v3"
+flavor = "debugmodel"
+# test tokenizer, for debug purpose only
+hf_assets_path = "./tests/assets/tokenizer"
+# converters = ["float8"]
+
+[optimizer]
+name = "AdamW"
+lr = 8e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 2  # lr scheduler warm up, normally 20% of the train steps
+decay_ratio = 0.8  # lr scheduler decay ratio, 80% of the train steps
+decay_type = "linear"
+min_lr_factor = 0.0
+
+[training]
+local_batch_size = 8
+seq_len = 2048
+max_norm = 1.0  # grad norm clipping
+steps = 10
+dataset = "c4_test"  # supported datasets: c4_test (2K), c4 (177M)
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+fsdp_reshard_after_forward = "default" # default / never / always
+tensor_parallel_degree = 1
+enable_async_tensor_parallel = false
+pipeline_parallel_degree = 1
+pipeline_parallel_schedule = "1F1B"
+context_parallel_degree = 1
+expert_parallel_degree = 1
+expert_tensor_parallel_degree = 1
+
+[checkpoint]
+enable = false
+folder = "checkpoint"
+interval = 10
+last_save_model_only = false
+export_dtype = "float32"
+async_mode = "disabled"  # ["disabled", "async", "async_with_pinned_mem"]
+
+[activation_checkpoint]
+mode = "selective"  # ["none", "selective", "full"]
+selective_ac_option = 'op'  # 'int' = ac every positive int layer or 'op', ac based on ops policy
+
+[compile]
+enable=false
+components = ["model", "loss"]
+
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = ["output", "router.gate"]
+
+[quantize.grouped_mm.float8]
+fqns = ["experts"]
+""",
+    "deepseek_v3_16b": """\
+[job]
+dump_folder = "./outputs"
+description = "DeepSeek-V3 16B model training"
+print_config = false
+
+[profiling]
+enable_profiling = false
+save_traces_folder = "profile_trace"
+profile_freq = 10
+enable_memory_snapshot = false
+save_memory_snapshot_folder = "memory_snapshot"
+
+[metrics]
+log_freq = 10
+disable_color_printing = false
+enable_tensorboard = false
+save_tb_folder = "tb"
+enable_wandb = false
+
+[model]
+name = "deepseek_v3"
+flavor = "16B"
+hf_assets_path = "./assets/hf/deepseek-moe-16b-base"
+# converters = ["float8"]
+
+[optimizer]
+name = "AdamW"
+lr = 2.2e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 200  # lr scheduler warm up, normally 20% of the train steps
+decay_ratio = 0.8  # lr scheduler decay ratio, 80% of the train steps
+decay_type = "cosine"
+min_lr_factor = 0.1
+
+[training]
+local_batch_size = 4
+seq_len = 4096
+max_norm = 1.0  # grad norm clipping
+steps = 1000
+dataset = "c4"  # supported datasets: c4_test (2K), c4 (177M)
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+fsdp_reshard_after_forward = "default" # default / never / always
+tensor_parallel_degree = 1
+enable_async_tensor_parallel = false
+pipeline_parallel_degree = 1
+pipeline_parallel_schedule = "Interleaved1F1B"
+expert_parallel_degree = 8
+expert_tensor_parallel_degree = 1
+
+[checkpoint]
+enable = false
+folder = "checkpoint"
+interval = 10
+last_save_model_only = true
+export_dtype = "float32"
+async_mode = "disabled"  # ["disabled", "async", "async_with_pinned_mem]"
+
+[activation_checkpoint]
+mode = "selective"  # ["none", "selective", "full"]
+selective_ac_option = 'op'  # 'int' = ac every positive int layer or 'op', ac based on ops policy
+
+[compile]
+enable=true
+components = ["loss"] # ["model", "loss"]
+
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = ["output", "router.gate"]
+
+[quantize.grouped_mm.float8]
+fqns = ["experts"]
+""",
+    "deepseek_v3_671b": """\
+[job]
+dump_folder = "./outputs"
+description = "DeepSeek-V3 671B model training"
+print_config = false
+
+[profiling]
+enable_profiling = false
+save_traces_folder = "profile_trace"
+profile_freq = 10
+enable_memory_snapshot = false
+save_memory_snapshot_folder = "memory_snapshot"
+
+[metrics]
+log_freq = 10
+disable_color_printing = false
+enable_tensorboard = false
+save_tb_folder = "tb"
+enable_wandb = false
+
+[model]
+name = "deepseek_v3"
+flavor = "671B"
+hf_assets_path = "./assets/hf/DeepSeek-V3.1-Base"
+# converters = ["float8"]
+
+[optimizer]
+name = "AdamW"
+lr = 2.2e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 2_000  # lr scheduler warm up, normally 20% of the train steps
+decay_ratio = 0.8  # lr scheduler decay ratio, 80% of the train steps
+decay_type = "cosine"
+min_lr_factor = 0.1
+
+[training]
+local_batch_size = 4
+seq_len = 4096
+max_norm = 1.0  # grad norm clipping
+steps = 10_000
+dataset = "c4"  # supported datasets: c4_test (2K), c4 (177M)
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+fsdp_reshard_after_forward = "default" # default / never / always
+tensor_parallel_degree = 1
+enable_async_tensor_parallel = false
+pipeline_parallel_degree = 1
+pipeline_parallel_schedule = "Interleaved1F1B"
+expert_parallel_degree = 1
+expert_tensor_parallel_degree = 1
+
+[checkpoint]
+enable = false
+folder = "checkpoint"
+interval = 500
+last_save_model_only = true
+export_dtype = "float32"
+async_mode = "disabled"  # ["disabled", "async", "async_with_pinned_mem]"
+
+[activation_checkpoint]
+mode = "selective"  # ["none", "selective", "full"]
+selective_ac_option = 'op'  # 'int' = ac every positive int layer or 'op', ac based on ops policy
+
+[compile]
+enable = true
+components = ["loss"] # ["model", "loss"]
+
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = ["output", "router.gate"]
+
+[quantize.grouped_mm.float8]
+fqns = ["experts"]
+""",
+}
+EP_WITH_OP_SAC = 'selective_ac_option = "op" does not combine with parallelism.expert_parallel_degree 8'
+
+
+def _dry_run(tmp_path: Path, name: str, *extra: str) -> int:
+    path = tmp_path / f"{name}.toml"
+    path.write_text(CONFIGS[name])
+    flags = ["--job.config_file", str(path), "--job.dump_folder", str(tmp_path / "out"), *extra]
+    return main([*flags, "--job.dry_run", "--job.dry_run_world_size", "8"])
+
+
+@pytest.mark.parametrize("name", ["debug_model", pytest.param("deepseek_v3_671b", marks=pytest.mark.slow)])
+def test_deepseek_v3_config_dry_runs_as_it_is(name: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    status = _dry_run(tmp_path, name)
+    out = capsys.readouterr()
+    assert status == 0, out.err.strip().splitlines()[-1:]
+    assert "matches the model's" in out.out + out.err
+
+
+def test_deepseek_v3_16b_refuses_per_op_ac_with_ep_and_plans_with_full_ac(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    status = _dry_run(tmp_path, "deepseek_v3_16b")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and EP_WITH_OP_SAC in err[-1], err[-1:]
+    status = _dry_run(tmp_path, "deepseek_v3_16b", "--activation_checkpoint.mode", "full")
+    out = capsys.readouterr()
+    assert status == 0, out.err.strip().splitlines()[-1:]
+    assert "matches the model's" in out.out + out.err
+
+
+def test_deepseek_v3_benchmark_presets_are_valid_configs() -> None:
+    """scripts/benchmark.py's DeepSeek-V3 rows: each variant loads and plans as the layout it names."""
+    from tests.helpers.runs import script_module
+    from titan.training.checks import load_job
+    from titan.training.plan import plan_run
+
+    benchmark = script_module("benchmark")
+    for name, world in (("deepseek_v3_debug_cpu", 2), ("deepseek_v3_16b_4layers", 8)):
+        preset = benchmark.PRESETS[name]
+        for _, extra in preset["variants"]:
+            config = load_job(preset.get("args", []) + extra.format(nproc=world).split())
+            plan = plan_run(config, world, "cuda" if world == 8 else "cpu")
+            assert config.model.name == "deepseek_v3"
+            assert plan.parallel_dims.ep == config.parallelism.expert_parallel_degree
+
+
+REFUSED = 'is not supported for model.name = "deepseek_v3"'
+
+
+@pytest.mark.parametrize("dim", ["tensor_parallel_degree", "context_parallel_degree"])
+def test_tensor_and_context_parallel_are_refused_in_one_line(
+    dim: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    small = ("--model.n_layers", "2", "--training.seq_len", "256", "--activation_checkpoint.mode", "none")
+    status = _dry_run(tmp_path, "debug_model", *small, f"--parallelism.{dim}", "2")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and f"{dim} = 2 {REFUSED}" in err[-1], err[-1:]
