@@ -20,8 +20,8 @@ parameter): the steps themselves read nothing on the host.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch

@@ -39,7 +39,7 @@ NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 def _adamw_roles(part: nn.Module) -> set[int]:
     """ids of the parameters AdamW keeps whatever their shape: embeddings, the output projection,
     router gates."""
-    modules = [m for m in part.modules() if isinstance(m, (nn.Embedding, TokenChoiceTopKRouter))]
+    modules: list[nn.Module] = [m for m in part.modules() if isinstance(m, (nn.Embedding, TokenChoiceTopKRouter))]
     output = getattr(part, "output", None)
     if isinstance(output, nn.Module):
         modules.append(output)
@@ -117,4 +117,3 @@ class Muon(torch.optim.Optimizer):
                 weight.mul_(1 - lr * wd)
                 weight.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], torch.Size(p.shape[-2:])))
         return loss
-

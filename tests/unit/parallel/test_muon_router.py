@@ -65,7 +65,7 @@ def test_whole_matrix_round_trip_on_every_placement(world: int) -> None:
     results = run_distributed(_round_trips, world, "")
     assert all(not r["wrong"] for r in results), [r["wrong"] for r in results]
     per_rank_work = [0] * world
-    for i, (mesh, shape, _) in enumerate(_specs(world)):
+    for i, (_, shape, _) in enumerate(_specs(world)):
         plans = [r["owned"][i] for r in results]
         if plans[0][1] is None:  # replicated on every dim: each rank computes its own copy
             continue

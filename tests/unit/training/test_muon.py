@@ -82,7 +82,8 @@ def _torch_muon_reference(weights: list[torch.Tensor], grads: list[list[torch.Te
 
 def test_update_is_torch_muon_per_matrix_and_per_expert() -> None:
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(16, 24, generator=gen), torch.randn(40, 8, generator=gen), torch.randn(3, 8, 12, generator=gen)]
+    shapes = [(16, 24), (40, 8), (3, 8, 12)]  # wide, tall, an expert stack
+    weights = [torch.randn(shape, generator=gen) for shape in shapes]
     grads = [[torch.randn(w.shape, generator=gen) for w in weights] for _ in range(3)]
     params = [nn.Parameter(w.clone()) for w in weights]
     opt = Muon(params, lr=3e-3, weight_decay=0.1)

@@ -77,7 +77,8 @@ class Optimizer:
             key = "optimizer.adamw_lr" if self.adamw_lr is not None else "optimizer.adamw_weight_decay"
             require(self.name.lower() == "muon", "optimizer.name", self.name, f"Muon with {key} (AdamW's own keys)")
         if self.adamw_lr is not None:
-            require(math.isfinite(self.adamw_lr) and self.adamw_lr > 0, "optimizer.adamw_lr", self.adamw_lr, "a number > 0")
+            ok = math.isfinite(self.adamw_lr) and self.adamw_lr > 0
+            require(ok, "optimizer.adamw_lr", self.adamw_lr, "a number > 0")
         if self.adamw_weight_decay is not None:
             require(
                 math.isfinite(self.adamw_weight_decay) and self.adamw_weight_decay >= 0,
