@@ -168,3 +168,17 @@ def test_resume_through_dcp_is_bitwise(tmp_path) -> None:
     _steps(twin, twin_opt, 3, 6)
     for (name, a), b in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_an_adamw_checkpoint_resumes_with_muon_only_without_its_optimizer_state(tmp_path) -> None:
+    from titan.checkpointing.config_diff import resolve, snapshot, write_config
+    from titan.config import load_config
+
+    write_config(str(tmp_path), snapshot(load_config([]), 1))
+    muon = snapshot(load_config(["--optimizer.name", "Muon"]), 1)
+    with pytest.raises(TitanError, match=r"optimizer.name = 'AdamW' there, 'Muon' now.*config_mismatch") as info:
+        resolve(str(tmp_path), muon, "error")
+    assert "\n" not in str(info.value)
+    with pytest.raises(TitanError, match="optimizer state is AdamW's.*exclude_from_loading optimizer"):
+        resolve(str(tmp_path), muon, "use_new")  # the moments cannot become momentum buffers
+    assert resolve(str(tmp_path), muon, "error", excluded=["optimizer"]) == {}
