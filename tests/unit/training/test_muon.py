@@ -182,3 +182,26 @@ def test_an_adamw_checkpoint_resumes_with_muon_only_without_its_optimizer_state(
     with pytest.raises(TitanError, match="optimizer state is AdamW's.*exclude_from_loading optimizer"):
         resolve(str(tmp_path), muon, "use_new")  # the moments cannot become momentum buffers
     assert resolve(str(tmp_path), muon, "error", excluded=["optimizer"]) == {}
+
+
+def test_memory_estimate_counts_one_momentum_per_matrix() -> None:
+    """The estimate's optimizer states are the bytes a real Muon step allocates (fp32, one rank)."""
+    from titan.config import load_config
+    from titan.data import build_tokenizer
+    from titan.models import get_model_spec, model_args_from_config
+    from titan.training.memory import estimate_memory
+
+    small = ("--training.seq_len", "32", "--training.local_batch_size", "1")
+    config = load_config(["--optimizer.name", "Muon", *small])
+    est, adamw = estimate_memory(config, 1), estimate_memory(load_config(list(small)), 1)
+    spec = get_model_spec(config.model.name)
+    args = model_args_from_config(spec, config.model)
+    args.vocab_size = build_tokenizer(config.model.tokenizer_path).vocab_size  # as the trainer sizes it
+    model = spec.model_cls(args)
+    opt = build_optimizers([model], config.optimizer)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    states = sum(t.numel() * t.element_size() for o in opt for s in o.state.values() for t in s.values() if t.ndim)
+    assert est.optimizer_bytes == states < adamw.optimizer_bytes
+    assert "optimizer states (Muon 1 x fp32 on matrices, AdamW 2 x fp32 on the rest)" in dict(est.rows())
