@@ -59,6 +59,10 @@ class Muon(torch.optim.Optimizer):
     """torch.optim.Muon's update for 2-D matrices and 3-D stacks of them ([E, A, B]: each of the E
     matrices orthogonalised on its own), on plain or DTensor parameters.
 
+    ``adamw_groups`` (parameter groups, ``adamw_kwargs``) are stepped by torch's AdamW inside this
+    optimizer: their groups and states are this optimizer's too, so the lr schedule (one set of base
+    lrs, per group) and the checkpoint see one optimizer whatever lr or decay each part has.
+
     Per step and matrix: momentum ``B = mu B + (1 - mu) g`` (torch's lerp form), Nesterov
     ``g + mu (B - g)`` or B, Newton-Schulz orthogonalisation of the whole matrix (on its owner
     rank), decoupled weight decay ``W *= 1 - lr wd``, then ``W -= adjust(lr, A, B) O``. One state
@@ -75,6 +79,8 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         adjust_lr_fn: str = "match_rms_adamw",
         eps: float = EPS,
+        adamw_groups: list[dict[str, Any]] | None = None,
+        adamw_kwargs: dict[str, Any] | None = None,
     ) -> None:
         params = list(params)
         defaults: dict[str, Any] = {
@@ -88,6 +94,22 @@ class Muon(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
         self.router = MatrixRouter(params)
+        self._muon_groups = len(self.param_groups)
+        self.adamw = torch.optim.AdamW(adamw_groups, **(adamw_kwargs or {})) if adamw_groups else None
+        if self.adamw is not None:
+            self.param_groups.extend(self.adamw.param_groups)
+            self._share_with_adamw()
+
+    def _share_with_adamw(self) -> None:
+        """AdamW steps this optimizer's own group dicts and state (after construction and after
+        load_state_dict, which replaces both)."""
+        if self.adamw is not None:
+            self.adamw.param_groups = self.param_groups[self._muon_groups :]
+            self.adamw.state = self.state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._share_with_adamw()
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # noqa: ANN401 - torch's signature
@@ -95,7 +117,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for group in self.param_groups[: self._muon_groups]:
             lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
 
             def orthogonalise(m: torch.Tensor, group: dict[str, Any] = group) -> torch.Tensor:
@@ -116,4 +138,6 @@ class Muon(torch.optim.Optimizer):
                 weight = local(p)
                 weight.mul_(1 - lr * wd)
                 weight.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], torch.Size(p.shape[-2:])))
+        if self.adamw is not None:
+            self.adamw.step()
         return loss

@@ -214,16 +214,22 @@ def build_optimizers(
 def _muon_and_adamw(
     part: nn.Module, kwargs: dict[str, Any], weight_decay_exclude: Sequence[str]
 ) -> list[torch.optim.Optimizer]:
-    """Muon over the part's hidden matrices, torch's AdamW over the rest (either may be empty in a
-    pipeline stage: then only the other is built)."""
+    """One optimizer: Muon over the part's hidden matrices, torch's AdamW (inside it) over the rest;
+    a pipeline stage without matrices gets the AdamW alone."""
     matrices, others = split_muon_params(part)
     adamw_kwargs = {k: v for k, v in kwargs.items() if k not in ("muon", "adamw")} | kwargs["adamw"]
-    built: list[torch.optim.Optimizer] = []
-    if matrices:
-        built.append(Muon(matrices, lr=kwargs["lr"], weight_decay=kwargs["weight_decay"], **kwargs["muon"]))
-    if others:
-        built.append(torch.optim.AdamW(param_groups(part, weight_decay_exclude, others), **adamw_kwargs))
-    return built
+    adamw_groups = param_groups(part, weight_decay_exclude, others) if others else None
+    if not matrices:
+        return [torch.optim.AdamW(adamw_groups or [], **adamw_kwargs)]
+    muon = Muon(
+        matrices,
+        lr=kwargs["lr"],
+        weight_decay=kwargs["weight_decay"],
+        **kwargs["muon"],
+        adamw_groups=adamw_groups,
+        adamw_kwargs=adamw_kwargs,
+    )
+    return [muon]
 
 
 def resolve_implementation(cfg: OptimizerConfig, model_parts: Sequence[nn.Module] = ()) -> str:

@@ -99,8 +99,10 @@ def test_update_is_torch_muon_per_matrix_and_per_expert() -> None:
 def test_build_muon_with_adamw_and_its_own_keys() -> None:
     cfg = dataclasses.replace(MUON, adamw_lr=1e-3, adamw_weight_decay=0.0, momentum=0.9, nesterov=False, ns_steps=3)
     opt = build_optimizers([Transformer(TINY)], cfg)
-    muon, adamw = opt.optimizers
+    (muon,) = opt.optimizers  # one optimizer: one set of base lrs for the schedule, one checkpoint entry
+    adamw = muon.adamw
     assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert muon.param_groups[1:] == adamw.param_groups and muon.state is adamw.state
     group = muon.param_groups[0]
     assert (group["lr"], group["weight_decay"], group["momentum"], group["nesterov"], group["ns_steps"]) == (
         3e-3, 0.1, 0.9, False, 3,
@@ -126,6 +128,30 @@ def test_refusals_are_one_line(override: dict, message: str) -> None:
         cfg.validate()
         validate_optimizer_config(cfg)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_each_parts_lr_survives_a_resume() -> None:
+    """The AdamW part's own lr and its decay-free group come back from the schedule's state."""
+    from titan.config import load_config
+    from titan.training.lr_scheduler import build_lr_schedulers
+
+    cfg = load_config(["--optimizer.name", "Muon", "--optimizer.adamw_lr", "1e-4"])
+    cfg.optimizer.weight_decay_exclude = ["norms"]
+    runs = []
+    for _ in range(2):
+        opt = build_optimizers([Transformer(TINY)], cfg.optimizer)
+        runs.append((opt, build_lr_schedulers(opt, cfg.lr_scheduler, 100)))
+    (opt, sched), (opt2, sched2) = runs
+    for _ in range(20):
+        opt.step()
+        sched.step()
+    opt2.load_state_dict(opt.state_dict())
+    sched2.load_state_dict(sched.state_dict())
+    for o, s in runs:
+        o.step()
+        s.step()
+    lrs = [[g["lr"] for o in run[0] for g in o.param_groups] for run in runs]
+    assert lrs[0] == lrs[1] and len(set(lrs[0])) == 2, lrs  # Muon's lr, and AdamW's on both its groups
 
 
 def test_auto_implementation() -> None:
