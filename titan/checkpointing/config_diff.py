@@ -157,6 +157,13 @@ def resolve(
             )
         logger.warning(f"checkpoint.config_mismatch=use_checkpoint: continuing with the checkpoint's values: {listing}")
     else:
+        names = diff.get("optimizer.name")
+        if names is not None and "muon" in {str(n).lower() for n in names}:
+            # Muon keeps one momentum per matrix, Adam(W) two moments: no state carries over.
+            raise TitanError(
+                f"resuming from {folder}: its optimizer state is {names[0]}'s, this run's optimizer is"
+                f" {names[1]}; start the optimizer afresh with --checkpoint.exclude_from_loading optimizer"
+            )
         logger.warning(f"checkpoint.config_mismatch=use_new: this run uses today's values: {listing}")
     return diff
 

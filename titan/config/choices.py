@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 AttnType = Literal["sdpa", "flex", "varlen"]
 AttnMaskType = Literal["causal", "block_causal"]
-OptimizerImplementation = Literal["for-loop", "foreach", "fused"]
+OptimizerImplementation = Literal["auto", "for-loop", "foreach", "fused"]
+MuonAdjustLR = Literal["match_rms_adamw", "original"]
 WeightDecayExclude = Literal["norms", "embeddings"]
 DecayType = Literal["linear", "sqrt", "cosine"]
 TxtSplit = Literal["paragraph", "line", "document"]

@@ -105,6 +105,8 @@ class MemoryEstimate:
     (fake-tensor measurement); grad_bytes is the part of it reached by the end of backward."""
     optimizer_step_bytes: float = 0.0
     """Temporaries of the optimizer step (beside gradients and states)."""
+    optimizer_states: str = "AdamW, 2 x fp32"
+    """What optimizer_bytes holds, for the table."""
 
     @property
     def forward_backward_bytes(self) -> float:
@@ -133,7 +135,7 @@ class MemoryEstimate:
     def rows(self) -> list[tuple[str, float | None]]:
         return [
             ("parameters (fp32, sharded)", self.param_bytes),
-            ("optimizer states (AdamW, 2 x fp32)", self.optimizer_bytes),
+            (f"optimizer states ({self.optimizer_states})", self.optimizer_bytes),
             ("gathered parameters (FSDP)", self.gathered_param_bytes),
             ("activations + gradients so far (peak)", self.activation_bytes),
             ("  of which gradients after backward (fp32, sharded)", self.grad_bytes),
@@ -212,21 +214,49 @@ def _fake_forward_backward_peak(model_cls: type, model_args, config: JobConfig, 
 
 
 def _optimizer_step_bytes(model: nn.Module, shards: int, config: JobConfig) -> int:
-    """Temporaries of one AdamW step on top of parameters, gradients and states (fp32 shards).
+    """Temporaries of one optimizer step on top of parameters, gradients and states (fp32 shards).
 
-    foreach: torch._foreach_sqrt(exp_avg_sqs) makes one fp32 copy of a whole param group
+    AdamW, foreach: torch._foreach_sqrt(exp_avg_sqs) makes one fp32 copy of a whole param group
     (groups step one after another); for-loop: exp_avg_sq.sqrt() / bias_correction holds two
-    copies of the largest parameter at once; fused: none (one kernel updates in place).
+    copies of the largest parameter at once; fused: none (one kernel updates in place). Muon's
+    matrices step one after another: the largest one's update shard (fp32), its bf16 copies sent
+    and received, and on its owner the whole bf16 matrix through Newton-Schulz (the iterate, the
+    next one and two min(A, B)^2 Gram matrices); its AdamW part steps after it.
     """
-    from titan.training.optim import param_groups
+    from titan.training.muon import split_muon_params
+    from titan.training.optim import param_groups, resolve_implementation
 
-    impl = config.optimizer.implementation
+    params = [p for p in model.parameters() if p.requires_grad]
+    muon = 0
+    if config.optimizer.name.lower() == "muon":
+        matrices, params = split_muon_params(model)
+        for p in matrices:
+            a, b = p.shape[-2:]
+            local = _shard_numel(p, shards)
+            muon = max(muon, local * (_FP32 + 2 * 2) + 2 * (3 * a * b + 2 * min(a, b) ** 2))
+    if not params:
+        return muon
+    impl = resolve_implementation(config.optimizer)
     if impl == "fused":
-        return 0
+        return muon
     if impl == "for-loop":
-        return 2 * _FP32 * max(_shard_numel(p, shards) for p in model.parameters())
-    groups = param_groups(model, config.optimizer.weight_decay_exclude)
-    return _FP32 * max(sum(_shard_numel(p, shards) for p in g["params"]) for g in groups)
+        return max(muon, 2 * _FP32 * max(_shard_numel(p, shards) for p in params))
+    groups = param_groups(model, config.optimizer.weight_decay_exclude, params)
+    return max(muon, _FP32 * max(sum(_shard_numel(p, shards) for p in g["params"]) for g in groups))
+
+
+def _optimizer_states(model: nn.Module, shards: int, config: JobConfig) -> tuple[int, str]:
+    """(state bytes per rank, description): AdamW / Adam keep two fp32 moments per element; Muon one
+    momentum buffer per matrix element and AdamW's two for the rest."""
+    from titan.training.muon import split_muon_params
+
+    if config.optimizer.name.lower() != "muon":
+        local = sum(_shard_numel(p, shards) for p in model.parameters())
+        return local * _FP32 * _ADAM_STATES, "AdamW, 2 x fp32"
+    matrices, others = split_muon_params(model)
+    muon = sum(_shard_numel(p, shards) for p in matrices)
+    adamw = sum(_shard_numel(p, shards) for p in others)
+    return (muon + _ADAM_STATES * adamw) * _FP32, "Muon 1 x fp32 on matrices, AdamW 2 x fp32 on the rest"
 
 
 def _check_supported(config: JobConfig) -> None:
@@ -318,13 +348,15 @@ def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
         activations = full + ac.memory_budget * (none - full)
     else:
         activations = _fake_forward_backward_peak(spec.model_cls, fake_args, config, shards, dims.fsdp_enabled)
+    states, states_label = _optimizer_states(model, shards, config)
     return MemoryEstimate(
         world_size=world_size,
         dp_shard=shards,
         params=local,
         param_bytes=float(local * _FP32),
         grad_bytes=float(local * _FP32),
-        optimizer_bytes=float(local * _FP32 * _ADAM_STATES),
+        optimizer_bytes=float(states),
+        optimizer_states=states_label,
         gathered_param_bytes=gathered,
         activation_bytes=float(activations),
         optimizer_step_bytes=float(_optimizer_step_bytes(model, shards, config)),

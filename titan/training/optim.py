@@ -27,6 +27,7 @@ from titan.config.job_config import Optimizer as OptimizerConfig
 from titan.errors import TitanError, require
 from titan.log import import_torchao
 from titan.parallel.utils import clip_grad_norm_
+from titan.training.muon import Muon, split_muon_params
 
 __all__ = [
     "OptimizersContainer",
@@ -35,12 +36,14 @@ __all__ = [
     "IMPLEMENTATIONS",
     "param_groups",
     "WEIGHT_DECAY_EXCLUDE",
+    "resolve_implementation",
 ]
 
 OPTIMIZERS: Mapping[str, type[torch.optim.Optimizer]] = MappingProxyType(
     {
         "AdamW": torch.optim.AdamW,
         "Adam": torch.optim.Adam,
+        "Muon": Muon,  # with AdamW for the parameters that are not hidden matrices (titan.training.muon)
     }
 )
 # optimizer.implementation choice -> constructor kwargs. "for-loop" forces the per-tensor path: torch would
@@ -65,12 +68,14 @@ WEIGHT_DECAY_EXCLUDE: Mapping[str, Callable[[nn.Module], bool]] = MappingProxyTy
 )
 
 
-def param_groups(part: nn.Module, exclude: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """One group of all trainable parameters, or with ``exclude`` a second group with weight
+def param_groups(
+    part: nn.Module, exclude: Sequence[str] = (), only: Sequence[nn.Parameter] | None = None
+) -> list[dict[str, Any]]:
+    """One group of all trainable parameters (or of ``only``), or with ``exclude`` a second group with weight
     decay 0 for the parameters of the excluded module kinds (a shared/tied parameter is excluded
     if any module holding it is). The checkpoint stays layout independent: the flattened state
     dict stores each group's hyper-parameters per parameter FQN."""
-    params = [p for p in part.parameters() if p.requires_grad]
+    params = [p for p in part.parameters() if p.requires_grad] if only is None else list(only)
     if not exclude:
         return [{"params": params}]
     checks = [WEIGHT_DECAY_EXCLUDE[kind] for kind in exclude]
@@ -108,6 +113,8 @@ class OptimizersContainer:
     def _build_part(
         self, part: nn.Module, optimizer_cls: type[torch.optim.Optimizer], weight_decay_exclude: Sequence[str]
     ) -> list[torch.optim.Optimizer]:
+        if optimizer_cls is Muon:
+            return _muon_and_adamw(part, self.optimizer_kwargs, weight_decay_exclude)
         return [optimizer_cls(param_groups(part, weight_decay_exclude), **self.optimizer_kwargs)]
 
     def __iter__(self) -> Iterator[torch.optim.Optimizer]:
@@ -180,16 +187,67 @@ def build_optimizers(
             cfg.weight_decay_exclude,
         )
     name = {n.lower(): n for n in OPTIMIZERS}[cfg.name.lower()]
+    implementation = resolve_implementation(cfg, model_parts)
     kwargs: dict[str, Any] = {
         "lr": cfg.lr,
         "betas": (cfg.beta1, cfg.beta2),
         "eps": cfg.eps,
         "weight_decay": cfg.weight_decay,
-        **IMPLEMENTATIONS[cfg.implementation],
+        **IMPLEMENTATIONS[implementation],
     }
-    if cfg.implementation == "fused":
+    if implementation == "fused":
         _check_fused_supported(model_parts)
+    if name == "Muon":
+        kwargs["muon"] = {
+            "momentum": cfg.momentum,
+            "nesterov": cfg.nesterov,
+            "ns_steps": cfg.ns_steps,
+            "adjust_lr_fn": cfg.adjust_lr_fn,
+        }
+        kwargs["adamw"] = {
+            "lr": cfg.lr if cfg.adamw_lr is None else cfg.adamw_lr,
+            "weight_decay": cfg.weight_decay if cfg.adamw_weight_decay is None else cfg.adamw_weight_decay,
+        }
     return container(model_parts, OPTIMIZERS[name], kwargs, cfg.weight_decay_exclude)
+
+
+def _muon_and_adamw(
+    part: nn.Module, kwargs: dict[str, Any], weight_decay_exclude: Sequence[str]
+) -> list[torch.optim.Optimizer]:
+    """One optimizer: Muon over the part's hidden matrices, torch's AdamW (inside it) over the rest;
+    a pipeline stage without matrices gets the AdamW alone."""
+    matrices, others = split_muon_params(part)
+    adamw_kwargs = {k: v for k, v in kwargs.items() if k not in ("muon", "adamw")} | kwargs["adamw"]
+    adamw_groups = param_groups(part, weight_decay_exclude, others) if others else None
+    if not matrices:
+        return [torch.optim.AdamW(adamw_groups or [], **adamw_kwargs)]
+    muon = Muon(
+        matrices,
+        lr=kwargs["lr"],
+        weight_decay=kwargs["weight_decay"],
+        **kwargs["muon"],
+        adamw_groups=adamw_groups,
+        adamw_kwargs=adamw_kwargs,
+    )
+    return [muon]
+
+
+def resolve_implementation(cfg: OptimizerConfig, model_parts: Sequence[nn.Module] = ()) -> str:
+    """optimizer.implementation with auto resolved: fused where torch has a fused Adam kernel for
+    every parameter's device and dtype (torchtitan's default), foreach otherwise and with
+    bf16_stochastic_round."""
+    if cfg.implementation != "auto":
+        return cfg.implementation
+    if cfg.bf16_stochastic_round:
+        return "foreach"
+    supported = _fused_devices()
+    fits = all(
+        p.device.type in supported and torch.is_floating_point(p)
+        for part in model_parts
+        for p in part.parameters()
+        if p.requires_grad
+    )
+    return "fused" if supported and fits else "foreach"
 
 
 def _bf16_sr_adamw() -> type[torch.optim.Optimizer]:

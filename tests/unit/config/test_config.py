@@ -99,7 +99,7 @@ def test_toml_int_accepted_for_float(tmp_path):
         (["--activation_checkpoint.mode", "partial"], "got 'partial'; valid: none, full, selective"),
         (
             ["--optimizer.implementation", "apex"],
-            "'optimizer.implementation' got 'apex'; valid: for-loop, foreach, fused",
+            "'optimizer.implementation' got 'apex'; valid: auto, for-loop, foreach, fused",
         ),
         (["--model.n_layers", "0"], "config key 'model.n_layers' got 0; valid: an integer >= 1, or unset"),
         (["--parallelism.data_parallel_shard_degree", "0"], "-1 (the rest) or an integer >= 1"),

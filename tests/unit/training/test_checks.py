@@ -92,7 +92,7 @@ def test_runtime_tables_match_the_config_choices():
     from titan.parallel.fsdp import DTYPES
     from titan.training.optim import IMPLEMENTATIONS, WEIGHT_DECAY_EXCLUDE
 
-    assert tuple(IMPLEMENTATIONS) == choices(OptimizerImplementation)
+    assert ("auto", *IMPLEMENTATIONS) == choices(OptimizerImplementation)  # auto: resolve_implementation
     assert tuple(WEIGHT_DECAY_EXCLUDE) == choices(WeightDecayExclude)
     assert tuple(DTYPES) == choices(DType)
     assert [DTYPES[n].itemsize for n in DTYPES] == [4, 2, 2] and DTYPES["bfloat16"] is torch.bfloat16

@@ -166,7 +166,15 @@ def test_estimate_matches_a_real_cpu_training_run(tmp_path, mode):
     from titan.training.memory import measure_peak
     from titan.training.trainer import Trainer
 
-    config = _debug(mode, "--training.mixed_precision_param", "bfloat16", "--job.dump_folder", str(tmp_path))
+    config = _debug(
+        mode,
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--optimizer.implementation",
+        "foreach",
+    )
     est = estimate_memory(config, 1)
     measured, _ = measure_peak(Trainer(config), 2)
     assert est.total_bytes == pytest.approx(measured, rel=0.05), (est.rows(), measured)

@@ -5,14 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from titan.config.choices import OptimizerImplementation, WeightDecayExclude
+from titan.config.choices import MuonAdjustLR, OptimizerImplementation, WeightDecayExclude
 from titan.errors import require
 
 
 @dataclass
 class Optimizer:
     name: str = "AdamW"
-    """Optimizer: AdamW or Adam."""
+    """Optimizer: AdamW, Adam or Muon (Muon for the hidden matrices, AdamW for embeddings, the
+    output projection, norms, biases and router gates; see docs/optimizers.md)."""
     lr: float = 8e-4
     """Peak learning rate (reached at the end of warmup)."""
     beta1: float = 0.9
@@ -23,9 +24,11 @@ class Optimizer:
     """Adam epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay."""
-    implementation: OptimizerImplementation = "foreach"
-    """Kernel choice: for-loop, foreach or fused (fused needs a device that supports it). Not
-    used with bf16_stochastic_round, whose torchao kernel is compiled per parameter."""
+    implementation: OptimizerImplementation = "auto"
+    """Adam/AdamW kernel: auto (fused where torch has a fused kernel for every parameter's device,
+    foreach otherwise and with bf16_stochastic_round), for-loop, foreach or fused. With Muon it
+    is the kernel of the AdamW part. bf16_stochastic_round takes auto, foreach or for-loop
+    (torchao's kernel is compiled per parameter)."""
     weight_decay_exclude: list[WeightDecayExclude] = field(default_factory=list)
     """Parameter kinds that get no weight decay (a second param group): any of "norms" (weights
     of *Norm modules), "embeddings" (nn.Embedding weights, and a tied output). Empty: decay all."""
@@ -40,6 +43,23 @@ class Optimizer:
     accumulation, pipeline parallel, DDP or training.nonfinite = skip_step, which need every
     gradient before the first update."""
 
+    momentum: float = 0.95
+    """Muon: momentum of the matrices' updates."""
+    nesterov: bool = True
+    """Muon: Nesterov momentum (orthogonalise g + momentum * (buffer - g) instead of the buffer)."""
+    ns_steps: int = 5
+    """Muon: Newton-Schulz iterations per update (torch's quintic coefficients)."""
+    adjust_lr_fn: MuonAdjustLR = "match_rms_adamw"
+    """Muon: how lr is scaled per matrix of shape A x B. match_rms_adamw (Moonlight):
+    0.2 * sqrt(max(A, B)), so the update's RMS matches AdamW's and lr / weight_decay carry over from
+    an AdamW config; original (Keller Jordan's): sqrt(max(1, A / B)), for Muon-tuned lrs (~0.02)."""
+    adamw_lr: float | None = None
+    """Muon: peak lr of the AdamW part (embeddings, output, norms, biases, router gates); unset:
+    optimizer.lr. It follows the same schedule."""
+    adamw_weight_decay: float | None = None
+    """Muon: weight decay of the AdamW part; unset: optimizer.weight_decay. Its betas and eps are
+    beta1, beta2 and eps."""
+
     def validate(self) -> None:
         """The ranges; the name is matched against the optimizer table by titan.training.optim."""
         require(math.isfinite(self.lr) and self.lr > 0, "optimizer.lr", self.lr, "a number > 0")
@@ -53,6 +73,28 @@ class Optimizer:
             self.weight_decay,
             "a number >= 0",
         )
+        if self.adamw_lr is not None or self.adamw_weight_decay is not None:
+            key = "optimizer.adamw_lr" if self.adamw_lr is not None else "optimizer.adamw_weight_decay"
+            require(self.name.lower() == "muon", "optimizer.name", self.name, f"Muon with {key} (AdamW's own keys)")
+        if self.adamw_lr is not None:
+            ok = math.isfinite(self.adamw_lr) and self.adamw_lr > 0
+            require(ok, "optimizer.adamw_lr", self.adamw_lr, "a number > 0")
+        if self.adamw_weight_decay is not None:
+            require(
+                math.isfinite(self.adamw_weight_decay) and self.adamw_weight_decay >= 0,
+                "optimizer.adamw_weight_decay",
+                self.adamw_weight_decay,
+                "a number >= 0",
+            )
+        if self.name.lower() == "muon":
+            require(0.0 <= self.momentum < 1.0, "optimizer.momentum", self.momentum, "a number in [0, 1)")
+            require(1 <= self.ns_steps < 100, "optimizer.ns_steps", self.ns_steps, "an integer in [1, 99]")
+            require(
+                not self.early_step_in_backward,
+                "optimizer.early_step_in_backward",
+                self.early_step_in_backward,
+                "false with Muon (it orthogonalises whole matrices, after every gradient is reduced)",
+            )
         if self.bf16_stochastic_round:
             require(
                 self.name.lower() == "adamw",
