@@ -9,6 +9,7 @@ config mapping: found from the args being written, or from config.json's model_t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Callable
@@ -55,14 +56,6 @@ def _plan_shards(nbytes: dict[str, int], max_shard_bytes: int) -> list[list[str]
     return shards
 
 
-def _prepare_out(out_dir: str | Path) -> Path:
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise TitanError(f"output folder {out} already exists and is not empty; choose a new folder")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
 def model_args_of(model: nn.Module) -> Any:
     """The args a model was built from: every spec's model class keeps them as `model_args`
     (titan.models.ModelSpec.model_cls), which nn.Module's attribute typing cannot know."""
@@ -87,16 +80,117 @@ def export_args(args: Any, record: dict[str, Any] | None, flavor_max: int | None
     return dataclasses.replace(args, max_seq_len=context) if context > 0 else args
 
 
-def training_checkpoint_args(dcp_dir: str | Path, spec: Any, flavor: str | None) -> Any:
-    """The model args to export a DCP folder with: its model_args.json as a converter wrote it,
-    or, for a training checkpoint, ``flavor`` reshaped to the tensors with the context length of
-    export_args (the run's config.json in the step folder gives its training.seq_len)."""
+def _specs() -> dict[str, Any]:
+    from titan.models import _REGISTRY
+
+    return _REGISTRY.specs()
+
+
+def checkpoint_family(dcp_dir: str | Path, model: str | None = None) -> Any:
+    """The model spec a DCP folder was written with: its model_args.json's args class, else the
+    run's saved config (model.name in the step folder's config.json). ``model`` (--model) must
+    agree with what the folder records; it is needed only when the folder records nothing."""
     from titan.checkpointing.config_diff import read_config
 
-    args = dcp_io.model_args_for(dcp_dir, spec, flavor)
+    recorded = dcp_io.family_of(dcp_dir, _specs())
+    record_model = ((read_config(str(dcp_dir)) or {}).get("model") or {}).get("name")
+    recorded = recorded or (record_model if isinstance(record_model, str) else None)
+    if model is not None and recorded is not None and model != recorded:
+        raise TitanError(f"--model {model} disagrees with {dcp_dir}, which holds a {recorded} model; drop --model")
+    name = model or recorded
+    if name is None:
+        dcp_io.model_tensor_metadata(dcp_dir)  # a clear error first if this is no DCP model checkpoint
+        raise TitanError(
+            f"{dcp_dir} records no model family (no model_args.json, no run config.json); pass --model"
+            f" (valid: {', '.join(_specs())})"
+        )
+    return get_model_spec(name)
+
+
+def _run_model_args(spec: Any, record: dict[str, Any] | None, flavor: str | None, where: str) -> Any:
+    """The flavor with the run's [model] shape overrides, as the run built it (None without a
+    record of a flavor). ``flavor`` (--flavor) must be the recorded one."""
+    from types import SimpleNamespace
+
+    from titan.config.sections.model import SHAPE_OVERRIDES
+    from titan.models import model_args_from_config
+
+    model = (record or {}).get("model") or {}
+    if not isinstance(model.get("flavor"), str):
+        return None
+    if flavor is not None and flavor != model["flavor"]:
+        raise TitanError(
+            f"--flavor {flavor} disagrees with {where}, trained as flavor {model['flavor']!r}; drop --flavor"
+        )
+    fields = {k: model.get(k) for k in SHAPE_OVERRIDES}
+    return model_args_from_config(spec, SimpleNamespace(flavor=model["flavor"], **fields))
+
+
+def training_checkpoint_args(dcp_dir: str | Path, spec: Any, flavor: str | None) -> Any:
+    """The model args to export a DCP folder with: its model_args.json as a converter wrote it,
+    or, for a training checkpoint, the model the run trained (its saved config's flavor with its
+    [model] shape overrides, else ``flavor``) reshaped to the tensors, with the context length
+    of export_args (the run's config.json in the step folder gives its training.seq_len)."""
+    from titan.checkpointing.config_diff import read_config
+
     if dcp_io.read_model_args(dcp_dir, spec.args_cls) is not None:
-        return args
-    return export_args(args, read_config(str(dcp_dir)), flavor_max=args.max_seq_len)
+        return dcp_io.model_args_for(dcp_dir, spec, flavor)
+    record = read_config(str(dcp_dir))
+    trained = _run_model_args(spec, record, flavor, str(dcp_dir))
+    if trained is None:
+        args = dcp_io.model_args_for(dcp_dir, spec, flavor)
+    else:
+        _, meta = dcp_io.model_tensor_metadata(dcp_dir)
+        shapes = {k: tuple(m.size) for k, m in meta.items()}
+        args = spec.state_dict_adapter.args_from_shapes(shapes, trained, str(dcp_dir))
+    return export_args(args, record, flavor_max=args.max_seq_len)
+
+
+_PER_RUN = ("max_seq_len", "attn_type", "attn_mask_type", "depth_init")
+
+
+def _through_transformers(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json as transformers' own config class resolves it (its defaults and per-layer
+    fields filled in); unchanged where transformers is not installed."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        return config
+    try:
+        resolved = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
+    except Exception as e:  # transformers refuses what the export would write
+        raise TitanError(f"HF export refused: transformers cannot read the config.json it would write ({e})") from None
+    return {**resolved.to_dict(), "model_type": config["model_type"]}
+
+
+def check_export_config(adapter: Any, args: Any, config: dict[str, Any]) -> None:
+    """Stop unless config.json, read back through transformers' config class and the family's
+    reader, describes the model being exported: the same tensor shapes and the same settings
+    (the per-run ones aside, and the SwiGLU width's spelling, which the shapes check)."""
+    back = adapter.hf_config_to_args(_through_transformers(config))
+    if type(back) is not type(args):
+        raise TitanError(f"HF export refused: config.json reads back as {type(back).__name__}")
+    a_shapes, b_shapes = adapter.state_dict_shapes(args), adapter.state_dict_shapes(back)
+    bad = [k for k in sorted(set(a_shapes) | set(b_shapes)) if a_shapes.get(k) != b_shapes.get(k)]
+    if bad:
+        raise TitanError(
+            f"HF export refused: config.json gives {bad[0]} shape {b_shapes.get(bad[0])}, the model has"
+            f" {a_shapes.get(bad[0])}"
+        )
+    keep = {k: getattr(args, k) for k in (*_PER_RUN, "multiple_of", "ffn_dim_multiplier") if hasattr(args, k)}
+    back = dataclasses.replace(back, **keep)
+    for name in (f.name for f in dataclasses.fields(args)):
+        mine, theirs = getattr(args, name), getattr(back, name)
+        if name == "n_kv_heads":
+            mine, theirs = args.kv_heads, back.kv_heads
+        elif hasattr(mine, "hidden_dim") and hasattr(args, "moe_hidden_dim"):
+            # MoE args: compared at the experts' effective width, however it is spelled
+            mine, theirs = copy.copy(mine), copy.copy(theirs)
+            mine.hidden_dim = theirs.hidden_dim = args.moe_hidden_dim
+        if mine != theirs:
+            raise TitanError(
+                f"HF export refused: config.json reads back with model.{name} = {theirs!r}, the model has {mine!r}"
+            )
 
 
 def _adapter(args: Any) -> Any:
@@ -107,16 +201,32 @@ def _adapter(args: Any) -> Any:
 
 
 def _write(
-    out: Path,
+    out_dir: str | Path,
     args: Any,
     groups: list[list[str]],
     dtype: torch.dtype | None,
     load: Callable[[list[str]], dict[str, torch.Tensor]],
+    saved_dtype: torch.dtype,
 ) -> None:
+    """Check config.json first, then write everything into a temporary folder renamed at the end."""
     adapter = _adapter(args)
+    config = adapter.args_to_hf_config(args, dtype or saved_dtype)
+    check_export_config(adapter, args, config)
+    with dcp_io.atomic_folder(out_dir) as out:
+        _write_files(out, adapter, args, groups, dtype, load, config)
+
+
+def _write_files(
+    out: Path,
+    adapter: Any,
+    args: Any,
+    groups: list[list[str]],
+    dtype: torch.dtype | None,
+    load: Callable[[list[str]], dict[str, torch.Tensor]],
+    config: dict[str, Any],
+) -> None:
     weight_map: dict[str, str] = {}
     total = 0
-    saved_dtype = None
     for i, keys in enumerate(progress(groups, desc="writing safetensors", unit="file")):
         name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         hf = adapter.to_hf(load(keys), args, dtype)
@@ -128,10 +238,8 @@ def _write(
         for k, v in hf.items():
             weight_map[k] = name
             total += v.numel() * v.element_size()
-            saved_dtype = v.dtype
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    config = adapter.args_to_hf_config(args, saved_dtype or torch.float32)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -143,10 +251,11 @@ def save_hf(
     dtype: torch.dtype | None = None,
 ) -> None:
     """In-memory titan state dict -> HF folder."""
-    out = _prepare_out(out_dir)
     keys = [k for k in state_dict if not (args.tie_embeddings and k == "output.weight")]
     nbytes = {k: state_dict[k].numel() * state_dict[k].element_size() for k in keys}
-    _write(out, args, _plan_shards(nbytes, max_shard_bytes), dtype, lambda ks: {k: state_dict[k] for k in ks})
+    saved = next((state_dict[k].dtype for k in keys if state_dict[k].is_floating_point()), torch.float32)
+    groups = _plan_shards(nbytes, max_shard_bytes)
+    _write(out_dir, args, groups, dtype, lambda ks: {k: state_dict[k] for k in ks}, saved)
 
 
 def export_dcp_to_hf(
@@ -166,8 +275,17 @@ def export_dcp_to_hf(
         raise TitanError(
             f"{dcp_dir}: model tensors do not match the model args; missing {missing[:3]}, unexpected {extra[:3]}"
         )
-    out = _prepare_out(out_dir)
-    _write(out, args, _plan_shards(nbytes, max_shard_bytes), dtype, lambda ks: dcp_io.read_model_tensors(dcp_dir, ks))
+    _, meta = dcp_io.model_tensor_metadata(dcp_dir)
+    shapes = _adapter(args).state_dict_shapes(args)
+    for key in sorted(nbytes):
+        if tuple(meta[key].size) != tuple(shapes[key]):
+            raise TitanError(
+                f"{dcp_dir}: {key} has shape {tuple(meta[key].size)}, the model args give {tuple(shapes[key])};"
+                " export with the args the run trained (its model_args.json or config.json)"
+            )
+    saved = next((m.properties.dtype for m in meta.values() if m.properties.dtype.is_floating_point), torch.float32)
+    groups = _plan_shards(nbytes, max_shard_bytes)
+    _write(out_dir, args, groups, dtype, lambda ks: dcp_io.read_model_tensors(dcp_dir, ks), saved)
 
 
 def _expected_keys(args: Any) -> list[str]:

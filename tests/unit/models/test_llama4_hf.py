@@ -94,7 +94,7 @@ def test_hf_folder_round_trip_with_module_whole_shards(tmp_path):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     assert script.main(["from_hf", str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
-    assert script.main(["to_hf", str(tmp_path / "dcp"), str(tmp_path / "hf2"), "--model", "llama4"]) == 0
+    assert script.main(["to_hf", str(tmp_path / "dcp"), str(tmp_path / "hf2")]) == 0  # family from the folder
     again, again_args = load_hf(tmp_path / "hf2")
     assert again_args == args and all(torch.equal(again[k], v) for k, v in state.items())
 
