@@ -139,3 +139,18 @@ def test_an_export_whose_config_reads_back_otherwise_stops(tmp_path, monkeypatch
     with pytest.raises(TitanError, match="reads back with model.use_qk_norm = True, the model has False"):
         save_hf(model.state_dict(), args, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_every_registered_flavor_passes_the_export_self_check():
+    from titan.models import _REGISTRY
+
+    for spec in _REGISTRY.specs().values():
+        adapter = spec.state_dict_adapter
+        if adapter is None:
+            continue
+        for args in spec.flavors.values():
+            try:
+                config = adapter.args_to_hf_config(args)
+            except TitanError:  # a flavor HF cannot express is refused before the check
+                continue
+            hf_io.check_export_config(adapter, args, config)
