@@ -93,3 +93,12 @@ def test_llama4_continued_pretraining_from_a_released_style_hf_folder(tmp_path):
         if not key.endswith("expert_bias"):  # HF Llama 4 has no routing bias (the export warns)
             assert torch.equal(loaded[key], value), key
     assert not torch.equal(loaded["layers.0.attention.wq.weight"], initial["layers.0.attention.wq.weight"])
+    # to_hf of the run's DCP step (no flags) exports the folder's model as the in-training export did
+    import json
+
+    from scripts.convert_hf import main
+
+    assert main(["to_hf", str(ckpt / "step-2"), str(tmp_path / "step-2-hf")]) == 0
+    exported = json.loads((ckpt / "step-3/config.json").read_text())
+    assert json.loads((tmp_path / "step-2-hf/config.json").read_text()) == exported
+    assert exported["max_position_embeddings"] == 64 and exported["use_qk_norm"]

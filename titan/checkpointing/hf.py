@@ -70,6 +70,12 @@ def export_args(args: Any, record: dict[str, Any] | None, flavor_max: int | None
     run sets max_seq_len to its seq_len only to keep its RoPE table small; the weights do not
     depend on it, so the in-training export and scripts/convert_hf.py to_hf write the same file."""
     model, training = (record or {}).get("model") or {}, (record or {}).get("training") or {}
+    if flavor_max is None and model.get("name") is not None:
+        try:
+            folder = folder_model_args(record, get_model_spec(model["name"]))
+        except TitanError:  # the folder is gone or unreadable: the flavor's context, as below
+            folder = None
+        flavor_max = folder.max_seq_len if folder is not None else None
     if flavor_max is None:
         try:
             flavor_max = get_flavor(get_model_spec(model["name"]), model["flavor"]).max_seq_len
@@ -107,14 +113,31 @@ def checkpoint_family(dcp_dir: str | Path, model: str | None = None) -> Any:
     return get_model_spec(name)
 
 
+def folder_model_args(record: dict[str, Any] | None, spec: Any) -> Any:
+    """The model args a run took from its checkpoint.initial_load_path folder (an HF folder's
+    config.json or a converted folder's model_args.json) with config_mismatch use_checkpoint;
+    None where the run's model is its flavor's."""
+    ckpt = (record or {}).get("checkpoint") or {}
+    path = ckpt.get("initial_load_path")
+    if not isinstance(path, str) or not path or ckpt.get("config_mismatch") != "use_checkpoint":
+        return None
+    if ckpt.get("initial_load_in_hf"):
+        return read_hf_config(path)
+    return dcp_io.read_model_args(path, spec.args_cls)
+
+
 def _run_model_args(spec: Any, record: dict[str, Any] | None, flavor: str | None, where: str) -> Any:
-    """The flavor with the run's [model] shape overrides, as the run built it (None without a
-    record of a flavor). ``flavor`` (--flavor) must be the recorded one."""
+    """The model the run built: its initial_load_path folder's (folder_model_args), else its flavor
+    with its [model] shape overrides (None without a record of a flavor). ``flavor`` (--flavor)
+    must be the recorded one."""
     from types import SimpleNamespace
 
     from titan.config.sections.model import SHAPE_OVERRIDES
     from titan.models import model_args_from_config
 
+    folder = folder_model_args(record, spec)
+    if folder is not None:  # the run trained the folder's model, not its flavor's
+        return folder
     model = (record or {}).get("model") or {}
     if not isinstance(model.get("flavor"), str):
         return None
