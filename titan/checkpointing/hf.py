@@ -9,7 +9,6 @@ config mapping: found from the args being written, or from config.json's model_t
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan.checkpointing import model_dcp as dcp_io
+from titan.checkpointing.hf_check import check_export_config
 from titan.errors import TitanError, read_user_json
 from titan.models import get_flavor, get_model_spec, spec_for_args, spec_for_hf_model_type
 from titan.progress import progress
@@ -167,53 +167,6 @@ def training_checkpoint_args(dcp_dir: str | Path, spec: Any, flavor: str | None)
         shapes = {k: tuple(m.size) for k, m in meta.items()}
         args = spec.state_dict_adapter.args_from_shapes(shapes, trained, str(dcp_dir))
     return export_args(args, record, flavor_max=args.max_seq_len)
-
-
-_PER_RUN = ("max_seq_len", "attn_type", "attn_mask_type", "depth_init")
-
-
-def _through_transformers(config: dict[str, Any]) -> dict[str, Any]:
-    """config.json as transformers' own config class resolves it (its defaults and per-layer
-    fields filled in); unchanged where transformers is not installed."""
-    try:
-        from transformers import AutoConfig
-    except ImportError:
-        return config
-    try:
-        resolved = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
-    except Exception as e:  # transformers refuses what the export would write
-        raise TitanError(f"HF export refused: transformers cannot read the config.json it would write ({e})") from None
-    return {**resolved.to_dict(), "model_type": config["model_type"]}
-
-
-def check_export_config(adapter: Any, args: Any, config: dict[str, Any]) -> None:
-    """Stop unless config.json, read back through transformers' config class and the family's
-    reader, describes the model being exported: the same tensor shapes and the same settings
-    (the per-run ones aside, and the SwiGLU width's spelling, which the shapes check)."""
-    back = adapter.hf_config_to_args(_through_transformers(config))
-    if type(back) is not type(args):
-        raise TitanError(f"HF export refused: config.json reads back as {type(back).__name__}")
-    a_shapes, b_shapes = adapter.state_dict_shapes(args), adapter.state_dict_shapes(back)
-    bad = [k for k in sorted(set(a_shapes) | set(b_shapes)) if a_shapes.get(k) != b_shapes.get(k)]
-    if bad:
-        raise TitanError(
-            f"HF export refused: config.json gives {bad[0]} shape {b_shapes.get(bad[0])}, the model has"
-            f" {a_shapes.get(bad[0])}"
-        )
-    keep = {k: getattr(args, k) for k in (*_PER_RUN, "multiple_of", "ffn_dim_multiplier") if hasattr(args, k)}
-    back = dataclasses.replace(back, **keep)
-    for name in (f.name for f in dataclasses.fields(args)):
-        mine, theirs = getattr(args, name), getattr(back, name)
-        if name == "n_kv_heads":
-            mine, theirs = args.kv_heads, back.kv_heads
-        elif hasattr(mine, "hidden_dim") and hasattr(args, "moe_hidden_dim"):
-            # MoE args: compared at the experts' effective width, however it is spelled
-            mine, theirs = copy.copy(mine), copy.copy(theirs)
-            mine.hidden_dim = theirs.hidden_dim = args.moe_hidden_dim
-        if mine != theirs:
-            raise TitanError(
-                f"HF export refused: config.json reads back with model.{name} = {theirs!r}, the model has {mine!r}"
-            )
 
 
 def _adapter(args: Any) -> Any:
