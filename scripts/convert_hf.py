@@ -1,4 +1,4 @@
-"""Move Llama weights between titan DCP folders, Hugging Face folders and single torch.save files.
+"""Move model weights (llama3, llama4, ...) between titan DCP folders, Hugging Face folders and single torch.save files.
 
     # titan checkpoint (a training step-N folder or a model-only one) -> HF folder
     python scripts/convert_hf.py to_hf outputs/checkpoint/step-1000 hf_out --flavor 8B --dtype bfloat16
@@ -8,8 +8,13 @@
     python scripts/convert_hf.py dcp_to_torch dcp_out model.pt [--all_state]
     python scripts/convert_hf.py torch_to_dcp model.pt dcp_out
 
-to_hf needs the model shape: model_args.json in the DCP folder (written by titan's converters)
-or --flavor (vocab size, layer count and tied embeddings are then read off the tensors).
+to_hf exports the model the run trained: model_args.json in the DCP folder (written by titan's
+converters), else the run's config.json saved in the step folder (its model name, flavor and
+[model] shape overrides), else --model and --flavor (vocab size, layer count and tied embeddings are
+then read off the tensors). The family comes from the folder (model_args.json, the saved config,
+config.json's model_type); --model is needed only where the folder records none. Output is written
+to a temporary folder beside the target and renamed at the end: a refused or failed conversion
+leaves nothing behind, and an existing non-empty folder is never overwritten.
 Errors print one line and exit with status 1.
 """
 
@@ -25,7 +30,6 @@ sys.path.insert(0, str(REPO_ROOT))
 from titan.checkpointing import hf as hf_io  # noqa: E402
 from titan.checkpointing import model_dcp as dcp_io  # noqa: E402
 from titan.errors import TitanError  # noqa: E402
-from titan.models import get_model_spec  # noqa: E402
 from titan.parallel.fsdp import DTYPES  # noqa: E402
 
 
@@ -35,8 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     to_hf = sub.add_parser("to_hf", help="titan DCP folder -> Hugging Face folder")
     to_hf.add_argument("dcp_dir")
     to_hf.add_argument("hf_dir")
-    to_hf.add_argument("--model", default="llama3", help="model family (as [model] name in the config)")
-    to_hf.add_argument("--flavor", default=None, help="model flavor when the folder has no model_args.json")
+    to_hf.add_argument("--model", default=None, help="model family ([model] name), only where the folder records none")
+    to_hf.add_argument(
+        "--flavor", default=None, help="model flavor, only where the folder has no model_args.json or run config"
+    )
     to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast (default: keep the saved dtype)")
     to_hf.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors file, GiB")
     from_hf = sub.add_parser("from_hf", help="Hugging Face folder -> model-only titan DCP folder")
@@ -57,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         if a.cmd == "to_hf":
-            args = hf_io.training_checkpoint_args(a.dcp_dir, get_model_spec(a.model), a.flavor)
+            spec = hf_io.checkpoint_family(a.dcp_dir, a.model)
+            args = hf_io.training_checkpoint_args(a.dcp_dir, spec, a.flavor)
             dtype = DTYPES[a.dtype] if a.dtype else None
             hf_io.export_dcp_to_hf(a.dcp_dir, a.hf_dir, args, int(a.max_shard_gb * 1024**3), dtype)
             print(f"wrote {a.hf_dir} (config.json, safetensors shards, {hf_io.INDEX_FILE})")

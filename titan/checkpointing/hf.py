@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan.checkpointing import model_dcp as dcp_io
+from titan.checkpointing.hf_check import check_export_config
 from titan.errors import TitanError, read_user_json
 from titan.models import get_flavor, get_model_spec, spec_for_args, spec_for_hf_model_type
 from titan.progress import progress
@@ -55,14 +56,6 @@ def _plan_shards(nbytes: dict[str, int], max_shard_bytes: int) -> list[list[str]
     return shards
 
 
-def _prepare_out(out_dir: str | Path) -> Path:
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise TitanError(f"output folder {out} already exists and is not empty; choose a new folder")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
 def model_args_of(model: nn.Module) -> Any:
     """The args a model was built from: every spec's model class keeps them as `model_args`
     (titan.models.ModelSpec.model_cls), which nn.Module's attribute typing cannot know."""
@@ -77,6 +70,12 @@ def export_args(args: Any, record: dict[str, Any] | None, flavor_max: int | None
     run sets max_seq_len to its seq_len only to keep its RoPE table small; the weights do not
     depend on it, so the in-training export and scripts/convert_hf.py to_hf write the same file."""
     model, training = (record or {}).get("model") or {}, (record or {}).get("training") or {}
+    if flavor_max is None and model.get("name") is not None:
+        try:
+            folder = folder_model_args(record, get_model_spec(model["name"]))
+        except TitanError:  # the folder is gone or unreadable: the flavor's context, as below
+            folder = None
+        flavor_max = folder.max_seq_len if folder is not None else None
     if flavor_max is None:
         try:
             flavor_max = get_flavor(get_model_spec(model["name"]), model["flavor"]).max_seq_len
@@ -87,16 +86,87 @@ def export_args(args: Any, record: dict[str, Any] | None, flavor_max: int | None
     return dataclasses.replace(args, max_seq_len=context) if context > 0 else args
 
 
-def training_checkpoint_args(dcp_dir: str | Path, spec: Any, flavor: str | None) -> Any:
-    """The model args to export a DCP folder with: its model_args.json as a converter wrote it,
-    or, for a training checkpoint, ``flavor`` reshaped to the tensors with the context length of
-    export_args (the run's config.json in the step folder gives its training.seq_len)."""
+def _specs() -> dict[str, Any]:
+    from titan.models import _REGISTRY
+
+    return _REGISTRY.specs()
+
+
+def checkpoint_family(dcp_dir: str | Path, model: str | None = None) -> Any:
+    """The model spec a DCP folder was written with: its model_args.json's args class, else the
+    run's saved config (model.name in the step folder's config.json). ``model`` (--model) must
+    agree with what the folder records; it is needed only when the folder records nothing."""
     from titan.checkpointing.config_diff import read_config
 
-    args = dcp_io.model_args_for(dcp_dir, spec, flavor)
+    recorded = dcp_io.family_of(dcp_dir, _specs())
+    record_model = ((read_config(str(dcp_dir)) or {}).get("model") or {}).get("name")
+    recorded = recorded or (record_model if isinstance(record_model, str) else None)
+    if model is not None and recorded is not None and model != recorded:
+        raise TitanError(f"--model {model} disagrees with {dcp_dir}, which holds a {recorded} model; drop --model")
+    name = model or recorded
+    if name is None:
+        dcp_io.model_tensor_metadata(dcp_dir)  # a clear error first if this is no DCP model checkpoint
+        raise TitanError(
+            f"{dcp_dir} records no model family (no model_args.json, no run config.json); pass --model"
+            f" (valid: {', '.join(_specs())})"
+        )
+    return get_model_spec(name)
+
+
+def folder_model_args(record: dict[str, Any] | None, spec: Any) -> Any:
+    """The model args a run took from its checkpoint.initial_load_path folder (an HF folder's
+    config.json or a converted folder's model_args.json) with config_mismatch use_checkpoint;
+    None where the run's model is its flavor's."""
+    ckpt = (record or {}).get("checkpoint") or {}
+    path = ckpt.get("initial_load_path")
+    if not isinstance(path, str) or not path or ckpt.get("config_mismatch") != "use_checkpoint":
+        return None
+    if ckpt.get("initial_load_in_hf"):
+        return read_hf_config(path)
+    return dcp_io.read_model_args(path, spec.args_cls)
+
+
+def _run_model_args(spec: Any, record: dict[str, Any] | None, flavor: str | None, where: str) -> Any:
+    """The model the run built: its initial_load_path folder's (folder_model_args), else its flavor
+    with its [model] shape overrides (None without a record of a flavor). ``flavor`` (--flavor)
+    must be the recorded one."""
+    from types import SimpleNamespace
+
+    from titan.config.sections.model import SHAPE_OVERRIDES
+    from titan.models import model_args_from_config
+
+    folder = folder_model_args(record, spec)
+    if folder is not None:  # the run trained the folder's model, not its flavor's
+        return folder
+    model = (record or {}).get("model") or {}
+    if not isinstance(model.get("flavor"), str):
+        return None
+    if flavor is not None and flavor != model["flavor"]:
+        raise TitanError(
+            f"--flavor {flavor} disagrees with {where}, trained as flavor {model['flavor']!r}; drop --flavor"
+        )
+    fields = {k: model.get(k) for k in SHAPE_OVERRIDES}
+    return model_args_from_config(spec, SimpleNamespace(flavor=model["flavor"], **fields))
+
+
+def training_checkpoint_args(dcp_dir: str | Path, spec: Any, flavor: str | None) -> Any:
+    """The model args to export a DCP folder with: its model_args.json as a converter wrote it,
+    or, for a training checkpoint, the model the run trained (its saved config's flavor with its
+    [model] shape overrides, else ``flavor``) reshaped to the tensors, with the context length
+    of export_args (the run's config.json in the step folder gives its training.seq_len)."""
+    from titan.checkpointing.config_diff import read_config
+
     if dcp_io.read_model_args(dcp_dir, spec.args_cls) is not None:
-        return args
-    return export_args(args, read_config(str(dcp_dir)), flavor_max=args.max_seq_len)
+        return dcp_io.model_args_for(dcp_dir, spec, flavor)
+    record = read_config(str(dcp_dir))
+    trained = _run_model_args(spec, record, flavor, str(dcp_dir))
+    if trained is None:
+        args = dcp_io.model_args_for(dcp_dir, spec, flavor)
+    else:
+        _, meta = dcp_io.model_tensor_metadata(dcp_dir)
+        shapes = {k: tuple(m.size) for k, m in meta.items()}
+        args = spec.state_dict_adapter.args_from_shapes(shapes, trained, str(dcp_dir))
+    return export_args(args, record, flavor_max=args.max_seq_len)
 
 
 def _adapter(args: Any) -> Any:
@@ -107,16 +177,32 @@ def _adapter(args: Any) -> Any:
 
 
 def _write(
-    out: Path,
+    out_dir: str | Path,
     args: Any,
     groups: list[list[str]],
     dtype: torch.dtype | None,
     load: Callable[[list[str]], dict[str, torch.Tensor]],
+    saved_dtype: torch.dtype,
 ) -> None:
+    """Check config.json first, then write everything into a temporary folder renamed at the end."""
     adapter = _adapter(args)
+    config = adapter.args_to_hf_config(args, dtype or saved_dtype)
+    check_export_config(adapter, args, config)
+    with dcp_io.atomic_folder(out_dir) as out:
+        _write_files(out, adapter, args, groups, dtype, load, config)
+
+
+def _write_files(
+    out: Path,
+    adapter: Any,
+    args: Any,
+    groups: list[list[str]],
+    dtype: torch.dtype | None,
+    load: Callable[[list[str]], dict[str, torch.Tensor]],
+    config: dict[str, Any],
+) -> None:
     weight_map: dict[str, str] = {}
     total = 0
-    saved_dtype = None
     for i, keys in enumerate(progress(groups, desc="writing safetensors", unit="file")):
         name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         hf = adapter.to_hf(load(keys), args, dtype)
@@ -128,10 +214,8 @@ def _write(
         for k, v in hf.items():
             weight_map[k] = name
             total += v.numel() * v.element_size()
-            saved_dtype = v.dtype
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    config = adapter.args_to_hf_config(args, saved_dtype or torch.float32)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -143,10 +227,11 @@ def save_hf(
     dtype: torch.dtype | None = None,
 ) -> None:
     """In-memory titan state dict -> HF folder."""
-    out = _prepare_out(out_dir)
     keys = [k for k in state_dict if not (args.tie_embeddings and k == "output.weight")]
     nbytes = {k: state_dict[k].numel() * state_dict[k].element_size() for k in keys}
-    _write(out, args, _plan_shards(nbytes, max_shard_bytes), dtype, lambda ks: {k: state_dict[k] for k in ks})
+    saved = next((state_dict[k].dtype for k in keys if state_dict[k].is_floating_point()), torch.float32)
+    groups = _plan_shards(nbytes, max_shard_bytes)
+    _write(out_dir, args, groups, dtype, lambda ks: {k: state_dict[k] for k in ks}, saved)
 
 
 def export_dcp_to_hf(
@@ -166,8 +251,17 @@ def export_dcp_to_hf(
         raise TitanError(
             f"{dcp_dir}: model tensors do not match the model args; missing {missing[:3]}, unexpected {extra[:3]}"
         )
-    out = _prepare_out(out_dir)
-    _write(out, args, _plan_shards(nbytes, max_shard_bytes), dtype, lambda ks: dcp_io.read_model_tensors(dcp_dir, ks))
+    _, meta = dcp_io.model_tensor_metadata(dcp_dir)
+    shapes = _adapter(args).state_dict_shapes(args)
+    for key in sorted(nbytes):
+        if tuple(meta[key].size) != tuple(shapes[key]):
+            raise TitanError(
+                f"{dcp_dir}: {key} has shape {tuple(meta[key].size)}, the model args give {tuple(shapes[key])};"
+                " export with the args the run trained (its model_args.json or config.json)"
+            )
+    saved = next((m.properties.dtype for m in meta.values() if m.properties.dtype.is_floating_point), torch.float32)
+    groups = _plan_shards(nbytes, max_shard_bytes)
+    _write(out_dir, args, groups, dtype, lambda ks: dcp_io.read_model_tensors(dcp_dir, ks), saved)
 
 
 def _expected_keys(args: Any) -> list[str]:

@@ -12,9 +12,13 @@ DTensor shards DCP loads directly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import re
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -69,15 +73,34 @@ def _nest(prefix: str, state: dict) -> dict:
     return {prefix[:-1]: state} if prefix else state
 
 
+@contextlib.contextmanager
+def atomic_folder(out_dir: str | Path) -> Iterator[Path]:
+    """A temporary folder beside ``out_dir`` that becomes ``out_dir`` when the block succeeds and
+    is removed when it fails, so a refused or failed conversion leaves nothing behind. An existing
+    non-empty ``out_dir`` is refused before anything is written (never overwritten)."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise TitanError(f"output folder {out} already exists and is not empty; choose a new folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of this pid's crashed run
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()  # empty (checked above); rename cannot replace a folder on every OS
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def save_model_dcp(state_dict: dict[str, torch.Tensor], model_args: Any, out_dir: str | Path) -> None:
     """Write a model-only DCP checkpoint (+ model_args.json) that load_model_from_dcp reads."""
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise TitanError(f"output folder {out} already exists and is not empty; choose a new folder")
-    out.mkdir(parents=True, exist_ok=True)
-    # Tied weights are one tensor under two names; DCP writes each name, readers get both back.
-    dcp_call(dcp_save, {k: v.contiguous() for k, v in state_dict.items()}, checkpoint_id=str(out))
-    (out / MODEL_ARGS_FILE).write_text(json.dumps(dataclasses.asdict(model_args), indent=2) + "\n")
+    with atomic_folder(out_dir) as out:
+        # Tied weights are one tensor under two names; DCP writes each name, readers get both back.
+        dcp_call(dcp_save, {k: v.contiguous() for k, v in state_dict.items()}, checkpoint_id=str(out))
+        (out / MODEL_ARGS_FILE).write_text(json.dumps(dataclasses.asdict(model_args), indent=2) + "\n")
 
 
 def read_model_args(path: str | Path, args_cls: type) -> Any | None:
@@ -93,6 +116,17 @@ def read_model_args(path: str | Path, args_cls: type) -> Any | None:
     args = args_cls(**raw)
     args.validate()
     return args
+
+
+def family_of(path: str | Path, specs: dict[str, ModelSpec]) -> str | None:
+    """The family (registered model name) a DCP folder was written as: the registered args class
+    whose fields are exactly model_args.json's keys; None without a model_args.json or a unique match."""
+    f = Path(path) / MODEL_ARGS_FILE
+    if not f.is_file():
+        return None
+    keys = set(json.loads(f.read_text()))
+    names = [n for n, s in specs.items() if {x.name for x in dataclasses.fields(s.args_cls)} == keys]
+    return names[0] if len(names) == 1 else None
 
 
 def model_args_for(path: str | Path, spec: ModelSpec, flavor: str | None = None) -> Any:

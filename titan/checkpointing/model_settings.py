@@ -61,9 +61,13 @@ def differences(folder_args: Any, run_args: Any, shapes: Any = None) -> dict[str
 
 def settle(config: Any, spec: Any, run_args: Any, resuming: bool, tokenizer_vocab: int | None) -> bool:
     """Compare the weights ``checkpoint.initial_load_path`` will load with ``run_args`` and apply
-    ``checkpoint.config_mismatch``; returns True when ``run_args`` took the folder's values."""
+    ``checkpoint.config_mismatch``; returns True when ``run_args`` took the folder's values.
+    Resuming decides the same way (the run resumes the model it started with, e.g. use_checkpoint's),
+    unless the folder is gone; the checkpoint's own shape check still guards that resume."""
     cfg = config.checkpoint
-    if not (cfg.enable and cfg.initial_load_path) or resuming or cfg.create_seed_checkpoint:
+    if not (cfg.enable and cfg.initial_load_path) or cfg.create_seed_checkpoint:
+        return False
+    if resuming and not Path(cfg.initial_load_path).exists():
         return False
     path = cfg.initial_load_path
     if cfg.initial_load_in_hf:

@@ -123,9 +123,16 @@ def test_convert_script_on_a_training_checkpoint_and_torch_save_round_trip(tmp_p
     args = get_model_args("debugmodel", n_layers=2, vocab_size=256, max_seq_len=64)
     sd = random_model(args).state_dict()
     dcp.save({"model": sd, "step": torch.tensor(3)}, checkpoint_id=str(tmp_path / "step-3"))
+    # nothing in the folder names its family: --model is asked for, not guessed
     assert main(["to_hf", str(tmp_path / "step-3"), str(tmp_path / "hf")]) == 1
+    assert "records no model family (no model_args.json, no run config.json); pass --model" in capsys.readouterr().err
+    assert main(["to_hf", str(tmp_path / "step-3"), str(tmp_path / "hf"), "--model", "llama3"]) == 1
     assert "pass --flavor" in capsys.readouterr().err
-    assert main(["to_hf", str(tmp_path / "step-3"), str(tmp_path / "hf"), "--flavor", "debugmodel"]) == 0
+    assert not (tmp_path / "hf").exists()
+    assert (
+        main(["to_hf", str(tmp_path / "step-3"), str(tmp_path / "hf"), "--model", "llama3", "--flavor", "debugmodel"])
+        == 0
+    )
     assert json.loads((tmp_path / "hf/config.json").read_text())["num_hidden_layers"] == 2
     assert main(["from_hf", str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
     assert_bitwise(read_model_tensors(tmp_path / "dcp"), sd)

@@ -94,14 +94,14 @@ def test_hf_folder_round_trip_with_module_whole_shards(tmp_path):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     assert script.main(["from_hf", str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
-    assert script.main(["to_hf", str(tmp_path / "dcp"), str(tmp_path / "hf2"), "--model", "llama4"]) == 0
+    assert script.main(["to_hf", str(tmp_path / "dcp"), str(tmp_path / "hf2")]) == 0  # family from the folder
     again, again_args = load_hf(tmp_path / "hf2")
     assert again_args == args and all(torch.equal(again[k], v) for k, v in state.items())
 
 
 def test_unsupported_hf_variants_are_refused_in_one_line():
     config = args_to_hf_config(CONFIGS["scaled_top2"])
-    with pytest.raises(TitanError, match="use_qk_norm is True; titan's llama4 supports only False"):
-        hf_config_to_args({**config, "use_qk_norm": True})
-    with pytest.raises(TitanError, match="no_rope_layers .* NoPE layers at 0, n, 2n"):
-        hf_config_to_args({**config, "no_rope_layers": [1, 1, 1, 0]})
+    with pytest.raises(TitanError, match="attention_bias is True; titan's llama4 supports only False"):
+        hf_config_to_args({**config, "attention_bias": True})
+    with pytest.raises(TitanError, match="no_rope_layers must be a list with one entry per layer"):
+        hf_config_to_args({**config, "no_rope_layers": [1, 1, 0]})

@@ -1,6 +1,8 @@
-"""Llama 4 hyper-parameters (torchtitan's llama4 family): Llama 3's attention stack with an MoE
-feed-forward every ``interleave_moe_layer_step`` blocks and optional iRoPE (NoPE every N layers,
-the other layers attending within fixed blocks)."""
+"""Llama 4 hyper-parameters: Llama 3's attention stack with an MoE feed-forward every
+``interleave_moe_layer_step`` blocks (or on the blocks ``moe_layers`` names) and optional iRoPE
+(NoPE blocks with full attention, the others attending within fixed blocks). The defaults are
+torchtitan's llama4; Meta's released models add a weightless L2 norm of q and k on RoPE blocks
+(``use_qk_norm``), attention temperature tuning on NoPE blocks and their own NoPE layout."""
 
 from __future__ import annotations
 
@@ -31,6 +33,24 @@ class Llama4ModelArgs(TransformerModelArgs):
     """iRoPE: blocks i % n == 0 use no positional embedding (full causal attention); the others use
     RoPE and attend only within their fixed_attn_block_size block. None: RoPE everywhere."""
     fixed_attn_block_size: int = 8192
+    moe_layers: list[int] | None = None
+    """Blocks with an MoE feed-forward, overriding interleave_moe_layer_step (Hugging Face's
+    moe_layers). None: every interleave_moe_layer_step-th block."""
+    nope_layers: list[int] | None = None
+    """Blocks without positional embedding, overriding every_n_layers_nope (the zeros of Hugging
+    Face's no_rope_layers; Meta's released models put them at 3, 7, 11, ...). None: every_n_layers_nope."""
+    chunked_layers: list[int] | None = None
+    """Blocks attending only within their fixed_attn_block_size block (Hugging Face's layer_types
+    "chunked_attention"). None: the RoPE blocks of an iRoPE model (every_n_layers_nope or
+    nope_layers set), no block otherwise."""
+    use_qk_norm: bool = False
+    """Meta's Llama 4: q and k of RoPE blocks are L2-normalised per head after RoPE (no weight,
+    eps = norm_eps)."""
+    attn_temperature_tuning: bool = False
+    """Meta's Llama 4: NoPE blocks scale q at position p by 1 + attn_scale * log(1 + floor((p + 1) /
+    floor_scale)), sharpening attention over long contexts."""
+    floor_scale: int = 8192
+    attn_scale: float = 0.1
 
     def __post_init__(self) -> None:
         if isinstance(self.moe_args, dict):  # read back from model_args.json
@@ -48,14 +68,41 @@ class Llama4ModelArgs(TransformerModelArgs):
         ):
             n = self.every_n_layers_nope
             raise TitanError(f"model.every_n_layers_nope must be an integer > 1 or None, got {n!r}")
+        for name in ("moe_layers", "nope_layers", "chunked_layers"):
+            layers = getattr(self, name)
+            if layers is not None and (
+                not isinstance(layers, list)
+                or any(not isinstance(i, int) or not 0 <= i < self.n_layers for i in layers)
+                or len(set(layers)) != len(layers)
+            ):
+                raise TitanError(
+                    f"model.{name} must be a list of distinct block indices in [0, {self.n_layers}), got {layers!r}"
+                )
+        if not isinstance(self.floor_scale, int) or self.floor_scale <= 0:
+            raise TitanError(f"model.floor_scale must be a positive integer, got {self.floor_scale!r}")
         if self.attn_type == "varlen":
             raise TitanError('model.attn_type = "varlen" is not supported by llama4; valid: sdpa, flex')
 
     def is_moe_layer(self, layer_id: int) -> bool:
+        if self.moe_layers is not None:
+            return layer_id in self.moe_layers
         return (layer_id + 1) % self.interleave_moe_layer_step == 0
 
     def uses_rope(self, layer_id: int) -> bool:
+        if self.nope_layers is not None:
+            return layer_id not in self.nope_layers
         return self.every_n_layers_nope is None or layer_id % self.every_n_layers_nope != 0
+
+    def is_chunked(self, layer_id: int) -> bool:
+        """Whether block ``layer_id`` attends only within its fixed_attn_block_size block."""
+        if self.chunked_layers is not None:
+            return layer_id in self.chunked_layers
+        irope = self.every_n_layers_nope is not None or self.nope_layers is not None
+        return irope and self.uses_rope(layer_id)
+
+    @property
+    def any_chunked(self) -> bool:
+        return any(self.is_chunked(i) for i in range(self.n_layers))
 
     @property
     def moe_hidden_dim(self) -> int:

@@ -1,10 +1,11 @@
-"""Llama 4 decoder (torchtitan's llama4 family) on Llama 3's skeleton.
+"""Llama 4 decoder (torchtitan's llama4 family and Meta's released models) on Llama 3's skeleton.
 
 The embedding, final norm, output projection, RoPE table and the forward tail are llama3's
-Transformer; the blocks differ: every ``interleave_moe_layer_step``-th block has an MoE
-feed-forward (titan.models.moe) instead of the dense one, and with iRoPE
-(``every_n_layers_nope``) every n-th block has no positional embedding and full causal attention
-while the others attend only within fixed blocks of ``fixed_attn_block_size`` positions.
+Transformer; the blocks differ: MoE blocks (``Llama4ModelArgs.is_moe_layer``) have an MoE
+feed-forward (titan.models.moe) instead of the dense one; with iRoPE, NoPE blocks have no
+positional embedding and full causal attention while chunked blocks attend only within fixed
+blocks of ``fixed_attn_block_size`` positions. Meta's released models also L2-normalise q and k
+on RoPE blocks and scale q on NoPE blocks by a position-dependent temperature (Llama4Attention).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from titan.models.moe import MoE
 
 @dataclass(frozen=True)
 class IRopeMasks:
-    """The two masks of an iRoPE model: RoPE blocks attend within fixed blocks, NoPE blocks over
+    """The two masks of a model with chunked blocks: ``rope`` for the chunked blocks (the RoPE
+    blocks of torchtitan's iRoPE), attending within fixed blocks; ``nope`` for the others, over
     the whole causal (or block-causal) window. None: sdpa's plain causal attention."""
 
     rope: Any
@@ -44,13 +46,49 @@ def chunked_causal_dense(seqlen: int, block: int, device: torch.device, doc_ids:
     return (mask[None] & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
 
 
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weightless RMS normalisation over the head dimension, in fp32 (Meta's "L2 norm" of q/k)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+class Llama4Attention(Attention):
+    """Llama 3's attention plus Meta's two released changes, both in the position step:
+    RoPE blocks normalise q and k after RoPE (``use_qk_norm``); NoPE blocks multiply q by a
+    temperature that grows with the log of the position (``attn_temperature_tuning``), so
+    full-context attention stays sharp far beyond the chunk length."""
+
+    def __init__(self, args: Llama4ModelArgs, flex_kernel: FlexKernel | None, layer_id: int) -> None:
+        super().__init__(args, flex_kernel, layer_id, use_rope=args.uses_rope(layer_id))
+        self.qk_norm_eps = args.norm_eps if args.use_qk_norm and self.use_rope else None
+        self.temperature = (
+            (args.floor_scale, args.attn_scale) if args.attn_temperature_tuning and not self.use_rope else None
+        )
+
+    def position(
+        self, xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        xq, xk = super().position(xq, xk, freqs_cis, start)
+        if self.qk_norm_eps is not None:
+            xq, xk = l2_norm(xq, self.qk_norm_eps), l2_norm(xk, self.qk_norm_eps)
+        if self.temperature is not None:
+            # xq holds the whole sequence here (TP/SP gather it first; llama4 refuses CP), so
+            # its positions are start .. start + S.
+            floor_scale, attn_scale = self.temperature
+            pos = torch.arange(start, start + xq.shape[1], device=xq.device, dtype=torch.float32)
+            scale = torch.log1p(torch.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0
+            xq = (xq * scale.view(1, -1, 1, 1)).to(xq.dtype)
+        return xq, xk
+
+
 class Llama4Block(nn.Module):
     def __init__(self, layer_id: int, args: Llama4ModelArgs, flex_kernel: FlexKernel | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.n_layers = args.n_layers
         self.depth_init = args.depth_init
-        self.attention = Attention(args, flex_kernel, layer_id, use_rope=args.uses_rope(layer_id))
+        self.attention = Llama4Attention(args, flex_kernel, layer_id)
+        self.chunked = args.is_chunked(layer_id)
         self.moe_enabled = args.is_moe_layer(layer_id)
         if self.moe_enabled:
             self.moe = MoE(args.moe_args, args.dim, args.moe_hidden_dim)
@@ -63,7 +101,7 @@ class Llama4Block(nn.Module):
         self, x: torch.Tensor, freqs_cis: torch.Tensor, attn_mask: Any = None, kv_cache: KVCache | None = None
     ) -> torch.Tensor:
         if isinstance(attn_mask, IRopeMasks):
-            attn_mask = attn_mask.rope if self.attention.use_rope else attn_mask.nope
+            attn_mask = attn_mask.rope if self.chunked else attn_mask.nope
         h = x + self.attention(self.attention_norm(x), freqs_cis, attn_mask=attn_mask, kv_cache=kv_cache)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
@@ -115,7 +153,7 @@ class Llama4Transformer(Transformer):
     ) -> Any:
         nope = super().attention_mask(seqlen, device, doc_ids, kv_cache)
         args = self.model_args
-        if args.every_n_layers_nope is None:
+        if not args.any_chunked:
             return nope
         block = args.fixed_attn_block_size
         if kv_cache is not None:

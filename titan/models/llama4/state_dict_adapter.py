@@ -15,27 +15,21 @@ from __future__ import annotations
 
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Any
 
 import torch
 
 from titan.errors import TitanError
 from titan.log import logger
-from titan.models.llama.model import ffn_hidden_dim
 from titan.models.llama.state_dict_adapter import (
     _HF_LAYER,
     _TITAN_LAYER,
     _TOP_MAP,
     _TOP_MAP_INV,
     _cast,
-    _ffn_settings,
     args_from_shapes,
-    hf_rope,
-    hf_rope_scaling,
-    with_hf_rope_scaling,
 )
 from titan.models.llama4.args import Llama4ModelArgs
-from titan.models.moe import MoEArgs
+from titan.models.llama4.hf_config import args_to_hf_config, hf_config_to_args
 
 _LAYER_MAP = MappingProxyType(
     {
@@ -125,127 +119,6 @@ def from_hf(
     if model_args.tie_embeddings and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
-
-
-def _nope_every(no_rope_layers: list[int], n_layers: int) -> int | None:
-    """titan's every_n_layers_nope for HF's per-layer RoPE flags (1: RoPE), or refuse."""
-    if all(no_rope_layers[:n_layers]):
-        return None
-    for n in range(2, n_layers + 1):
-        if [int(i % n != 0) for i in range(n_layers)] == list(no_rope_layers[:n_layers]):
-            return n
-    raise TitanError(
-        f"config.json no_rope_layers {no_rope_layers[:n_layers]} is not supported: titan's llama4 (as torchtitan's)"
-        " puts the NoPE layers at 0, n, 2n, ... (every_n_layers_nope = n)"
-    )
-
-
-def hf_config_to_args(config: dict[str, Any]) -> Llama4ModelArgs:
-    """HF Llama4TextConfig (config.json as a dict; a Llama4Config's text_config) -> Llama4ModelArgs."""
-    if config.get("model_type") == "llama4" and isinstance(config.get("text_config"), dict):
-        config = config["text_config"]
-
-    def need(key: str) -> Any:
-        if key not in config:
-            raise TitanError(f"config.json has no {key!r}; is this a Llama 4 (Llama4ForCausalLM) checkpoint?")
-        return config[key]
-
-    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("use_qk_norm", False)):
-        if config.get(key, ok) != ok:
-            raise TitanError(f"config.json {key} is {config[key]!r}; titan's llama4 supports only {ok!r}")
-    if config.get("attn_temperature_tuning", False):
-        raise TitanError(
-            "config.json attn_temperature_tuning is true; titan's llama4 (as torchtitan's) has no NoPE-layer"
-            " attention temperature: set it to false"
-        )
-    dim, n_heads, n_layers = need("hidden_size"), need("num_attention_heads"), need("num_hidden_layers")
-    if config.get("head_dim") not in (None, dim // n_heads):
-        raise TitanError(f"config.json head_dim {config['head_dim']} != hidden_size / num_attention_heads")
-    step = int(config.get("interleave_moe_layer_step", 1))
-    moe_layers = config.get("moe_layers")
-    if moe_layers is not None and list(moe_layers) != list(range(step - 1, n_layers, step)):
-        raise TitanError(f"config.json moe_layers {moe_layers} is not every interleave_moe_layer_step ({step}) layers")
-    rope_flags = config.get("no_rope_layers") or [
-        int((i + 1) % config.get("no_rope_layer_interval", 4) != 0) for i in range(n_layers)
-    ]
-    nope = _nope_every(rope_flags, n_layers)
-    chunk = config.get("attention_chunk_size")
-    if nope is None and chunk is not None and chunk < config.get("max_position_embeddings", chunk + 1):
-        raise TitanError(
-            "config.json attention_chunk_size is set without NoPE layers; titan's llama4 chunks attention"
-            " only in iRoPE models"
-        )
-    rope = hf_rope(config)
-    theta = float(config.get("rope_theta", rope.get("rope_theta", 500000.0)))
-    args = Llama4ModelArgs(
-        dim=dim,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads") or n_heads,
-        vocab_size=need("vocab_size"),
-        norm_eps=config.get("rms_norm_eps", 1e-5),
-        rope_theta=theta,
-        max_seq_len=config.get("max_position_embeddings", 131072),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        interleave_moe_layer_step=step,
-        every_n_layers_nope=nope,
-        fixed_attn_block_size=chunk if nope is not None and chunk is not None else 8192,
-        moe_args=MoEArgs(
-            num_experts=need("num_local_experts"),
-            top_k=config.get("num_experts_per_tok", 1),
-            num_shared_experts=1,
-            score_func="sigmoid",
-        ),
-        **_ffn_settings(dim, need("intermediate_size_mlp")),
-    )
-    if args.moe_hidden_dim != need("intermediate_size"):  # not the width the dense FFN's settings derive
-        args.moe_args.hidden_dim = config["intermediate_size"]
-    args = with_hf_rope_scaling(args, rope)
-    args.validate()
-    return args
-
-
-def args_to_hf_config(args: Llama4ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Llama4ModelArgs -> a config.json dict that transformers' Llama4ForCausalLM loads."""
-    moe = args.moe_args
-    if moe.num_shared_experts != 1 or moe.score_func != "sigmoid" or moe.route_norm or moe.route_scale != 1.0:
-        raise TitanError(
-            "Hugging Face Llama 4 routes with sigmoid scores, no normalisation or scale, and one shared expert;"
-            f" this model has score_func {moe.score_func!r}, route_norm {moe.route_norm}, route_scale"
-            f" {moe.route_scale}, num_shared_experts {moe.num_shared_experts}"
-        )
-    if not moe.score_before_experts:
-        raise TitanError("Hugging Face Llama 4 scales the experts' inputs by the router score (score_before_experts)")
-    rope: dict[str, Any] = {"rope_type": "default", **(hf_rope_scaling(args) or {}), "rope_theta": args.rope_theta}
-    irope = args.every_n_layers_nope is not None
-    return {
-        "architectures": ["Llama4ForCausalLM"],
-        "model_type": "llama4_text",
-        "hidden_size": args.dim,
-        "intermediate_size": args.moe_hidden_dim,
-        "intermediate_size_mlp": ffn_hidden_dim(args),
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_parameters": rope,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
-        "num_local_experts": moe.num_experts,
-        "num_experts_per_tok": moe.top_k,
-        "interleave_moe_layer_step": args.interleave_moe_layer_step,
-        "moe_layers": [i for i in range(args.n_layers) if args.is_moe_layer(i)],
-        "no_rope_layers": [int(args.uses_rope(i)) for i in range(args.n_layers)],
-        "attention_chunk_size": args.fixed_attn_block_size if irope else None,
-        "use_qk_norm": False,
-        "attn_temperature_tuning": False,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
 
 
 def state_dict_shapes(args: Llama4ModelArgs) -> dict[str, tuple[int, ...]]:
