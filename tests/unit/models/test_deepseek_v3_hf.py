@@ -179,7 +179,7 @@ def test_hf_folder_written_by_titan_loads_in_transformers(tmp_path):
     model = DeepSeekV3Transformer(dataclasses.replace(args))
     model.init_weights()
     _randomize(model, 5)
-    save_hf(model.state_dict(), args, tmp_path / "hf", max_shard_bytes=40_000)  # several files
+    save_hf(model.state_dict(), model.model_args, tmp_path / "hf", max_shard_bytes=40_000)  # built args; several files
     hf = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
     tokens = _tokens(args.vocab_size)
     with torch.no_grad():
