@@ -178,15 +178,7 @@ def parallelize_llama4(model: Llama4Transformer, parallel_dims: ParallelDims, jo
             loss_parallel=parallel_dims.loss_parallel_enabled,
             enable_async_tp=par.enable_async_tensor_parallel,
         )
-    ac = job_config.activation_checkpoint
-    if parallel_dims.ep_enabled and ac.mode == "selective" and str(ac.selective_ac_option) == "op":
-        # Seen with torch 2.13: the recompute meets the experts' FSDP hooks' profiler ops, which the
-        # per-op policy's forward never stored, and stops in the backward pass.
-        raise TitanError(
-            'activation_checkpoint.selective_ac_option = "op" does not combine with parallelism.expert_parallel_degree'
-            f" {parallel_dims.ep} (torch's per-op checkpointing cannot replay the experts' own FSDP inside a"
-            ' block); use activation_checkpoint.mode = "full" or selective_ac_option = N (every N-th block)'
-        )
+    ac = job_config.activation_checkpoint  # with EP, per-op selective AC is refused by the run plan's check_run
     apply_experts(model, parallel_dims)
     if parallel_dims.cp_enabled:
         # The iRoPE block masks and the MoE routing statistics are not split along the sequence.
