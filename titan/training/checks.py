@@ -98,7 +98,8 @@ def check_job(
         return plan
     from titan.data.build import check_hub
 
-    check_hub(config)  # offline, or a typo'd hub config / split / column
+    with _quiet():  # what it logs, the ranks' loaders log
+        check_hub(config)  # offline, a typo'd hub config / split / column, a damaged mirror
     dp_degree = plan.parallel_dims.dp_degree if plan is not None else None
     vocab = tokenizer.vocab_size if tokenizer is not None else None
     settled = copy.deepcopy(model_args)  # the ranks settle their own copy after the process group exists
