@@ -165,5 +165,10 @@ def resolve_files(where: str, config: str, split: str, section: str, *, remote: 
             f"valid: {sorted(data_files)}"
         )
     files = [str(f) for f in data_files[split]]
+    if not files:
+        raise TitanError(
+            f"{label}, config {name!r}, split {split!r} has no data files: the files its card's configs list are"
+            " not there (a mirror made with hf download --include of other paths?)"
+        )
     logger.info(f"dataset {where} (config {name}, split {split}): {len(files)} data file(s)")
     return name, files
