@@ -454,7 +454,7 @@ def _hub(path, *extra):
 @pytest.mark.parametrize(
     "argv, world, needles",
     [
-        ([*LLAMA4, "--parallelism.expert_parallel_degree", "3"], 3, ["expert_parallel_degree", "a divisor of the model's 8 experts"]),
+        ([*LLAMA4, "--parallelism.expert_parallel_degree", "3"], 3, ["got 3", "a divisor of the model's 8 experts"]),
         (["--parallelism.expert_parallel_degree", "2"], 2, ["expert_parallel_degree", "no routed experts"]),
         (["--model.vocab_size", "100"], 2, ["'model.vocab_size' got 100", "tokenizer's vocabulary size 2048"]),
         (
