@@ -107,7 +107,6 @@ def check_job(
         changed = check_checkpoint(config, spec, settled, vocab, dp_degree)
     if changed and plan is not None:
         check_run(config, plan.parallel_dims, settled, device_type)
-    # Fault tolerance (torchft installed, lighthouse reachable, replica id) is checked here too.
     return plan
 
 
