@@ -574,3 +574,5 @@ def test_a_failed_rank_the_console_does_not_show_is_shown_once(tmp_path):
     rc, lines = _launch_two(tmp_path, "titan-error", "0,1")
     want = "titan: error: dataset path '/x' does not exist (training.dataset_path)"
     assert rc == 2 and lines[-1] == want and sum(want in ln for ln in lines) == 1, lines[-20:]
+    # torchrun's own lines about the failed attempt say nothing the last line does not
+    assert not any("closing signal" in ln or "failed (exitcode" in ln for ln in lines), lines[-20:]

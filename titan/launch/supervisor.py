@@ -22,6 +22,7 @@ scheduler and a user at a terminal need from it.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -238,6 +239,16 @@ def torchrun_args(argv: list[str]) -> Namespace:
     return args
 
 
+class _Redundant(logging.Filter):
+    """torchrun's per-rank lines about a failed attempt ("failed (exitcode: 1) local_rank: 1 ...",
+    "Sending process N closing signal SIGTERM"): the launcher's last line names the failed rank, its
+    status or signal and its own words, so these only bury it. Kept with TITAN_DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        return not (text.startswith("failed (exitcode: ") or text.startswith("Sending process "))
+
+
 def _torchrun(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -245,6 +256,8 @@ def _torchrun(argv: list[str]) -> int:
     from torch.distributed.run import run
 
     args = torchrun_args(argv)
+    if not os.environ.get("TITAN_DEBUG"):
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_Redundant())
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     if args.max_restarts > 0:
         # The ranks' process group must not share the rendezvous store: a restarted group would read
