@@ -51,7 +51,8 @@ if [ -n "${REPLICA_GROUPS:-}" ]; then
   fi
   # The config is checked once before the lighthouse starts (group 0's flags), and the groups'
   # folders go under its merged job.dump_folder: TOML, then flags, as the ranks read it.
-  DUMP_FOLDER=$(python -m titan.launch.check --print_value job.dump_folder --job.config_file "${CONFIG_FILE}" "$@" \
+  DUMP_FOLDER=$(python -m titan.launch.check --print_value job.dump_folder --world_size "${NGPU}" \
+    --job.config_file "${CONFIG_FILE}" "$@" \
     --fault_tolerance.enable --fault_tolerance.group_size "${REPLICA_GROUPS}" --fault_tolerance.replica_id 0)
   GPUS=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
   if [ -z "${TORCHFT_LIGHTHOUSE:-}" ]; then

@@ -337,14 +337,14 @@ def test_config_error_through_run_train_sh_is_one_line_exit_2(args, line):
     assert out.strip().splitlines() == [out.strip().splitlines()[-1]] and out.strip().startswith(line), out[-3000:]
 
 
-@pytest.mark.slow
-def test_error_inside_the_ranks_ends_with_titans_line_not_torchruns_traceback(tmp_path):
+def test_a_data_error_ends_before_any_rank_starts_in_one_line(tmp_path):
+    """The launch check reads the files the config names: torchrun never starts, nothing is written."""
     proc = _launch("--training.dataset_path", str(tmp_path / "missing"), "--job.dump_folder", str(tmp_path), NGPU="2")
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 2, out[-3000:]
-    last = out.strip().splitlines()[-1]
-    assert last == f"titan: error: dataset path '{tmp_path / 'missing'}' does not exist (training.dataset_path)", out
-    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    line = f"titan: error: dataset path '{tmp_path / 'missing'}' does not exist (training.dataset_path)"
+    assert out.strip().splitlines() == [line], out[-3000:]
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------- signals to the launcher
@@ -492,14 +492,23 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_uninterrupted_loss
 
 @pytest.mark.slow
 def test_a_titan_error_in_the_ranks_is_not_restarted(tmp_path):
-    missing = tmp_path / "missing"
+    """A titan error raised inside the ranks (rank 1, hidden by LOG_RANK=0) ends the run with its line
+    last and once, instead of torchrun's traceback, and is not restarted."""
     proc = _launch(
-        "--training.dataset_path", str(missing), "--job.dump_folder", str(tmp_path), NGPU="2", MAX_RESTARTS="3"
+        *TINY,
+        "--training.steps",
+        "3",
+        "--job.dump_folder",
+        str(tmp_path),
+        NGPU="2",
+        MAX_RESTARTS="3",
+        **kill_env("error:step=1@rank1"),
     )
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 2, out[-3000:]
-    line = f"titan: error: dataset path '{missing}' does not exist (training.dataset_path)"
-    assert out.strip().splitlines()[-1] == line, out[-3000:]
+    line = "titan: error on rank 1: TITAN_DEBUG_KILL_AT: injected failure after step 1"
+    assert out.strip().splitlines()[-1] == line and out.count(line) == 1, out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
     assert "not restarting after a titan error" in out and "restarting the ranks" not in out, out[-3000:]
 
 

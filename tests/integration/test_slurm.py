@@ -204,8 +204,8 @@ def test_external_requeue_sigterm_saves_and_resumes(reference, tmp_path):
 
 @pytest.mark.parametrize("where", ["config", "ranks"])
 def test_user_error_fails_the_job_with_titans_line_last(slurm, tmp_path, where):
-    """A bad key is caught by the script's check before srun; a missing dataset only by the ranks
-    (srun adds its own line after the launcher's: the script repeats the cause last)."""
+    """A bad key and a missing dataset are both caught by the script's check before srun (it reads
+    the files the config names); either way titan's line is the error file's last line."""
     if where == "config":
         args, line = (
             ["--training.stepz", "3"],

@@ -13,10 +13,11 @@ from typing import Any
 
 from titan.errors import TitanError
 
-from .datasets import _looks_like_path, build_source, check_dataset, streams_from_hub
+from .datasets import _looks_like_path, _reads_hub_mirror, build_source, check_dataset, streams_from_hub
 from .loader import TitanDataLoader
 from .loader import build_dataloader as build_text_loader
 from .mixture import MixtureLoader
+from .sources import check_parquet_footers
 from .token_store import TokenStore, is_token_store
 from .windows import StoreDataLoader
 
@@ -187,14 +188,30 @@ def _check_one(
 
 
 def check_hub(config: Any) -> None:
-    """The hub datasets a run streams (no local mirror) are reachable and have the configured
-    config and split: the launcher runs this once before any rank starts, so no network (or a
-    typo'd config) is one line from one process. Needs no tokenizer and reads no rows."""
+    """The hub datasets a run reads: one streamed by id is reachable and has the configured config
+    and split (no rows read); a local mirror's (config, split) resolves, its first row has the text
+    column, and every parquet file's footer reads (a truncated file is named). The launcher runs
+    this once before any rank starts (titan.training.checks.check_job), so no network, a typo'd
+    config or a damaged mirror is one line from one process."""
     t, v = config.training, config.validation
     parts = [("training", t)] + ([("validation", v)] if v.enable else [])
     for section, part in parts:
-        if not part.mixture and streams_from_hub(part.dataset, part.dataset_path):
+        if part.mixture:
+            continue
+        if streams_from_hub(part.dataset, part.dataset_path):
             check_dataset(part.dataset, "", part.dataset_config, part.dataset_split, section)
+        elif _reads_hub_mirror(part.dataset, part.dataset_path, part.dataset_config, part.dataset_split, section):
+            source = build_source(
+                part.dataset,
+                part.dataset_path,
+                t.dataset_text_field,
+                t.dataset_txt_split,
+                t.dataset_bad_lines,
+                config=part.dataset_config,
+                split=part.dataset_split,
+                section=section,
+            )
+            check_parquet_footers(source)
 
 
 def check_data(config: Any, tokenizer: Any) -> None:

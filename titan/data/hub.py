@@ -10,6 +10,7 @@ every file is a shard the loader can deal to one dp rank and reopen at a row on 
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -56,8 +57,55 @@ def offline_hint(repo: str, config: str, section: str) -> str:
     part = f" (--include the paths the card's configs list for {config!r})" if config else ""
     return (
         f"without network, mirror it from a machine with network: `hf download {repo} --repo-type dataset "
-        f"--local-dir DIR`{part}, then set {section}.dataset_path = DIR (docs/datasets.md)"
+        f"--local-dir DIR`{part}, then set {section}.dataset_path = DIR (docs/datasets.md); HF_HUB_OFFLINE=1 "
+        "stops the hub client's retries at once"
     )
+
+
+PROBE_SECONDS = 3.0  # a reachable hub answers a TCP connect in well under a second
+
+
+def _proxy() -> str:
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        if os.environ.get(name):
+            return os.environ[name]
+    return ""
+
+
+def hub_unreachable(timeout: float = PROBE_SECONDS) -> str | None:
+    """Why the hub (its endpoint, HF_ENDPOINT, or the HTTPS proxy) cannot be reached, or None.
+
+    Without HF_HUB_OFFLINE a hub client with no network retries each request for about 20 s before
+    it gives up; one TCP connect (name lookup included) tells the same in ``timeout`` seconds."""
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    target = urlsplit(_proxy() or constants.ENDPOINT)
+    host = target.hostname or ""
+    port = target.port or (443 if target.scheme == "https" else 80)
+    outcome: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as e:
+            outcome.append(f"{host}:{port}: {e.strerror or type(e).__name__}")
+
+    probe = threading.Thread(target=connect, daemon=True)  # a name lookup has no timeout of its own
+    probe.start()
+    probe.join(timeout)
+    return outcome[0] if outcome else f"{host}:{port}: no answer in {timeout:.0f} s"
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    # the variable as huggingface_hub reads it, also when set after it was imported
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
 def _first_line(e: BaseException) -> str:
@@ -82,6 +130,13 @@ def resolve_files(where: str, config: str, split: str, section: str, *, remote: 
 
     label = f"hub dataset {where!r}" if remote else f"hub mirror {where!r} ({section}.dataset_path)"
     split = split or default_split(section)
+    if remote and not _offline():
+        why = hub_unreachable()
+        if why is not None:
+            raise TitanError(
+                f"cannot reach the Hugging Face hub for {section}.dataset {where!r} ({why}); "
+                + offline_hint(where, config, section)
+            )
     try:
         builder = datasets.load_dataset_builder(where, name=config or None)
     except ConnectionError as e:
@@ -110,5 +165,10 @@ def resolve_files(where: str, config: str, split: str, section: str, *, remote: 
             f"valid: {sorted(data_files)}"
         )
     files = [str(f) for f in data_files[split]]
+    if not files:
+        raise TitanError(
+            f"{label}, config {name!r}, split {split!r} has no data files: the files its card's configs list are"
+            " not there (a mirror made with hf download --include of other paths?)"
+        )
     logger.info(f"dataset {where} (config {name}, split {split}): {len(files)} data file(s)")
     return name, files

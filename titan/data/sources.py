@@ -143,7 +143,8 @@ class HFStreamSource(DocumentSource):
             return file.stat().st_size if isinstance(file, Path) else None  # a URL: not on this disk
         return None
 
-    def _rows(self, ds, start: int, where: str) -> Iterator[str]:
+    def _rows(self, ds, start: int, where: str, parsed: list[int] | None = None) -> Iterator[str]:
+        """The texts of ``ds`` from row ``start``; ``parsed[0]``: the rows it held, once exhausted."""
         # .iter(batch_size) rather than iter(ds): inside a DataLoader worker the latter hands each
         # worker only some of the files, which would break the document numbering
         progress = SkipProgress(f"dataset {self.name!r}: seeking in {where}", start) if start else None
@@ -161,6 +162,8 @@ class HFStreamSource(DocumentSource):
                     progress.finish()
                     progress = None
                 yield from self._texts(column[skip:])
+            if parsed is not None:
+                parsed[0] = seen
         except UnicodeDecodeError as e:
             raise _not_utf8(self.name, e) from None
         except (TitanError, GeneratorExit):
@@ -169,8 +172,26 @@ class HFStreamSource(DocumentSource):
             first = str(e).splitlines()[0] if str(e) else ""
             raise TitanError(f"cannot read dataset {self.name!r} ({where}): {type(e).__name__}: {first}") from None
 
+    def _named(self) -> bool:
+        return bool(self.shard_files) and len(self.shard_files or ()) == self.num_shards
+
     def iter_docs(self, start: int = 0) -> Iterator[str]:
-        return self._rows(self.dataset, start, "the whole stream")
+        if not self._named():
+            return self._rows(self.dataset, start, "the whole stream")
+        return self._file_by_file(start)
+
+    def _file_by_file(self, start: int) -> Iterator[str]:
+        """The whole stream, shard after shard (the same rows in the same order), so that a file
+        that cannot be read is named in the error."""
+        for shard in range(self.num_shards):
+            parsed = [0]
+            yield from self._rows(self._shard(shard), start, self.shard_name(shard), parsed)
+            start = max(0, start - parsed[0])
+
+    def _shard(self, shard: int):
+        if self.num_shards == 1:
+            return self.dataset
+        return self.dataset.shard(num_shards=self.num_shards, index=shard, contiguous=True)
 
     def _parquet_rows(self, file: str, start: int) -> Iterator[str]:
         import fsspec
@@ -204,11 +225,7 @@ class HFStreamSource(DocumentSource):
     def iter_shard(self, shard: int, row: int = 0) -> Iterator[str]:
         if row > 0 and self.parquet_files and len(self.parquet_files) == self.num_shards:
             return self._parquet_rows(str(self.parquet_files[shard]), row)
-        if self.num_shards == 1:
-            return self.iter_docs(row)
-        return self._rows(
-            self.dataset.shard(num_shards=self.num_shards, index=shard, contiguous=True), row, self.shard_name(shard)
-        )
+        return self._rows(self._shard(shard), row, self.shard_name(shard))
 
     def _texts(self, column: list) -> Iterator[str]:
         for text in column:
@@ -220,7 +237,9 @@ class HFStreamSource(DocumentSource):
             yield text
 
     def validate(self) -> None:
-        """Fail early, with one clear line, on an empty dataset or a missing text column."""
+        """Fail early, with one clear line, on an empty dataset or a missing text column (reads the
+        first row: a file that cannot be read there is named)."""
+        where = f" ({self.shard_name(0)})" if self._named() else ""
         try:
             first = next(iter(self.dataset))
         except StopIteration:
@@ -229,9 +248,28 @@ class HFStreamSource(DocumentSource):
             raise _not_utf8(self.name, e) from None
         except Exception as e:
             first_line = str(e).splitlines()[0] if str(e) else ""
-            raise TitanError(f"cannot read dataset {self.name!r}: {type(e).__name__}: {first_line}") from None
+            raise TitanError(f"cannot read dataset {self.name!r}{where}: {type(e).__name__}: {first_line}") from None
         if self.text_field not in first:
             raise TitanError(
                 f"dataset {self.name!r} has no column {self.text_field!r} "
                 f"(training.dataset_text_field); available columns: {sorted(first)}"
             )
+
+
+def check_parquet_footers(source: DocumentSource) -> None:
+    """Open the footer (schema and row groups) of every local parquet file of ``source``: a
+    truncated or overwritten file fails here, named, in milliseconds per file. Data pages are read
+    only by training; a corrupt page is named by the error of the rank that reads it."""
+    files = getattr(source, "parquet_files", None) or []
+    for file in files:
+        if "://" in file:
+            continue  # streamed: reading its footer is a network request per file
+        import pyarrow.parquet as pq
+
+        try:
+            pq.ParquetFile(file).metadata  # noqa: B018 - reading it is the check
+        except Exception as e:
+            first_line = str(e).splitlines()[0] if str(e) else ""
+            raise TitanError(
+                f"cannot read dataset {getattr(source, 'name', '?')!r} ({file}): {type(e).__name__}: {first_line}"
+            ) from None

@@ -1,9 +1,11 @@
-"""``python -m titan.launch.check [train.py options]``: load and validate the merged config (TOML +
-flags + environment defaults) in one process and exit: 0 when it is valid, 2 with titan's one line
-when not. The launchers run it before torchrun / srun start, so a typo fails in seconds, before
-any rank (or a Slurm job's nodes) is busy with it. A bad flag or TOML value fails before torch is
-imported; the checks that need the model registry and the other features import it. A hub
-dataset streamed by id is looked up here too (its config and split; no network: one line).
+"""``python -m titan.launch.check [--world_size N] [train.py options]``: check a run in one process
+and exit: 0 when it can start, 2 with titan's one line when not; it writes nothing. The launchers
+run it before torchrun / srun start, so a bad setting fails in seconds, before any rank (or a Slurm
+job's nodes) is busy with it. It runs titan.training.checks.check_job, the check every rank and
+the dry run run too: the merged config (TOML + flags + environment defaults), the model's shape
+(flavor, overrides, experts, the tokenizer's vocabulary), the layout for N ranks on this machine's
+device type (without --world_size the layout is not checked), the tokenizer, data, hub dataset
+and checkpoint files the config names. A bad flag or TOML value fails before torch is imported.
 
 ``--help [SECTION | SECTION.KEY]`` is answered here too, for the launcher and the ranks alike.
 
@@ -17,9 +19,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from titan.errors import TitanError
 from titan.launch.report import debug_requested, exit_status
+
+if TYPE_CHECKING:
+    from titan.config import JobConfig
 
 
 def wants_help(argv: list[str]) -> bool:
@@ -63,23 +69,50 @@ def format_value(value: object) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
+WORLD_SIZE = "--world_size"
+
+
+def split_world_size(argv: list[str]) -> tuple[list[str], int | None]:
+    """(train.py's options, the N of --world_size N or None)."""
+    if WORLD_SIZE not in argv:
+        return argv, None
+    at = argv.index(WORLD_SIZE)
+    value = argv[at + 1] if at + 1 < len(argv) else ""
+    if not value.isdigit() or int(value) < 1:
+        raise TitanError(f"{WORLD_SIZE} needs the number of ranks (1 or more), e.g. {WORLD_SIZE} 8; got {value!r}")
+    return argv[:at] + argv[at + 2 :], int(value)
+
+
+def run_check(argv: list[str]) -> JobConfig:
+    """Load the merged config and run titan.training.checks.check_job on it, for ``--world_size N``
+    ranks (without it, the checks that need the layout are skipped) on this machine's device type.
+    What reads files or the network runs here unless a launcher already ran it for these ranks."""
+    from titan.config import load_config
+    from titan.config.manager import resolve_key
+    from titan.training.checks import check_job, checked_by_launcher
+
+    args, key = split_print_value(argv)
+    args, world_size = split_world_size(args)
+    if key is not None:
+        resolve_key(key)  # a typo'd key: its line, before the config is loaded
+    config = load_config(args)  # a bad flag or TOML value: before torch is imported
+
+    import torch
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    check_job(config, world_size, device_type, once=not checked_by_launcher())
+    if key is not None:
+        section, _, name = key.partition(".")
+        print(format_value(getattr(getattr(config, section), name)), flush=True)
+    return config
+
+
 def main(argv: list[str]) -> int:
     if wants_help(argv):
         return print_help(argv)
 
     def check() -> int:
-        from titan.config.manager import resolve_key
-        from titan.data.build import check_hub
-        from titan.training.checks import load_job
-
-        args, key = split_print_value(argv)
-        if key is not None:
-            resolve_key(key)  # a typo'd key: its line, before the config is loaded
-        config = load_job(args)
-        check_hub(config)  # offline or a typo'd hub config: one line here, not one per rank
-        if key is not None:
-            section, _, name = key.partition(".")
-            print(format_value(getattr(getattr(config, section), name)), flush=True)
+        run_check(argv)
         return 0
 
     return exit_status(check, debug=lambda: debug_requested(argv))

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from titan.errors import TitanError
 from titan.launch.check import print_help, wants_help
-from titan.launch.report import PEER_LOST_PHRASE, PEER_LOST_STATUS, debug_requested, exit_status, write_error_file
+from titan.launch.report import PEER_LOST_PHRASE, PEER_LOST_STATUS, debug_requested, emit, exit_status
 
 if TYPE_CHECKING:
     from titan.config import JobConfig
@@ -62,8 +62,7 @@ def _train(config: JobConfig, debug: bool) -> int:
             f" ({_peer_lost_cause(e)}); that rank's message (the launcher's last line, or torchrun's 'Root Cause')"
             " says why"
         )
-        print(line, file=sys.stderr)
-        write_error_file(line)
+        emit(line)
         return PEER_LOST_STATUS
     return 0
 

@@ -25,17 +25,27 @@ def debug_requested(argv: list[str]) -> bool:
     return bool(os.environ.get("TITAN_DEBUG")) or "--job.debug" in argv
 
 
-def write_error_file(line: str) -> None:
+def write_error_file(line: str) -> bool:
     """torchrun gives each rank a file (TORCHELASTIC_ERROR_FILE) whose message it reports as the
-    rank's failure; {"message": str, "timestamp": int} is the form it reads."""
+    rank's failure; {"message": str, "timestamp": int} is the form it reads. True when written."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
-        return
+        return False
     try:
         with open(path, "w") as f:
             json.dump({"message": line, "timestamp": int(time.time())}, f)
     except OSError:
-        pass  # the line is on stderr already; a missing report only costs the launcher's summary
+        return False  # then the rank prints it: a missing report only costs the launcher's summary
+    return True
+
+
+def emit(line: str) -> None:
+    """A rank's last line: into its error file, and on stderr unless titan's launcher (which prints
+    the cause's line last, whatever ranks the console shows) reads it from there: it appears once."""
+    from titan.launch.parent import LAUNCHER_PID_ENV
+
+    if not (write_error_file(line) and os.environ.get(LAUNCHER_PID_ENV)):
+        print(line, file=sys.stderr, flush=True)
 
 
 def _process_group_started() -> bool:
@@ -48,15 +58,12 @@ def report(error: TitanError, after_init: bool) -> None:
     rank = os.environ.get("RANK", "0")
     # Before the process group exists every rank hits the same error: rank 0 prints it.
     # Later errors can be rank-specific, so a failing rank reports with its id.
-    if rank == "0":
-        line = f"titan: error: {error}"
-        print(line, file=sys.stderr)
-    elif after_init and not getattr(error, "same_on_all_ranks", False):
-        line = f"titan: error on rank {rank}: {error}"
-        print(line, file=sys.stderr)
+    if after_init and rank != "0" and not getattr(error, "same_on_all_ranks", False):
+        emit(f"titan: error on rank {rank}: {error}")
+    elif rank == "0":
+        emit(f"titan: error: {error}")
     else:
-        line = f"titan: error: {error}"
-    write_error_file(line)
+        write_error_file(f"titan: error: {error}")
 
 
 def _never() -> bool:

@@ -38,17 +38,27 @@ class RestartPolicy:
     says whether the launcher was asked to stop."""
 
     def __init__(
-        self, max_restarts: int, explain: Callable[[Failures], tuple[str, int]], stopping: Callable[[], bool]
+        self,
+        max_restarts: int,
+        explain: Callable[[Failures], tuple[str, int]],
+        stopping: Callable[[], bool],
+        context: Callable[[Failures], list[str]] | None = None,
     ) -> None:
         self.max_restarts = max_restarts
         self.explain = explain
         self.stopping = stopping
+        self.context = context  # lines printed once per failed attempt, before its cause
         self.restarts = 0
         self.last_cause: str | None = None
+        # global rank -> stderr file of a rank whose output the console did not show (torchrun's
+        # --local-ranks-filter), for the failed attempt being explained
+        self.hidden_outputs: dict[int, str] = {}
 
     def on_failure(self, failures: Failures, remaining: int) -> int:
         """Called with a failed attempt's failures and the restarts left; returns the restarts
         the agent may still do (0: end the job with this failure)."""
+        for line in self.context(failures) if self.context else []:
+            print(line, file=sys.stderr, flush=True)
         line, status = self.explain(failures)
         self.last_cause = line
         if remaining <= 0:
@@ -79,6 +89,19 @@ class RestartPolicy:
         return line
 
 
+def _hidden_outputs(pcontext: object, failures: Failures) -> dict[int, str]:
+    """Global rank -> its stderr file, for the failed ranks whose stderr went to a file (torchrun's
+    --tee / --redirects) but not to the console (--local-ranks-filter left them out)."""
+    files = getattr(pcontext, "stderrs", None) or {}
+    shown = getattr(pcontext, "tee_stderrs", None) or {}
+    out = {}
+    for rank, f in failures.items():
+        path = files.get(f.local_rank, "")
+        if path and path != os.devnull and f.local_rank not in shown:
+            out[rank] = path
+    return out
+
+
 def _agent_class(policy: RestartPolicy) -> type:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -86,6 +109,7 @@ def _agent_class(policy: RestartPolicy) -> type:
         def _monitor_workers(self, worker_group):  # type: ignore[override]  # torchrun's, wrapped by its @prof
             result = super()._monitor_workers(worker_group)  # type: ignore[call-arg]
             if result.is_failed():
+                policy.hidden_outputs = _hidden_outputs(self._pcontext, result.failures)
                 self._remaining_restarts = policy.on_failure(result.failures, self._remaining_restarts)
             return result
 

@@ -9,8 +9,11 @@ scheduler and a user at a terminal need from it.
   SIGINT kills the ranks. (torchrun's own handling would wait for the save too, but then always
   exits 1 with a traceback, which a scheduler records as a failure.)
 - When ranks fail, torchrun's ChildFailedError traceback is replaced by one line, printed last: the
-  root cause rank's own titan line (from its error file) or what happened to it, and the exit
-  status is that rank's (2 for a user error).
+  root cause rank's own titan line (from its error file; the ranks leave printing it to this
+  launcher, so it appears once) or what happened to it, and the exit status is that rank's (2 for a
+  user error). A rank whose output the console did not show (--local-ranks-filter, run_train.sh's
+  LOG_RANK) gets its last error lines shown from torchrun's --tee file (titan.launch.causes); a
+  SIGKILL is called out of memory only when the kernel counted an OOM kill in the job's cgroup.
 - The ranks learn this process's pid (TITAN_LAUNCHER_PID) and stop if it dies (titan.launch.parent).
 - With ``--max-restarts N`` a failed attempt is restarted by torchrun (the ranks resume from the
   newest checkpoint), except after a titan user error or a signal to the launcher
@@ -19,6 +22,7 @@ scheduler and a user at a terminal need from it.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -26,11 +30,13 @@ from argparse import Namespace
 from types import FrameType, MappingProxyType
 from typing import TYPE_CHECKING
 
+from titan.launch.causes import error_tail, oom_kill_count, sigkill_phrase
+from titan.launch.check import WORLD_SIZE, wants_help
 from titan.launch.check import main as check_config
-from titan.launch.check import wants_help
 from titan.launch.parent import LAUNCHER_PID_ENV
 from titan.launch.report import PEER_LOST_PHRASE, PEER_LOST_STATUS, USER_ERROR_STATUS
 from titan.launch.restarts import Failures, RestartPolicy, policy_installed
+from titan.training.checks import CHECKED_ENV
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -103,12 +109,19 @@ def titan_args(argv: list[str]) -> list[str] | None:
     return None
 
 
-def failure_line(failures: Failures, received: list[int]) -> tuple[str, int]:
+def failure_line(
+    failures: Failures,
+    received: list[int],
+    hidden: dict[int, str] | None = None,
+    oom_kills: tuple[int | None, int | None] = (None, None),
+) -> tuple[str, int]:
     """One line for the root cause among failed ranks (torchrun's ProcessFailure by global rank),
     and the exit status to end with. A rank that reported "another rank failed" is a consequence;
     a rank's own titan line (from its error file) is preferred, then the earliest failure. A rank
     that wrote its line but was stopped by torchrun (another rank failed first) before it exited
-    still reports its line: that is why it was failing."""
+    still reports its line: that is why it was failing. ``hidden``: the stderr files of failed
+    ranks the console did not show (their last error line goes into this line); ``oom_kills``: the
+    kernel's OOM-kill count of this job's cgroup before the run and now."""
 
     def titan_line(f: ProcessFailure) -> bool:
         return isinstance(f.message, str) and f.message.startswith("titan: ")
@@ -132,12 +145,31 @@ def failure_line(failures: Failures, received: list[int]) -> tuple[str, int]:
                 " (nothing to save yet)",
                 128 - f.exitcode,
             )
+        why = f"; {sigkill_phrase(*oom_kills)}" if -f.exitcode == signal.SIGKILL else ""
         return (
-            f"titan: error: rank {rank} (pid {f.pid}) was killed by {sig}; the other ranks stopped with it"
-            " (out of memory? see the system log)",
+            f"titan: error: rank {rank} (pid {f.pid}) was killed by {sig}; the other ranks stopped with it{why}",
             128 - f.exitcode,
         )
+    tail = error_tail(hidden[rank]) if hidden and rank in hidden else []
+    if tail:
+        return (
+            f"titan: error: rank {rank} exited with status {f.exitcode}: {tail[-1].strip()} (its output is not on"
+            " the console, see LOG_RANK / --local-ranks-filter; its last lines are above)",
+            f.exitcode,
+        )
     return f"titan: error: rank {rank} exited with status {f.exitcode}; its output above says why", f.exitcode
+
+
+def hidden_context(failures: Failures, hidden: dict[int, str]) -> list[str]:
+    """The last error lines (all but the exception line, which ends failure_line's line) of each
+    failed rank without a titan line whose output the console did not show, as torchrun prefixes
+    a rank's lines."""
+    out = []
+    for rank in sorted(failures):
+        f = failures[rank]
+        if rank in hidden and f.exitcode > 0 and not (isinstance(f.message, str) and f.message.startswith("titan: ")):
+            out += [f"[rank{rank}]: {line}" for line in error_tail(hidden[rank])[:-1]]
+    return out
 
 
 def _end_with(line: str) -> None:
@@ -151,12 +183,48 @@ def _end_with(line: str) -> None:
             f.write(line + "\n")
 
 
+def _option(argv: list[str], *names: str) -> str | None:
+    """The value of torchrun option ``names`` (``--opt V`` or ``--opt=V``) among the launcher's own
+    arguments (those before the script), or None."""
+    for i, arg in enumerate(argv):
+        if arg.endswith(".py") or (i and argv[i - 1] in ("-m", "--module")):
+            break
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def world_size(argv: list[str]) -> int | None:
+    """The ranks torchrun will start (nnodes x nproc_per_node), or None for an elastic node range
+    (``--nnodes MIN:MAX``): then the layout is checked by the ranks, once they know their number."""
+    nnodes = _option(argv, "--nnodes") or "1"
+    low, _, high = nnodes.partition(":")
+    if not low.isdigit() or (high and high != low):
+        return None
+    nproc = _option(argv, "--nproc_per_node", "--nproc-per-node") or "1"
+    if not nproc.isdigit():  # auto / gpu / cpu / xpu: torchrun's own count
+        from torch.distributed.run import determine_local_world_size
+
+        try:
+            return int(low) * determine_local_world_size(nproc)
+        except ValueError:
+            return None  # torchrun says why
+    return int(low) * int(nproc)
+
+
 def main(argv: list[str]) -> int:
     train_args = titan_args(argv)
     if train_args is not None:
-        status = check_config(train_args)
-        if status or wants_help(train_args):
+        if wants_help(train_args):
+            return check_config(train_args)
+        size = world_size(argv)
+        status = check_config(train_args + ([WORLD_SIZE, str(size)] if size is not None else []))
+        if status:
             return status
+        os.environ[CHECKED_ENV] = "1"  # the ranks (a copy of this environment) do not read it all again
     return _torchrun(argv)
 
 
@@ -171,6 +239,16 @@ def torchrun_args(argv: list[str]) -> Namespace:
     return args
 
 
+class _Redundant(logging.Filter):
+    """torchrun's per-rank lines about a failed attempt ("failed (exitcode: 1) local_rank: 1 ...",
+    "Sending process N closing signal SIGTERM"): the launcher's last line names the failed rank, its
+    status or signal and its own words, so these only bury it. Kept with TITAN_DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        return not (text.startswith("failed (exitcode: ") or text.startswith("Sending process "))
+
+
 def _torchrun(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -178,6 +256,8 @@ def _torchrun(argv: list[str]) -> int:
     from torch.distributed.run import run
 
     args = torchrun_args(argv)
+    if not os.environ.get("TITAN_DEBUG"):
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_Redundant())
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     if args.max_restarts > 0:
         # The ranks' process group must not share the rendezvous store: a restarted group would read
@@ -185,14 +265,22 @@ def _torchrun(argv: list[str]) -> int:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     forwarder = Forwarder()
     forwarder.install()
+    oom_before = oom_kill_count()
+
+    def explain(failures: Failures) -> tuple[str, int]:
+        return failure_line(failures, forwarder.received, policy.hidden_outputs, (oom_before, oom_kill_count()))
+
     policy = RestartPolicy(
-        args.max_restarts, lambda failures: failure_line(failures, forwarder.received), lambda: bool(forwarder.received)
+        args.max_restarts,
+        explain,
+        lambda: bool(forwarder.received),
+        lambda failures: hidden_context(failures, policy.hidden_outputs),
     )
     try:
         with policy_installed(policy):
             run(args)
     except ChildFailedError as e:
-        line, status = failure_line(e.failures, forwarder.received)
+        line, status = explain(e.failures)
         _end_with(policy.final_line(line))
         return status
     except SignalException as e:

@@ -1,12 +1,13 @@
 """Dry run: check a layout for N ranks on one CPU process, before paying for the GPUs.
 
-The run is planned as the Trainer plans it (titan/training/plan.py: config checks, layout, model
-args, gradient accumulation, the model plan, every check that needs the world size or the device,
-here for CUDA devices); a fake process group (no communication) stands in for the world, the
-Trainer's build steps (titan/training/build.py: mesh, meta model, float8, pipeline split or
-parallelize) run unchanged, and the dry run stops before any memory is allocated. Then every
-parameter's sharding spec gives each rank's local shard, from which the per-rank parameter count
-and memory follow. Pipeline stages are built one at a time, as the first rank of each stage.
+The run is checked and planned as the launcher and the Trainer check it (titan/training/checks.py
+check_job and titan/training/plan.py: config checks, layout, model args, gradient accumulation, the
+model plan, every check that needs the world size or the device, here for CUDA devices); a fake
+process group (no communication) stands in for the world, the Trainer's build steps
+(titan/training/build.py: mesh, meta model, float8, pipeline split or parallelize) run unchanged,
+and the dry run stops before any memory is allocated. Then every parameter's sharding spec gives
+each rank's local shard, from which the per-rank parameter count and memory follow. Pipeline
+stages are built one at a time, as the first rank of each stage.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from titan.errors import TitanError
 from titan.log import init_logger
 from titan.parallel.dims import ParallelDims
 from titan.training.build import BuiltModel, build_model
+from titan.training.checks import check_job
 from titan.training.loss import cross_entropy_sum
-from titan.training.plan import RunPlan, plan_run
+from titan.training.plan import RunPlan
 
 GIB = 1024**3
 # Optimizer state elements per parameter element (exp_avg and exp_avg_sq for Adam / AdamW).
@@ -226,7 +228,8 @@ def run_dry_run(config: JobConfig) -> DryRunReport:
     world = config.job.dry_run_world_size
     # The layout is checked as for the GPUs the fake world stands in for; the tokenizer and the data
     # may live only on the cluster.
-    plan = plan_run(config, world, "cuda", data_here=False)
+    plan = check_job(config, world, "cuda", data_here=False)
+    assert plan is not None  # a world size was given
     first = _build_stage(config, plan, 0)
     dims, per_rank, distinct = first.dims, first.counts, first.distinct
     degrees = {n: getattr(dims, n) for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}

@@ -25,7 +25,7 @@ from titan.parallel.pp import FIRST_MODULES, LAST_MODULES, split_modules
 from titan.training.checks import validate_job
 from titan.training.optim_in_backward import check_step_in_backward
 
-__all__ = ["ModelPlan", "RunPlan", "check_run", "grad_accumulation_steps", "plan_run", "run_model_args"]
+__all__ = ["ModelPlan", "RunPlan", "check_run", "grad_accumulation_steps", "plan_model", "plan_run", "run_model_args"]
 
 
 @dataclass(frozen=True)
@@ -76,23 +76,29 @@ def plan_run(config: JobConfig, world_size: int, device_type: str, *, data_here:
 
     ``data_here`` False (the dry run, on a machine that may lack the cluster's files): a missing
     tokenizer file leaves the flavor's vocabulary and the data sources are not looked at."""
-    validate_job(config)
+    spec, model_args, tokenizer = plan_model(config, data_here=data_here)
     dims = _parallel_dims(config, world_size)
     grad_accum_steps = grad_accumulation_steps(config, dims.dp_degree)
-    spec = get_model_spec(config.model.name)
     if dims.pp_enabled and spec.pipelining_fn is None:
         raise TitanError(
             f"model.name {spec.name!r} has no pipeline split; set parallelism.pipeline_parallel_degree to 1"
         )
+    check_run(config, dims, model_args, device_type)
+    return RunPlan(dims, spec, model_args, grad_accum_steps, _model_plan(config, dims, model_args), tokenizer)
+
+
+def plan_model(config: JobConfig, *, data_here: bool = True) -> tuple[ModelSpec, Any, Any]:
+    """The checks that need no world size: the config's runtime checks, the tokenizer, the data it
+    reads and the model args as the run builds them. Returns (spec, model args, tokenizer or None)."""
+    validate_job(config)
+    spec = get_model_spec(config.model.name)
     if data_here:
         tokenizer = build_tokenizer(config.model.tokenizer_path)
         check_data(config, tokenizer)  # a typo'd dataset or a store of another tokenizer fails before the model
     else:
         tokenizer = _tokenizer(config)
     vocab_size = tokenizer.vocab_size if tokenizer is not None else None
-    model_args = run_model_args(config, model_args_from_config(spec, config.model), vocab_size)
-    check_run(config, dims, model_args, device_type)
-    return RunPlan(dims, spec, model_args, grad_accum_steps, _model_plan(config, dims, model_args), tokenizer)
+    return spec, run_model_args(config, model_args_from_config(spec, config.model), vocab_size), tokenizer
 
 
 def check_run(config: JobConfig, dims: ParallelDims, model_args: Any, device_type: str) -> None:
@@ -114,6 +120,15 @@ def check_run(config: JobConfig, dims: ParallelDims, model_args: Any, device_typ
         dims, config.parallelism, model_args, config.training.seq_len, device_type, config.model.attn_type, compiled
     )
     check_float8_grouped_mm(config.float8, device_type, dims.pp, dims.cp)
+    ac = config.activation_checkpoint
+    if dims.ep_enabled and ac.mode == "selective" and str(ac.selective_ac_option) == "op":
+        # Seen with torch 2.13: the recompute meets the experts' FSDP hooks' profiler ops, which the
+        # per-op policy's forward never stored, and stops in the backward pass.
+        raise TitanError(
+            'activation_checkpoint.selective_ac_option = "op" does not combine with parallelism.expert_parallel_degree'
+            f" {dims.ep} (torch's per-op checkpointing cannot replay the experts' own FSDP inside a"
+            ' block); use activation_checkpoint.mode = "full" or selective_ac_option = N (every N-th block)'
+        )
     if config.profiling.enable_memory_snapshot and device_type != "cuda":
         raise TitanError(
             "profiling.enable_memory_snapshot needs CUDA (it records the CUDA caching allocator's"

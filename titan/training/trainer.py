@@ -26,6 +26,7 @@ from titan.parallel.cp import cp_shard_batch
 from titan.parallel.fsdp import DTYPES
 from titan.parallel.utils import init_distributed, pick_device, set_seed, world_info
 from titan.training.build import build_loader, build_model, build_optimizers_and_schedulers, init_weights
+from titan.training.checks import check_job, checked_by_launcher
 from titan.training.determinism import DeterministicMode
 from titan.training.forward import ModelForward
 from titan.training.gc_handler import GarbageCollection
@@ -34,7 +35,7 @@ from titan.training.loss import IGNORE_INDEX, ScaledLoss, TokenLoss, cross_entro
 from titan.training.metrics import MetricsProcessor
 from titan.training.moe import MoEMonitor
 from titan.training.nonfinite import UpdateMask
-from titan.training.plan import RunPlan, check_run, plan_run
+from titan.training.plan import RunPlan, check_run
 from titan.training.profiling import Profiler
 from titan.training.stability import StabilityMonitor, StepResult, param_norm
 from titan.training.startup import log_summary, summary_rows
@@ -52,8 +53,11 @@ class Trainer:
         t = config.training
 
         # Everything that can be checked without a process group or a model, first (the device type
-        # is asked without touching the device).
-        self.plan = plan_run(config, world_size, "cuda" if torch.cuda.is_available() else "cpu")
+        # is asked without touching the device); what titan's launcher already read is not read again.
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        plan = check_job(config, world_size, device_type, once=not checked_by_launcher())
+        assert plan is not None  # a world size was given
+        self.plan = plan
         self.parallel_dims, self.grad_accum_steps = self.plan.parallel_dims, self.plan.grad_accum_steps
         # Before the device is touched: cuBLAS reads its workspace setting when first created.
         self.determinism = DeterministicMode(t.deterministic).apply()
@@ -194,7 +198,8 @@ class Trainer:
         use_checkpoint): check the merged config and plan it again. The layout stays: config_diff
         merges no parallelism key, so the mesh built for it still holds."""
         self.config.validate()
-        plan = plan_run(self.config, world_size, self.device.type)
+        plan = check_job(self.config, world_size, self.device.type, once=False)
+        assert plan is not None  # a world size was given
         plan.parallel_dims = self.parallel_dims  # the same degrees, with the mesh built for them
         return plan
 

@@ -16,6 +16,7 @@ from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.tools.dry_run import run_dry_run
 from titan.training import trainer as trainer_module
+from titan.training.checks import check_job
 from titan.training.plan import RunPlan, plan_run
 from titan.training.trainer import Trainer
 
@@ -95,16 +96,16 @@ def test_merged_checkpoint_config_is_checked_and_planned_again(tmp_path, monkeyp
     validated: list[float] = []
     original_validate = getattr(JobConfig, "validate", None)
 
-    def plan_spy(config: JobConfig, *args: Any, **kwargs: Any) -> RunPlan:
+    def plan_spy(config: JobConfig, *args: Any, **kwargs: Any) -> RunPlan | None:
         planned.append(config.optimizer.lr)
-        return plan_run(config, *args, **kwargs)
+        return check_job(config, *args, **kwargs)
 
     def validate_spy(self: JobConfig) -> None:
         validated.append(self.optimizer.lr)
         if original_validate is not None:
             original_validate(self)
 
-    monkeypatch.setattr(trainer_module, "plan_run", plan_spy)
+    monkeypatch.setattr(trainer_module, "check_job", plan_spy)
     monkeypatch.setattr(JobConfig, "validate", validate_spy, raising=False)
     config = load_config(
         [

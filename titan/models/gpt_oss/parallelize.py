@@ -17,7 +17,7 @@ from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.models.gpt_oss.model import GptOssTransformer
 from titan.models.llama.parallelize import enabled_submesh
-from titan.models.llama4.parallelize import apply_experts, apply_llama4_fsdp, check_ep_ac, compile_blocks
+from titan.models.llama4.parallelize import apply_experts, apply_llama4_fsdp, compile_blocks
 from titan.parallel.ac import apply_ac
 from titan.parallel.dims import ParallelDims
 from titan.parallel.fsdp import apply_ddp
@@ -36,7 +36,6 @@ def parallelize_gpt_oss(model: GptOssTransformer, parallel_dims: ParallelDims, j
             ' "gpt_oss" (the attention sinks need each query\'s keys on one rank); use expert, data or pipeline'
             " parallelism"
         )
-    check_ep_ac(parallel_dims, job_config)
     # llama4's MoE plans read only what both families' blocks have (attention, norms, moe, moe_enabled).
     shared = cast(Any, model)
     apply_experts(shared, parallel_dims)

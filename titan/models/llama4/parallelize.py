@@ -169,19 +169,6 @@ def apply_llama4_fsdp(model: Llama4Transformer, dims: ParallelDims, job_config: 
     )
 
 
-def check_ep_ac(parallel_dims: ParallelDims, job_config: JobConfig) -> None:
-    """Per-op selective AC with EP is refused in one line (any MoE family)."""
-    ac = job_config.activation_checkpoint
-    if parallel_dims.ep_enabled and ac.mode == "selective" and str(ac.selective_ac_option) == "op":
-        # Seen with torch 2.13: the recompute meets the experts' FSDP hooks' profiler ops, which the
-        # per-op policy's forward never stored, and stops in the backward pass.
-        raise TitanError(
-            'activation_checkpoint.selective_ac_option = "op" does not combine with parallelism.expert_parallel_degree'
-            f" {parallel_dims.ep} (torch's per-op checkpointing cannot replay the experts' own FSDP inside a"
-            ' block); use activation_checkpoint.mode = "full" or selective_ac_option = N (every N-th block)'
-        )
-
-
 def parallelize_llama4(model: Llama4Transformer, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
     return parallelize_moe_family(model, parallel_dims, job_config, apply_tp, "llama4")
 
@@ -200,8 +187,7 @@ def parallelize_moe_family(
             loss_parallel=parallel_dims.loss_parallel_enabled,
             enable_async_tp=par.enable_async_tensor_parallel,
         )
-    ac = job_config.activation_checkpoint
-    check_ep_ac(parallel_dims, job_config)
+    ac = job_config.activation_checkpoint  # with EP, per-op selective AC is refused by the run plan's check_run
     apply_experts(model, parallel_dims)
     if parallel_dims.cp_enabled:
         # The iRoPE block masks and the MoE routing statistics are not split along the sequence.
