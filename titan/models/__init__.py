@@ -139,7 +139,6 @@ def _gpt_oss() -> ModelSpec:
 def _deepseek_v3() -> ModelSpec:
     from titan.models.deepseek_v3 import args as ds_args
     from titan.models.deepseek_v3.model import DeepSeekV3Transformer
-    from titan.models.deepseek_v3.parallelize import apply_tp as ds_tp
     from titan.models.deepseek_v3.parallelize import parallelize_deepseek_v3
     from titan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
     from titan.models.llama.pipeline import pipeline_llama
@@ -152,7 +151,6 @@ def _deepseek_v3() -> ModelSpec:
         parallelize_deepseek_v3,
         ds_args.get_nparams_and_flops,
         pipeline_llama,
-        tensor_parallel_fn=ds_tp,
         state_dict_adapter=DeepSeekV3StateDictAdapter,
     )
 

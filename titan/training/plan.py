@@ -120,6 +120,9 @@ def check_run(config: JobConfig, dims: ParallelDims, model_args: Any, device_typ
         dims, config.parallelism, model_args, config.training.seq_len, device_type, config.model.attn_type, compiled
     )
     check_float8_grouped_mm(config.float8, device_type, dims.pp, dims.cp)
+    family_check = getattr(model_args, "check_parallelism", None)
+    if family_check is not None:  # the layouts a family cannot run, said by its args (before any process group)
+        family_check(dims.tp, dims.cp)
     ac = config.activation_checkpoint
     if dims.ep_enabled and ac.mode == "selective" and str(ac.selective_ac_option) == "op":
         # Seen with torch 2.13: the recompute meets the experts' FSDP hooks' profiler ops, which the

@@ -5,25 +5,15 @@ shape, only the attention's TP plan is latent attention's."""
 from __future__ import annotations
 
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from titan.config.job_config import JobConfig
-from titan.errors import TitanError
 from titan.models.deepseek_v3.model import DeepSeekV3Transformer
 from titan.models.llama4.parallelize import parallelize_moe_family
 from titan.parallel.dims import ParallelDims
 
 
-def apply_tp(
-    model: DeepSeekV3Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False
-) -> None:
-    raise TitanError(
-        f'parallelism.tensor_parallel_degree = {tp_mesh.size()} is not supported for model.name = "deepseek_v3"'
-        " yet; use expert (EP), data (FSDP/HSDP) or pipeline parallelism"
-    )
-
-
 def parallelize_deepseek_v3(
     model: DeepSeekV3Transformer, parallel_dims: ParallelDims, job_config: JobConfig
 ) -> nn.Module:
-    return parallelize_moe_family(model, parallel_dims, job_config, apply_tp, "deepseek_v3")
+    # TP and CP are refused before this by DeepSeekV3ModelArgs.check_parallelism (the run plan's check).
+    return parallelize_moe_family(model, parallel_dims, job_config, None, "deepseek_v3")

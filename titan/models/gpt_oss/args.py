@@ -92,6 +92,20 @@ class GptOssModelArgs(TransformerModelArgs):
             attention_factor=self.rope_attention_factor,
         )
 
+    def check_parallelism(self, tp: int, cp: int) -> None:
+        """The layouts gpt-oss has no plan for, refused by the run plan's check."""
+        if tp > 1:
+            raise TitanError(
+                f"parallelism.tensor_parallel_degree = {tp} is not supported for model.name ="
+                ' "gpt_oss" (its router scales TP-partial expert outputs); use expert, data or pipeline parallelism'
+            )
+        if cp > 1:
+            raise TitanError(
+                f"parallelism.context_parallel_degree = {cp} is not supported for model.name ="
+                ' "gpt_oss" (the attention sinks need each query\'s keys on one rank); use expert, data or pipeline'
+                " parallelism"
+            )
+
     def validate(self) -> None:
         if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
             raise TitanError(f"model.head_dim must be a positive even integer (RoPE pairs), got {self.head_dim!r}")

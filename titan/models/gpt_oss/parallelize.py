@@ -14,7 +14,6 @@ from typing import Any, cast
 import torch.nn as nn
 
 from titan.config.job_config import JobConfig
-from titan.errors import TitanError
 from titan.models.gpt_oss.model import GptOssTransformer
 from titan.models.llama.parallelize import enabled_submesh
 from titan.models.llama4.parallelize import apply_experts, apply_llama4_fsdp, compile_blocks
@@ -24,18 +23,7 @@ from titan.parallel.fsdp import apply_ddp
 
 
 def parallelize_gpt_oss(model: GptOssTransformer, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
-    par = job_config.parallelism
-    if parallel_dims.tp_enabled:
-        raise TitanError(
-            f"parallelism.tensor_parallel_degree = {par.tensor_parallel_degree} is not supported for model.name ="
-            ' "gpt_oss" (its router scales TP-partial expert outputs); use expert, data or pipeline parallelism'
-        )
-    if parallel_dims.cp_enabled:
-        raise TitanError(
-            f"parallelism.context_parallel_degree = {par.context_parallel_degree} is not supported for model.name ="
-            ' "gpt_oss" (the attention sinks need each query\'s keys on one rank); use expert, data or pipeline'
-            " parallelism"
-        )
+    # TP and CP are refused before this by GptOssModelArgs.check_parallelism (the run plan's check).
     # llama4's MoE plans read only what both families' blocks have (attention, norms, moe, moe_enabled).
     shared = cast(Any, model)
     apply_experts(shared, parallel_dims)

@@ -181,6 +181,8 @@ def parallelize_moe_family(
     is the family's TP/SP plan (``apply_tp``'s signature)."""
     par = job_config.parallelism
     if parallel_dims.tp_enabled:
+        if tp_fn is None:  # the run plan's check refuses it first (the family's check_parallelism)
+            raise TitanError(f'model.name = "{family}" has no tensor-parallel plan')
         tp_fn(
             model,
             enabled_submesh(parallel_dims, "tp"),
