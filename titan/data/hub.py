@@ -74,7 +74,9 @@ def _config_names(where: str) -> list[str]:
         return []
 
 
-def resolve_files(where: str, config: str, split: str, section: str, *, remote: bool) -> tuple[str, list[str]]:
+def resolve_files(
+    where: str, config: str, split: str, section: str, *, remote: bool, log: bool = True
+) -> tuple[str, list[str]]:
     """(config name, data files of ``split``) of the hub dataset ``where`` (an id when ``remote``,
     else a mirror folder). Each bad value fails with one line naming the key and the valid ones."""
     import datasets
@@ -110,5 +112,6 @@ def resolve_files(where: str, config: str, split: str, section: str, *, remote: 
             f"valid: {sorted(data_files)}"
         )
     files = [str(f) for f in data_files[split]]
-    logger.info(f"dataset {where} (config {name}, split {split}): {len(files)} data file(s)")
+    if log:  # the check before the build asks too: the build's lookup is the one logged
+        logger.info(f"dataset {where} (config {name}, split {split}): {len(files)} data file(s)")
     return name, files

@@ -15,9 +15,11 @@ from titan.checkpointing.manager import CheckpointManager
 from titan.checkpointing.model_settings import settle as settle_model_settings
 from titan.checkpointing.resume import prepare_run
 from titan.checkpointing.states import ModelParts, RNGState, TrainState
+from titan.config.dialects import log_translations
 from titan.config.job_config import JobConfig
 from titan.config.manager import to_dict
 from titan.config.output import save_config
+from titan.ft import preflight
 from titan.ft.replicas import join_replica_groups
 from titan.log import init_logger, logger
 from titan.parallel.comm import set_comm_env, set_pg_timeouts
@@ -49,6 +51,8 @@ class Trainer:
         self.config = config
         self.rank, local_rank, world_size = world_info()
         init_logger(self.rank)
+        log_translations(config.translations)  # the torchtitan keys the loader translated
+        preflight.check_torchft(config, wait_s=preflight.CONNECT_WAIT_S)  # replica groups: before anything is built
         t = config.training
 
         # Everything that can be checked without a process group or a model, first (the device type
@@ -169,7 +173,8 @@ class Trainer:
         )
         # Every save first reads the non-finite record: a stopped run writes no checkpoint after a NaN.
         self.checkpointer.before_save = self.stability.resolve
-        self.replicas = join_replica_groups(config.fault_tolerance, self.checkpointer, self.device)
+        ft, dump = config.fault_tolerance, config.job.dump_folder
+        self.replicas = join_replica_groups(ft, self.checkpointer, self.device, log_folder=dump)
         self.checkpointer.load()
         self.replicas.after_load(self.checkpointer)  # a restarted group's data reads on from its last step
         self.goodput = GoodputRecorder(config, rank=self.rank, step=self.step, metrics=self.metrics)

@@ -10,7 +10,7 @@ import pytest
 from tests.helpers.tiny import build
 from titan.config.sections.fault_tolerance import FaultTolerance
 from titan.errors import TitanError
-from titan.ft.replicas import lighthouse_address
+from titan.ft.preflight import lighthouse_address
 from titan.ft.semi_sync import fragment_fqns, split_fragments
 
 

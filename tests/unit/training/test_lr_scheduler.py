@@ -75,16 +75,26 @@ def test_all_parts_follow_one_schedule() -> None:
     assert _lrs(cfg, 10, n_parts=3) == _lrs(cfg, 10, n_parts=1)
 
 
-def test_clamping_warns(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="titan"):
-        sched = resolve_schedule(LRSchedulerConfig(warmup_steps=20), 10)
+def test_clamping_warns_only_over_an_explicit_setting(caplog: pytest.LogCaptureFixture) -> None:
+    # warmup_steps set by the user (a config file, the command line) and overridden: a WARNING
+    with caplog.at_level(logging.INFO, logger="titan"):
+        sched = resolve_schedule(LRSchedulerConfig(warmup_steps=20), 10, {"lr_scheduler.warmup_steps": "cli"})
     assert sched["warmup_steps"] == 10 and sched["decay_steps"] == 0
-    assert "lr_scheduler.warmup_steps (20) > training.steps (10)" in caplog.text
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "lr_scheduler.warmup_steps (20) > training.steps (10); clamping warmup to 10")
+    ]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="titan"):
-        sched = resolve_schedule(LRSchedulerConfig(warmup_steps=2, decay_ratio=0.9), 10)
+    # the default warmup in a short run: INFO
+    with caplog.at_level(logging.INFO, logger="titan"):
+        resolve_schedule(LRSchedulerConfig(warmup_steps=20), 10)
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    caplog.clear()
+    # the decay (a ratio of the run's length) shrinking in a short run: INFO, even when set
+    with caplog.at_level(logging.INFO, logger="titan"):
+        explicit = {"lr_scheduler.warmup_steps": "f.toml:2", "lr_scheduler.decay_ratio": "f.toml:3"}
+        sched = resolve_schedule(LRSchedulerConfig(warmup_steps=2, decay_ratio=0.9), 10, explicit)
     assert (sched["warmup_steps"], sched["stable_steps"], sched["decay_steps"]) == (2, 1, 8)
-    assert "clamping decay to 8 steps" in caplog.text
+    assert [r.levelname for r in caplog.records] == ["INFO"] and "clamping decay to 8 steps" in caplog.text
 
 
 @pytest.mark.parametrize(
