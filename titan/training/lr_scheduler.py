@@ -125,6 +125,13 @@ class LRSchedulersContainer:
         """The lr the next optimizer step will use (first param group; all parts agree)."""
         return float(self.schedulers[0].get_last_lr()[0])
 
+    def last_step_lr(self) -> float:
+        """The lr the optimizer step just taken used: what is logged with that step, as torchtitan
+        logs it (get_last_lr, read after the scheduler stepped, is already the next step's). Before
+        any step: the first step's lr."""
+        sched = self.schedulers[0]
+        return float(sched.base_lrs[0] * sched.lr_lambdas[0](max(sched.last_epoch - 1, 0)))
+
     def state_dict(self) -> dict[str, Any]:
         # lr_lambdas is dropped: the lambda is rebuilt from the config, and its (empty) state
         # would only be a fragile nested entry in the checkpoint.

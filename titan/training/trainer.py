@@ -363,7 +363,7 @@ class Trainer:
                     self.step,
                     loss=values.loss,
                     grad_norm=values.grad_norm,
-                    lr=self.lr_schedulers.get_last_lr(),
+                    lr=self.lr_schedulers.last_step_lr(),  # the rate this step used
                     extra={**values.extra, **self.stability.console()},
                     extra_scalars={**self.stability.scalars(), **self.dataloader.scalars()},
                 )
