@@ -9,6 +9,8 @@
     python scripts/benchmark.py --preset gpt_oss_20b_4layers      # gpt-oss 20b, 4 layers: EP 1 vs EP = GPUs
     python scripts/benchmark.py --preset deepseek_v3_debug_cpu    # DeepSeek-V3 debug: EP 1 vs EP 2, 2 CPU ranks
     python scripts/benchmark.py --preset deepseek_v3_16b_4layers  # DeepSeek-V3 16B, 4 layers: EP 1 vs EP = GPUs
+    python scripts/benchmark.py --preset llama4_debug             # Llama 4's debug shape, bf16: EP 1 vs EP = GPUs
+    python scripts/benchmark.py --preset families_bf16            # every registered family, bf16, 20 steps
     python scripts/benchmark.py --steps 20 --warmup 5 --nproc 8 --job.config_file train_configs/llama3_8b.toml \\
         --variant "eager=" --variant "compile+fp8=--compile.enable --float8.enable_float8_linear"
 
@@ -212,6 +214,38 @@ PRESETS["deepseek_v3_16b_4layers"] = {
     ],
 }
 
+# The GPU check's MoE row (scripts/gpu_check.sh): Llama 4's debug shape in bf16, as users run it,
+# at EP 1 and at EP = the GPUs present (the check runs "ep-gpus" only with more than one GPU).
+PRESETS["llama4_debug"] = {
+    "warmup": 5,
+    "steps": 10,
+    "args": [*_LLAMA4_DEBUG.split(), "--training.mixed_precision_param", "bfloat16"],
+    "variants": [("ep1", ""), ("ep-gpus", "--parallelism.expert_parallel_degree {nproc}")],
+}
+
+
+def family_variants() -> list[tuple[str, str]]:
+    """One row per model family registered in titan.models (a new family joins by registering):
+    its debugmodel flavor (else its first), named by the family."""
+    from titan.models import get_model_spec, model_names
+
+    rows = []
+    for name in model_names():
+        flavors = list(get_model_spec(name).flavors)
+        flavor = "debugmodel" if "debugmodel" in flavors else flavors[0]
+        rows.append((name, f"--model.name {name} --model.flavor {flavor}"))
+    return rows
+
+
+# Every family's smoke run in bf16 parameters (the default users run): 20 steps, the last loss and
+# the peak memory per row.
+PRESETS["families_bf16"] = {
+    "warmup": 10,
+    "steps": 10,
+    "args": ["--training.mixed_precision_param", "bfloat16"],
+    "variants": family_variants,
+}
+
 MEMORY_CHUNK = 1024
 MEMORY_ARGS = {
     "cpu": ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--model.dim", "64", "--model.n_layers",
@@ -341,6 +375,11 @@ def default_configs(cuda: bool) -> list[list[str]]:
     return configs
 
 
+def _preset_variants(preset: dict) -> list[tuple[str, str]]:
+    variants = preset.get("variants", [])
+    return variants() if callable(variants) else variants  # a function: rows that follow the registry
+
+
 def _usage_error(message: str) -> None:
     print(f"benchmark: error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -371,7 +410,7 @@ def main(argv: list[str]) -> None:
         _usage_error(f"--configs got {config_set!r}; valid: gpu, cpu")
     gpu_set = cuda if config_set is None else config_set == "gpu"
     variants = [v.split("=", 1) for v in _pop(argv, "--variant", None, repeat=True)] or [
-        [n, e.format(nproc=nproc)] for n, e in preset.get("variants", [])
+        [n, e.format(nproc=nproc)] for n, e in _preset_variants(preset)
     ]
     variants = variants or (memory_configs() if memory else default_configs(gpu_set))
     if only is not None:

@@ -176,7 +176,9 @@ def main(a: Any, out: Path, launch: Any, run_args: Any, ranks: Any) -> int:
     lines = _steps(run)
     discarded = [(t, line) for t, line in text if "discarded (a replica group failed" in line]
     healed = [
-        (t, int(m[1])) for t, line in text if (m := re.search(r"replica group (\d+) healed from a live peer", line))
+        (t, int(m[1]))
+        for t, line in text
+        if (m := re.search(r"replica group (\d+)(?: \(restart \d+\))? healed from a live peer", line))
     ]
     end = max(t for t, *_ in lines)
     heal_s, windows = [], []

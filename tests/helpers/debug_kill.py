@@ -119,6 +119,12 @@ def install(kill: DebugKill | None = None) -> None:
     if kill.point == "shard":
         from titan.data import tokenize
 
+        # The SIGINT must arrive as a terminal's Ctrl-C does. A test run may have SIGINT ignored
+        # (pytest started as a background job of a non-interactive shell, some CI runners): an
+        # ignored disposition survives exec, Python then installs no KeyboardInterrupt handler,
+        # and the script would tokenize to the end instead. (The workers ignore it again.)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
         encode = tokenize._encode_shard
 
         def encode_then_interrupt(tokenizer: Any, folder: str, index: int, texts: list[str], dtype: str) -> dict:

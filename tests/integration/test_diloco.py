@@ -32,7 +32,8 @@ pytest.importorskip("torchft")
 from titan.checkpointing.states import ModelParts, TrainState  # noqa: E402
 from titan.config.sections.fault_tolerance import FaultTolerance  # noqa: E402
 from titan.config.sections.optimizer import Optimizer as OptimizerConfig  # noqa: E402
-from titan.ft.replicas import LIGHTHOUSE_ENV, ReplicaGroups  # noqa: E402
+from titan.ft.preflight import LIGHTHOUSE_ENV  # noqa: E402
+from titan.ft.replicas import ReplicaGroups  # noqa: E402
 from titan.models.llama import Transformer, TransformerModelArgs  # noqa: E402
 from titan.training.optim import build_optimizers  # noqa: E402
 

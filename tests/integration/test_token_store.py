@@ -200,7 +200,8 @@ def test_tokenize_script_interrupted_then_finished(tmp_path):
         "--shard_mb",
         "0.05",
     ]
-    # Ctrl-C once the first shard is written (a kill point, not a timer: the run cannot finish first)
+    # Ctrl-C once the first shard is written (a kill point, not a timer: the run cannot finish first;
+    # the kill point also receives it as from a terminal when this suite runs with SIGINT ignored)
     env = cpu_env(**kill_env("interrupt:shard=0"))
     interrupted = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     stderr = interrupted.stderr

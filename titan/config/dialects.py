@@ -6,7 +6,9 @@ TOML file and command line to a Translator before it sets any value.
 - Command line: tyro's spellings as torchtitan v0.2.x accepted them (hyphens for underscores,
   ``--section.no-key`` / ``--section.no_key`` for false, ``--key=value``) and the 2024 argparse ones.
 
-Each translated key logs one line, once per load. Two spellings of one setting that disagree in the
+Each translated key logs one line, once per load: the loader runs before logging is set up, so the
+lines are kept on the config (``JobConfig.translations``) and ``log_translations`` logs them once the
+trainer or the dry run has set up its logger. Two spellings of one setting that disagree in the
 same file or command line stop with one line naming both. A key titan does not implement stops with
 "torchtitan key 'X' is not supported by titan: <why>" unless its value is one that does nothing in
 torchtitan either (logged, then ignored). An unknown key in a torchtitan-looking config names the
@@ -98,6 +100,7 @@ class Translator:
         self.titan_keys = titan_keys
         self.hint = ""
         self._logged: set[str] = set()
+        self.lines: list[str] = []  # what each translated key did, logged by log_translations
         self._explicit: set[str] = set()
         self._defaults: dict[str, tuple[str, _Default]] = {}
         self._checks: list[tuple[str, Any, Rule]] = []
@@ -156,7 +159,7 @@ class Translator:
     def _log(self, key: str, line: str) -> None:
         if key not in self._logged:
             self._logged.add(key)
-            logger.info(line)
+            self.lines.append(line)
 
     # ------------------------------------------------------------ errors
     def unknown(self, key: str) -> TitanError:
@@ -183,6 +186,12 @@ class Translator:
                     f" {rule.to} is {have!r})"
                 )
             self._log(key, f"torchtitan key '{key}' = {value!r} equals {rule.to}; accepted")
+
+
+def log_translations(lines: Iterable[str]) -> None:
+    """One INFO line per translated key (``JobConfig.translations``), after init_logger."""
+    for line in lines:
+        logger.info(line)
 
 
 def dialect_hint(keys: Iterable[str], titan_keys: Mapping[str, Any]) -> str:

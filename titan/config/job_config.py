@@ -75,6 +75,9 @@ class JobConfig:
     # Where each option was set ('section.key' -> "file:line", "command line", "environment"; an
     # option not in it has its default), filled by load_config. Not annotated: not an option.
     sources = MappingProxyType({})
+    # One line per torchtitan key or value the loader translated, logged once logging is set up
+    # (titan.config.dialects.log_translations). Not annotated: not an option.
+    translations = tuple[str, ...]()
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 
     def validate(self) -> None:

@@ -334,6 +334,7 @@ def load_config(argv: list[str] | None = None, *, env: dict[str, str] | None = N
     if config_file:
         sources["job.config_file"] = "command line"
     config.sources = MappingProxyType(sources)
+    config.translations = tuple(translator.lines)
     config.validate()
     return config
 

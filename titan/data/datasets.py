@@ -319,7 +319,7 @@ def check_dataset(
     build_source."""
     mirror = _reads_hub_mirror(dataset, dataset_path, config, split, section)
     if mirror:
-        resolve_files(str(Path(dataset_path).expanduser()), config, split, section, remote=False)
+        resolve_files(str(Path(dataset_path).expanduser()), config, split, section, remote=False, log=False)
     elif dataset_path or (dataset not in DATASETS and not is_hub_id(dataset) and _looks_like_path(dataset)):
         path = dataset_path or dataset
         if not Path(path).expanduser().exists():
@@ -328,7 +328,7 @@ def check_dataset(
         if dataset in ("c4", "c4_validation"):
             c4_files(path, "train" if dataset == "c4" else "validation")
     elif streams_from_hub(dataset):
-        resolve_files(dataset, config, split, section, remote=True)
+        resolve_files(dataset, config, split, section, remote=True, log=False)
     elif dataset not in DATASETS:
         raise TitanError(
             f"unknown dataset {dataset!r} ({section}.dataset); valid: {sorted(DATASETS)}, a hub dataset id "

@@ -122,7 +122,9 @@ def _config_names(where: str) -> list[str]:
         return []
 
 
-def resolve_files(where: str, config: str, split: str, section: str, *, remote: bool) -> tuple[str, list[str]]:
+def resolve_files(
+    where: str, config: str, split: str, section: str, *, remote: bool, log: bool = True
+) -> tuple[str, list[str]]:
     """(config name, data files of ``split``) of the hub dataset ``where`` (an id when ``remote``,
     else a mirror folder). Each bad value fails with one line naming the key and the valid ones."""
     import datasets
@@ -170,5 +172,6 @@ def resolve_files(where: str, config: str, split: str, section: str, *, remote: 
             f"{label}, config {name!r}, split {split!r} has no data files: the files its card's configs list are"
             " not there (a mirror made with hf download --include of other paths?)"
         )
-    logger.info(f"dataset {where} (config {name}, split {split}): {len(files)} data file(s)")
+    if log:  # the check before the build asks too: the build's lookup is the one logged
+        logger.info(f"dataset {where} (config {name}, split {split}): {len(files)} data file(s)")
     return name, files

@@ -20,10 +20,8 @@ shards, and torchft's process group joins rank r of every group.
 from __future__ import annotations
 
 import os
-import socket
 import time
-import urllib.parse
-from collections.abc import Mapping
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol, cast
@@ -36,14 +34,13 @@ from torch.distributed.tensor import DTensor
 from titan.config.sections.fault_tolerance import FaultTolerance
 from titan.errors import TitanError
 from titan.ft.data_position import DataPosition
+from titan.ft.preflight import lighthouse_address
 from titan.ft.semi_sync import SemiSync
+from titan.ft.torchft_log import route_torchft_logs
 from titan.ft.transfer import like, to_local
 from titan.log import logger
 
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 REPLICA_PREFIX = "titan_replica_"
-# How long the first contact with the lighthouse may take before "unreachable" (it may be starting).
-CONNECT_WAIT_S = 15.0
 
 
 class Stateful(Protocol):
@@ -64,35 +61,6 @@ class ReplicaRecord:
     sync_failed: int = 0  # ... and failed (the fragment went back to its last global weights)
 
 
-def lighthouse_address(env: Mapping[str, str] | None = None, wait_s: float = CONNECT_WAIT_S) -> str:
-    """The lighthouse URL (TORCHFT_LIGHTHOUSE), checked to answer: one line if it is not set or
-    nobody listens there, before any model is built or step trained."""
-    env = os.environ if env is None else env
-    url = env.get(LIGHTHOUSE_ENV, "")
-    if not url:
-        raise TitanError(
-            f"fault_tolerance.enable needs the lighthouse address in {LIGHTHOUSE_ENV} (e.g. http://host:29510);"
-            " start one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510`"
-            " (run_train.sh and multinode_trainer.slurm with REPLICA_GROUPS start it for you)"
-        )
-    parsed = urllib.parse.urlparse(url)
-    host, port = parsed.hostname, parsed.port
-    if not host or not port:
-        raise TitanError(f"{LIGHTHOUSE_ENV}={url!r} is not a lighthouse address; valid: http://host:port")
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=2.0).close()
-            return url
-        except OSError as e:
-            if time.monotonic() > deadline:
-                raise TitanError(
-                    f"the torchft lighthouse at {url} ({LIGHTHOUSE_ENV}) is unreachable ({e.strerror or e});"
-                    " start it with `torchft_lighthouse --min_replicas 1 --bind [::]:{port}` or fix the address"
-                ) from None
-            time.sleep(0.5)
-
-
 class ReplicaGroups:
     """One replica group's seat in torchft's quorum. ``states`` are the Stateful objects a healing
     group takes from its peer (model, optimizer, LR schedulers, train state: everything but the data
@@ -105,10 +73,20 @@ class ReplicaGroups:
         rank_states: dict[str, Any],
         device: torch.device,
         data: DataPosition | None = None,
+        log_folder: str = "",
+        rank: int = 0,
     ):
-        import torchft  # the titan[ft] extra; checked with one line by join_replica_groups
+        # torchft's own lines go to a file in the dump folder, set up before torchft is imported
+        # (its Rust logger reads its level then).
+        self.log_path = route_torchft_logs(log_folder, cfg.replica_id, rank) if log_folder else ""
+        # A peer's state arrives as read-only bytes that torch wraps without copying; it is only
+        # read (load_state_dict copies it into this group's tensors), so torch's warning says nothing.
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning, "torch.distributed")
+        import torchft  # the titan[ft] extra; checked with one line by check_torchft
 
         self.cfg, self.states, self.device, self.data = cfg, dict(states), device, data
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self.resumed = False  # from this group's own checkpoint (after_load)
         self.record = ReplicaRecord()
         self.committed = True
         self._params: list[torch.nn.Parameter] = []
@@ -157,9 +135,10 @@ class ReplicaGroups:
             self.semi_sync = SemiSync(cfg, self.manager, parts[0], optimizers[0])
             self._count_syncs()
             rank_states["semi_sync"] = self.semi_sync  # each rank's shards of the outer state
+        logs = f"; torchft's log: {self.log_path}" if self.log_path else ""
         logger.info(
             f"replica group {cfg.replica_id} of {cfg.groups} joined the lighthouse at {url}"
-            f" (min_replica_size {cfg.min_replica_size}, {backend} between groups)"
+            f" (min_replica_size {cfg.min_replica_size}, {backend} between groups{logs})"
         )
 
     def _count_syncs(self) -> None:
@@ -197,7 +176,11 @@ class ReplicaGroups:
                 p.grad = g
         self.record.heals += 1
         self.record.heal_seconds += time.perf_counter() - t0
-        logger.info(f"replica group {self.cfg.replica_id} healed from a live peer at step {self._train_step}")
+        again = f" (restart {self.restart})" if self.restart else ""
+        logger.info(
+            f"replica group {self.cfg.replica_id}{again} healed from a live peer at step {self._train_step}:"
+            " the peer's weights, optimizer and lr schedule; training goes on from there"
+        )
 
     @property
     def _train_step(self) -> int:
@@ -215,13 +198,20 @@ class ReplicaGroups:
             if first:
                 self.manager.wait_quorum()
 
-    def check_quorum(self, replica_ids: list[str]) -> None:
+    def check_quorum(self, replica_ids: list[str], heal: bool = False) -> None:
         """This process's first quorum (``replica_ids``: torchft's ``<id>:<random suffix>``): a
         second member under this group's id is another live group launched with the same
-        fault_tolerance.replica_id (a dead one is not in a quorum)."""
+        fault_tolerance.replica_id (a dead one is not in a quorum). A restarted group that does
+        not ``heal`` (no live peer is ahead of it) says where it goes on from."""
         if not self._first_quorum:
             return
         self._first_quorum = False
+        if self.restart and not heal:
+            where = "its own checkpoint" if self.resumed else "scratch (no checkpoint of its own)"
+            logger.info(
+                f"replica group {self.cfg.replica_id} (restart {self.restart}): no live peer is ahead of it;"
+                f" it trains on from {where} at step {self._train_step + 1}"
+            )
         mine = f"{REPLICA_PREFIX}{self.cfg.replica_id}:"
         same = [r for r in replica_ids if r.startswith(mine)]
         if len(same) > 1:
@@ -270,13 +260,13 @@ class ReplicaGroups:
     def after_load(self, checkpointer: Any) -> None:
         """After the group's own checkpoint (if any) was loaded: its data reads on from its last
         step when that is newer (a restart)."""
+        self.resumed = checkpointer.start.found is not None
         if self.data is None:
             return
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
         ckpt = checkpointer.cfg
         self.data.restore(
             self._train_step,
-            resumed=checkpointer.start.found is not None or restarted,
+            resumed=self.resumed or self.restart > 0,
             load_step=ckpt.load_step,
             excluded="dataloader" in ckpt.exclude_from_loading,
         )
@@ -304,7 +294,7 @@ class FirstQuorumCheck:
 
     def _quorum(self, **kwargs: Any) -> Any:
         quorum = self._client._quorum(**kwargs)
-        self._group.check_quorum(list(quorum.replica_ids))
+        self._group.check_quorum(list(quorum.replica_ids), heal=bool(quorum.heal))
         return quorum
 
 
@@ -328,18 +318,15 @@ Replicas = ReplicaGroups | NoReplicaGroups
 
 
 def join_replica_groups(
-    cfg: FaultTolerance, checkpointer: Any, device: torch.device
+    cfg: FaultTolerance, checkpointer: Any, device: torch.device, log_folder: str = ""
 ) -> ReplicaGroups | NoReplicaGroups:
     """This process's replica group (or none without fault_tolerance.enable). ``checkpointer``: the
     checkpoint manager, whose Stateful objects (``states``, ``rank_states``) a healing group takes
-    from its peer; the group's own torchft record and semi-synchronous state are added to them."""
+    from its peer; the group's own torchft record and semi-synchronous state are added to them.
+    ``log_folder``: where torchft's own log lines go (the job's dump folder). torchft and the
+    lighthouse were checked by check_torchft (titan/ft/preflight.py) before anything was built."""
     if not cfg.enable:
         return NoReplicaGroups()
-    try:
-        import torchft  # noqa: F401
-    except ImportError:
-        raise TitanError(
-            "fault_tolerance.enable needs torchft: pip install 'titan[ft]' (or pip install torchft)"
-        ) from None
     data = DataPosition(checkpointer.root, checkpointer.rank, checkpointer.rank_states["dataloader"])
-    return ReplicaGroups(cfg, checkpointer.states, checkpointer.rank_states, device, data)
+    rank = checkpointer.rank
+    return ReplicaGroups(cfg, checkpointer.states, checkpointer.rank_states, device, data, log_folder, rank)

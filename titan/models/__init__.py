@@ -231,3 +231,9 @@ def model_args_from_config(spec: ModelSpec, model_config: Any) -> Any:
         given = ", ".join(f"model.{k} = {v}" for k, v in overrides.items())
         raise TitanError(f"{e} (flavor {model_config.flavor!r} with {given})") from None
     return args
+
+
+def model_names() -> list[str]:
+    """The registered families' ``model.name`` values (the shipped ones first, then those added
+    with register_model_spec): what a tool that covers every family loops over."""
+    return list(_REGISTRY.specs())

@@ -40,7 +40,7 @@ def _set_env(name: str, value: str, *, nccl: bool) -> None:
 
 
 def set_comm_env(m: Comm, dump_folder: str, *, nccl: bool | None = None) -> dict[str, str]:
-    """Set the TORCH_NCCL_* variables for the flight recorder; returns what was set.
+    """Set the variables for the flight recorder (TORCH_FR_*, TORCH_NCCL_*); returns what was set.
 
     ``nccl``: whether this run's process group uses NCCL (None: whether CUDA is available). The
     variables are set either way (unused by gloo), but replacing a value someone chose is only
@@ -49,7 +49,11 @@ def set_comm_env(m: Comm, dump_folder: str, *, nccl: bool | None = None) -> dict
     if nccl is None:
         nccl = torch.cuda.is_available()
     env = {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(m.trace_buf_size),
+        # The flight recorder's size under the name torch reads now: its old name
+        # TORCH_NCCL_TRACE_BUFFER_SIZE still works but makes every process group print a
+        # deprecation warning (torch/csrc/distributed/c10d/FlightRecorder.hpp reads
+        # {TORCH_FR_BUFFER_SIZE, TORCH_NCCL_TRACE_BUFFER_SIZE}, the first name winning).
+        "TORCH_FR_BUFFER_SIZE": str(m.trace_buf_size),
         # The recorder only dumps when the watchdog does not tear the process down first:
         # mode 3 = skip cleanup (pytorch/pytorch#121055), used whether or not the recorder is on
         # so that behaviour does not change with the buffer size.

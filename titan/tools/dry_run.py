@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from titan.config.dialects import log_translations
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.log import init_logger
@@ -295,6 +296,8 @@ def format_report(report: DryRunReport, config: JobConfig) -> str:
 
 def main(config: JobConfig) -> int:
     """Print the plan; exit status 1 when the shards do not add up to the model."""
+    init_logger(0)
+    log_translations(config.translations)
     report = run_dry_run(config)
     print(format_report(report, config), flush=True)
     return 0 if report.ok else 1

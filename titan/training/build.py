@@ -111,7 +111,8 @@ def build_optimizers_and_schedulers(config: JobConfig, parts: list[nn.Module], d
     optimizers: OptimizersContainer = build_optimizers(parts, config.optimizer, container)
     register_float8_precompute(optimizers, parts, config.float8, dims.fsdp_enabled)
     register_moe_balancing(optimizers, parts, dims)
-    return optimizers, build_lr_schedulers(optimizers, config.lr_scheduler, config.training.steps)
+    schedulers = build_lr_schedulers(optimizers, config.lr_scheduler, config.training.steps, config.sources)
+    return optimizers, schedulers
 
 
 def build_loader(

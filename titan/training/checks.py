@@ -22,7 +22,7 @@ import copy
 import logging
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from titan.config import JobConfig, load_config
 from titan.errors import TitanError
@@ -79,14 +79,21 @@ def check_job(
     *,
     data_here: bool = True,
     once: bool = True,
+    lighthouse: Literal["required", "if_set", "skip"] = "if_set",
 ) -> RunPlan | None:
     """Raise TitanError (one line) for the first problem found before any process group; return the
     run plan (None without ``world_size``: the checks that need the layout are skipped).
 
     ``data_here`` False (the dry run, away from the cluster's files): the tokenizer may be missing,
     data, hub and checkpoint files are not looked at. ``once`` False (a rank whose launcher ran this
-    already): the checks that only read the hub or the checkpoint folders are skipped."""
+    already): the checks that only read the hub or the checkpoint folders are skipped.
+    ``lighthouse``: how the torchft lighthouse of replica groups is checked (titan.ft.preflight):
+    "required" on the ranks, "if_set" in a launcher that starts its own, "skip" in the dry run."""
+    from titan.ft.preflight import CONNECT_WAIT_S, QUICK_WAIT_S, check_torchft
     from titan.training.plan import check_run, plan_model, plan_run
+
+    wait_s = CONNECT_WAIT_S if lighthouse == "required" else QUICK_WAIT_S
+    check_torchft(config, lighthouse="skip" if not data_here else lighthouse, wait_s=wait_s)
 
     if world_size is None:
         spec, model_args, tokenizer = plan_model(config, data_here=data_here)

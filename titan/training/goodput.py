@@ -110,7 +110,8 @@ class GoodputRecorder:
         attempts = read_attempts(self.path)
         prev = attempts[-1] if attempts else None
         continuing = restart > 0 and prev is not None and prev.get("launch") == self.launch
-        if restart > 0 and not config.checkpoint.enable:
+        # A restarted replica group says itself where it goes on from (a peer, or its own start).
+        if restart > 0 and not config.checkpoint.enable and not config.fault_tolerance.enable:
             logger.warning(
                 f"restart {restart} of the ranks without checkpoint.enable: training starts again"
                 " from step 0 (every step so far is recomputed)"

@@ -16,15 +16,19 @@ does not run at exactly min_lr):
 D = round(N * decay_ratio) when decay_ratio is set (WSD), else N - W. Past the plan (training.steps
 > total_steps) p stays at 1, so the lr stays at min_lr (torchtitan lets p grow past 1 there).
 
-Inconsistent lengths are clamped with a warning rather than refused: overriding
-``--training.steps`` for a short smoke test of a big config (warmup 200, steps 10) is common and
-the clamped schedule is still well defined. Warmup is clamped to N, then decay to N - warmup.
+Inconsistent lengths are clamped rather than refused: overriding ``--training.steps`` for a short
+smoke test of a big config (warmup 200, steps 10) is common and the clamped schedule is still well
+defined. Warmup is clamped to N, then decay to N - warmup. Each clamp logs one line: a WARNING when
+it overrides a count the user set (``lr_scheduler.warmup_steps`` in a config file or on the command
+line), INFO otherwise (the default warmup; the decay, a ratio of the run's length, shrinking in a
+short run) so that a healthy short run prints no warning.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Collection
 from typing import Any
 
 from torch.optim.lr_scheduler import LambdaLR
@@ -69,23 +73,23 @@ def lr_factor(
     return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 
-def resolve_schedule(cfg: LRSchedulerConfig, training_steps: int) -> dict[str, Any]:
-    """lr_factor's keyword arguments for a validated [lr_scheduler] section (LRScheduler.validate)."""
+def resolve_schedule(cfg: LRSchedulerConfig, training_steps: int, explicit: Collection[str] = ()) -> dict[str, Any]:
+    """lr_factor's keyword arguments for a validated [lr_scheduler] section (LRScheduler.validate).
+    ``explicit``: the config keys a source set (JobConfig.sources): clamping one of them warns."""
     plan = "training.steps"
     if cfg.total_steps is not None:
         training_steps, plan = cfg.total_steps, "lr_scheduler.total_steps"
     warmup = cfg.warmup_steps
     if warmup > training_steps:
-        logger.warning(
-            f"lr_scheduler.warmup_steps ({warmup}) > {plan} ({training_steps}); clamping warmup to {training_steps}"
-        )
+        log = logger.warning if "lr_scheduler.warmup_steps" in explicit else logger.info
+        log(f"lr_scheduler.warmup_steps ({warmup}) > {plan} ({training_steps}); clamping warmup to {training_steps}")
         warmup = training_steps
     if cfg.decay_ratio is None:
         decay = training_steps - warmup
     else:
         decay = round(training_steps * cfg.decay_ratio)
         if warmup + decay > training_steps:
-            logger.warning(
+            logger.info(
                 f"lr_scheduler.warmup_steps ({warmup}) + decay steps ({decay} = "
                 f"round({training_steps} * decay_ratio {cfg.decay_ratio})) > {plan} "
                 f"({training_steps}); clamping decay to {training_steps - warmup} steps"
@@ -121,6 +125,13 @@ class LRSchedulersContainer:
         """The lr the next optimizer step will use (first param group; all parts agree)."""
         return float(self.schedulers[0].get_last_lr()[0])
 
+    def last_step_lr(self) -> float:
+        """The lr the optimizer step just taken used: what is logged with that step, as torchtitan
+        logs it (get_last_lr, read after the scheduler stepped, is already the next step's). Before
+        any step: the first step's lr."""
+        sched = self.schedulers[0]
+        return float(sched.base_lrs[0] * sched.lr_lambdas[0](max(sched.last_epoch - 1, 0)))
+
     def state_dict(self) -> dict[str, Any]:
         # lr_lambdas is dropped: the lambda is rebuilt from the config, and its (empty) state
         # would only be a fragile nested entry in the checkpoint.
@@ -140,7 +151,8 @@ class LRSchedulersContainer:
 
 
 def build_lr_schedulers(
-    optimizers: OptimizersContainer, cfg: LRSchedulerConfig, training_steps: int
+    optimizers: OptimizersContainer, cfg: LRSchedulerConfig, training_steps: int, explicit: Collection[str] = ()
 ) -> LRSchedulersContainer:
-    """Schedulers for every optimizer in ``optimizers``; sets each lr to the step-1 value."""
-    return LRSchedulersContainer(optimizers, resolve_schedule(cfg, training_steps))
+    """Schedulers for every optimizer in ``optimizers``; sets each lr to the step-1 value.
+    ``explicit``: as resolve_schedule's."""
+    return LRSchedulersContainer(optimizers, resolve_schedule(cfg, training_steps, explicit))

@@ -15,6 +15,7 @@ from titan.checkpointing.manager import CheckpointManager
 from titan.checkpointing.model_settings import settle as settle_model_settings
 from titan.checkpointing.resume import prepare_run
 from titan.checkpointing.states import ModelParts, RNGState, TrainState
+from titan.config.dialects import log_translations
 from titan.config.job_config import JobConfig
 from titan.config.manager import to_dict
 from titan.config.output import save_config
@@ -50,12 +51,13 @@ class Trainer:
         self.config = config
         self.rank, local_rank, world_size = world_info()
         init_logger(self.rank)
+        log_translations(config.translations)  # the torchtitan keys the loader translated
         t = config.training
 
         # Everything that can be checked without a process group or a model, first (the device type
         # is asked without touching the device); what titan's launcher already read is not read again.
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        plan = check_job(config, world_size, device_type, once=not checked_by_launcher())
+        plan = check_job(config, world_size, device_type, once=not checked_by_launcher(), lighthouse="required")
         assert plan is not None  # a world size was given
         self.plan = plan
         self.parallel_dims, self.grad_accum_steps = self.plan.parallel_dims, self.plan.grad_accum_steps
@@ -173,7 +175,8 @@ class Trainer:
         )
         # Every save first reads the non-finite record: a stopped run writes no checkpoint after a NaN.
         self.checkpointer.before_save = self.stability.resolve
-        self.replicas = join_replica_groups(config.fault_tolerance, self.checkpointer, self.device)
+        ft, dump = config.fault_tolerance, config.job.dump_folder
+        self.replicas = join_replica_groups(ft, self.checkpointer, self.device, log_folder=dump)
         self.checkpointer.load()
         self.replicas.after_load(self.checkpointer)  # a restarted group's data reads on from its last step
         self.goodput = GoodputRecorder(config, rank=self.rank, step=self.step, metrics=self.metrics)
@@ -363,7 +366,7 @@ class Trainer:
                     self.step,
                     loss=values.loss,
                     grad_norm=values.grad_norm,
-                    lr=self.lr_schedulers.get_last_lr(),
+                    lr=self.lr_schedulers.last_step_lr(),  # the rate this step used
                     extra={**values.extra, **self.stability.console()},
                     extra_scalars={**self.stability.scalars(), **self.dataloader.scalars()},
                 )

@@ -12,6 +12,7 @@ import pytest
 
 from titan.config import load_config, to_dict
 from titan.config.dialect_rules import RULES
+from titan.config.dialects import log_translations
 from titan.errors import TitanError
 
 REPO = Path(__file__).resolve().parents[3]
@@ -523,13 +524,23 @@ def test_cli_spellings_equal_native(argv: list[str], native: list[str]) -> None:
 
 def test_each_translation_logs_once_naming_titans_key(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "c.toml"
-    path.write_text("[training]\ncompile = true\n[job]\nprint_args = true\n")
+    path.write_text('[training]\ncompile = true\ndataset = "c4_test"\n[job]\nprint_args = true\n')
     with caplog.at_level(logging.INFO, logger="titan"):
-        load_config(["--job.config_file", str(path), "--training.compile", "true"])
-    lines = [r.getMessage() for r in caplog.records]
+        config = load_config(["--job.config_file", str(path), "--training.compile", "true"])
+    # Loading logs nothing (logging is not set up yet): the lines wait on the config ...
+    assert not caplog.records
+    lines = list(config.translations)
     compile_lines = [line for line in lines if "'training.compile'" in line]
     assert compile_lines == ["torchtitan key 'training.compile' = True -> titan key compile.enable = True"]
     assert sum("'job.print_args'" in line and "job.print_config" in line for line in lines) == 1
+    assert "torchtitan key 'training.dataset' = 'c4_test' -> titan key training.dataset = 'pydoc'" in lines
+    assert config.training.dataset == "pydoc"
+    # ... until the trainer or the dry run has its logger: one INFO record each.
+    with caplog.at_level(logging.INFO, logger="titan"):
+        log_translations(config.translations)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("INFO", line) for line in lines]
+    # A titan config translates nothing.
+    assert load_config(["--training.steps", "3"]).translations == ()
 
 
 @pytest.mark.parametrize(

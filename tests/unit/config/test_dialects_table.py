@@ -3,7 +3,6 @@ refusals say exactly that, and torchtitan's command-line spellings (tyro's, argp
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -44,22 +43,22 @@ def test_refused_key_with_an_effect_stops_with_its_reason(tmp_path: Path, key: s
 @pytest.mark.parametrize(
     "key", sorted(k for k, r in RULES.items() if r.refused and (r.neutral or r.any_value_is_neutral))
 )
-def test_neutral_values_are_accepted_with_a_note(tmp_path: Path, key: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_neutral_values_are_accepted_with_a_note(tmp_path: Path, key: str) -> None:
     rule = RULES[key]
     value = rule.neutral[0] if rule.neutral else 3
     section, _, name = key.rpartition(".")
     text = f"[{section}]\n{name} = {_toml(value)}\n" if value is not None else f"[{section}]\n"
     path = tmp_path / "c.toml"
     path.write_text(text)
-    with caplog.at_level(logging.INFO, logger="titan"):
-        config = load_config(["--job.config_file", str(path)])
+    config = load_config(["--job.config_file", str(path)])
     empty = tmp_path / "empty.toml"
     empty.write_text("")
     got, plain = to_dict(config), to_dict(load_config(["--job.config_file", str(empty)]))
     got["job"].pop("config_file"), plain["job"].pop("config_file")
     assert got == plain
     if value is not None:
-        assert f"torchtitan key '{key}' = {value!r} does nothing in titan ({rule.why}); ignored" in caplog.text
+        # the note waits on the config for the run's logger (titan.config.dialects.log_translations)
+        assert f"torchtitan key '{key}' = {value!r} does nothing in titan ({rule.why}); ignored" in config.translations
 
 
 def _toml(value: object) -> str:

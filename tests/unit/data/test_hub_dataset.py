@@ -239,3 +239,12 @@ def test_a_mirror_path_reads_the_default_config_and_a_plain_folder_stays_plain(m
         (plain / p.name).write_bytes(p.read_bytes())
     assert build_source("pydoc", str(plain)).num_shards == 2
     assert Path(build_source("pydoc", str(plain)).name) == plain
+
+
+def test_the_files_are_logged_once_per_run(mirror, caplog):
+    # The check before the build and the build both look the files up: one line says how many.
+    with caplog.at_level("INFO", logger="titan"):
+        check_dataset(FINEWEB, str(mirror.root), "sample-10BT", "")
+        build_source(FINEWEB, str(mirror.root), "text", config="sample-10BT")
+    lines = [r.getMessage() for r in caplog.records if "data file(s)" in r.getMessage()]
+    assert len(lines) == 1 and "(config sample-10BT, split train)" in lines[0], lines

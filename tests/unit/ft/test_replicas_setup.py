@@ -10,7 +10,7 @@ import pytest
 from tests.helpers.tiny import build
 from titan.config.sections.fault_tolerance import FaultTolerance
 from titan.errors import TitanError
-from titan.ft.replicas import lighthouse_address
+from titan.ft.preflight import lighthouse_address
 from titan.ft.semi_sync import fragment_fqns, split_fragments
 
 
@@ -56,3 +56,43 @@ def test_fragments_cover_the_model_once_in_order() -> None:
     bad = FaultTolerance(enable=True, semi_sync_method="diloco", module_fqns_per_model_fragment=[["layers.99"]])
     with pytest.raises(TitanError, match="names 'layers.99', which is not a module of the model"):
         split_fragments(model, bad)
+
+
+class _TrainState:
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+
+def _restarted_group(resumed: bool, step: int):
+    from titan.ft.replicas import ReplicaGroups
+
+    group = object.__new__(ReplicaGroups)  # the first-quorum logic alone, without torchft's manager
+    group.cfg = FaultTolerance(enable=True, group_size=2, replica_id=1)
+    group.states = {"train_state": _TrainState(step)}
+    group.restart, group.resumed, group._first_quorum, group.url = 1, resumed, True, "http://lh:1"
+    return group
+
+
+@pytest.mark.parametrize(
+    "resumed, step, line",
+    [
+        (True, 20, "it trains on from its own checkpoint at step 21"),
+        (False, 0, "it trains on from scratch (no checkpoint of its own) at step 1"),
+    ],
+)
+def test_a_restarted_group_says_where_it_goes_on_from(caplog, resumed: bool, step: int, line: str) -> None:
+    group = _restarted_group(resumed, step)
+    with caplog.at_level("INFO", logger="titan"):
+        group.check_quorum(["titan_replica_1:a", "titan_replica_0:b"], heal=False)
+        group.check_quorum(["titan_replica_1:a", "titan_replica_0:b"], heal=False)  # first quorum only
+    assert [r.getMessage() for r in caplog.records] == [
+        f"replica group 1 (restart 1): no live peer is ahead of it; {line}"
+    ]
+    # A group that heals says so when the peer's state is loaded, not here.
+    caplog.clear()
+    with caplog.at_level("INFO", logger="titan"):
+        _restarted_group(resumed, step).check_quorum(["titan_replica_1:a", "titan_replica_0:b"], heal=True)
+    assert not caplog.records

@@ -12,6 +12,7 @@ from titan.parallel.comm import set_comm_env
 @pytest.fixture
 def clean_env(monkeypatch):
     for name in (
+        "TORCH_FR_BUFFER_SIZE",
         "TORCH_NCCL_TRACE_BUFFER_SIZE",
         "TORCH_NCCL_DUMP_ON_TIMEOUT",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
@@ -24,7 +25,8 @@ def test_flight_recorder_env(tmp_path, clean_env, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     c = load_config(["--job.dump_folder", str(tmp_path), "--comm.trace_buf_size", "500"])
     set_comm_env(c.comm, c.job.dump_folder)
-    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"
+    # the name torch reads now; the deprecated one (a warning from every process group) is not set
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "500" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "comm_traces" / "rank_")
     assert (tmp_path / "comm_traces").is_dir()
@@ -33,7 +35,7 @@ def test_flight_recorder_env(tmp_path, clean_env, monkeypatch):
 def test_flight_recorder_off(tmp_path, clean_env):
     c = load_config(["--job.dump_folder", str(tmp_path), "--comm.trace_buf_size", "0"])
     set_comm_env(c.comm, c.job.dump_folder)
-    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0"
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "0"
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ
     assert not (tmp_path / "comm_traces").exists()
 

@@ -223,3 +223,17 @@ def test_validation_with_context_parallel_plans():
             )
         )
     assert not dist.is_initialized()
+
+
+def test_dry_run_logs_each_torchtitan_translation_once(caplog, capsys):
+    from titan.tools.dry_run import main
+
+    config = _config("debug_model.toml", 2, "--training.compile", "false", "--training.dataset", "c4_test")
+    with caplog.at_level("INFO", logger="titan"):
+        assert main(config) == 0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("torchtitan key")]
+    assert lines == [
+        "torchtitan key 'training.compile' = 'false' -> titan key compile.enable = 'false'",
+        "torchtitan key 'training.dataset' = 'c4_test' -> titan key training.dataset = 'pydoc'",
+    ]
+    assert "dry run: llama3 debugmodel on 2 ranks" in capsys.readouterr().out

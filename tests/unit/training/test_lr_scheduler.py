@@ -2,12 +2,14 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from titan.config import load_config
 from titan.config.job_config import LRScheduler as LRSchedulerConfig
 from titan.config.job_config import Optimizer as OptimizerConfig
 from titan.errors import TitanError
@@ -15,6 +17,7 @@ from titan.training.lr_scheduler import build_lr_schedulers, lr_factor, resolve_
 from titan.training.optim import build_optimizers
 
 PEAK = 1e-3
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _lrs(cfg: LRSchedulerConfig, steps: int, n_parts: int = 1, extra: int = 0) -> list[float]:
@@ -26,9 +29,12 @@ def _lrs(cfg: LRSchedulerConfig, steps: int, n_parts: int = 1, extra: int = 0) -
     for _ in range(steps + extra):
         lrs = {g["lr"] for o in opt for g in o.param_groups}
         assert len(lrs) == 1 and lrs.pop() == pytest.approx(sched.get_last_lr(), abs=0)
-        out.append(sched.get_last_lr() / PEAK)
+        used = sched.get_last_lr()
+        out.append(used / PEAK)
         opt.step()
         sched.step()
+        # What the trainer logs with the step: the rate it used, not the next step's.
+        assert sched.last_step_lr() == used
     return out
 
 
@@ -75,16 +81,44 @@ def test_all_parts_follow_one_schedule() -> None:
     assert _lrs(cfg, 10, n_parts=3) == _lrs(cfg, 10, n_parts=1)
 
 
-def test_clamping_warns(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="titan"):
-        sched = resolve_schedule(LRSchedulerConfig(warmup_steps=20), 10)
+def test_clamping_warns_only_over_an_explicit_setting(caplog: pytest.LogCaptureFixture) -> None:
+    # warmup_steps set by the user (a config file, the command line) and overridden: a WARNING
+    with caplog.at_level(logging.INFO, logger="titan"):
+        sched = resolve_schedule(LRSchedulerConfig(warmup_steps=20), 10, {"lr_scheduler.warmup_steps": "cli"})
     assert sched["warmup_steps"] == 10 and sched["decay_steps"] == 0
-    assert "lr_scheduler.warmup_steps (20) > training.steps (10)" in caplog.text
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "lr_scheduler.warmup_steps (20) > training.steps (10); clamping warmup to 10")
+    ]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="titan"):
-        sched = resolve_schedule(LRSchedulerConfig(warmup_steps=2, decay_ratio=0.9), 10)
+    # the default warmup in a short run: INFO
+    with caplog.at_level(logging.INFO, logger="titan"):
+        resolve_schedule(LRSchedulerConfig(warmup_steps=20), 10)
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    caplog.clear()
+    # the decay (a ratio of the run's length) shrinking in a short run: INFO, even when set
+    with caplog.at_level(logging.INFO, logger="titan"):
+        explicit = {"lr_scheduler.warmup_steps": "f.toml:2", "lr_scheduler.decay_ratio": "f.toml:3"}
+        sched = resolve_schedule(LRSchedulerConfig(warmup_steps=2, decay_ratio=0.9), 10, explicit)
     assert (sched["warmup_steps"], sched["stable_steps"], sched["decay_steps"]) == (2, 1, 8)
-    assert "clamping decay to 8 steps" in caplog.text
+    assert [r.levelname for r in caplog.records] == ["INFO"] and "clamping decay to 8 steps" in caplog.text
+
+
+def test_the_logged_lr_is_the_rate_of_the_step() -> None:
+    opt = build_optimizers([nn.Linear(2, 2)], OptimizerConfig(lr=PEAK))
+    sched = build_lr_schedulers(opt, LRSchedulerConfig(warmup_steps=4), 8)
+    assert sched.last_step_lr() == sched.get_last_lr() == PEAK / 4  # before step 1: step 1's
+    opt.step()
+    sched.step()
+    # step 1 ran at 1/4 of the peak (warmup); the next one will run at 2/4
+    assert (sched.last_step_lr(), sched.get_last_lr()) == (PEAK / 4, PEAK * 2 / 4)
+
+
+def test_the_debug_config_cut_short_warns_about_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    # `./run_train.sh --training.steps 20`: the decay of the shipped schedule shrinks (INFO)
+    config = load_config(["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--training.steps", "20"])
+    with caplog.at_level(logging.INFO, logger="titan"):
+        resolve_schedule(config.lr_scheduler, config.training.steps, config.sources)
+    assert [r.levelname for r in caplog.records] == ["INFO"], caplog.text
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ class Comm:
     train_timeout_seconds: int = 100
     """Collective timeout from the second step on (a hang then fails fast)."""
     trace_buf_size: int = 20000
-    """NCCL flight-recorder entries per rank (TORCH_NCCL_TRACE_BUFFER_SIZE); 0 disables it.
+    """NCCL flight-recorder entries per rank (TORCH_FR_BUFFER_SIZE); 0 disables it.
     With > 0 a timeout dumps the recorder to save_traces_folder."""
     save_traces_folder: str = "comm_traces"
     """Flight-recorder dump folder, relative to job.dump_folder (files rank_<r>)."""
