@@ -11,6 +11,7 @@ FSDP-sharded on their own mesh (efsdp), the rest of the block on the dense one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch.nn as nn
@@ -169,10 +170,13 @@ def apply_llama4_fsdp(model: Llama4Transformer, dims: ParallelDims, job_config: 
     )
 
 
-def parallelize_llama4(model: Llama4Transformer, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
+def parallelize_llama4(
+    model: Llama4Transformer, parallel_dims: ParallelDims, job_config: JobConfig, tp_fn: Callable = apply_tp
+) -> nn.Module:
+    """``tp_fn``: the family's TP/SP plan (qwen3's MoE flavors reuse this layout with theirs)."""
     par = job_config.parallelism
     if parallel_dims.tp_enabled:
-        apply_tp(
+        tp_fn(
             model,
             enabled_submesh(parallel_dims, "tp"),
             loss_parallel=parallel_dims.loss_parallel_enabled,
@@ -192,7 +196,7 @@ def parallelize_llama4(model: Llama4Transformer, parallel_dims: ParallelDims, jo
         # The iRoPE block masks and the MoE routing statistics are not split along the sequence.
         raise TitanError(
             f"parallelism.context_parallel_degree = {par.context_parallel_degree} is not supported for"
-            ' model.name = "llama4"; use tensor, expert, data or pipeline parallelism'
+            f' model.name = "{job_config.model.name}" with MoE blocks; use tensor, expert, data or pipeline parallelism'
         )
     apply_ac(model, ac.mode, ac.selective_ac_option)
     if job_config.compile.enable and "model" in job_config.compile.components:
