@@ -228,7 +228,9 @@ def hf_config_to_args(config: dict[str, Any]) -> Qwen3ModelArgs:
     bad_types = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if bad_types:
         raise _refuse("layer_types", bad_types, "valid: full_attention (sliding_attention only without a window)")
-    if window is not None and window < max_pos and "sliding_attention" in layer_types:
+    if "sliding_attention" in layer_types and window is None:
+        raise _refuse("layer_types", layer_types, "sliding_attention layers without use_sliding_window's window")
+    if "sliding_attention" in layer_types and window is not None and window < max_pos:
         raise _refuse("use_sliding_window", True, f"no sliding-window attention (sliding_window {window} < {max_pos})")
     if moe and c.get("output_router_logits"):
         raise _refuse(
