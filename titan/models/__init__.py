@@ -155,9 +155,34 @@ def _deepseek_v3() -> ModelSpec:
     )
 
 
+def _qwen3() -> ModelSpec:
+    from titan.models.llama.parallelize import cp_buffers
+    from titan.models.llama.pipeline import pipeline_llama
+    from titan.models.qwen3 import args as qwen3_args
+    from titan.models.qwen3.model import Qwen3Transformer
+    from titan.models.qwen3.parallelize import apply_tp as qwen3_tp
+    from titan.models.qwen3.parallelize import parallelize_qwen3
+    from titan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    return ModelSpec(
+        "qwen3",
+        Qwen3Transformer,
+        qwen3_args.Qwen3ModelArgs,
+        qwen3_args.qwen3_configs,
+        parallelize_qwen3,
+        qwen3_args.get_nparams_and_flops,
+        pipeline_llama,
+        tensor_parallel_fn=qwen3_tp,
+        cp_buffers_fn=cp_buffers,
+        state_dict_adapter=Qwen3StateDictAdapter,
+    )
+
+
 # The one table that changes at run time: the registry that users and tests add to.
 _REGISTRY = _Registry(
-    MappingProxyType({"llama3": _llama3, "llama4": _llama4, "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss})
+    MappingProxyType(
+        {"llama3": _llama3, "llama4": _llama4, "qwen3": _qwen3, "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss}
+    )
 )
 
 

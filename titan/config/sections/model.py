@@ -14,10 +14,11 @@ SHAPE_OVERRIDES = ("n_layers", "dim", "n_heads", "n_kv_heads")
 @dataclass
 class Model:
     name: str = "llama3"
-    """Model family from the registry in titan/models (currently: llama3, llama4, gpt_oss)."""
+    """Model family from the registry in titan/models (currently: llama3, llama4, qwen3, deepseek_v3, gpt_oss)."""
     flavor: str = "debugmodel"
     """Model size: llama3 debugmodel, 8B, 70B, 405B; llama4 debugmodel, 17bx16e, 17bx128e and their
-    _irope variants; gpt_oss debugmodel, 20b, 120b."""
+    _irope variants; qwen3 debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B, debugmodel_moe, 30B-A3B, 235B-A22B;
+    deepseek_v3 debugmodel, debugmodel_flex_attn, 16B, 236B, 671B; gpt_oss debugmodel, 20b, 120b."""
     tokenizer_path: str = ""
     """Tokenizer file (tiktoken `tokenizer.model`, sentencepiece `.model` or HF `tokenizer.json`).
     Empty: the small tokenizer shipped in titan/data/assets."""

@@ -7,6 +7,8 @@ follows the sequence under CP); titan/parallel supplies the mechanisms.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -114,10 +116,13 @@ def cp_buffers(model: Transformer) -> list[SeqBuffer]:
     return [(model, "freqs_cis", 0)]
 
 
-def parallelize_llama(model: Transformer, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
+def parallelize_llama(
+    model: Transformer, parallel_dims: ParallelDims, job_config: JobConfig, tp_fn: Callable = apply_tp
+) -> nn.Module:
+    """``tp_fn``: the family's TP/SP plan (a family on llama's skeleton passes its own)."""
     par = job_config.parallelism
     if parallel_dims.tp_enabled:
-        apply_tp(
+        tp_fn(
             model,
             enabled_submesh(parallel_dims, "tp"),
             loss_parallel=parallel_dims.loss_parallel_enabled,

@@ -11,6 +11,7 @@ FSDP-sharded on their own mesh (efsdp), the rest of the block on the dense one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch.nn as nn
@@ -174,7 +175,7 @@ def parallelize_llama4(model: Llama4Transformer, parallel_dims: ParallelDims, jo
 
 
 def parallelize_moe_family(
-    model: Any, parallel_dims: ParallelDims, job_config: JobConfig, tp_fn: Any, family: str
+    model: Any, parallel_dims: ParallelDims, job_config: JobConfig, tp_fn: Callable | None, family: str
 ) -> nn.Module:
     """The order above for any family whose blocks are llama4's shape (``attention``,
     ``attention_norm``, ``ffn_norm``, ``moe_enabled`` and ``moe`` or ``feed_forward``); ``tp_fn``
@@ -195,7 +196,7 @@ def parallelize_moe_family(
         # The iRoPE block masks and the MoE routing statistics are not split along the sequence.
         raise TitanError(
             f"parallelism.context_parallel_degree = {par.context_parallel_degree} is not supported for"
-            f' model.name = "{family}"; use tensor, expert, data or pipeline parallelism'
+            f' model.name = "{family}" with MoE blocks; use tensor, expert, data or pipeline parallelism'
         )
     apply_ac(model, ac.mode, ac.selective_ac_option)
     if job_config.compile.enable and "model" in job_config.compile.components:
