@@ -24,35 +24,18 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal
 
-from titan.config import JobConfig, load_config
+from titan.config import JobConfig
 from titan.errors import TitanError
+from titan.training.validation import load_job, validate_job
 
 if TYPE_CHECKING:
     from titan.training.plan import RunPlan
 
+__all__ = ["CHECKED_ENV", "check_checkpoint", "check_job", "checked_by_launcher", "load_job", "validate_job"]
+
 # Set by titan's launcher for its ranks once check_job passed in the launcher for the same argv:
 # the ranks then skip the checks that only read files or the network (nothing checked twice).
 CHECKED_ENV = "TITAN_CONFIG_CHECKED"
-
-
-def validate_job(config: JobConfig) -> None:
-    """Raise TitanError naming the first key that the owning feature rejects."""
-    # Imported here, not at the top: load_job's parse errors (a typo'd flag) then fail before
-    # torch is imported, in milliseconds instead of seconds.
-    from titan.models import get_model_spec, model_args_from_config
-    from titan.parallel.pp import check_schedule_config
-    from titan.training.optim import validate_optimizer_config
-
-    validate_optimizer_config(config.optimizer)
-    check_schedule_config(config.parallelism)
-    model_args_from_config(get_model_spec(config.model.name), config.model)
-
-
-def load_job(argv: list[str] | None = None, *, env: dict[str, str] | None = None) -> JobConfig:
-    """load_config (defaults <- TOML <- CLI, JobConfig.validate), then validate_job."""
-    config = load_config(argv, env=env)
-    validate_job(config)
-    return config
 
 
 @contextlib.contextmanager

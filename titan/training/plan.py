@@ -22,8 +22,8 @@ from titan.parallel.dims import ParallelDims, check_layout
 from titan.parallel.float8 import check_float8_grouped_mm
 from titan.parallel.fsdp import check_cpu_offload
 from titan.parallel.pp import FIRST_MODULES, LAST_MODULES, split_modules
-from titan.training.checks import validate_job
 from titan.training.optim_in_backward import check_step_in_backward
+from titan.training.validation import validate_job
 
 __all__ = ["ModelPlan", "RunPlan", "check_run", "grad_accumulation_steps", "plan_model", "plan_run", "run_model_args"]
 
