@@ -31,6 +31,26 @@ TINY_RUN = [
     "--metrics.disable_color_printing",
 ]
 TINY_CKPT = [*TINY_RUN, "--checkpoint.enable"]
+# The bad-input runs: 2 steps, no metrics files (a rejected run must leave none of its own).
+TINY = [
+    "--job.config_file",
+    str(REPO / "train_configs/debug_model.toml"),
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--metrics.enable_jsonl",
+    "false",
+    "--metrics.disable_color_printing",
+    "--training.steps",
+    "2",
+]
+
+
+def run_args(tmp_path, *extra):
+    return [*TINY, "--job.dump_folder", str(tmp_path), *extra]
 
 
 def trainer(folder: Path, *args: str):

@@ -19,25 +19,11 @@ import torch
 import train
 from tests.helpers.debug_kill import kill_env
 from tests.helpers.distributed import cpu_env
+from tests.helpers.runs import TINY, run_args
 from titan.checkpointing.folders import MARKER
 from titan.errors import TitanError
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = [
-    "--job.config_file",
-    str(REPO / "train_configs/debug_model.toml"),
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--metrics.enable_jsonl",
-    "false",
-    "--metrics.disable_color_printing",
-    "--training.steps",
-    "2",
-]
 
 
 def _main(argv):
@@ -69,10 +55,6 @@ def ok(capsys, argv):
     out = capsys.readouterr()
     assert rc == 0, out.err[-3000:]
     return out.out + out.err
-
-
-def run_args(tmp_path, *extra):
-    return [*TINY, "--job.dump_folder", str(tmp_path), *extra]
 
 
 def dry(*extra):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import cpu_env
-from tests.integration.test_bad_inputs import REPO, TINY, run_args
+from tests.helpers.runs import REPO, TINY, run_args
 
 # ---------------------------------------------------------------- the launch check (no process group)
 # What a launcher checks before any rank starts (titan.training.checks.check_job, the function the

@@ -6,19 +6,16 @@ one world size share one spawned process group; each builds its Trainer in turn.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.parity import GLOBAL_BATCH, VOCAB, batches, config
-from titan.models import get_model_spec, register_flavor, register_model_spec
-from titan.models.llama4.args import Llama4ModelArgs
+from tests.helpers.moe import LLAMA4, eptest_flavor
+from tests.helpers.parity import GLOBAL_BATCH, batches, config
 from titan.models.moe import MoE, MoEArgs
 from titan.training.trainer import Trainer
 
@@ -36,31 +33,10 @@ BF16_RTOL = 2.0**-10
 BF16 = ("--training.mixed_precision_param", "bfloat16")
 BF16_STEPS = 5  # bf16 matmuls are slow on CPU: half the float32 layouts' steps
 TITAN = Path(__file__).resolve().parents[3] / "titan"
-# 4 layers, MoE in layers 1 and 3; 4 experts (EP 1, 2 or 4), top 2, a shared expert, bias balancing on.
-EPTEST = Llama4ModelArgs(
-    dim=64,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    vocab_size=VOCAB,
-    multiple_of=32,
-    moe_args=MoEArgs(num_experts=4, top_k=2, num_shared_experts=1, load_balance_coeff=1e-2),
-)
 MOE_LAYERS = 2
 EP2 = ("--parallelism.expert_parallel_degree", "2")
 SHARD = "--parallelism.data_parallel_shard_degree"
 USE_NEW = ("--checkpoint.config_mismatch", "use_new")  # 4 ranks: another local batch size
-LLAMA4 = ("--model.name", "llama4", "--model.flavor", "eptest")
-
-
-@contextlib.contextmanager
-def eptest_flavor() -> Iterator[None]:
-    saved = get_model_spec("llama4")
-    try:
-        register_flavor("llama4", "eptest", EPTEST, replace=True)
-        yield
-    finally:
-        register_model_spec(saved, replace=True)
 
 
 def _trainer(dump: str, dp: int, *flags: str) -> Trainer:

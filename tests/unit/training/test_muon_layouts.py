@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.moe import LLAMA4, eptest_flavor
 from tests.helpers.parity import FLAVORS, GLOBAL_BATCH, batches, config
 from tests.helpers.tiny import extra_flavors
-from tests.unit.parallel.test_expert_parallel import LLAMA4, eptest_flavor
 from titan.training.muon import Muon
 from titan.training.trainer import Trainer
 
