@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -103,7 +104,8 @@ def _shims(tmp_path: Path, **scripts: str) -> Path:
 def test_run_train_sh_puts_replica_groups_under_the_merged_dump_folder(tmp_path):
     """REPLICA_GROUPS: each group's folder is under the job.dump_folder the ranks will read, here
     set in the TOML file only (a `python` on PATH writes down each launcher's arguments and passes
-    the config check on to Python; TORCHFT_LIGHTHOUSE names a lighthouse: none is started)."""
+    the config check on to Python; TORCHFT_LIGHTHOUSE names a listening port, which the config check
+    connects to: no lighthouse is started)."""
     calls = tmp_path / "calls"
     calls.mkdir()
     record = 'if [ "$1 $2" = "-m titan.launch" ]; then printf "%s\\n" "$@" > "$CALLS/$$"; exit 0; fi'
@@ -119,10 +121,13 @@ def test_run_train_sh_puts_replica_groups_under_the_merged_dump_folder(tmp_path)
         CONFIG_FILE=str(config),
         NGPU="1",
         REPLICA_GROUPS="2",
-        TORCHFT_LIGHTHOUSE="http://localhost:1",
         CUDA_VISIBLE_DEVICES="",
     )
-    out = subprocess.run(["./run_train.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    with socket.socket() as lighthouse:
+        lighthouse.bind(("127.0.0.1", 0))
+        lighthouse.listen()
+        env["TORCHFT_LIGHTHOUSE"] = f"http://127.0.0.1:{lighthouse.getsockname()[1]}"
+        out = subprocess.run(["./run_train.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     launched = sorted(
         (p.read_text().splitlines() for p in calls.iterdir()),

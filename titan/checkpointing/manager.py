@@ -320,10 +320,15 @@ class CheckpointManager:
 
         self.groups.agree(prepare)
         save_model_hf(self.model.parts, out, dtype=DTYPES[self.cfg.export_dtype], record=self.config_record)
-        if self.rank == 0:
+
+        def commit() -> None:
             write_manifest(out)
             write_marker(out, step, model_only=True, world_size=self.world_size, dp_degree=self.dp_degree, fmt="hf")
             prune(self.root, self.cfg.keep_latest_k)
+
+        # Rank 0 commits; every rank returns only once the folder is complete, so whatever runs
+        # next on any rank (a run loading it, a script) finds config.json and the marker.
+        self.groups.agree(commit)
         self.last_saved_step = step
         logger.info(
             f"Hugging Face export of step {step} ({self.cfg.export_dtype}) written to {out} in"
