@@ -27,7 +27,13 @@ import torch
 from titan.errors import TitanError
 from titan.log import logger
 from titan.models.deepseek_v3.args import DeepSeekV3ModelArgs
-from titan.models.llama.state_dict_adapter import _HF_LAYER, _TITAN_LAYER, _TOP_MAP, _TOP_MAP_INV, _cast, hf_rope
+from titan.models.llama.state_dict_adapter import (
+    _HF_LAYER,
+    _TOP_MAP_INV,
+    _cast,
+    hf_rope,
+    layers_to_hf,
+)
 from titan.models.moe import MoEArgs
 
 _LAYER_MAP = MappingProxyType(
@@ -103,31 +109,21 @@ def to_hf(
     state_dict: dict[str, torch.Tensor], model_args: DeepSeekV3ModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """titan state dict (full tensors; a layer's experts.w1 and w3 together) -> HF keys."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        if key in _TOP_MAP:
-            if not (key == "output.weight" and model_args.tie_embeddings):
-                out[_TOP_MAP[key]] = _cast(value, dtype)
-            continue
-        m = _TITAN_LAYER.match(key)
-        if m is None:
-            raise TitanError(f"state dict key {key!r} has no Hugging Face DeepSeek-V3 equivalent")
-        layer, rest = m.groups()
+
+    def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         prefix = f"model.layers.{layer}.mlp.experts"
         if rest == "moe.expert_bias":  # transformers keeps it fp32 whatever the weights' dtype
-            out[f"model.layers.{layer}.{_LAYER_MAP[rest]}"] = value.float()
-        elif rest in _LAYER_MAP:
-            out[f"model.layers.{layer}.{_LAYER_MAP[rest]}"] = _cast(value, dtype)
-        elif rest == "moe.experts.w2":
-            out[f"{prefix}.down_proj"] = _cast(value, dtype)
-        elif rest == "moe.experts.w1":
+            return {f"model.layers.{layer}.{_LAYER_MAP[rest]}": value.float()}
+        if rest == "moe.experts.w2":
+            return {f"{prefix}.down_proj": _cast(value, dtype)}
+        if rest == "moe.experts.w1":
             w3 = state_dict.get(f"layers.{layer}.moe.experts.w3")
             if w3 is None:
                 raise TitanError(f"layers.{layer}.moe.experts.w1 needs its w3 in the same call (HF fuses them)")
-            out[f"{prefix}.gate_up_proj"] = _cast(torch.cat([value, w3], dim=1), dtype)
-        elif rest != "moe.experts.w3":
-            raise TitanError(f"state dict key {key!r} has no Hugging Face DeepSeek-V3 equivalent")
-    return out
+            return {f"{prefix}.gate_up_proj": _cast(torch.cat([value, w3], dim=1), dtype)}
+        return {} if rest == "moe.experts.w3" else None
+
+    return layers_to_hf(state_dict, model_args, dtype, "DeepSeek-V3", _LAYER_MAP, experts)
 
 
 def from_hf(

@@ -19,14 +19,13 @@ from types import MappingProxyType
 import torch
 
 from titan.errors import TitanError
-from titan.log import logger
 from titan.models.llama.state_dict_adapter import (
     _HF_LAYER,
-    _TITAN_LAYER,
-    _TOP_MAP,
     _TOP_MAP_INV,
     _cast,
     args_from_shapes,
+    layers_to_hf,
+    unmapped_routing_bias,
 )
 from titan.models.llama4.args import Llama4ModelArgs
 from titan.models.llama4.hf_config import args_to_hf_config, hf_config_to_args
@@ -56,35 +55,22 @@ def to_hf(
     state_dict: dict[str, torch.Tensor], model_args: Llama4ModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """titan state dict (full tensors; a layer's experts.w1 and w3 together) -> HF keys."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        if key in _TOP_MAP:
-            if not (key == "output.weight" and model_args.tie_embeddings):
-                out[_TOP_MAP[key]] = _cast(value, dtype)
-            continue
-        m = _TITAN_LAYER.match(key)
-        if m is None:
-            raise TitanError(f"state dict key {key!r} has no Hugging Face Llama 4 equivalent")
-        layer, rest = m.groups()
+
+    def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         prefix = f"model.layers.{layer}.feed_forward.experts"
-        if rest in _LAYER_MAP:
-            out[f"model.layers.{layer}.{_LAYER_MAP[rest]}"] = _cast(value, dtype)
-        elif rest == "moe.expert_bias":
-            if bool(value.abs().max() > 0):
-                logger.warning(
-                    f"layers.{layer}.moe.expert_bias is not zero (max |bias| {float(value.abs().max()):.3g}): Hugging"
-                    " Face Llama 4 has no routing bias, so the exported model routes by the router scores alone"
-                )
-        elif rest == "moe.experts.w2":
-            out[f"{prefix}.down_proj"] = _cast(value.transpose(-2, -1), dtype)
-        elif rest == "moe.experts.w1":
+        if rest == "moe.expert_bias":
+            return unmapped_routing_bias(layer, value, "Llama 4", "router scores")
+        if rest == "moe.experts.w2":
+            return {f"{prefix}.down_proj": _cast(value.transpose(-2, -1), dtype)}
+        if rest == "moe.experts.w1":
             w3 = state_dict.get(f"layers.{layer}.moe.experts.w3")
             if w3 is None:
                 raise TitanError(f"layers.{layer}.moe.experts.w1 needs its w3 in the same call (HF fuses them)")
-            out[f"{prefix}.gate_up_proj"] = _cast(torch.cat([value.transpose(-2, -1), w3.transpose(-2, -1)], -1), dtype)
-        elif rest != "moe.experts.w3":
-            raise TitanError(f"state dict key {key!r} has no Hugging Face Llama 4 equivalent")
-    return out
+            fused = torch.cat([value.transpose(-2, -1), w3.transpose(-2, -1)], -1)
+            return {f"{prefix}.gate_up_proj": _cast(fused, dtype)}
+        return {} if rest == "moe.experts.w3" else None
+
+    return layers_to_hf(state_dict, model_args, dtype, "Llama 4", _LAYER_MAP, experts)
 
 
 def from_hf(

@@ -23,15 +23,14 @@ from typing import Any
 import torch
 
 from titan.errors import TitanError
-from titan.log import logger
 from titan.models.llama.state_dict_adapter import (
     _HF_LAYER,
-    _TITAN_LAYER,
-    _TOP_MAP,
     _TOP_MAP_INV,
     _cast,
     args_from_shapes,
     hf_rope_scaling,
+    layers_to_hf,
+    unmapped_routing_bias,
     with_hf_rope_scaling,
 )
 from titan.models.moe import MoEArgs
@@ -110,31 +109,17 @@ def to_hf(
     state_dict: dict[str, torch.Tensor], model_args: Qwen3ModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """titan state dict (full tensors; a layer's experts together) -> HF checkpoint keys."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        if key in _TOP_MAP:
-            if not (key == "output.weight" and model_args.tie_embeddings):
-                out[_TOP_MAP[key]] = _cast(value, dtype)
-            continue
-        m = _TITAN_LAYER.match(key)
-        if m is None:
-            raise TitanError(f"state dict key {key!r} has no Hugging Face Qwen3 equivalent")
-        layer, rest = m.groups()
-        if rest in _LAYER_MAP:
-            out[f"model.layers.{layer}.{_LAYER_MAP[rest]}"] = _cast(value, dtype)
-        elif rest == "moe.expert_bias":
-            if bool(value.abs().max() > 0):
-                logger.warning(
-                    f"layers.{layer}.moe.expert_bias is not zero (max |bias| {float(value.abs().max()):.3g}): Hugging"
-                    " Face Qwen3-MoE has no routing bias, so the exported model routes by the router scores alone"
-                )
-        elif rest.startswith("moe.experts.") and rest.removeprefix("moe.experts.") in _EXPERT_NAMES:
-            name = _EXPERT_NAMES[rest.removeprefix("moe.experts.")]
-            for e in range(value.shape[0]):
-                out[f"model.layers.{layer}.mlp.experts.{e}.{name}.weight"] = _cast(value[e].contiguous(), dtype)
-        else:
-            raise TitanError(f"state dict key {key!r} has no Hugging Face Qwen3 equivalent")
-    return out
+
+    def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if rest == "moe.expert_bias":
+            return unmapped_routing_bias(layer, value, "Qwen3-MoE", "router scores")
+        name = _EXPERT_NAMES.get(rest.removeprefix("moe.experts.")) if rest.startswith("moe.experts.") else None
+        if name is None:
+            return None
+        prefix = f"model.layers.{layer}.mlp.experts"
+        return {f"{prefix}.{e}.{name}.weight": _cast(value[e].contiguous(), dtype) for e in range(value.shape[0])}
+
+    return layers_to_hf(state_dict, model_args, dtype, "Qwen3", _LAYER_MAP, experts)
 
 
 def from_hf(
