@@ -117,6 +117,48 @@ def unmapped_routing_bias(layer: str, value: torch.Tensor, family: str, routes_b
     return {}
 
 
+def layers_from_hf(
+    hf_state_dict: dict[str, torch.Tensor],
+    model_args: Any,
+    dtype: torch.dtype | None,
+    family: str,
+    layer_inv: Mapping[str, str],
+    layer_key: LayerKey | None = None,
+) -> dict[str, torch.Tensor]:
+    """HF -> titan keys for any family on llama's skeleton (``layers_to_hf`` backwards): the derived
+    RoPE buffer skipped, the top-level modules, each block's keys by ``layer_key`` first and
+    ``layer_inv`` next; with tied embeddings output.weight is the embedding tensor itself."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in hf_state_dict.items():
+        if key.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer some exports contain; titan derives it
+        if key in _TOP_MAP_INV:
+            out[_TOP_MAP_INV[key]] = _cast(value, dtype)
+            continue
+        m = _HF_LAYER.match(key)
+        mapped = None
+        if m is not None:
+            layer, rest = m.groups()
+            mapped = layer_key(layer, rest, value) if layer_key is not None else None
+            if mapped is None and rest in layer_inv:
+                mapped = {f"layers.{layer}.{layer_inv[rest]}": _cast(value, dtype)}
+        if mapped is None:
+            raise TitanError(f"Hugging Face key {key!r} is not part of a {family} model titan can load")
+        out.update(mapped)
+    if model_args.tie_embeddings and "tok_embeddings.weight" in out:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def zero_routing_bias(out: dict[str, torch.Tensor], moe_args: Any) -> None:
+    """Add titan's balancing bias, at zero, to each MoE block of an imported state dict whose HF
+    family has none (nothing when balancing is off)."""
+    if moe_args.load_balance_coeff is None:
+        return
+    for layer in {k.split(".")[1] for k in out if ".moe.router." in k}:
+        out[f"layers.{layer}.moe.expert_bias"] = torch.zeros(moe_args.num_experts)
+
+
 def to_hf(
     state_dict: dict[str, torch.Tensor], model_args: TransformerModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
