@@ -27,7 +27,12 @@ import torch
 from titan.errors import TitanError
 from titan.log import logger
 from titan.models.deepseek_v3.args import DeepSeekV3ModelArgs
-from titan.models.llama.state_dict_adapter import _HF_LAYER, _TITAN_LAYER, _TOP_MAP, _TOP_MAP_INV, _cast, hf_rope
+from titan.models.llama.state_dict_adapter import (
+    _cast,
+    hf_rope,
+    layers_from_hf,
+    layers_to_hf,
+)
 from titan.models.moe import MoEArgs
 
 _LAYER_MAP = MappingProxyType(
@@ -103,70 +108,51 @@ def to_hf(
     state_dict: dict[str, torch.Tensor], model_args: DeepSeekV3ModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """titan state dict (full tensors; a layer's experts.w1 and w3 together) -> HF keys."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        if key in _TOP_MAP:
-            if not (key == "output.weight" and model_args.tie_embeddings):
-                out[_TOP_MAP[key]] = _cast(value, dtype)
-            continue
-        m = _TITAN_LAYER.match(key)
-        if m is None:
-            raise TitanError(f"state dict key {key!r} has no Hugging Face DeepSeek-V3 equivalent")
-        layer, rest = m.groups()
+
+    def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         prefix = f"model.layers.{layer}.mlp.experts"
         if rest == "moe.expert_bias":  # transformers keeps it fp32 whatever the weights' dtype
-            out[f"model.layers.{layer}.{_LAYER_MAP[rest]}"] = value.float()
-        elif rest in _LAYER_MAP:
-            out[f"model.layers.{layer}.{_LAYER_MAP[rest]}"] = _cast(value, dtype)
-        elif rest == "moe.experts.w2":
-            out[f"{prefix}.down_proj"] = _cast(value, dtype)
-        elif rest == "moe.experts.w1":
+            return {f"model.layers.{layer}.{_LAYER_MAP[rest]}": value.float()}
+        if rest == "moe.experts.w2":
+            return {f"{prefix}.down_proj": _cast(value, dtype)}
+        if rest == "moe.experts.w1":
             w3 = state_dict.get(f"layers.{layer}.moe.experts.w3")
             if w3 is None:
                 raise TitanError(f"layers.{layer}.moe.experts.w1 needs its w3 in the same call (HF fuses them)")
-            out[f"{prefix}.gate_up_proj"] = _cast(torch.cat([value, w3], dim=1), dtype)
-        elif rest != "moe.experts.w3":
-            raise TitanError(f"state dict key {key!r} has no Hugging Face DeepSeek-V3 equivalent")
-    return out
+            return {f"{prefix}.gate_up_proj": _cast(torch.cat([value, w3], dim=1), dtype)}
+        return {} if rest == "moe.experts.w3" else None
+
+    return layers_to_hf(state_dict, model_args, dtype, "DeepSeek-V3", _LAYER_MAP, experts)
 
 
 def from_hf(
     hf_state_dict: dict[str, torch.Tensor], model_args: DeepSeekV3ModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """HF DeepseekV3ForCausalLM state dict -> titan keys."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in hf_state_dict.items():
-        if key.endswith("rotary_emb.inv_freq"):
-            continue  # a buffer titan derives
-        if key in _TOP_MAP_INV:
-            out[_TOP_MAP_INV[key]] = _cast(value, dtype)
-            continue
-        m = _HF_LAYER.match(key)
-        if m is None:
-            raise TitanError(f"Hugging Face key {key!r} is not part of a DeepSeek-V3 model titan can load")
-        layer, rest = m.groups()
+
+    def special(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         if int(layer) >= model_args.n_layers:
-            continue  # multi-token-prediction layers past num_hidden_layers (transformers skips them too)
+            return {}  # multi-token-prediction layers past num_hidden_layers (transformers skips them too)
         if rest == "mlp.gate.e_score_correction_bias":
-            if model_args.moe_args.load_balance_coeff is None and bool(value.abs().max() > 0):
-                raise TitanError(
-                    f"{key} is not zero but moe_args.load_balance_coeff is None (the model would have no routing bias)"
-                )
-            if model_args.moe_args.load_balance_coeff is not None:
-                out[f"layers.{layer}.moe.expert_bias"] = value.float()
-        elif rest in _LAYER_INV:
-            out[f"layers.{layer}.{_LAYER_INV[rest]}"] = _cast(value, dtype)
-        elif rest == "mlp.experts.gate_up_proj":
+            if model_args.moe_args.load_balance_coeff is None:
+                if bool(value.abs().max() > 0):
+                    raise TitanError(
+                        f"model.layers.{layer}.{rest} is not zero but moe_args.load_balance_coeff is None (the"
+                        " model would have no routing bias)"
+                    )
+                return {}
+            return {f"layers.{layer}.moe.expert_bias": value.float()}
+        if rest == "mlp.experts.gate_up_proj":
             gate, up = value.chunk(2, dim=1)
-            out[f"layers.{layer}.moe.experts.w1"] = _cast(gate.contiguous(), dtype)
-            out[f"layers.{layer}.moe.experts.w3"] = _cast(up.contiguous(), dtype)
-        elif rest == "mlp.experts.down_proj":
-            out[f"layers.{layer}.moe.experts.w2"] = _cast(value, dtype)
-        else:
-            raise TitanError(f"Hugging Face key {key!r} is not part of a DeepSeek-V3 model titan can load")
-    if model_args.tie_embeddings and "tok_embeddings.weight" in out:
-        out["output.weight"] = out["tok_embeddings.weight"]
-    return out
+            return {
+                f"layers.{layer}.moe.experts.w1": _cast(gate.contiguous(), dtype),
+                f"layers.{layer}.moe.experts.w3": _cast(up.contiguous(), dtype),
+            }
+        if rest == "mlp.experts.down_proj":
+            return {f"layers.{layer}.moe.experts.w2": _cast(value, dtype)}
+        return None
+
+    return layers_from_hf(hf_state_dict, model_args, dtype, "DeepSeek-V3", _LAYER_INV, special)
 
 
 def _refuse_unsupported(config: dict[str, Any]) -> None:

@@ -24,9 +24,14 @@ from typing import Any
 import torch
 
 from titan.errors import TitanError
-from titan.log import logger
 from titan.models.gpt_oss.args import GptOssModelArgs, gpt_oss_moe
-from titan.models.llama.state_dict_adapter import _HF_LAYER, _TITAN_LAYER, _TOP_MAP, _TOP_MAP_INV, _cast
+from titan.models.llama.state_dict_adapter import (
+    _cast,
+    layers_from_hf,
+    layers_to_hf,
+    unmapped_routing_bias,
+    zero_routing_bias,
+)
 
 _LAYER_MAP = MappingProxyType(
     {
@@ -53,73 +58,49 @@ def to_hf(
     state_dict: dict[str, torch.Tensor], model_args: GptOssModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """titan state dict (full tensors) -> HF GptOssForCausalLM keys."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        if key in _TOP_MAP:
-            if not (key == "output.weight" and model_args.tie_embeddings):
-                out[_TOP_MAP[key]] = _cast(value, dtype)
-            continue
-        m = _TITAN_LAYER.match(key)
-        if m is None:
-            raise TitanError(f"state dict key {key!r} has no Hugging Face gpt-oss equivalent")
-        layer, rest = m.groups()
+
+    def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         prefix = f"model.layers.{layer}.mlp.experts"
-        if rest in _LAYER_MAP:
-            out[f"model.layers.{layer}.{_LAYER_MAP[rest]}"] = _cast(value, dtype)
-        elif rest == "moe.expert_bias":
-            if bool(value.abs().max() > 0):
-                logger.warning(
-                    f"layers.{layer}.moe.expert_bias is not zero (max |bias| {float(value.abs().max()):.3g}): Hugging"
-                    " Face gpt-oss has no routing bias, so the exported model routes by the router logits alone"
-                )
-        elif rest == "moe.experts.w2":
-            out[f"{prefix}.down_proj"] = _cast(value.transpose(-2, -1).contiguous(), dtype)
-        elif rest == "moe.experts.w1":
+        if rest == "moe.expert_bias":
+            return unmapped_routing_bias(layer, value, "gpt-oss", "router logits")
+        if rest == "moe.experts.w2":
+            return {f"{prefix}.down_proj": _cast(value.transpose(-2, -1).contiguous(), dtype)}
+        if rest == "moe.experts.w1":
             w3 = _need(state_dict, f"layers.{layer}.moe.experts.w3")
             # [E, dim, hidden, 2] -> [E, dim, 2 * hidden]: gate in column 2j, up in 2j + 1.
             fused = torch.stack([value.transpose(-2, -1), w3.transpose(-2, -1)], dim=-1).flatten(-2)
-            out[f"{prefix}.gate_up_proj"] = _cast(fused, dtype)
-        elif rest == "moe.experts.b1":
+            return {f"{prefix}.gate_up_proj": _cast(fused, dtype)}
+        if rest == "moe.experts.b1":
             b3 = _need(state_dict, f"layers.{layer}.moe.experts.b3")
-            out[f"{prefix}.gate_up_proj_bias"] = _cast(torch.stack([value, b3], dim=-1).flatten(-2), dtype)
-        elif rest not in _FUSED:
-            raise TitanError(f"state dict key {key!r} has no Hugging Face gpt-oss equivalent")
-    return out
+            return {f"{prefix}.gate_up_proj_bias": _cast(torch.stack([value, b3], dim=-1).flatten(-2), dtype)}
+        return {} if rest in _FUSED else None
+
+    return layers_to_hf(state_dict, model_args, dtype, "gpt-oss", _LAYER_MAP, experts)
 
 
 def from_hf(
     hf_state_dict: dict[str, torch.Tensor], model_args: GptOssModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """HF GptOssForCausalLM state dict -> titan keys."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in hf_state_dict.items():
-        if key.endswith("rotary_emb.inv_freq"):
-            continue  # a buffer titan derives
-        if key in _TOP_MAP_INV:
-            out[_TOP_MAP_INV[key]] = _cast(value, dtype)
-            continue
-        m = _HF_LAYER.match(key)
-        if m is None:
-            raise TitanError(f"Hugging Face key {key!r} is not part of a gpt-oss model titan can load")
-        layer, rest = m.groups()
+
+    def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         prefix = f"layers.{layer}.moe.experts"
-        if rest in _LAYER_INV:
-            out[f"layers.{layer}.{_LAYER_INV[rest]}"] = _cast(value, dtype)
-        elif rest == "mlp.experts.gate_up_proj":
-            out[f"{prefix}.w1"] = _cast(value[..., 0::2].transpose(-2, -1).contiguous(), dtype)
-            out[f"{prefix}.w3"] = _cast(value[..., 1::2].transpose(-2, -1).contiguous(), dtype)
-        elif rest == "mlp.experts.gate_up_proj_bias":
-            out[f"{prefix}.b1"] = _cast(value[..., 0::2].contiguous(), dtype)
-            out[f"{prefix}.b3"] = _cast(value[..., 1::2].contiguous(), dtype)
-        elif rest == "mlp.experts.down_proj":
-            out[f"{prefix}.w2"] = _cast(value.transpose(-2, -1).contiguous(), dtype)
-        else:
-            raise TitanError(f"Hugging Face key {key!r} is not part of a gpt-oss model titan can load")
-    if model_args.moe_args.load_balance_coeff is not None:  # the balancing bias starts at zero
-        for layer in {int(k.split(".")[1]) for k in out if ".moe.router." in k}:
-            out[f"layers.{layer}.moe.expert_bias"] = torch.zeros(model_args.moe_args.num_experts)
-    if model_args.tie_embeddings and "tok_embeddings.weight" in out:
-        out["output.weight"] = out["tok_embeddings.weight"]
+        if rest == "mlp.experts.gate_up_proj":  # gate in column 2j, up in 2j + 1
+            return {
+                f"{prefix}.w1": _cast(value[..., 0::2].transpose(-2, -1).contiguous(), dtype),
+                f"{prefix}.w3": _cast(value[..., 1::2].transpose(-2, -1).contiguous(), dtype),
+            }
+        if rest == "mlp.experts.gate_up_proj_bias":
+            return {
+                f"{prefix}.b1": _cast(value[..., 0::2].contiguous(), dtype),
+                f"{prefix}.b3": _cast(value[..., 1::2].contiguous(), dtype),
+            }
+        if rest == "mlp.experts.down_proj":
+            return {f"{prefix}.w2": _cast(value.transpose(-2, -1).contiguous(), dtype)}
+        return None
+
+    out = layers_from_hf(hf_state_dict, model_args, dtype, "gpt-oss", _LAYER_INV, experts)
+    zero_routing_bias(out, model_args.moe_args)
     return out
 
 

@@ -15,6 +15,7 @@ time when exporting a large checkpoint).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -68,27 +69,108 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
+LayerKey = Callable[[str, str, torch.Tensor], "dict[str, torch.Tensor] | None"]
+"""(layer index, key inside the block, tensor) -> the HF keys it becomes ({} when another key of the
+block carries it), or None when the family maps it by its layer table or not at all."""
+
+
+def layers_to_hf(
+    state_dict: dict[str, torch.Tensor],
+    model_args: Any,
+    dtype: torch.dtype | None,
+    family: str,
+    layer_map: Mapping[str, str],
+    layer_key: LayerKey | None = None,
+) -> dict[str, torch.Tensor]:
+    """titan -> HF keys for any family on llama's skeleton: the top-level modules (the output left
+    out when tied: HF keeps one copy), each block's keys by ``layer_key`` first and ``layer_map``
+    next (cast to ``dtype``); a key neither maps is refused in one line naming the family."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        if key in _TOP_MAP:
+            if not (key == "output.weight" and model_args.tie_embeddings):
+                out[_TOP_MAP[key]] = _cast(value, dtype)
+            continue
+        m = _TITAN_LAYER.match(key)
+        mapped = None
+        if m is not None:
+            layer, rest = m.groups()
+            mapped = layer_key(layer, rest, value) if layer_key is not None else None
+            if mapped is None and rest in layer_map:
+                mapped = {f"model.layers.{layer}.{layer_map[rest]}": _cast(value, dtype)}
+        if mapped is None:
+            raise TitanError(f"state dict key {key!r} has no Hugging Face {family} equivalent")
+        out.update(mapped)
+    return out
+
+
+def unmapped_routing_bias(layer: str, value: torch.Tensor, family: str, routes_by: str) -> dict[str, torch.Tensor]:
+    """The expert bias of titan's balancing, for an HF family without one: dropped, with a warning
+    when it is not zero (the exported model then routes by ``routes_by`` alone)."""
+    if bool(value.abs().max() > 0):
+        from titan.log import logger
+
+        logger.warning(
+            f"layers.{layer}.moe.expert_bias is not zero (max |bias| {float(value.abs().max()):.3g}): Hugging"
+            f" Face {family} has no routing bias, so the exported model routes by the {routes_by} alone"
+        )
+    return {}
+
+
+def layers_from_hf(
+    hf_state_dict: dict[str, torch.Tensor],
+    model_args: Any,
+    dtype: torch.dtype | None,
+    family: str,
+    layer_inv: Mapping[str, str],
+    layer_key: LayerKey | None = None,
+) -> dict[str, torch.Tensor]:
+    """HF -> titan keys for any family on llama's skeleton (``layers_to_hf`` backwards): the derived
+    RoPE buffer skipped, the top-level modules, each block's keys by ``layer_key`` first and
+    ``layer_inv`` next; with tied embeddings output.weight is the embedding tensor itself."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in hf_state_dict.items():
+        if key.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer some exports contain; titan derives it
+        if key in _TOP_MAP_INV:
+            out[_TOP_MAP_INV[key]] = _cast(value, dtype)
+            continue
+        m = _HF_LAYER.match(key)
+        mapped = None
+        if m is not None:
+            layer, rest = m.groups()
+            mapped = layer_key(layer, rest, value) if layer_key is not None else None
+            if mapped is None and rest in layer_inv:
+                mapped = {f"layers.{layer}.{layer_inv[rest]}": _cast(value, dtype)}
+        if mapped is None:
+            raise TitanError(f"Hugging Face key {key!r} is not part of a {family} model titan can load")
+        out.update(mapped)
+    if model_args.tie_embeddings and "tok_embeddings.weight" in out:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def zero_routing_bias(out: dict[str, torch.Tensor], moe_args: Any) -> None:
+    """Add titan's balancing bias, at zero, to each MoE block of an imported state dict whose HF
+    family has none (nothing when balancing is off)."""
+    if moe_args.load_balance_coeff is None:
+        return
+    for layer in {k.split(".")[1] for k in out if ".moe.router." in k}:
+        out[f"layers.{layer}.moe.expert_bias"] = torch.zeros(moe_args.num_experts)
+
+
 def to_hf(
     state_dict: dict[str, torch.Tensor], model_args: TransformerModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """titan model state dict (full tensors, any subset of keys) -> HF LlamaForCausalLM keys."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        if key in _TOP_MAP:
-            if key == "output.weight" and model_args.tie_embeddings:
-                continue  # HF keeps one copy and ties lm_head to embed_tokens
-            out[_TOP_MAP[key]] = _cast(value, dtype)
-            continue
-        m = _TITAN_LAYER.match(key)
-        if m is None or m.group(2) not in _LAYER_MAP:
-            raise TitanError(f"state dict key {key!r} has no Hugging Face Llama equivalent")
-        layer, rest = m.groups()
-        if rest == "attention.wq.weight":
-            value = _to_hf_rows(value, model_args.n_heads)
-        elif rest == "attention.wk.weight":
-            value = _to_hf_rows(value, model_args.kv_heads)
-        out[f"model.layers.{layer}.{_LAYER_MAP[rest]}"] = _cast(value, dtype)
-    return out
+
+    def rope_rows(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        heads = {"attention.wq.weight": model_args.n_heads, "attention.wk.weight": model_args.kv_heads}
+        if rest not in heads:
+            return None
+        return {f"model.layers.{layer}.{_LAYER_MAP[rest]}": _cast(_to_hf_rows(value, heads[rest]), dtype)}
+
+    return layers_to_hf(state_dict, model_args, dtype, "Llama", _LAYER_MAP, rope_rows)
 
 
 def from_hf(

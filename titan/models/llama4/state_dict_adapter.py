@@ -19,14 +19,14 @@ from types import MappingProxyType
 import torch
 
 from titan.errors import TitanError
-from titan.log import logger
 from titan.models.llama.state_dict_adapter import (
-    _HF_LAYER,
-    _TITAN_LAYER,
-    _TOP_MAP,
     _TOP_MAP_INV,
     _cast,
     args_from_shapes,
+    layers_from_hf,
+    layers_to_hf,
+    unmapped_routing_bias,
+    zero_routing_bias,
 )
 from titan.models.llama4.args import Llama4ModelArgs
 from titan.models.llama4.hf_config import args_to_hf_config, hf_config_to_args
@@ -56,68 +56,48 @@ def to_hf(
     state_dict: dict[str, torch.Tensor], model_args: Llama4ModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """titan state dict (full tensors; a layer's experts.w1 and w3 together) -> HF keys."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        if key in _TOP_MAP:
-            if not (key == "output.weight" and model_args.tie_embeddings):
-                out[_TOP_MAP[key]] = _cast(value, dtype)
-            continue
-        m = _TITAN_LAYER.match(key)
-        if m is None:
-            raise TitanError(f"state dict key {key!r} has no Hugging Face Llama 4 equivalent")
-        layer, rest = m.groups()
+
+    def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         prefix = f"model.layers.{layer}.feed_forward.experts"
-        if rest in _LAYER_MAP:
-            out[f"model.layers.{layer}.{_LAYER_MAP[rest]}"] = _cast(value, dtype)
-        elif rest == "moe.expert_bias":
-            if bool(value.abs().max() > 0):
-                logger.warning(
-                    f"layers.{layer}.moe.expert_bias is not zero (max |bias| {float(value.abs().max()):.3g}): Hugging"
-                    " Face Llama 4 has no routing bias, so the exported model routes by the router scores alone"
-                )
-        elif rest == "moe.experts.w2":
-            out[f"{prefix}.down_proj"] = _cast(value.transpose(-2, -1), dtype)
-        elif rest == "moe.experts.w1":
+        if rest == "moe.expert_bias":
+            return unmapped_routing_bias(layer, value, "Llama 4", "router scores")
+        if rest == "moe.experts.w2":
+            return {f"{prefix}.down_proj": _cast(value.transpose(-2, -1), dtype)}
+        if rest == "moe.experts.w1":
             w3 = state_dict.get(f"layers.{layer}.moe.experts.w3")
             if w3 is None:
                 raise TitanError(f"layers.{layer}.moe.experts.w1 needs its w3 in the same call (HF fuses them)")
-            out[f"{prefix}.gate_up_proj"] = _cast(torch.cat([value.transpose(-2, -1), w3.transpose(-2, -1)], -1), dtype)
-        elif rest != "moe.experts.w3":
-            raise TitanError(f"state dict key {key!r} has no Hugging Face Llama 4 equivalent")
-    return out
+            fused = torch.cat([value.transpose(-2, -1), w3.transpose(-2, -1)], -1)
+            return {f"{prefix}.gate_up_proj": _cast(fused, dtype)}
+        return {} if rest == "moe.experts.w3" else None
+
+    return layers_to_hf(state_dict, model_args, dtype, "Llama 4", _LAYER_MAP, experts)
 
 
 def from_hf(
     hf_state_dict: dict[str, torch.Tensor], model_args: Llama4ModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """HF Llama4ForCausalLM (or Llama4ForConditionalGeneration's text) state dict -> titan keys."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in hf_state_dict.items():
-        key = key.removeprefix("language_model.")
-        if key.startswith(("vision_model.", "multi_modal_projector.")) or key.endswith("rotary_emb.inv_freq"):
-            continue  # the image side of multimodal checkpoints; a buffer titan derives
-        if key in _TOP_INV:
-            out[_TOP_INV[key]] = _cast(value, dtype)
-            continue
-        m = _HF_LAYER.match(key)
-        if m is None:
-            raise TitanError(f"Hugging Face key {key!r} is not part of a Llama 4 text model titan can load")
-        layer, rest = m.groups()
-        if rest in _LAYER_INV:
-            out[f"layers.{layer}.{_LAYER_INV[rest]}"] = _cast(value, dtype)
-        elif rest == "feed_forward.experts.gate_up_proj":
+    text = {
+        k.removeprefix("language_model."): v
+        for k, v in hf_state_dict.items()
+        # the image side of multimodal checkpoints
+        if not k.removeprefix("language_model.").startswith(("vision_model.", "multi_modal_projector."))
+    }
+
+    def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if rest == "feed_forward.experts.gate_up_proj":
             gate, up = value.chunk(2, dim=-1)
-            out[f"layers.{layer}.moe.experts.w1"] = _cast(gate.transpose(-2, -1).contiguous(), dtype)
-            out[f"layers.{layer}.moe.experts.w3"] = _cast(up.transpose(-2, -1).contiguous(), dtype)
-        elif rest == "feed_forward.experts.down_proj":
-            out[f"layers.{layer}.moe.experts.w2"] = _cast(value.transpose(-2, -1).contiguous(), dtype)
-        else:
-            raise TitanError(f"Hugging Face key {key!r} is not part of a Llama 4 text model titan can load")
-    if model_args.moe_args.load_balance_coeff is not None:  # the balancing bias starts at zero
-        for layer in {int(k.split(".")[1]) for k in out if ".moe.router." in k}:
-            out[f"layers.{layer}.moe.expert_bias"] = torch.zeros(model_args.moe_args.num_experts)
-    if model_args.tie_embeddings and "tok_embeddings.weight" in out:
-        out["output.weight"] = out["tok_embeddings.weight"]
+            return {
+                f"layers.{layer}.moe.experts.w1": _cast(gate.transpose(-2, -1).contiguous(), dtype),
+                f"layers.{layer}.moe.experts.w3": _cast(up.transpose(-2, -1).contiguous(), dtype),
+            }
+        if rest == "feed_forward.experts.down_proj":
+            return {f"layers.{layer}.moe.experts.w2": _cast(value.transpose(-2, -1).contiguous(), dtype)}
+        return None
+
+    out = layers_from_hf(text, model_args, dtype, "Llama 4 text", _LAYER_INV, experts)
+    zero_routing_bias(out, model_args.moe_args)
     return out
 
 

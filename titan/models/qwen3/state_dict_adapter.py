@@ -23,16 +23,15 @@ from typing import Any
 import torch
 
 from titan.errors import TitanError
-from titan.log import logger
 from titan.models.llama.state_dict_adapter import (
-    _HF_LAYER,
-    _TITAN_LAYER,
-    _TOP_MAP,
-    _TOP_MAP_INV,
     _cast,
     args_from_shapes,
     hf_rope_scaling,
+    layers_from_hf,
+    layers_to_hf,
+    unmapped_routing_bias,
     with_hf_rope_scaling,
+    zero_routing_bias,
 )
 from titan.models.moe import MoEArgs
 from titan.models.qwen3.args import Qwen3ModelArgs
@@ -110,77 +109,53 @@ def to_hf(
     state_dict: dict[str, torch.Tensor], model_args: Qwen3ModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """titan state dict (full tensors; a layer's experts together) -> HF checkpoint keys."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        if key in _TOP_MAP:
-            if not (key == "output.weight" and model_args.tie_embeddings):
-                out[_TOP_MAP[key]] = _cast(value, dtype)
-            continue
-        m = _TITAN_LAYER.match(key)
-        if m is None:
-            raise TitanError(f"state dict key {key!r} has no Hugging Face Qwen3 equivalent")
-        layer, rest = m.groups()
-        if rest in _LAYER_MAP:
-            out[f"model.layers.{layer}.{_LAYER_MAP[rest]}"] = _cast(value, dtype)
-        elif rest == "moe.expert_bias":
-            if bool(value.abs().max() > 0):
-                logger.warning(
-                    f"layers.{layer}.moe.expert_bias is not zero (max |bias| {float(value.abs().max()):.3g}): Hugging"
-                    " Face Qwen3-MoE has no routing bias, so the exported model routes by the router scores alone"
-                )
-        elif rest.startswith("moe.experts.") and rest.removeprefix("moe.experts.") in _EXPERT_NAMES:
-            name = _EXPERT_NAMES[rest.removeprefix("moe.experts.")]
-            for e in range(value.shape[0]):
-                out[f"model.layers.{layer}.mlp.experts.{e}.{name}.weight"] = _cast(value[e].contiguous(), dtype)
-        else:
-            raise TitanError(f"state dict key {key!r} has no Hugging Face Qwen3 equivalent")
-    return out
+
+    def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if rest == "moe.expert_bias":
+            return unmapped_routing_bias(layer, value, "Qwen3-MoE", "router scores")
+        name = _EXPERT_NAMES.get(rest.removeprefix("moe.experts.")) if rest.startswith("moe.experts.") else None
+        if name is None:
+            return None
+        prefix = f"model.layers.{layer}.mlp.experts"
+        return {f"{prefix}.{e}.{name}.weight": _cast(value[e].contiguous(), dtype) for e in range(value.shape[0])}
+
+    return layers_to_hf(state_dict, model_args, dtype, "Qwen3", _LAYER_MAP, experts)
 
 
 def from_hf(
     hf_state_dict: dict[str, torch.Tensor], model_args: Qwen3ModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """HF Qwen3 / Qwen3-MoE state dict (checkpoint or in-memory form) -> titan keys."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    for key, value in hf_state_dict.items():
-        if key.endswith("rotary_emb.inv_freq"):
-            continue  # a buffer some exports contain; titan derives it
-        if key in _TOP_MAP_INV:
-            out[_TOP_MAP_INV[key]] = _cast(value, dtype)
-            continue
-        m = _HF_LAYER.match(key)
-        if m is None:
-            raise TitanError(f"Hugging Face key {key!r} is not part of a Qwen3 model titan can load")
-        layer, rest = m.groups()
+    per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+
+    def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         e = _HF_EXPERT.match(rest)
-        if rest in _LAYER_INV:
-            out[f"layers.{layer}.{_LAYER_INV[rest]}"] = _cast(value, dtype)
-        elif e is not None:
-            experts.setdefault((layer, e.group(2)), {})[int(e.group(1))] = value
-        elif rest == "mlp.experts.gate_up_proj":
+        if e is not None:  # the checkpoint form, one tensor per expert: stacked below
+            per_expert.setdefault((layer, e.group(2)), {})[int(e.group(1))] = value
+            return {}
+        if rest == "mlp.experts.gate_up_proj":
             gate, up = value.chunk(2, dim=1)
-            out[f"layers.{layer}.moe.experts.w1"] = _cast(gate.contiguous(), dtype)
-            out[f"layers.{layer}.moe.experts.w3"] = _cast(up.contiguous(), dtype)
-        elif rest == "mlp.experts.down_proj":
-            out[f"layers.{layer}.moe.experts.w2"] = _cast(value.contiguous(), dtype)
-        else:
-            raise TitanError(f"Hugging Face key {key!r} is not part of a Qwen3 model titan can load")
+            return {
+                f"layers.{layer}.moe.experts.w1": _cast(gate.contiguous(), dtype),
+                f"layers.{layer}.moe.experts.w3": _cast(up.contiguous(), dtype),
+            }
+        if rest == "mlp.experts.down_proj":
+            return {f"layers.{layer}.moe.experts.w2": _cast(value.contiguous(), dtype)}
+        return None
+
+    out = layers_from_hf(hf_state_dict, model_args, dtype, "Qwen3", _LAYER_INV, experts)
     inv = {v: k for k, v in _EXPERT_NAMES.items()}
     n = model_args.moe_args.num_experts
-    for (layer, name), per_expert in experts.items():
-        if sorted(per_expert) != list(range(n)):
-            missing = sorted(set(range(n)) - set(per_expert))[:5]
+    for (layer, name), given in per_expert.items():
+        if sorted(given) != list(range(n)):
+            missing = sorted(set(range(n)) - set(given))[:5]
             raise TitanError(
-                f"layer {layer} mlp.experts.*.{name}: {len(per_expert)} of {n} experts given (missing e.g. {missing});"
+                f"layer {layer} mlp.experts.*.{name}: {len(given)} of {n} experts given (missing e.g. {missing});"
                 " a layer's experts convert together"
             )
-        out[f"layers.{layer}.moe.experts.{inv[name]}"] = _cast(torch.stack([per_expert[i] for i in range(n)]), dtype)
-    if model_args.moe_enabled and model_args.moe_args.load_balance_coeff is not None:
-        for layer in {k.split(".")[1] for k in out if ".moe.router." in k}:
-            out[f"layers.{layer}.moe.expert_bias"] = torch.zeros(n)  # HF has none: balancing starts at zero
-    if model_args.tie_embeddings and "tok_embeddings.weight" in out:
-        out["output.weight"] = out["tok_embeddings.weight"]
+        out[f"layers.{layer}.moe.experts.{inv[name]}"] = _cast(torch.stack([given[i] for i in range(n)]), dtype)
+    if model_args.moe_enabled:
+        zero_routing_bias(out, model_args.moe_args)
     return out
 
 
