@@ -306,28 +306,22 @@ class CheckpointManager:
             self.start.release()
 
     def _export_hf(self, step: int) -> None:
-        """The final save as a Hugging Face folder at step-N (the path torchtitan's
-        initial_load_in_hf users load back), committed like a DCP save: manifest, then marker."""
+        """The final save as an HF folder at step-N (torchtitan's initial_load_in_hf path), committed as DCP's are."""
         from titan.checkpointing.hf import save_model_hf
 
         out = step_dir(self.root, step)
         t0 = time.perf_counter()
 
-        def prepare() -> None:
-            if os.path.exists(out):
-                logger.info(f"replacing existing {out}")
-                delete(out, ignore_errors=False)
-
-        self.groups.agree(prepare)
+        if self.groups.agree(lambda: os.path.exists(out)):
+            logger.info(f"replacing existing {out}")
+            self.groups.agree(lambda: delete(out, ignore_errors=False))
         save_model_hf(self.model.parts, out, dtype=DTYPES[self.cfg.export_dtype], record=self.config_record)
 
-        def commit() -> None:
+        def commit() -> None:  # on rank 0; every rank returns once it is done (a next run may read it)
             write_manifest(out)
             write_marker(out, step, model_only=True, world_size=self.world_size, dp_degree=self.dp_degree, fmt="hf")
             prune(self.root, self.cfg.keep_latest_k)
 
-        # Rank 0 commits; every rank returns only once the folder is complete, so whatever runs
-        # next on any rank (a run loading it, a script) finds config.json and the marker.
         self.groups.agree(commit)
         self.last_saved_step = step
         logger.info(
