@@ -18,20 +18,16 @@ import torch
 from torch import nn
 
 from titan.models.deepseek_v3.args import DeepSeekV3ModelArgs
-from titan.models.kv_cache import KVCache
 from titan.models.llama.flex import FlexKernel
 from titan.models.llama.masks import VarlenAttention
 from titan.models.llama.model import (
     Attention,
-    AttnMask,
-    FeedForward,
     FlexAttention,
     RMSNorm,
     SDPAttention,
-    Transformer,
     apply_rotary_emb,
 )
-from titan.models.moe import MoE
+from titan.models.moe.block import MoEBlock, MoETransformer
 from titan.models.rope import default_inv_freq, yarn_inv_freq
 
 
@@ -111,44 +107,18 @@ class MLAttention(Attention):
             self.q_norm.reset_parameters()
 
 
-class DeepSeekV3Block(nn.Module):
+class DeepSeekV3Block(MoEBlock):
+    attention: MLAttention
+
     def __init__(self, layer_id: int, args: DeepSeekV3ModelArgs, flex_kernel: FlexKernel | None = None) -> None:
-        super().__init__()
-        self.layer_id = layer_id
-        self.n_layers = args.n_layers
-        self.depth_init = args.depth_init
-        self.attention = MLAttention(args, flex_kernel, layer_id)
-        self.moe_enabled = args.is_moe_layer(layer_id)
-        if self.moe_enabled:
-            self.moe = MoE(args.moe_args, args.dim, args.moe_inter_dim)
-        else:
-            self.feed_forward = FeedForward(args.dim, args.inter_dim)
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        attention = MLAttention(args, flex_kernel, layer_id)
+        super().__init__(layer_id, args, attention, args.moe_inter_dim, args.inter_dim)
 
-    def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, attn_mask: AttnMask = None, kv_cache: KVCache | None = None
-    ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, attn_mask=attn_mask, kv_cache=kv_cache)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
-
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        # torchtitan's: output projections at 0.02 / sqrt(2 (layer + 1)) (depth_init), inputs at 0.02.
-        depth = self.layer_id + 1 if self.depth_init else self.n_layers
-        out_std = 0.02 / math.sqrt(2 * depth)
-        self.attention.init_weights(out_std)
-        if self.moe_enabled:
-            self.moe.init_weights(out_std, buffer_device)
-        else:
-            nn.init.trunc_normal_(self.feed_forward.w1.weight, mean=0.0, std=0.02)
-            for lin in (self.feed_forward.w2, self.feed_forward.w3):
-                nn.init.trunc_normal_(lin.weight, mean=0.0, std=out_std)
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
+    def init_attention(self, out_std: float) -> None:
+        self.attention.init_weights(out_std)  # latent attention's own projections
 
 
-class DeepSeekV3Transformer(Transformer):
+class DeepSeekV3Transformer(MoETransformer):
     model_args: DeepSeekV3ModelArgs
 
     def __init__(self, model_args: DeepSeekV3ModelArgs) -> None:
@@ -158,22 +128,9 @@ class DeepSeekV3Transformer(Transformer):
             # replaces by the context length: the model keeps the choice it was built with.
             model_args = dataclasses.replace(model_args, use_yarn=model_args.yarn_enabled)
         super().__init__(model_args)
-        self.freqs_cis = precompute_freqs_cis(model_args, device=self.freqs_cis.device)
+
+    def rope_table(self, device: torch.device | str | None) -> torch.Tensor:
+        return precompute_freqs_cis(self.model_args, device=device)  # YaRN on the rotary dims only
 
     def make_block(self, layer_id: int, flex_kernel: FlexKernel | None) -> nn.Module:
         return DeepSeekV3Block(layer_id, self.model_args, flex_kernel)
-
-    def _blocks(self) -> list[DeepSeekV3Block]:
-        return [m for m in self.layers.modules() if isinstance(m, DeepSeekV3Block)]  # also inside AC wrappers
-
-    def init_buffers(self, device: torch.device | None = None) -> None:
-        device = device if device is not None else self._param_device()
-        self.freqs_cis = precompute_freqs_cis(self.model_args, device=device)
-        for block in self._blocks():
-            if block.moe_enabled:
-                block.moe.reset_counters(self.freqs_cis.device)
-
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        super().init_weights(buffer_device)  # embedding, final norm, output, RoPE table
-        for block in self._blocks():
-            block.init_weights(self.freqs_cis.device)

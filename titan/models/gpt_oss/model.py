@@ -28,8 +28,9 @@ from titan.models.gpt_oss.attention import (
 )
 from titan.models.kv_cache import KVCache
 from titan.models.llama.flex import FlexKernel
-from titan.models.llama.model import Attention, RMSNorm, Transformer
+from titan.models.llama.model import Attention, RMSNorm
 from titan.models.moe import MoE
+from titan.models.moe.block import MoETransformer
 from titan.models.rope import default_inv_freq, yarn_inv_freq
 
 
@@ -134,7 +135,7 @@ class GptOssBlock(nn.Module):
         self.ffn_norm.reset_parameters()
 
 
-class GptOssTransformer(Transformer):
+class GptOssTransformer(MoETransformer):
     model_args: GptOssModelArgs
 
     def __init__(self, model_args: GptOssModelArgs) -> None:
@@ -142,24 +143,12 @@ class GptOssTransformer(Transformer):
         self._flex = FlexSinkKernel() if model_args.attn_type == "flex" else None
         self._create_block_mask: Any = None
         super().__init__(model_args)
-        self.freqs_cis = rope_table(model_args, self.freqs_cis.device)
+
+    def rope_table(self, device: torch.device | str | None) -> torch.Tensor:
+        return rope_table(self.model_args, device)  # YaRN on rotate-half pairs
 
     def make_block(self, layer_id: int, flex_kernel: FlexKernel | None) -> nn.Module:
         return GptOssBlock(layer_id, self.model_args, self._flex)
-
-    def _blocks(self) -> list[GptOssBlock]:
-        return [m for m in self.layers.modules() if isinstance(m, GptOssBlock)]  # also inside AC wrappers
-
-    def init_buffers(self, device: torch.device | None = None) -> None:
-        device = device if device is not None else self._param_device()
-        self.freqs_cis = rope_table(self.model_args, device)
-        for block in self._blocks():
-            block.moe.reset_counters(device)
-
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        super().init_weights(buffer_device)  # embedding, final norm, output, RoPE table
-        for block in self._blocks():
-            block.init_weights(self.freqs_cis.device)
 
     def attention_mask(
         self, seqlen: int, device: torch.device, doc_ids: torch.Tensor | None, kv_cache: KVCache | None

@@ -288,7 +288,11 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: derived from args, so checkpoints stay free of it; init_weights
         # recomputes it after a meta-device build + to_empty().
-        self.register_buffer("freqs_cis", precompute_freqs_cis(model_args), persistent=False)
+        self.register_buffer("freqs_cis", self.rope_table(None), persistent=False)
+
+    def rope_table(self, device: torch.device | str | None) -> torch.Tensor:
+        """The RoPE table every block reads (a family with its own rotary scaling overrides it)."""
+        return precompute_freqs_cis(self.model_args, device=device)
 
     def make_block(self, layer_id: int, flex_kernel: FlexKernel | None) -> nn.Module:
         """Block ``layer_id`` (a family reusing this skeleton builds its own blocks here)."""
@@ -315,8 +319,7 @@ class Transformer(nn.Module):
     def init_buffers(self, device: torch.device | None = None) -> None:
         """(Re)compute the derived buffers (the RoPE table) on `device` (default: the parameters').
         Loading weights into a model fresh from to_empty() needs this and not init_weights."""
-        device = device if device is not None else self._param_device()
-        self.freqs_cis = precompute_freqs_cis(self.model_args, device=device)
+        self.freqs_cis = self.rope_table(device if device is not None else self._param_device())
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """(Re)initialise buffers and parameters in place; seed with torch.manual_seed first.

@@ -10,7 +10,6 @@ on RoPE blocks and scale q on NoPE blocks by a position-dependent temperature (L
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +20,9 @@ from torch.nn.attention.flex_attention import create_block_mask
 from titan.errors import TitanError
 from titan.models.kv_cache import KVCache
 from titan.models.llama.flex import FlexKernel
-from titan.models.llama.model import Attention, FeedForward, RMSNorm, Transformer, ffn_hidden_dim
+from titan.models.llama.model import Attention, ffn_hidden_dim
 from titan.models.llama4.args import Llama4ModelArgs
-from titan.models.moe import MoE
+from titan.models.moe.block import MoEBlock, MoETransformer
 
 
 @dataclass(frozen=True)
@@ -81,49 +80,19 @@ class Llama4Attention(Attention):
         return xq, xk
 
 
-class Llama4Block(nn.Module):
+class Llama4Block(MoEBlock):
     def __init__(self, layer_id: int, args: Llama4ModelArgs, flex_kernel: FlexKernel | None = None) -> None:
-        super().__init__()
-        self.layer_id = layer_id
-        self.n_layers = args.n_layers
-        self.depth_init = args.depth_init
-        self.attention = Llama4Attention(args, flex_kernel, layer_id)
+        attention = Llama4Attention(args, flex_kernel, layer_id)
+        super().__init__(layer_id, args, attention, args.moe_hidden_dim, ffn_hidden_dim(args))
         self.chunked = args.is_chunked(layer_id)
-        self.moe_enabled = args.is_moe_layer(layer_id)
-        if self.moe_enabled:
-            self.moe = MoE(args.moe_args, args.dim, args.moe_hidden_dim)
-        else:
-            self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args))
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, attn_mask: Any = None, kv_cache: KVCache | None = None
-    ) -> torch.Tensor:
+    def block_mask(self, attn_mask: Any) -> Any:
         if isinstance(attn_mask, IRopeMasks):
-            attn_mask = attn_mask.rope if self.chunked else attn_mask.nope
-        h = x + self.attention(self.attention_norm(x), freqs_cis, attn_mask=attn_mask, kv_cache=kv_cache)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
-
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        # As llama3's blocks (depth-scaled output projections); the MoE's experts and router too.
-        depth = self.layer_id + 1 if self.depth_init else self.n_layers
-        out_std = 0.02 / math.sqrt(2 * depth)
-        for lin in (self.attention.wq, self.attention.wk, self.attention.wv):
-            nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.attention.wo.weight, mean=0.0, std=out_std)
-        if self.moe_enabled:
-            self.moe.init_weights(out_std, buffer_device)
-        else:
-            nn.init.trunc_normal_(self.feed_forward.w1.weight, mean=0.0, std=0.02)
-            for lin in (self.feed_forward.w2, self.feed_forward.w3):
-                nn.init.trunc_normal_(lin.weight, mean=0.0, std=out_std)
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
+            return attn_mask.rope if self.chunked else attn_mask.nope
+        return attn_mask
 
 
-class Llama4Transformer(Transformer):
+class Llama4Transformer(MoETransformer):
     model_args: Llama4ModelArgs
 
     def __init__(self, model_args: Llama4ModelArgs) -> None:
@@ -133,20 +102,6 @@ class Llama4Transformer(Transformer):
 
     def make_block(self, layer_id: int, flex_kernel: FlexKernel | None) -> nn.Module:
         return Llama4Block(layer_id, self.model_args, flex_kernel)
-
-    def _blocks(self) -> list[Llama4Block]:
-        return [m for m in self.layers.modules() if isinstance(m, Llama4Block)]  # also inside AC wrappers
-
-    def init_buffers(self, device: torch.device | None = None) -> None:
-        super().init_buffers(device)
-        for block in self._blocks():
-            if block.moe_enabled:
-                block.moe.reset_counters(self.freqs_cis.device)
-
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        super().init_weights(buffer_device)  # embedding, final norm, output, RoPE table
-        for block in self._blocks():
-            block.init_weights(self.freqs_cis.device)
 
     def attention_mask(
         self, seqlen: int, device: torch.device, doc_ids: torch.Tensor | None, kv_cache: KVCache | None

@@ -10,16 +10,12 @@ either load without a permutation. Blocks take titan's MoE layer where ``args.is
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import torch
 from torch import nn
 
-from titan.models.kv_cache import KVCache
 from titan.models.llama.flex import FlexKernel
-from titan.models.llama.model import Attention, FeedForward, RMSNorm, Transformer
-from titan.models.moe import MoE
+from titan.models.llama.model import Attention, RMSNorm
+from titan.models.moe.block import MoEBlock, MoETransformer
 from titan.models.qwen3.args import Qwen3ModelArgs
 
 
@@ -55,46 +51,19 @@ class Qwen3Attention(Attention):
         return apply_rotary_emb_half(xq, xk, freqs_cis)
 
 
-class Qwen3Block(nn.Module):
+class Qwen3Block(MoEBlock):
+    attention: Qwen3Attention
+
     def __init__(self, layer_id: int, args: Qwen3ModelArgs, flex_kernel: FlexKernel | None = None) -> None:
-        super().__init__()
-        self.layer_id = layer_id
-        self.n_layers = args.n_layers
-        self.depth_init = args.depth_init
-        self.attention = Qwen3Attention(args, flex_kernel, layer_id)
-        self.moe_enabled = args.is_moe_layer(layer_id)
-        if self.moe_enabled:
-            self.moe = MoE(args.moe_args, args.dim)
-        else:
-            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        super().__init__(layer_id, args, Qwen3Attention(args, flex_kernel, layer_id), None, args.hidden_dim)
 
-    def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, attn_mask: Any = None, kv_cache: KVCache | None = None
-    ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, attn_mask=attn_mask, kv_cache=kv_cache)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
-
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        # As llama's blocks (depth-scaled output projections); q/k norms start at one.
-        depth = self.layer_id + 1 if self.depth_init else self.n_layers
-        out_std = 0.02 / math.sqrt(2 * depth)
-        for lin in (self.attention.wq, self.attention.wk, self.attention.wv):
-            nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.attention.wo.weight, mean=0.0, std=out_std)
-        if self.moe_enabled:
-            self.moe.init_weights(out_std, buffer_device)
-        else:
-            nn.init.trunc_normal_(self.feed_forward.w1.weight, mean=0.0, std=0.02)
-            for lin in (self.feed_forward.w2, self.feed_forward.w3):
-                nn.init.trunc_normal_(lin.weight, mean=0.0, std=out_std)
-        for norm in (self.attention_norm, self.ffn_norm, self.attention.q_norm, self.attention.k_norm):
-            norm.reset_parameters()
+    def init_attention(self, out_std: float) -> None:
+        super().init_attention(out_std)
+        self.attention.q_norm.reset_parameters()  # per-head q/k norms start at one
+        self.attention.k_norm.reset_parameters()
 
 
-class Qwen3Transformer(Transformer):
+class Qwen3Transformer(MoETransformer):
     model_args: Qwen3ModelArgs
 
     def __init__(self, model_args: Qwen3ModelArgs) -> None:
@@ -103,17 +72,3 @@ class Qwen3Transformer(Transformer):
 
     def make_block(self, layer_id: int, flex_kernel: FlexKernel | None) -> nn.Module:
         return Qwen3Block(layer_id, self.model_args, flex_kernel)
-
-    def _blocks(self) -> list[Qwen3Block]:
-        return [m for m in self.layers.modules() if isinstance(m, Qwen3Block)]  # also inside AC wrappers
-
-    def init_buffers(self, device: torch.device | None = None) -> None:
-        super().init_buffers(device)
-        for block in self._blocks():
-            if block.moe_enabled:
-                block.moe.reset_counters(self.freqs_cis.device)
-
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        super().init_weights(buffer_device)  # embedding, final norm, output, RoPE table
-        for block in self._blocks():
-            block.init_weights(self.freqs_cis.device)
