@@ -45,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast (default: keep the saved dtype)")
     to_hf.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors file, GiB")
+    to_hf.add_argument(
+        "--drop_routing_bias",
+        action="store_true",
+        help="export an MoE model whose HF format has no routing bias (llama4, qwen3 MoE, gpt_oss) without"
+        " the bias its balancing trained: the export then picks experts by the router alone",
+    )
     from_hf = sub.add_parser("from_hf", help="Hugging Face folder -> model-only titan DCP folder")
     from_hf.add_argument("hf_dir")
     from_hf.add_argument("dcp_dir")
@@ -66,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = hf_io.checkpoint_family(a.dcp_dir, a.model)
             args = hf_io.training_checkpoint_args(a.dcp_dir, spec, a.flavor)
             dtype = DTYPES[a.dtype] if a.dtype else None
-            hf_io.export_dcp_to_hf(a.dcp_dir, a.hf_dir, args, int(a.max_shard_gb * 1024**3), dtype)
+            hf_io.export_dcp_to_hf(a.dcp_dir, a.hf_dir, args, int(a.max_shard_gb * 1024**3), dtype, a.drop_routing_bias)
             print(f"wrote {a.hf_dir} (config.json, safetensors shards, {hf_io.INDEX_FILE})")
         elif a.cmd == "from_hf":
             args = hf_io.import_hf_to_dcp(a.hf_dir, a.dcp_dir, DTYPES[a.dtype] if a.dtype else None)

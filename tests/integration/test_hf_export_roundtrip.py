@@ -78,9 +78,10 @@ def test_llama4_continued_pretraining_from_a_released_style_hf_folder(tmp_path):
     # resume from step 2 (step 3 set aside): the same step-3 loss, saved as HF this time
     ckpt = tmp_path / "run/checkpoint"
     shutil.move(ckpt / "step-3", tmp_path / "step-3-dcp")
-    code, out, again = train_subprocess(
-        tmp_path / "run", *run, "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only"
-    )
+    hf_flags = ("--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only")
+    code, out, _ = train_subprocess(tmp_path / "refused", *run, *hf_flags)  # it trains a bias HF cannot hold
+    assert code == 2 and "checkpoint.hf_drop_routing_bias = true" in out.strip().splitlines()[-1], out
+    code, out, again = train_subprocess(tmp_path / "run", *run, *hf_flags, "--checkpoint.hf_drop_routing_bias")
     assert code == 0, out
     assert again[3] == losses[3]
     trained = read_model_tensors(tmp_path / "step-3-dcp")
@@ -90,15 +91,18 @@ def test_llama4_continued_pretraining_from_a_released_style_hf_folder(tmp_path):
     loaded = from_hf(hf.state_dict(), args)
     initial = from_hf(ref.state_dict(), args)
     for key, value in trained.items():
-        if not key.endswith("expert_bias"):  # HF Llama 4 has no routing bias (the export warns)
+        if not key.endswith("expert_bias"):  # HF Llama 4 has no routing bias (dropped, as told)
             assert torch.equal(loaded[key], value), key
     assert not torch.equal(loaded["layers.0.attention.wq.weight"], initial["layers.0.attention.wq.weight"])
-    # to_hf of the run's DCP step (no flags) exports the folder's model as the in-training export did
+    # to_hf of the run's DCP step exports the folder's model as the in-training export did, once
+    # told to drop the trained bias (refused before, nothing written)
     import json
 
     from scripts.convert_hf import main
 
-    assert main(["to_hf", str(ckpt / "step-2"), str(tmp_path / "step-2-hf")]) == 0
+    assert main(["to_hf", str(ckpt / "step-2"), str(tmp_path / "step-2-hf")]) == 1
+    assert not (tmp_path / "step-2-hf").exists()
+    assert main(["to_hf", str(ckpt / "step-2"), str(tmp_path / "step-2-hf"), "--drop_routing_bias"]) == 0
     exported = json.loads((ckpt / "step-3/config.json").read_text())
     assert json.loads((tmp_path / "step-2-hf/config.json").read_text()) == exported
     assert exported["max_position_embeddings"] == 64 and exported["use_qk_norm"]

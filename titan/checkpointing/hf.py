@@ -176,6 +176,41 @@ def _adapter(args: Any) -> Any:
     return spec.state_dict_adapter
 
 
+def trains_dropped_routing_bias(args: Any) -> bool:
+    """True for MoE model args whose balancing trains a routing bias their HF format has no key for."""
+    moe = getattr(args, "moe_args", None)
+    if moe is None or moe.load_balance_coeff is None:
+        return False
+    is_moe = getattr(args, "is_moe_layer", None)  # a family whose blocks are all MoE has none
+    if is_moe is not None and not any(is_moe(i) for i in range(args.n_layers)):
+        return False  # e.g. qwen3's dense flavors
+    return bool(getattr(spec_for_args(args).state_dict_adapter, "drops_routing_bias", False))
+
+
+def check_routing_bias_export(checkpoint: Any, args: Any) -> None:
+    """Before any process group: a final HF export that would lose the trained routing bias is
+    refused unless checkpoint.hf_drop_routing_bias accepts it (the export would route differently)."""
+    if checkpoint.last_save_in_hf and not checkpoint.hf_drop_routing_bias and trains_dropped_routing_bias(args):
+        raise TitanError(
+            f"checkpoint.last_save_in_hf: Hugging Face {spec_for_args(args).name} has no routing bias, and this run"
+            " trains one (auxiliary-loss-free balancing), so the export would pick other experts than the trained"
+            " model; set checkpoint.hf_drop_routing_bias = true to export without it, or"
+            " model.moe_load_balance_coeff = 0 to train without it"
+        )
+
+
+def _refuse_dropped_bias(adapter: Any, state: dict[str, torch.Tensor], family: str) -> None:
+    if not getattr(adapter, "drops_routing_bias", False):
+        return
+    for key, value in state.items():
+        if key.endswith("moe.expert_bias") and bool(value.abs().max() > 0):
+            raise TitanError(
+                f"{key} is not zero (max |bias| {float(value.abs().max()):.3g}) and Hugging Face {family} has no"
+                " routing bias, so the export would pick other experts than the trained model; pass"
+                " --drop_routing_bias (checkpoint.hf_drop_routing_bias = true) to export without it"
+            )
+
+
 def _write(
     out_dir: str | Path,
     args: Any,
@@ -183,11 +218,15 @@ def _write(
     dtype: torch.dtype | None,
     load: Callable[[list[str]], dict[str, torch.Tensor]],
     saved_dtype: torch.dtype,
+    drop_routing_bias: bool,
 ) -> None:
     """Check config.json first, then write everything into a temporary folder renamed at the end."""
     adapter = _adapter(args)
     config = adapter.args_to_hf_config(args, dtype or saved_dtype)
     check_export_config(adapter, args, config)
+    if not drop_routing_bias:  # before the folder exists: the biases are small
+        biases = [k for keys in groups for k in keys if k.endswith("moe.expert_bias")]
+        _refuse_dropped_bias(adapter, load(biases) if biases else {}, spec_for_args(args).name)
     with dcp_io.atomic_folder(out_dir) as out:
         _write_files(out, adapter, args, groups, dtype, load, config)
 
@@ -225,13 +264,14 @@ def save_hf(
     out_dir: str | Path,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     dtype: torch.dtype | None = None,
+    drop_routing_bias: bool = False,
 ) -> None:
-    """In-memory titan state dict -> HF folder."""
+    """In-memory titan state dict -> HF folder (``drop_routing_bias``: see _refuse_dropped_bias)."""
     keys = [k for k in state_dict if not (args.tie_embeddings and k == "output.weight")]
     nbytes = {k: state_dict[k].numel() * state_dict[k].element_size() for k in keys}
     saved = next((state_dict[k].dtype for k in keys if state_dict[k].is_floating_point()), torch.float32)
     groups = _plan_shards(nbytes, max_shard_bytes)
-    _write(out_dir, args, groups, dtype, lambda ks: {k: state_dict[k] for k in ks}, saved)
+    _write(out_dir, args, groups, dtype, lambda ks: {k: state_dict[k] for k in ks}, saved, drop_routing_bias)
 
 
 def export_dcp_to_hf(
@@ -240,6 +280,7 @@ def export_dcp_to_hf(
     args: Any,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     dtype: torch.dtype | None = None,
+    drop_routing_bias: bool = False,
 ) -> None:
     """Model tensors of a DCP checkpoint -> HF folder, one output shard in memory at a time."""
     nbytes = dcp_io.tensor_nbytes(dcp_dir)
@@ -261,7 +302,7 @@ def export_dcp_to_hf(
             )
     saved = next((m.properties.dtype for m in meta.values() if m.properties.dtype.is_floating_point), torch.float32)
     groups = _plan_shards(nbytes, max_shard_bytes)
-    _write(out_dir, args, groups, dtype, lambda ks: dcp_io.read_model_tensors(dcp_dir, ks), saved)
+    _write(out_dir, args, groups, dtype, lambda ks: dcp_io.read_model_tensors(dcp_dir, ks), saved, drop_routing_bias)
 
 
 def _expected_keys(args: Any) -> list[str]:
@@ -340,6 +381,7 @@ def save_model_hf(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     record: dict[str, Any] | None = None,
+    drop_routing_bias: bool = False,
 ) -> None:
     """Gather a (possibly sharded) model and write an HF folder from rank 0: the hook for
     `[checkpoint] last_save_in_hf`. Collective: every rank must call it. Pipeline-parallel parts
@@ -362,7 +404,7 @@ def save_model_hf(
             f"HF export needs the whole model on rank 0 but {missing[0]!r} is on another pipeline "
             "stage; export the DCP checkpoint with scripts/convert_hf.py to_hf instead"
         )
-    save_hf(state, args, out_dir, max_shard_bytes, dtype)
+    save_hf(state, args, out_dir, max_shard_bytes, dtype, drop_routing_bias)
 
 
 def import_hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Any:

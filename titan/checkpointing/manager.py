@@ -315,7 +315,13 @@ class CheckpointManager:
         if self.groups.agree(lambda: os.path.exists(out)):
             logger.info(f"replacing existing {out}")
             self.groups.agree(lambda: delete(out, ignore_errors=False))
-        save_model_hf(self.model.parts, out, dtype=DTYPES[self.cfg.export_dtype], record=self.config_record)
+        save_model_hf(
+            self.model.parts,
+            out,
+            dtype=DTYPES[self.cfg.export_dtype],
+            record=self.config_record,
+            drop_routing_bias=self.cfg.hf_drop_routing_bias,
+        )
 
         def commit() -> None:  # on rank 0; every rank returns once it is done (a next run may read it)
             write_manifest(out)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from titan.checkpointing.hf import check_routing_bias_export
 from titan.config.job_config import JobConfig
 from titan.data import build_tokenizer, check_data
 from titan.errors import TitanError
@@ -132,6 +133,7 @@ def check_run(config: JobConfig, dims: ParallelDims, model_args: Any, device_typ
             f" {dims.ep} (torch's per-op checkpointing cannot replay the experts' own FSDP inside a"
             ' block); use activation_checkpoint.mode = "full" or selective_ac_option = N (every N-th block)'
         )
+    check_routing_bias_export(config.checkpoint, model_args)
     if config.profiling.enable_memory_snapshot and device_type != "cuda":
         raise TitanError(
             "profiling.enable_memory_snapshot needs CUDA (it records the CUDA caching allocator's"

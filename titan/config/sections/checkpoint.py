@@ -49,6 +49,11 @@ class Checkpoint:
     safetensors, in export_dtype) at <folder>/step-N, where torchtitan puts it: load it back with
     initial_load_path <dump_folder>/<folder>/step-N and initial_load_in_hf. Needs
     last_save_model_only; auto-resume passes over it. Not with pipeline parallelism."""
+    hf_drop_routing_bias: bool = False
+    """Let a Hugging Face export leave out the experts' routing bias of auxiliary-loss-free balancing
+    for a family whose HF format has none (llama4, qwen3's MoE flavors, gpt_oss): the exported model
+    then picks its experts by the router alone, unlike the trained one. Off: such an export (and a
+    run with last_save_in_hf that trains the bias) is refused."""
     on_save_error: OnSaveError = "stop"
     """What a failed save (disk full, read-only, permission, any rank) does after its partial
     folder is removed: stop (exit with one line naming the cause) or retry (warn, keep training and
@@ -90,6 +95,7 @@ class Checkpoint:
             ("initial_load_path", bool(self.initial_load_path)),
             ("load_step", self.load_step != -1),
             ("last_save_in_hf", self.last_save_in_hf),
+            ("hf_drop_routing_bias", self.hf_drop_routing_bias),
         ):
             require(
                 not is_set or self.enable, f"checkpoint.{key}", rule="needs checkpoint.enable (add --checkpoint.enable)"

@@ -301,6 +301,7 @@ def state_dict_shapes(args: GptOssModelArgs) -> dict[str, tuple[int, ...]]:
 class GptOssStateDictAdapter:
     """The registry's handle on this module (ModelSpec.state_dict_adapter)."""
 
+    drops_routing_bias = True  # its HF format has none: an export drops titan's only when told to
     hf_model_types = ("gpt_oss",)
     args_from_shapes = staticmethod(args_from_shapes)
     state_dict_shapes = staticmethod(state_dict_shapes)

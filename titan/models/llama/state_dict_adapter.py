@@ -105,8 +105,9 @@ def layers_to_hf(
 
 
 def unmapped_routing_bias(layer: str, value: torch.Tensor, family: str, routes_by: str) -> dict[str, torch.Tensor]:
-    """The expert bias of titan's balancing, for an HF family without one: dropped, with a warning
-    when it is not zero (the exported model then routes by ``routes_by`` alone)."""
+    """The expert bias of titan's balancing, for an HF family without one: dropped (the export
+    refused that before unless told to drop it), with a warning when it is not zero (the exported
+    model then routes by ``routes_by`` alone)."""
     if bool(value.abs().max() > 0):
         from titan.log import logger
 

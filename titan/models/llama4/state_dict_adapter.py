@@ -113,6 +113,7 @@ def state_dict_shapes(args: Llama4ModelArgs) -> dict[str, tuple[int, ...]]:
 class Llama4StateDictAdapter:
     """The registry's handle on this module (ModelSpec.state_dict_adapter)."""
 
+    drops_routing_bias = True  # its HF format has none: an export drops titan's only when told to
     hf_model_types = ("llama4_text", "llama4")
     args_from_shapes = staticmethod(args_from_shapes)
     state_dict_shapes = staticmethod(state_dict_shapes)

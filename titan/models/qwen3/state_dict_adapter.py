@@ -304,6 +304,7 @@ def state_dict_shapes(args: Qwen3ModelArgs) -> dict[str, tuple[int, ...]]:
 class Qwen3StateDictAdapter:
     """The registry's handle on this module (ModelSpec.state_dict_adapter)."""
 
+    drops_routing_bias = True  # its HF format has none: an export drops titan's only when told to
     hf_model_types = ("qwen3", "qwen3_moe")
     args_from_shapes = staticmethod(args_from_shapes)
     state_dict_shapes = staticmethod(state_dict_shapes)
