@@ -185,8 +185,9 @@ def _force_recompute_shapes(block: nn.Module, fqns: list[str], block_fqn: str) -
 def _context_fn(op_shapes: frozenset | None, keep_attention: bool) -> Callable | None:
     """The selective-checkpoint policy of a wrapped block: per op (``op_shapes``: the matmul shapes
     always recomputed), keep attention only, or None (recompute everything)."""
-    if op_shapes is not None:
+    if op_shapes is not None or keep_attention:
         ignore_profiler_ops_in_sac()
+    if op_shapes is not None:
         return lambda: create_selective_checkpoint_contexts(_op_policy(op_shapes))
     if keep_attention:
         return lambda: create_selective_checkpoint_contexts(_attention_kept_policy)
