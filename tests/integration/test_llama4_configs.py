@@ -325,16 +325,11 @@ def test_moe_benchmark_presets_are_valid_configs() -> None:
             assert plan.parallel_dims.ep == config.parallelism.expert_parallel_degree
 
 
-def test_ep_with_per_op_selective_ac_is_refused_at_the_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """The debug config's per-op selective AC with EP: one line at the dry run; full AC plans."""
-    status, _, _ = _dry_run(tmp_path, "debug_model", "--parallelism.expert_parallel_degree", "2")
-    err = capsys.readouterr().err.strip().splitlines()
-    assert (
-        status == 2 and 'selective_ac_option = "op" does not combine with parallelism.expert_parallel_degree' in err[-1]
-    )
-    ep_full = ("--parallelism.expert_parallel_degree", "8", "--activation_checkpoint.mode", "full")
-    status, _, _ = _dry_run(tmp_path, "debug_model", *ep_full)
-    assert status == 0, capsys.readouterr().err.strip().splitlines()[-1:]
+def test_ep_with_per_op_selective_ac_plans_at_the_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The debug config's per-op selective AC with EP 2 and EP 8 (the file's AC as shipped)."""
+    for ep in ("2", "8"):
+        status, _, _ = _dry_run(tmp_path, "debug_model", "--parallelism.expert_parallel_degree", ep)
+        assert status == 0, capsys.readouterr().err.strip().splitlines()[-1:]
 
 
 def _debug_model_at_ep2(rank: int, world: int, folder: str) -> dict[int, float]:
@@ -343,8 +338,9 @@ def _debug_model_at_ep2(rank: int, world: int, folder: str) -> dict[int, float]:
     os.chdir(folder)  # the file's relative paths: ./tests/assets/tokenizer, ./outputs
     flags = [
         *("--job.config_file", "debug_model.toml", "--parallelism.expert_parallel_degree", "2"),
-        # Per-op selective AC does not combine with EP (refused above); every-2nd-block AC does.
-        *("--activation_checkpoint.selective_ac_option", "2", "--training.steps", "20"),
+        # The file's per-op selective AC: each block's recompute replays its experts' FSDP unit.
+        "--training.steps",
+        "20",
         # 8 x 64 tokens per rank instead of 8 x 2048, for time: 64 per expert on average, and the
         # busiest expert's load grows to 4-5x the mean within 10 steps: over 256 tokens, where
         # counts in bfloat16 would stop being exact.

@@ -86,14 +86,9 @@ def _hub(path, *extra):
             1,
             ["float8.enable_float8_grouped_mm needs CUDA", "this run is on cpu"],
         ),
-        (
-            [*LLAMA4, "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "selective"],
-            2,
-            ['selective_ac_option = "op" does not combine with parallelism.expert_parallel_degree 2'],
-        ),
         (["--parallelism.tensor_parallel_degree", "3"], 2, ["tp 3", "world size 2"]),
     ],
-    ids=["ep-not-dividing-experts", "ep-on-dense", "vocab-below-tokenizer", "float8-grouped-cpu", "ep-op-ac", "tp"],
+    ids=["ep-not-dividing-experts", "ep-on-dense", "vocab-below-tokenizer", "float8-grouped-cpu", "tp"],
 )
 def test_model_and_layout_errors_at_the_launch_check(capsys, tmp_path, argv, world, needles):
     precheck(capsys, tmp_path, argv, *needles, world=world)

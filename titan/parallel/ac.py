@@ -20,6 +20,7 @@ import torch._functorch.config as functorch_config
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.tensor import DTensor
+from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titan.config.choices import ACMode, choices
@@ -72,16 +73,49 @@ _PARTITIONER_DEFAULTS = {
 }
 
 
+# The profiler's record_function annotations: no tensor computation, nothing to keep or recompute.
+PROFILER_OPS = frozenset(
+    getattr(packet, overload)
+    for packet in (
+        torch.ops.profiler._record_function_enter,
+        torch.ops.profiler._record_function_enter_new,
+        torch.ops.profiler._record_function_exit,
+    )
+    for overload in packet.overloads()
+)
+
+
+def ignore_profiler_ops_in_sac() -> None:
+    """Let torch's selective checkpointing pass the profiler's annotations through unmatched.
+
+    Since torch 2.13 SAC matches every op of the recompute, by name and call index, to one the
+    forward recorded (recomputed ones included). A nested FSDP unit inside a checkpointed block
+    (the routed experts under EP, sharded on their own mesh) does not annotate the same way twice:
+    in the forward the model's root FSDP state is running, in the recompute (during backward)
+    none is, so the experts' state opens one more "FSDP::root_pre_forward" record_function and the
+    recompute stops with "profiler._record_function_enter_new.default invocation index N
+    encountered during backward but not found in storage". The annotations carry no activations,
+    so leaving them out of the matching, as torch already does for detach, changes no result and
+    lines up the recompute's ops with the forward's. Added to torch's own set (SAC_IGNORED_OPS,
+    read by both SAC modes at each op); a no-op where a torch release already lists them.
+    """
+    torch_checkpoint.SAC_IGNORED_OPS.update(PROFILER_OPS)
+
+
 def _op_policy(force_recompute_shapes: frozenset[tuple[int, ...]] = frozenset()) -> Callable:
     """A fresh policy per checkpointed call: keeps every other matmul output, attention and the
     listed ops; recomputes the cheap pointwise work (norms, RoPE, SiLU) in backward. Matmuls whose
-    weight has one of ``force_recompute_shapes`` are recomputed and not counted.
+    weight has one of ``force_recompute_shapes`` are recomputed and not counted. Copies from an
+    accelerator to the host are kept: the recompute of an MoE block then reads EP's all-to-all
+    split sizes from the kept host copy instead of synchronising with the device again.
 
     Counting separately in forward and in recompute gives both passes the same decisions.
     """
     counts: dict[bool, int] = defaultdict(int)
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func == aten._to_copy.default and _device_to_host(args[0], kwargs):
+            return CheckpointPolicy.MUST_SAVE
         if func in MATMUL_OPS:
             if func == aten.mm.default and tuple(args[1].shape) in force_recompute_shapes:
                 return CheckpointPolicy.PREFER_RECOMPUTE
@@ -92,6 +126,11 @@ def _op_policy(force_recompute_shapes: frozenset[tuple[int, ...]] = frozenset())
         return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
+
+
+def _device_to_host(source: torch.Tensor, kwargs: dict) -> bool:
+    target = kwargs.get("device")
+    return source.device.type != "cpu" and target is not None and torch.device(target).type == "cpu"
 
 
 def _attention_kept_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
@@ -146,6 +185,8 @@ def _force_recompute_shapes(block: nn.Module, fqns: list[str], block_fqn: str) -
 def _context_fn(op_shapes: frozenset | None, keep_attention: bool) -> Callable | None:
     """The selective-checkpoint policy of a wrapped block: per op (``op_shapes``: the matmul shapes
     always recomputed), keep attention only, or None (recompute everything)."""
+    if op_shapes is not None or keep_attention:
+        ignore_profiler_ops_in_sac()
     if op_shapes is not None:
         return lambda: create_selective_checkpoint_contexts(_op_policy(op_shapes))
     if keep_attention:

@@ -124,15 +124,6 @@ def check_run(config: JobConfig, dims: ParallelDims, model_args: Any, device_typ
     family_check = getattr(model_args, "check_parallelism", None)
     if family_check is not None:  # the layouts a family cannot run, said by its args (before any process group)
         family_check(dims.tp, dims.cp)
-    ac = config.activation_checkpoint
-    if dims.ep_enabled and ac.mode == "selective" and str(ac.selective_ac_option) == "op":
-        # Seen with torch 2.13: the recompute meets the experts' FSDP hooks' profiler ops, which the
-        # per-op policy's forward never stored, and stops in the backward pass.
-        raise TitanError(
-            'activation_checkpoint.selective_ac_option = "op" does not combine with parallelism.expert_parallel_degree'
-            f" {dims.ep} (torch's per-op checkpointing cannot replay the experts' own FSDP inside a"
-            ' block); use activation_checkpoint.mode = "full" or selective_ac_option = N (every N-th block)'
-        )
     check_routing_bias_export(config.checkpoint, model_args)
     if config.profiling.enable_memory_snapshot and device_type != "cuda":
         raise TitanError(

@@ -12,12 +12,20 @@ import torch
 import torch._functorch.config as functorch_config
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from tests.helpers.tiny import TINY, batch, build, patch_flavors
 from titan.config import load_config
 from titan.config.sections.activation_checkpoint import ActivationCheckpoint
 from titan.errors import TitanError
-from titan.parallel.ac import ATTENTION_OPS, apply_ac, parse_selective_option, recomputed_attention_breaks_compile
+from titan.parallel.ac import (
+    ATTENTION_OPS,
+    _context_fn,
+    _op_policy,
+    apply_ac,
+    parse_selective_option,
+    recomputed_attention_breaks_compile,
+)
 from titan.parallel.init import canonical_fqn
 from titan.training.checks import load_job
 from titan.training.loss import cross_entropy_sum
@@ -126,6 +134,40 @@ def test_checkpoint_settings_reach_the_wrapper():
         "determinism_check": "none",
         "debug": True,
     }
+
+
+def test_per_op_recompute_may_annotate_differently_from_the_forward():
+    """A nested FSDP unit (EP's experts) opens one more profiler annotation in the recompute than
+    in the forward: the per-op policy's recompute must not take it for a missing activation."""
+    calls = []
+    weight = torch.randn(8, 8, requires_grad=True)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        calls.append(None)
+        if len(calls) == 2:  # the recompute, as FSDP's root_pre_forward there
+            with torch.profiler.record_function("recompute only"):
+                pass
+        with torch.profiler.record_function("both"):
+            return torch.relu(x @ weight) @ weight
+
+    x = torch.randn(4, 8)
+    (expected,) = torch.autograd.grad(block(x).sum(), weight)
+    calls.clear()
+    context_fn = _context_fn(frozenset(), keep_attention=False)
+    out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
+    (grad,) = torch.autograd.grad(out.sum(), weight)
+    assert len(calls) == 2
+    torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+
+
+def test_per_op_policy_keeps_device_to_host_copies_only():
+    policy = _op_policy()
+    ctx = SelectiveCheckpointContext(is_recompute=False)
+    on_device = torch.empty(4, device="meta")  # stands for an accelerator's tensor
+    to_copy = torch.ops.aten._to_copy.default
+    assert policy(ctx, to_copy, on_device, device=torch.device("cpu")) == CheckpointPolicy.MUST_SAVE
+    assert policy(ctx, to_copy, on_device, dtype=torch.bfloat16) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert policy(ctx, to_copy, torch.empty(4), device="cpu") == CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class CountAttention(TorchDispatchMode):

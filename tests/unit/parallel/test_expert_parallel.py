@@ -1,8 +1,9 @@
 """Expert parallelism on a tiny llama4 (gloo ranks): each EP layout's losses and grad norms against
 the same layout without EP, PP against the one-process run, in float32 and in bfloat16 parameters
-(the default); the host reads of a quiet EP step; checkpoints that move between EP degrees; and
-the routing counts of an MoE layer whose experts have their own bf16 FSDP policy. The layouts of
-one world size share one spawned process group; each builds its Trainer in turn."""
+(the default); EP with per-op selective activation checkpointing against EP without it; the host
+reads of a quiet EP step; checkpoints that move between EP degrees; and the routing counts of an
+MoE layer whose experts have their own bf16 FSDP policy. The layouts of one world size share one
+spawned process group; each builds its Trainer in turn."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ PP_RTOL = 1e-5
 BF16_RTOL = 2.0**-10
 BF16 = ("--training.mixed_precision_param", "bfloat16")
 BF16_STEPS = 5  # bf16 matmuls are slow on CPU: half the float32 layouts' steps
+# Per-op selective AC under EP: the recompute replays the experts' own FSDP unit inside each block.
+SAC = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
+SAC_STEPS = 3
 TITAN = Path(__file__).resolve().parents[3] / "titan"
 MOE_LAYERS = 2
 EP2 = ("--parallelism.expert_parallel_degree", "2")
@@ -82,7 +86,7 @@ def _curve(trainer: Trainer, reads: dict[int, int] | None = None, steps: int = 1
 def _layouts(dump: str, layouts: dict[str, tuple[int, tuple[str, ...]]], reads: dict | None = None) -> dict:
     results = {}
     for name, (dp, flags) in layouts.items():
-        steps = BF16_STEPS if name.endswith("_bf16") else 10
+        steps = SAC_STEPS if "_sac" in name else BF16_STEPS if name.endswith("_bf16") else 10
         results[name] = _curve(_trainer(dump, dp, *flags), reads if name == "ep2" else None, steps)
     return results
 
@@ -145,6 +149,8 @@ def on_two_ranks(rank: int, world: int, dump: str) -> dict:
                 "pp2": (1, ("--parallelism.pipeline_parallel_degree", "2", SHARD, "1")),
                 "fsdp2_bf16": (2, (SHARD, "2", *BF16)),
                 "ep2_bf16": (2, (SHARD, "2", *EP2, *BF16)),
+                "ep2_sac": (2, (SHARD, "2", *EP2, *SAC)),
+                "ep2_sac_bf16": (2, (SHARD, "2", *EP2, *SAC, *BF16)),
                 "pp2_bf16": (1, ("--parallelism.pipeline_parallel_degree", "2", SHARD, "1", *BF16)),
             },
             reads,
@@ -168,6 +174,7 @@ def on_four_ranks(rank: int, world: int, dump: str) -> dict:
             {
                 "fsdp4": (4, (SHARD, "4")),
                 "ep2_fsdp2": (4, (SHARD, "4", *EP2)),
+                "ep2_fsdp2_sac": (4, (SHARD, "4", *EP2, *SAC)),  # the experts FSDP-sharded over 2 ranks
                 "tp2": (2, tp2),
                 "ep2_etp2": (2, (*tp2, *EP2, "--parallelism.expert_tensor_parallel_degree", "2")),
                 "tp2_bf16": (2, (*tp2, *BF16)),
@@ -215,6 +222,14 @@ def test_ep2_in_bf16_reproduces_the_fsdp2_bf16_curve(two) -> None:
         print("ep2 bf16 vs fsdp2 bf16, worst relative loss difference:", worst)
 
 
+def test_ep2_with_per_op_selective_ac_reproduces_the_ep2_curve(two) -> None:
+    for per_rank in two[0]:
+        _close(per_rank["ep2_sac"], per_rank["ep2"][:SAC_STEPS], "ep2 + per-op SAC")
+        bf16 = per_rank["ep2_bf16"][:SAC_STEPS]
+        worst = _close(per_rank["ep2_sac_bf16"], bf16, "ep2 + per-op SAC, bf16", BF16_RTOL, relative=True)
+        print("ep2 + per-op SAC bf16 vs ep2 bf16, worst relative loss difference:", worst)
+
+
 def test_ep_routing_counts_stay_integers_under_a_bf16_experts_policy(two) -> None:
     for out, whole, dtypes in (per_rank["bf16_counts"] for per_rank in two[0]):
         # The experts' forward (its EP dispatch included) was given integer counts ...
@@ -251,6 +266,7 @@ def test_four_rank_layouts_and_reshard_to_ep4(two) -> None:
     results = run_distributed(on_four_ranks, 4, str(dump), timeout=600)
     for per_rank in results:
         _close(per_rank["ep2_fsdp2"], per_rank["fsdp4"], "ep2 x fsdp2")
+        _close(per_rank["ep2_fsdp2_sac"], per_rank["ep2_fsdp2"][:SAC_STEPS], "ep2 x fsdp2 + per-op SAC")
         _close(per_rank["ep2_etp2"], per_rank["tp2"], "ep2 x tp2 (etp 2)")
         _close(per_rank["ep2_etp2_bf16"], per_rank["tp2_bf16"], "ep2 x tp2 (etp 2), bf16", BF16_RTOL, relative=True)
         # Loaded EP 1's step 10 (nothing else to train from) and trained step 11.

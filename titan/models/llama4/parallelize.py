@@ -190,7 +190,6 @@ def parallelize_moe_family(
             loss_parallel=parallel_dims.loss_parallel_enabled,
             enable_async_tp=par.enable_async_tensor_parallel,
         )
-    ac = job_config.activation_checkpoint  # with EP, per-op selective AC is refused by the run plan's check_run
     apply_experts(model, parallel_dims)
     if parallel_dims.cp_enabled:
         # The iRoPE block masks and the MoE routing statistics are not split along the sequence.
@@ -198,8 +197,11 @@ def parallelize_moe_family(
             f"parallelism.context_parallel_degree = {par.context_parallel_degree} is not supported for"
             f' model.name = "{family}" with MoE blocks; use tensor, expert, data or pipeline parallelism'
         )
-    apply_ac(model, ac.mode, ac.selective_ac_option)
-    if job_config.compile.enable and "model" in job_config.compile.components:
+    compiled = job_config.compile.enable and "model" in job_config.compile.components
+    # The whole section: per-op SAC's force-recomputed shapes (the router's gate by default), the
+    # checkpoint wrapper's options and the memory budget, as for dense models.
+    apply_ac(model, job_config.activation_checkpoint, compiled=compiled, dump_folder=job_config.job.dump_folder)
+    if compiled:
         compile_blocks(model)
     if parallel_dims.fsdp_enabled:
         apply_llama4_fsdp(model, parallel_dims, job_config)
