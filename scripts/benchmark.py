@@ -122,7 +122,8 @@ _LLAMA4_DEBUG = "--model.name llama4 --model.flavor debugmodel"
 # at EP 1 (FSDP 2) and EP 2, next to llama3's debug model, whose FFNs have the width of one MoE
 # layer's active experts (the same active parameters, but the router's 2k and the embedding).
 # On GPUs: Llama 4 Scout's shape (17bx16e: 16 experts in every block) cut to 4 layers, seq 8192,
-# bf16, AC full, EP over all GPUs present against EP 1 (run with 8 GPUs: 16 experts, EP 8).
+# bf16, per-op selective AC (torchtitan's), EP over all GPUs present against EP 1 (run with 8
+# GPUs: 16 experts, EP 8).
 PRESETS["moe_debug_cpu"] = {
     "warmup": 3,
     "steps": 10,
@@ -144,9 +145,6 @@ PRESETS["llama4_17bx16e_4layers"] = {
         "17bx16e",
         "--model.n_layers",
         "4",
-        # per-op selective AC cannot replay the experts' FSDP under EP: full AC in both rows
-        "--activation_checkpoint.mode",
-        "full",
     ],
     "variants": [
         ("EP 1", ""),
@@ -179,8 +177,6 @@ PRESETS["gpt_oss_20b_4layers"] = {
         "4",
         "--model.attn_type",
         "flex",
-        "--activation_checkpoint.mode",  # per-op selective AC does not combine with EP
-        "full",
     ],
     "variants": [
         ("EP 1", ""),
@@ -189,7 +185,7 @@ PRESETS["gpt_oss_20b_4layers"] = {
 }
 # DeepSeek-V3: the debug model (latent attention, 8 experts top 3 + 2 shared, softmax) at EP 1 and
 # EP 2 on 2 CPU ranks; on GPUs the 16B shape (64 experts, top 6) cut to 4 layers with the llama3
-# preset's data, precision and optimizer, full AC (per-op AC does not combine with EP).
+# preset's data, precision, optimizer and per-op selective AC (torchtitan's 16B file's).
 _DEEPSEEK_DEBUG = "--model.name deepseek_v3 --model.flavor debugmodel"
 PRESETS["deepseek_v3_debug_cpu"] = {
     "warmup": 3,
@@ -204,8 +200,7 @@ PRESETS["deepseek_v3_16b_4layers"] = {
     "warmup": 5,
     "steps": 10,
     "args": [
-        *PRESETS["llama3_8b_8layers"]["args"][2:-4],  # the llama3 preset's data, precision and optimizer
-        *("--activation_checkpoint.mode", "full"),
+        *PRESETS["llama3_8b_8layers"]["args"][2:],  # the llama3 preset's data, precision, optimizer and AC
         *("--model.name", "deepseek_v3", "--model.flavor", "16B", "--model.n_layers", "4"),
     ],
     "variants": [

@@ -29,6 +29,10 @@
 #               steps 6-15                                          eager 60, others 90 each
 #   5 moe       llama4's debug shape in bf16 at EP 1, and at EP = the GPUs present when more
 #               than one (scripts/benchmark.py --preset llama4_debug)                        60
+#   5 moe-F     the other MoE families' GPU shapes at EP 1: DeepSeek-V3 16B and gpt-oss 20b cut
+#               to 2 layers (one GPU's memory), scripts/benchmark.py --preset deepseek_v3_16b_4layers /
+#               gpt_oss_20b_4layers; the CPU rehearsal skips them (the shapes do not fit a CPU run:
+#               smoke-F ran both families)                                                60 each
 #   6 optim     AdamW vs Muon step time on the 8B shape cut to 2 layers (skipped, saying so,
 #               while optimizer.name Muon is not registered)                                 60
 #   7 profile   scripts/profile_step.py: the compile row, 3 warm-up + 2 recorded steps, top 15
@@ -179,6 +183,14 @@ optim_rows() {
     fi
     bench_row "$@" --variant "adamw=--optimizer.name AdamW" --variant "muon=--optimizer.name Muon"
 }
+# A family's GPU shape at EP 1, 2 layers; or the rehearsal's skip (its widths do not fit a CPU run).
+moe_shape() {
+    if [ "$DRY" = 1 ]; then
+        echo "skipped: the $1 shape does not fit a CPU rehearsal (the family's smoke step ran it)"
+        return 77
+    fi
+    bench_row --preset "$1" --only "EP 1" --model.n_layers 2
+}
 SITE=/tmp/site
 LIMIT_SCALE=1
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
@@ -200,7 +212,7 @@ case ",$ROWS," in *,compile,*) PROFILE_ROW=compile ;; *) PROFILE_ROW=${ROWS%%,*}
 MOE_ROWS=ep1
 [ "$GPUS" -gt 1 ] && MOE_ROWS=ep1,ep-gpus
 
-export -f install_wheels versions bench_row optim_rows
+export -f install_wheels versions bench_row optim_rows moe_shape
 export DRY SITE PY DRY_ARGS
 T0=$(date +%s)
 step install 20 install_wheels
@@ -215,6 +227,9 @@ for row in ${ROWS//,/ }; do
     step "bench-$row" $limit bench_row "${ROW_ARGS[@]}" --only "$row"
 done
 step moe 60 bench_row --preset llama4_debug --only "$MOE_ROWS"
+for preset in deepseek_v3_16b_4layers gpt_oss_20b_4layers; do
+    step "moe-${preset%%_[0-9]*}" 60 moe_shape "$preset"
+done
 step optim 60 optim_rows "${ROW_ARGS[@]}" --model.n_layers 2
 step profile 60 "$PY" scripts/profile_step.py --row "$PROFILE_ROW" --top 15 "${PROFILE[@]}"
 echo "total: $(($(date +%s) - T0))s" | tee -a "$SUMMARY"

@@ -29,14 +29,16 @@ def test_dry_rehearsal_runs_every_step_and_passes(tmp_path):
     summary = (tmp_path / "summary.txt").read_text().splitlines()
     steps = [line.split(":")[0] for line in summary]
     smoke = [f"smoke-{f}" for f in _families()]
-    assert steps == ["install", "versions", *smoke, "pytest", "bench-eager", "bench-flex", "moe", "optim", "profile",
-                     "total"], summary  # fmt: skip
+    assert steps == ["install", "versions", *smoke, "pytest", "bench-eager", "bench-flex", "moe", "moe-deepseek_v3",
+                     "moe-gpt_oss", "optim", "profile", "total"], summary  # fmt: skip
     status = dict(line.split(": ", 1) for line in summary)
     for name in ["install", "versions", *smoke, "pytest", "bench-eager", "moe", "profile"]:
         assert re.fullmatch(r"ok \(\d+s\)", status[name]), summary  # each part says how long it took
     assert re.fullmatch(
         r"skipped: flex attention has no backward on CPU \(CPU rehearsal\) \(\d+s\)", status["bench-flex"]
     )
+    for family in ("deepseek_v3", "gpt_oss"):  # their GPU shapes: said, not run, on CPU
+        assert re.fullmatch(r"skipped: the \w+ shape does not fit a CPU rehearsal .*\(0s\)", status[f"moe-{family}"])
     from titan.training.optim import OPTIMIZERS
 
     if "muon" in {n.lower() for n in OPTIMIZERS}:
