@@ -2,8 +2,9 @@
 
 On CPU (gloo, CP 2): the flex forward of each family against the unsharded model (logits, loss, and
 every MoE layer's routing counts summed over the CP ranks), in fp32 and bf16 parameters; the
-sequence-wise balance loss of a split sequence against the whole one (value and gradient). The
-attention kernels' backward needs CUDA under CP (see titan/parallel/dims.py check_layout):
+sequence-wise balance loss of a split sequence against the whole one (value and gradient), and an
+MoE layer's gradients with it summed over the CP ranks against the unsharded layer's. The attention
+kernels' backward needs CUDA under CP (see titan/parallel/dims.py check_layout):
 tests/cuda/test_moe_cp_gpu.py trains there. The layouts CP does not allow are refused in one line.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.helpers.distributed import run_distributed
@@ -25,7 +27,7 @@ from titan.models.llama.parallelize import apply_llama_cp, cp_buffers
 from titan.models.llama4.args import Llama4ModelArgs, llama4_configs
 from titan.models.llama4.model import Llama4Transformer
 from titan.models.llama4.parallelize import apply_moe_cp
-from titan.models.moe import MoEArgs, moe_layers, sequence_balance_loss
+from titan.models.moe import MoE, MoEArgs, moe_layers, sequence_balance_loss
 from titan.models.qwen3.args import Qwen3ModelArgs
 from titan.models.qwen3.model import Qwen3Transformer
 from titan.parallel.cp import cp_shard_batch, cp_sum, cp_unshard
@@ -119,9 +121,35 @@ def _balance_loss_parity(rank: int, world: int, mesh) -> dict:
     }
 
 
+def _moe_layer_grad_parity(rank: int, world: int, mesh) -> float:
+    """An MoE layer with the balance loss on (its default scale: the mean over whole sequences), fed
+    this rank's head-tail rows: its gradients summed over the CP ranks are the unsharded layer's."""
+    torch.manual_seed(3)
+    moe = MoE(replace(DS.moe_args, aux_loss_coeff=0.5), dim=32, hidden_dim=16)
+    moe.init_weights(0.02)
+    x, g = torch.randn(2, SEQ, 32), torch.randn(2, SEQ, 32)
+    (moe(x) * g).sum().backward()
+    want = {n: p.grad.clone() for n, p in moe.named_parameters() if p.grad is not None}
+    moe.zero_grad()
+    holder = nn.ModuleDict({"moe": moe})
+    apply_moe_cp(holder, mesh, "flex", lambda *_: None)  # no attention here: only the MoE side
+    chunk = SEQ // (2 * world)
+    rows = torch.cat([torch.arange(r * chunk, (r + 1) * chunk) for r in (rank, 2 * world - 1 - rank)])
+    (moe(x[:, rows]) * g[:, rows]).sum().backward()
+    worst = 0.0
+    for name, p in moe.named_parameters():
+        if p.grad is None:
+            continue
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        worst = max(worst, ((grad - want[name]).abs().max() / want[name].abs().max()).item())
+    return worst
+
+
 def _on_two_ranks(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     out: dict = {"balance": _balance_loss_parity(rank, world, mesh)}
+    out["moe_layer"] = _moe_layer_grad_parity(rank, world, mesh)
     for name, (cls, args) in MODELS.items():
         out[name] = _forward_parity(cls, replace(args), mesh, torch.float32)
     out["deepseek_v3_bf16"] = _forward_parity(DeepSeekV3Transformer, replace(DS), mesh, torch.bfloat16)
@@ -136,6 +164,8 @@ def test_moe_families_cp_forward_and_balance_loss_match_unsharded():
         bal = per_rank["balance"]
         # fp32 sums of ~SEQ terms in another grouping: a few ulps of the result.
         assert bal["loss"] < 1e-5 and bal["grad"] < 1e-6 * bal["grad_scale"], bal
+        # Each gradient sums SEQ tokens' terms in two halves: fp32 rounding, relative to the largest entry.
+        assert per_rank["moe_layer"] < 1e-5, per_rank["moe_layer"]
         for name in MODELS:
             r = per_rank[name]
             # The flex kernel sees the same rows and keys in both layouts (the CP mask only drops

@@ -166,8 +166,8 @@ class MoE(nn.Module):
                 scores, experts, bs, self.num_experts, self.seq_sum, self.seq_shards
             )
             scale = _AUX_SCALE[0]
-            if scale is None:
-                scale = 1.0 / (bs * slen)
+            if scale is None:  # the mean over whole sequences (slen is this rank's part under CP)
+                scale = 1.0 / (bs * slen * self.seq_shards)
             out = _AddAuxLossGrad.apply(out, aux, torch.as_tensor(scale, dtype=aux.dtype, device=aux.device))
         return out
 
