@@ -20,11 +20,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tests.helpers.distributed import run_distributed
 from titan.errors import TitanError
+from titan.launch.entry import main
 from titan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from titan.models.deepseek_v3.model import DeepSeekV3Transformer
-from titan.models.gpt_oss.args import gpt_oss_configs
 from titan.models.llama.parallelize import apply_llama_cp, cp_buffers
-from titan.models.llama4.args import Llama4ModelArgs, llama4_configs
+from titan.models.llama4.args import Llama4ModelArgs
 from titan.models.llama4.model import Llama4Transformer
 from titan.models.llama4.parallelize import apply_moe_cp
 from titan.models.moe import MoE, MoEArgs, moe_layers, sequence_balance_loss
@@ -179,17 +179,17 @@ def test_moe_families_cp_forward_and_balance_loss_match_unsharded():
         assert bf16["loss"] < 2e-2, bf16
 
 
-def test_cp_refusals_are_one_line():
+def test_cp_refusals_are_one_line(tmp_path, capsys: pytest.CaptureFixture):
     """The attention layouts CP cannot split are refused by the family's args (the run plan's check,
-    before any process group): llama4's iRoPE flavors and gpt-oss's sinks."""
-    with pytest.raises(TitanError, match="iRoPE blocks") as err:
-        llama4_configs["debugmodel_irope"].check_parallelism(1, 2)
-    assert "\n" not in str(err.value)
+    before any process group, also in the dry run): llama4's iRoPE flavors and gpt-oss's sinks."""
+    for name, flavor, why in (("llama4", "debugmodel_irope", "iRoPE blocks"), ("gpt_oss", "debugmodel", "sinks")):
+        flags = ["--model.name", name, "--model.flavor", flavor, "--training.seq_len", "512"]
+        flags += ["--job.dump_folder", str(tmp_path), "--parallelism.context_parallel_degree", "2"]
+        assert main([*flags, "--job.dry_run", "--job.dry_run_world_size", "2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert "context_parallel_degree = 2 is not supported" in err[-1] and why in err[-1], err[-1:]
     temperature = replace(LLAMA4, nope_layers=[0], chunked_layers=[], attn_temperature_tuning=True)
     with pytest.raises(TitanError, match="context_parallel_degree = 2 is not supported for this llama4 flavor"):
         temperature.check_parallelism(1, 2)
-    with pytest.raises(TitanError, match="attention sinks") as err:
-        gpt_oss_configs["debugmodel"].check_parallelism(1, 2)
-    assert "\n" not in str(err.value)
     LLAMA4.check_parallelism(1, 2)  # no iRoPE: allowed
     DS.check_parallelism(1, 2)
