@@ -294,11 +294,18 @@ def test_deepseek_v3_benchmark_presets_are_valid_configs() -> None:
 REFUSED = 'is not supported for model.name = "deepseek_v3"'
 
 
-@pytest.mark.parametrize("dim", ["tensor_parallel_degree", "context_parallel_degree"])
-def test_tensor_and_context_parallel_are_refused_in_one_line(
-    dim: str, tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
+@pytest.mark.parametrize("dim", ["tensor_parallel_degree"])
+def test_tensor_parallel_is_refused_in_one_line(dim: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     small = ("--model.n_layers", "2", "--training.seq_len", "256", "--activation_checkpoint.mode", "none")
     status = _dry_run(tmp_path, "debug_model", *small, f"--parallelism.{dim}", "2")
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and f"{dim} = 2 {REFUSED}" in err[-1], err[-1:]
+
+
+@pytest.mark.parametrize("name", ["debug_model", pytest.param("deepseek_v3_671b", marks=pytest.mark.slow)])
+def test_context_parallel_2_plans(name: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """CP 2 x FSDP 4 over the 8 ranks: latent attention's kernels take CP (the plan is checked for GPUs)."""
+    status = _dry_run(tmp_path, name, "--parallelism.context_parallel_degree", "2")
+    out = capsys.readouterr()
+    assert status == 0, out.err.strip().splitlines()[-1:]
+    assert "matches the model's" in out.out + out.err

@@ -97,6 +97,7 @@ class _Registry:
 
 
 def _llama4() -> ModelSpec:
+    from titan.models.llama.parallelize import cp_buffers
     from titan.models.llama.pipeline import pipeline_llama
     from titan.models.llama4 import args as llama4_args
     from titan.models.llama4.model import Llama4Transformer
@@ -113,6 +114,7 @@ def _llama4() -> ModelSpec:
         llama4_args.get_nparams_and_flops,
         pipeline_llama,
         tensor_parallel_fn=llama4_tp,
+        cp_buffers_fn=cp_buffers,
         state_dict_adapter=Llama4StateDictAdapter,
     )
 
@@ -141,6 +143,7 @@ def _deepseek_v3() -> ModelSpec:
     from titan.models.deepseek_v3.model import DeepSeekV3Transformer
     from titan.models.deepseek_v3.parallelize import parallelize_deepseek_v3
     from titan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+    from titan.models.llama.parallelize import cp_buffers
     from titan.models.llama.pipeline import pipeline_llama
 
     return ModelSpec(
@@ -151,6 +154,7 @@ def _deepseek_v3() -> ModelSpec:
         parallelize_deepseek_v3,
         ds_args.get_nparams_and_flops,
         pipeline_llama,
+        cp_buffers_fn=cp_buffers,
         state_dict_adapter=DeepSeekV3StateDictAdapter,
     )
 

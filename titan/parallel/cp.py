@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import cast
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.experimental._attention import (
@@ -117,6 +118,19 @@ def cp_shard_batch(
         _disable_context_parallel_dispatcher()
         for (m, name, _), original in zip(buffers, originals):
             setattr(m, name, original)
+
+
+def cp_sum(cp_mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function summing a statistic without gradient (e.g. per-sequence counts) over the CP ranks,
+    i.e. over the parts of the same sequences."""
+    group = cp_mesh.get_group()
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return t
+
+    return reduce
 
 
 def cp_unshard(cp_mesh: DeviceMesh, tensor: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:

@@ -99,11 +99,6 @@ class DeepSeekV3ModelArgs(TransformerModelArgs):
                 f'parallelism.tensor_parallel_degree = {tp} is not supported for model.name = "deepseek_v3"'
                 " yet; use expert (EP), data (FSDP/HSDP) or pipeline parallelism"
             )
-        if cp > 1:
-            raise TitanError(
-                f'parallelism.context_parallel_degree = {cp} is not supported for model.name = "deepseek_v3";'
-                " use expert, data or pipeline parallelism"
-            )
 
     def validate(self) -> None:
         for name in (

@@ -83,6 +83,17 @@ class Llama4ModelArgs(TransformerModelArgs):
         if self.attn_type == "varlen":
             raise TitanError('model.attn_type = "varlen" is not supported by llama4; valid: sdpa, flex')
 
+    def check_parallelism(self, tp: int, cp: int) -> None:
+        """The layouts llama4's attention does not allow, refused by the run plan's check."""
+        temperature = self.attn_temperature_tuning and not all(self.uses_rope(i) for i in range(self.n_layers))
+        if cp > 1 and (self.any_chunked or temperature):
+            raise TitanError(
+                f"parallelism.context_parallel_degree = {cp} is not supported for this llama4 flavor: its iRoPE"
+                " blocks (chunked attention within fixed_attn_block_size, the NoPE blocks' position temperature)"
+                " read absolute positions, which CP's split sequence does not keep; use tensor, expert, data or"
+                " pipeline parallelism"
+            )
+
     def is_moe_layer(self, layer_id: int) -> bool:
         if self.moe_layers is not None:
             return layer_id in self.moe_layers

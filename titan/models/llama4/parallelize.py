@@ -1,5 +1,5 @@
-"""Parallelize a llama4 model part, in llama3's order: TP/SP -> EP/ETP -> activation checkpointing
--> compile -> FSDP2 / HSDP / DDP.
+"""Parallelize a llama4 model part, in llama3's order: TP/SP -> EP/ETP -> CP (families whose
+attention allows it) -> activation checkpointing -> compile -> FSDP2 / HSDP / DDP.
 
 TP/SP shards attention and the dense feed-forward as llama3's plan does. In an MoE block the layer's
 input is gathered over the sequence and its output reduce-scattered back (torchtitan's layout): the
@@ -27,10 +27,12 @@ from torch.distributed.tensor.parallel import (
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.log import logger
-from titan.models.llama.parallelize import _block_plan, _root_plan, enabled_submesh
+from titan.models.llama.parallelize import _block_plan, _root_plan, apply_llama_cp, enabled_submesh
 from titan.models.llama4.model import Llama4Transformer
+from titan.models.moe import moe_layers
 from titan.parallel.ac import apply_ac
 from titan.parallel.compile import _wait_async_output as wait_async_output
+from titan.parallel.cp import cp_sum
 from titan.parallel.dims import ParallelDims
 from titan.parallel.expert_parallel import (
     ExpertParallel,
@@ -171,15 +173,33 @@ def apply_llama4_fsdp(model: Llama4Transformer, dims: ParallelDims, job_config: 
 
 
 def parallelize_llama4(model: Llama4Transformer, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
-    return parallelize_moe_family(model, parallel_dims, job_config, apply_tp, "llama4")
+    # CP: iRoPE flavors are refused before this by Llama4ModelArgs.check_parallelism.
+    return parallelize_moe_family(model, parallel_dims, job_config, apply_tp, "llama4", cp_fn=apply_llama_cp)
+
+
+def apply_moe_cp(model: Any, cp_mesh: DeviceMesh, attn_type: str, cp_fn: Callable) -> None:
+    """CP on an MoE family: ``cp_fn`` hooks the attention kernels (llama's apply_llama_cp's
+    signature); every MoE layer's sequence-wise balance loss sums its per-sequence counts over the
+    CP ranks. The routing counts of the auxiliary-loss-free balancing are summed over dp x cp by
+    the trainer (titan/training/moe.py)."""
+    cp_fn(model, cp_mesh, attn_type)
+    seq_sum = cp_sum(cp_mesh)
+    for _, moe in moe_layers([model]):
+        moe.seq_shards, moe.seq_sum = cp_mesh.size(), seq_sum
 
 
 def parallelize_moe_family(
-    model: Any, parallel_dims: ParallelDims, job_config: JobConfig, tp_fn: Callable | None, family: str
+    model: Any,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    tp_fn: Callable | None,
+    family: str,
+    cp_fn: Callable | None = None,
 ) -> nn.Module:
-    """The order above for any family whose blocks are llama4's shape (``attention``,
-    ``attention_norm``, ``ffn_norm``, ``moe_enabled`` and ``moe`` or ``feed_forward``); ``tp_fn``
-    is the family's TP/SP plan (``apply_tp``'s signature)."""
+    """The order above (CP after EP/ETP) for any family whose blocks are llama4's shape
+    (``attention``, ``attention_norm``, ``ffn_norm``, ``moe_enabled`` and ``moe`` or
+    ``feed_forward``); ``tp_fn`` is the family's TP/SP plan (``apply_tp``'s signature), ``cp_fn``
+    its CP hooks (``apply_llama_cp``'s; None: the attention does not allow CP)."""
     par = job_config.parallelism
     if parallel_dims.tp_enabled:
         if tp_fn is None:  # the run plan's check refuses it first (the family's check_parallelism)
@@ -192,11 +212,12 @@ def parallelize_moe_family(
         )
     apply_experts(model, parallel_dims)
     if parallel_dims.cp_enabled:
-        # The iRoPE block masks and the MoE routing statistics are not split along the sequence.
-        raise TitanError(
-            f"parallelism.context_parallel_degree = {par.context_parallel_degree} is not supported for"
-            f' model.name = "{family}" with MoE blocks; use tensor, expert, data or pipeline parallelism'
-        )
+        if cp_fn is None:  # the run plan's check refuses it first (the family's check_parallelism)
+            raise TitanError(
+                f"parallelism.context_parallel_degree = {par.context_parallel_degree} is not supported for"
+                f' model.name = "{family}"; use tensor, expert, data or pipeline parallelism'
+            )
+        apply_moe_cp(model, enabled_submesh(parallel_dims, "cp"), job_config.model.attn_type, cp_fn)
     compiled = job_config.compile.enable and "model" in job_config.compile.components
     # The whole section: per-op SAC's force-recomputed shapes (the router's gate by default), the
     # checkpoint wrapper's options and the memory budget, as for dense models.

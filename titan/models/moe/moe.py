@@ -48,18 +48,32 @@ class _AddAuxLossGrad(torch.autograd.Function):
         return grad, scale.reshape(()), None
 
 
-def sequence_balance_loss(scores: torch.Tensor, experts: torch.Tensor, bs: int, num_experts: int) -> torch.Tensor:
+def sequence_balance_loss(
+    scores: torch.Tensor,
+    experts: torch.Tensor,
+    bs: int,
+    num_experts: int,
+    seq_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    seq_shards: int = 1,
+) -> torch.Tensor:
     """Sum over sequences of seq_len * sum_i f_i P_i (DeepSeek-V3's sequence-wise balance loss):
     f_i = E / (k T) * tokens of the sequence routed to expert i (no gradient), P_i = the mean over
-    the sequence of expert i's score normalised over the experts."""
+    the sequence of expert i's score normalised over the experts.
+
+    Under context parallelism each rank holds 1/``seq_shards`` of every sequence and ``seq_sum``
+    sums a [bs, E] tensor over those ranks: f is then the whole sequence's, and as the loss is
+    linear in P (seq_len * P_i = the sum of the scores over the tokens) the ranks' values and
+    gradients add up to the whole sequence's."""
     n, k = experts.shape
     slen = n // bs
     probs = scores / scores.sum(dim=-1, keepdim=True)
-    p = probs.view(bs, slen, num_experts).mean(dim=1)
+    p_sum = probs.view(bs, slen, num_experts).sum(dim=1)
     hits = torch.zeros(bs, num_experts, device=scores.device, dtype=scores.dtype)
     hits.scatter_add_(1, experts.view(bs, slen * k), torch.ones(bs, slen * k, device=scores.device, dtype=scores.dtype))
-    f = hits * (num_experts / (k * slen))
-    return slen * (f * p).sum()
+    if seq_sum is not None:
+        hits = seq_sum(hits)
+    f = hits * (num_experts / (k * slen * seq_shards))
+    return (f * p_sum).sum()
 
 
 def _count_outside_recompute(buffer: torch.Tensor, counts: torch.Tensor) -> None:
@@ -103,6 +117,10 @@ class MoE(nn.Module):
         self.score_before_experts = args.score_before_experts
         self.load_balance_coeff = args.load_balance_coeff
         self.aux_loss_coeff = args.aux_loss_coeff
+        # Context parallelism splits each sequence over seq_shards ranks; seq_sum (set by the
+        # parallelize step) sums the balance loss's per-sequence counts over them.
+        self.seq_shards = 1
+        self.seq_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.expert_bias: torch.Tensor | None
         if args.load_balance_coeff is not None:
             # Checkpointed: the routing the model has learned to expect.
@@ -144,10 +162,12 @@ class MoE(nn.Module):
         out = routed_out if out is None else out + routed_out
         out = out.view(bs, slen, dim)
         if self.aux_loss_coeff > 0 and torch.is_grad_enabled():
-            aux = self.aux_loss_coeff * sequence_balance_loss(scores, experts, bs, self.num_experts)
+            aux = self.aux_loss_coeff * sequence_balance_loss(
+                scores, experts, bs, self.num_experts, self.seq_sum, self.seq_shards
+            )
             scale = _AUX_SCALE[0]
-            if scale is None:
-                scale = 1.0 / (bs * slen)
+            if scale is None:  # the mean over whole sequences (slen is this rank's part under CP)
+                scale = 1.0 / (bs * slen * self.seq_shards)
             out = _AddAuxLossGrad.apply(out, aux, torch.as_tensor(scale, dtype=aux.dtype, device=aux.device))
         return out
 

@@ -1,6 +1,6 @@
 """Parallelize a qwen3 model part: llama's order and pieces for the dense flavors (TP/SP -> CP -> AC
--> compile -> FSDP/HSDP/DDP), llama4's for the MoE ones (TP/SP -> EP/ETP -> AC -> compile ->
-experts' and dense FSDP), each with qwen3's TP plan.
+-> compile -> FSDP/HSDP/DDP), llama4's for the MoE ones (TP/SP -> EP/ETP -> CP -> AC -> compile
+-> experts' and dense FSDP), each with qwen3's TP plan.
 
 The plan differs from llama's in the q/k norms: they act per head on the output of the column-wise
 wq / wk, so each TP rank runs them on its own heads. Their weights become replicated DTensors and
@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import SequenceParallel, parallelize_modu
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.log import logger
-from titan.models.llama.parallelize import _block_plan, _root_plan, parallelize_llama
+from titan.models.llama.parallelize import _block_plan, _root_plan, apply_llama_cp, parallelize_llama
 from titan.models.llama4.parallelize import _DENSE_FFN, _moe_plan, parallelize_moe_family
 from titan.models.qwen3.model import Qwen3Block, Qwen3Transformer
 from titan.parallel.dims import ParallelDims
@@ -63,5 +63,5 @@ def parallelize_qwen3(model: Qwen3Transformer, parallel_dims: ParallelDims, job_
     if model.model_args.moe_enabled:
         # llama4's MoE layout (EP/ETP, the experts' own FSDP mesh, the MoE blocks compiled but the
         # routed experts) works on any block with attention / moe / norms named as llama4's.
-        return parallelize_moe_family(model, parallel_dims, job_config, apply_tp, "qwen3")
+        return parallelize_moe_family(model, parallel_dims, job_config, apply_tp, "qwen3", cp_fn=apply_llama_cp)
     return parallelize_llama(model, parallel_dims, job_config, tp_fn=apply_tp)
