@@ -93,12 +93,8 @@ class DeepSeekV3ModelArgs(TransformerModelArgs):
         return scale
 
     def check_parallelism(self, tp: int, cp: int) -> None:
-        """The layouts latent attention has no plan for, refused by the run plan's check."""
-        if tp > 1:
-            raise TitanError(
-                f'parallelism.tensor_parallel_degree = {tp} is not supported for model.name = "deepseek_v3"'
-                " yet; use expert (EP), data (FSDP/HSDP) or pipeline parallelism"
-            )
+        """The layouts latent attention has no plan for, refused by the run plan's check. TP needs
+        n_heads divisible by its degree (check_layout's head check, as for every family)."""
         if cp > 1:
             raise TitanError(
                 f'parallelism.context_parallel_degree = {cp} is not supported for model.name = "deepseek_v3";'
