@@ -43,6 +43,7 @@ DSWQ = dataclasses.replace(DSTEST, q_lora_rank=0)
 EP2 = ("--parallelism.expert_parallel_degree", "2")
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
 WQ = ("--model.flavor", "dswq")
+MUON = ("--optimizer.name", "Muon")
 SHARD = "--parallelism.data_parallel_shard_degree"
 BF16 = ("--training.mixed_precision_param", "bfloat16")
 DS = ("--model.name", "deepseek_v3", "--model.flavor", "dstest")
@@ -101,6 +102,7 @@ def on_two_ranks(rank: int, world: int, dump: str) -> dict:
                 "fsdp2_wq": (2, (SHARD, "2", *WQ)),
                 "tp2_wq": (1, (*TP2, *WQ)),
                 "tp2_wq_bf16": (1, (*TP2, *WQ, *BF16)),
+                "tp2_muon": (1, (*TP2, *MUON)),
             },
         )
         # Save at EP 2 (steps 5 and 10); resume step 5 at EP 1, which trains steps 6-10 again.
@@ -161,8 +163,12 @@ def test_ep_and_ac_reproduce_fsdp_and_pp_the_one_rank_curve(two, tmp_path) -> No
 
 
 @pytest.mark.slow
-def test_tensor_parallel_latent_attention_reproduces_fsdp_for_both_query_shapes(two) -> None:
+def test_tensor_parallel_latent_attention_reproduces_fsdp_for_both_query_shapes(two, tmp_path) -> None:
+    with dstest_flavor():
+        muon = _curve(_trainer(str(tmp_path), GLOBAL_BATCH, *MUON))
     for per_rank in two[0]:
+        # Muon orthogonalises each TP-sharded matrix whole (the replicated latent ones as they are).
+        _close(per_rank["tp2_muon"], muon, "tp2 muon")
         _close(per_rank["tp2"], per_rank["fsdp2"], "tp2 (wq_a, q_norm, wq_b)")
         _close(per_rank["tp2_wq"], per_rank["fsdp2_wq"], "tp2 (wq)")
         # Without FSDP, bf16 is autocast's: compared with the fp32 curve, as fsdp2_bf16 is.
