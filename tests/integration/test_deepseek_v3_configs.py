@@ -318,6 +318,10 @@ def test_tensor_parallel_plans_with_experts_and_refuses_heads_it_does_not_divide
     out = capsys.readouterr()
     assert status == 0, out.err.strip().splitlines()[-1:]
     assert "tp 2" in out.out and "matches the model's" in out.out + out.err
+    # EP over the TP ranks' tokens with whole experts (ETP 1): one line, before any process group.
+    status = _dry_run(tmp_path, "debug_model", *SMALL, "--parallelism.tensor_parallel_degree", "2", *etp[:2])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and "set expert_tensor_parallel_degree = 2" in err[-1], err[-1:]
     tp8 = ("--model.n_heads", "12", "--parallelism.tensor_parallel_degree", "8")
     status = _dry_run(tmp_path, "debug_model", *SMALL, *tp8)
     err = capsys.readouterr().err.strip().splitlines()

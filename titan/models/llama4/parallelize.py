@@ -125,12 +125,8 @@ def apply_experts(model: Llama4Transformer, dims: ParallelDims) -> None:
     """EP (experts over ep), EP x ETP, or TP alone on every MoE block's routed experts."""
     if not (dims.ep_enabled or dims.tp_enabled):
         return
-    if dims.ep_enabled and dims.tp_enabled and not dims.etp_enabled:
-        raise TitanError(
-            "parallelism.expert_tensor_parallel_degree = 1 with tensor_parallel_degree"
-            f" {dims.tp} and expert_parallel_degree {dims.ep} is not supported by titan's llama4 plan (EP would have"
-            f" to split each TP group's tokens); set expert_tensor_parallel_degree = {dims.tp}"
-        )
+    # EP with TP but ETP 1 is refused before this, by check_layout (titan.parallel.dims.check_experts).
+    assert not (dims.ep_enabled and dims.tp_enabled and not dims.etp_enabled), "EP x TP needs ETP = TP"
     for _, block in _blocks(model):
         if not block.moe_enabled:
             continue
