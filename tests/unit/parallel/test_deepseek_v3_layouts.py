@@ -103,6 +103,7 @@ def on_two_ranks(rank: int, world: int, dump: str) -> dict:
                 "tp2_wq": (1, (*TP2, *WQ)),
                 "tp2_wq_bf16": (1, (*TP2, *WQ, *BF16)),
                 "tp2_muon": (1, (*TP2, *MUON)),
+                "tp2_ac": (1, (*TP2, "--activation_checkpoint.mode", "full")),
             },
         )
         # Save at EP 2 (steps 5 and 10); resume step 5 at EP 1, which trains steps 6-10 again.
@@ -171,6 +172,7 @@ def test_tensor_parallel_latent_attention_reproduces_fsdp_for_both_query_shapes(
         _close(per_rank["tp2_muon"], muon, "tp2 muon")
         _close(per_rank["tp2"], per_rank["fsdp2"], "tp2 (wq_a, q_norm, wq_b)")
         _close(per_rank["tp2_wq"], per_rank["fsdp2_wq"], "tp2 (wq)")
+        _close(per_rank["tp2_ac"], per_rank["fsdp2"], "tp2 + full AC (the recompute sums the same gradients)")
         # Without FSDP, bf16 is autocast's: compared with the fp32 curve, as fsdp2_bf16 is.
         _close(per_rank["tp2_bf16"], per_rank["fsdp2"], "tp2 bf16 vs fp32", BF16_TOL, relative=True)
         _close(per_rank["tp2_wq_bf16"], per_rank["fsdp2_wq"], "tp2 (wq) bf16 vs fp32", BF16_TOL, relative=True)
