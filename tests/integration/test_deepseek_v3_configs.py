@@ -291,15 +291,7 @@ def test_deepseek_v3_benchmark_presets_are_valid_configs() -> None:
             assert plan.parallel_dims.ep == config.parallelism.expert_parallel_degree
 
 
-REFUSED = 'is not supported for model.name = "deepseek_v3"'
-
-
-@pytest.mark.parametrize("dim", ["tensor_parallel_degree"])
-def test_tensor_parallel_is_refused_in_one_line(dim: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    small = ("--model.n_layers", "2", "--training.seq_len", "256", "--activation_checkpoint.mode", "none")
-    status = _dry_run(tmp_path, "debug_model", *small, f"--parallelism.{dim}", "2")
-    err = capsys.readouterr().err.strip().splitlines()
-    assert status == 2 and f"{dim} = 2 {REFUSED}" in err[-1], err[-1:]
+SMALL = ("--model.n_layers", "2", "--training.seq_len", "256", "--activation_checkpoint.mode", "none")
 
 
 @pytest.mark.parametrize("name", ["debug_model", pytest.param("deepseek_v3_671b", marks=pytest.mark.slow)])
@@ -309,3 +301,38 @@ def test_context_parallel_2_plans(name: str, tmp_path: Path, capsys: pytest.Capt
     out = capsys.readouterr()
     assert status == 0, out.err.strip().splitlines()[-1:]
     assert "matches the model's" in out.out + out.err
+
+
+def test_tensor_parallel_plans_with_experts_and_refuses_heads_it_does_not_divide(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    etp = ("--parallelism.expert_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2")
+    status = _dry_run(tmp_path, "debug_model", *SMALL, "--parallelism.tensor_parallel_degree", "2", *etp)
+    out = capsys.readouterr()
+    assert status == 0, out.err.strip().splitlines()[-1:]
+    assert "tp 2" in out.out and "matches the model's" in out.out + out.err
+    # EP over the TP ranks' tokens with whole experts (ETP 1): one line, before any process group.
+    status = _dry_run(tmp_path, "debug_model", *SMALL, "--parallelism.tensor_parallel_degree", "2", *etp[:2])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and "set expert_tensor_parallel_degree = 2" in err[-1], err[-1:]
+    tp8 = ("--model.n_heads", "12", "--parallelism.tensor_parallel_degree", "8")
+    status = _dry_run(tmp_path, "debug_model", *SMALL, *tp8)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and "tensor_parallel_degree 8 must divide model n_heads (12)" in err[-1], err[-1:]
+
+
+@pytest.mark.slow
+def test_671b_plans_at_tp8_with_latent_projections_norms_and_routers_replicated(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    status = _dry_run(tmp_path, "deepseek_v3_671b", "--parallelism.tensor_parallel_degree", "8")
+    out = capsys.readouterr().out
+    assert status == 0 and "tp 8" in out
+    # By hand: what every TP rank holds whole, per block the query and key/value down projections
+    # (7168 x 1536, 7168 x 576), their norms (1536, 512) and the two block norms; the router of each
+    # of the 58 MoE blocks (256 experts x 7168); the final norm. All else is split 8 ways.
+    dim, blocks, moe_blocks = 7168, 61, 58
+    replicated = blocks * (dim * 1536 + 1536 + dim * 576 + 512 + 2 * dim) + moe_blocks * 256 * dim + dim
+    total = 671_026_404_352
+    per_rank = (total - replicated) // 8 + replicated
+    assert f"0-7   {per_rank:,}" in out, out

@@ -276,7 +276,7 @@ def check_layout(
 
 
 def check_experts(dims: ParallelDims, model_args: Any) -> None:
-    """EP needs routed experts, as many on each EP rank."""
+    """EP needs routed experts, as many on each EP rank, and with TP the experts split over TP too."""
     moe = getattr(model_args, "moe_args", None)
     if moe is None:
         raise TitanError(
@@ -287,4 +287,10 @@ def check_experts(dims: ParallelDims, model_args: Any) -> None:
         raise TitanError(
             f"config key 'parallelism.expert_parallel_degree' got {dims.ep}; valid: a divisor of the model's"
             f" {moe.num_experts} experts"
+        )
+    if dims.tp_enabled and not dims.etp_enabled:
+        raise TitanError(
+            f"parallelism.expert_tensor_parallel_degree = 1 with tensor_parallel_degree {dims.tp} and"
+            f" expert_parallel_degree {dims.ep} is not supported by titan's MoE plan (EP would have to split each"
+            f" TP group's tokens); set expert_tensor_parallel_degree = {dims.tp}"
         )

@@ -10,9 +10,12 @@ the other parameters: plain tensors next to DTensors break grad clipping and for
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from titan.errors import TitanError
@@ -48,6 +51,32 @@ def apply_tp_plan(
         parallelize_module(model, tp_mesh, root_plan)
     for block in blocks:
         parallelize_module(block, tp_mesh, block_plan)
+
+
+class SumGradOverTP(ParallelStyle):
+    """A module's output every TP rank computes whole but uses only for its own shard (a key shared
+    by all heads, expanded to the local heads; router scores weighting partial expert outputs): the
+    same forward, and in the backward pass the ranks' partial gradients summed (an all-reduce).
+    ``output_index``: which element of a tuple output (None: the output itself)."""
+
+    def __init__(self, output_index: int | None = None) -> None:
+        super().__init__()
+        self.output_index = output_index
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def summed(t: torch.Tensor) -> torch.Tensor:
+            local = DTensor.from_local(t, device_mesh, (Replicate(),), run_check=False)
+            return local.to_local(grad_placements=(Partial(),))
+
+        def hook(mod: nn.Module, inputs: Any, output: Any) -> Any:
+            if self.output_index is None:
+                return summed(output)
+            out = list(output)
+            out[self.output_index] = summed(out[self.output_index])
+            return tuple(out)
+
+        module.register_forward_hook(hook)
+        return module
 
 
 def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> None:

@@ -1,12 +1,13 @@
 """deepseek_v3's layouts on a tiny model (gloo ranks): each layout's losses and grad norms against
 the same data-parallel layout without it, 10 steps in fp32 (1e-5; EP with per-op selective AC: 3)
-and EP in bf16 parameters (within bf16's rounding); checkpoints that resume exactly and move
-between EP degrees. The layouts of one world size share one spawned process group; each builds
-its Trainer in turn."""
+and EP and TP in bf16 parameters (within bf16's rounding); TP for both query shapes (low-rank
+wq_a/q_norm/wq_b and a plain wq); checkpoints that resume exactly and move between EP degrees. The
+layouts of one world size share one spawned process group; each builds its Trainer in turn."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +38,12 @@ DSTEST = DeepSeekV3ModelArgs(
         score_before_experts=False, num_expert_groups=2, num_limited_groups=1, load_balance_coeff=1e-2,
     ),
 )  # fmt: skip
+# The same blocks with one full-rank query projection (wq).
+DSWQ = dataclasses.replace(DSTEST, q_lora_rank=0)
 EP2 = ("--parallelism.expert_parallel_degree", "2")
+TP2 = ("--parallelism.tensor_parallel_degree", "2")
+WQ = ("--model.flavor", "dswq")
+MUON = ("--optimizer.name", "Muon")
 SHARD = "--parallelism.data_parallel_shard_degree"
 BF16 = ("--training.mixed_precision_param", "bfloat16")
 # Per-op selective AC (torchtitan's 16B file): the recompute replays the experts' own FSDP unit.
@@ -51,6 +57,7 @@ def dstest_flavor() -> Iterator[None]:
     saved = get_model_spec("deepseek_v3")
     try:
         register_flavor("deepseek_v3", "dstest", DSTEST, replace=True)
+        register_flavor("deepseek_v3", "dswq", DSWQ, replace=True)
         yield
     finally:
         register_model_spec(saved, replace=True)
@@ -97,6 +104,13 @@ def on_two_ranks(rank: int, world: int, dump: str) -> dict:
                 "pp2": (1, ("--parallelism.pipeline_parallel_degree", "2", SHARD, "1")),
                 "fsdp2_bf16": (2, (SHARD, "2", *BF16)),
                 "ep2_bf16": (2, (SHARD, "2", *EP2, *BF16)),
+                "tp2": (1, TP2),
+                "tp2_bf16": (1, (*TP2, *BF16)),
+                "fsdp2_wq": (2, (SHARD, "2", *WQ)),
+                "tp2_wq": (1, (*TP2, *WQ)),
+                "tp2_wq_bf16": (1, (*TP2, *WQ, *BF16)),
+                "tp2_muon": (1, (*TP2, *MUON)),
+                "tp2_ac": (1, (*TP2, "--activation_checkpoint.mode", "full")),
             },
         )
         # Save at EP 2 (steps 5 and 10); resume step 5 at EP 1, which trains steps 6-10 again.
@@ -117,6 +131,8 @@ def on_four_ranks(rank: int, world: int, dump: str) -> dict:
                 "fsdp4": (4, (SHARD, "4")),
                 "hsdp2x2": (4, (SHARD, "2", "--parallelism.data_parallel_replicate_degree", "2")),
                 "ep2_fsdp2": (4, (SHARD, "4", *EP2)),
+                # TP 2 x EP 2 x ETP 2 (every TP rank holds a slice of its EP rank's experts) x FSDP 2.
+                "fsdp2_tp2_ep2": (2, (SHARD, "2", *TP2, *EP2, "--parallelism.expert_tensor_parallel_degree", "2")),
             },
         )
         # The EP 2 run's step-5 checkpoint loads at EP 4 (4 data-parallel ranks: another local batch).
@@ -156,6 +172,21 @@ def test_ep_and_ac_reproduce_fsdp_and_pp_the_one_rank_curve(two, tmp_path) -> No
 
 
 @pytest.mark.slow
+def test_tensor_parallel_latent_attention_reproduces_fsdp_for_both_query_shapes(two, tmp_path) -> None:
+    with dstest_flavor():
+        muon = _curve(_trainer(str(tmp_path), GLOBAL_BATCH, *MUON))
+    for per_rank in two[0]:
+        # Muon orthogonalises each TP-sharded matrix whole (the replicated latent ones as they are).
+        _close(per_rank["tp2_muon"], muon, "tp2 muon")
+        _close(per_rank["tp2"], per_rank["fsdp2"], "tp2 (wq_a, q_norm, wq_b)")
+        _close(per_rank["tp2_wq"], per_rank["fsdp2_wq"], "tp2 (wq)")
+        _close(per_rank["tp2_ac"], per_rank["fsdp2"], "tp2 + full AC (the recompute sums the same gradients)")
+        # Without FSDP, bf16 is autocast's: compared with the fp32 curve, as fsdp2_bf16 is.
+        _close(per_rank["tp2_bf16"], per_rank["fsdp2"], "tp2 bf16 vs fp32", BF16_TOL, relative=True)
+        _close(per_rank["tp2_wq_bf16"], per_rank["fsdp2_wq"], "tp2 (wq) bf16 vs fp32", BF16_TOL, relative=True)
+
+
+@pytest.mark.slow
 def test_saved_at_ep2_resumed_at_ep1_continues_the_curve(two) -> None:
     for per_rank in two[0]:
         full, resumed = per_rank["uninterrupted"], per_rank["resumed"]
@@ -170,6 +201,7 @@ def test_four_rank_layouts_and_reshard_to_ep4(two) -> None:
     for per_rank in results:
         _close(per_rank["ep2_fsdp2"], per_rank["fsdp4"], "ep2 x fsdp2")
         _close(per_rank["hsdp2x2"], per_rank["fsdp4"], "hsdp 2x2")
+        _close(per_rank["fsdp2_tp2_ep2"], per_rank["fsdp4"], "fsdp2 x tp2 x ep2 (etp 2)")
         # Resumed at step 6 with EP 4 and trained on (its data shards differ from the 2-rank run's).
         assert sorted(per_rank["ep4"]) == list(range(6, 11))
         assert all(torch.isfinite(torch.tensor(v)) for v in per_rank["ep4"].values())

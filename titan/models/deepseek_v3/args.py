@@ -92,14 +92,6 @@ class DeepSeekV3ModelArgs(TransformerModelArgs):
             scale *= yarn_mscale(self.rope_factor, self.mscale) ** 2
         return scale
 
-    def check_parallelism(self, tp: int, cp: int) -> None:
-        """The layouts latent attention has no plan for, refused by the run plan's check."""
-        if tp > 1:
-            raise TitanError(
-                f'parallelism.tensor_parallel_degree = {tp} is not supported for model.name = "deepseek_v3"'
-                " yet; use expert (EP), data (FSDP/HSDP) or pipeline parallelism"
-            )
-
     def validate(self) -> None:
         for name in (
             "dim",

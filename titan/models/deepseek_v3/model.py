@@ -69,6 +69,9 @@ class MLAttention(Attention):
         self.kv_norm = RMSNorm(self.kv_lora_rank, eps=latent_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
+        # The rotary key every head shares passes here: an identity, where tensor parallelism (whose
+        # ranks each expand it to their own heads only) sums its gradient over the ranks.
+        self.shared_rope_key = nn.Identity()
         # The kernels scale q.k by head_dim ** -0.5; YaRN's softmax scale differs from it, so the
         # queries carry the ratio (1 without YaRN: nothing is multiplied).
         self.q_scale = args.softmax_scale * math.sqrt(self.head_dim)
@@ -82,7 +85,8 @@ class MLAttention(Attention):
         latent, k_rope = torch.split(self.wkv_a(x), [self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.wkv_b(self.kv_norm(latent)).view(bs, seqlen, -1, self.nope_dim + self.v_head_dim)
         k_nope, v = torch.split(kv, [self.nope_dim, self.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        k_rope = self.shared_rope_key(k_rope).unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)
+        k = torch.cat([k_nope, k_rope], dim=-1)
         return q, k, v
 
     def position(

@@ -42,7 +42,7 @@ from titan.parallel.expert_parallel import (
     log_experts_layout,
 )
 from titan.parallel.fsdp import DTYPES, apply_ddp, apply_fsdp, reshard_policy
-from titan.parallel.tp import Plan, apply_tp_plan, check_tp_shapes
+from titan.parallel.tp import Plan, SumGradOverTP, apply_tp_plan, check_tp_shapes
 from titan.parallel.utils import blocks_of
 
 _DENSE_FFN = ("feed_forward", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
@@ -65,11 +65,19 @@ def _moe_plan(block: Any) -> Plan:
         ),
         "moe.router.gate": NoParallel(),
     }
+    if not block.moe.score_before_experts:
+        # The scores then weight the experts' TP-partial outputs: each rank's gradient of them is
+        # partial, summed over TP before it reaches the replicated router.
+        plan["moe.router"] = SumGradOverTP(output_index=0)
     if block.moe.shared_experts is not None:
         plan["moe.shared_experts.w1"] = ColwiseParallel()
         plan["moe.shared_experts.w2"] = RowwiseParallel(output_layouts=Partial())
         plan["moe.shared_experts.w3"] = ColwiseParallel()
     return plan
+
+
+def _llama_block_plan(block: Any) -> Plan:
+    return _block_plan()
 
 
 def apply_tp(
@@ -87,26 +95,40 @@ def apply_tp(
             "parallelism.tensor_parallel_degree > 1 needs moe_args.score_before_experts = true for llama4"
             " (scores applied to the experts' inputs); use data parallelism and pipeline stages instead"
         )
+    apply_moe_family_tp(
+        model, tp_mesh, _llama_block_plan, "llama4", loss_parallel=loss_parallel, enable_async_tp=enable_async_tp
+    )
+
+
+def apply_moe_family_tp(
+    model: Any,
+    tp_mesh: DeviceMesh,
+    block_plan: Callable[[Any], Plan],
+    family: str,
+    *,
+    loss_parallel: bool,
+    enable_async_tp: bool = False,
+) -> None:
+    """llama's root plan, then each block's: ``block_plan(block)`` (attention, norms and a dense
+    FFN, llama's names) with the dense FFN's entries replaced by the MoE plan in MoE blocks."""
     apply_tp_plan(model, tp_mesh, _root_plan(model, loss_parallel), [], {}, enable_async_tp=enable_async_tp)
     for _, block in _blocks(model):
-        plan = _block_plan()
+        plan = block_plan(block)
         if block.moe_enabled:
             plan = {k: v for k, v in plan.items() if k not in _DENSE_FFN} | _moe_plan(block)
         parallelize_module(block, tp_mesh, plan)
-    model.seq_shards = tp
-    logger.info(f"applied tensor + sequence parallel to llama4 (degree {tp}, loss parallel {loss_parallel})")
+    model.seq_shards = tp_mesh.size()
+    logger.info(
+        f"applied tensor + sequence parallel to {family} (degree {tp_mesh.size()}, loss parallel {loss_parallel})"
+    )
 
 
 def apply_experts(model: Llama4Transformer, dims: ParallelDims) -> None:
     """EP (experts over ep), EP x ETP, or TP alone on every MoE block's routed experts."""
     if not (dims.ep_enabled or dims.tp_enabled):
         return
-    if dims.ep_enabled and dims.tp_enabled and not dims.etp_enabled:
-        raise TitanError(
-            "parallelism.expert_tensor_parallel_degree = 1 with tensor_parallel_degree"
-            f" {dims.tp} and expert_parallel_degree {dims.ep} is not supported by titan's llama4 plan (EP would have"
-            f" to split each TP group's tokens); set expert_tensor_parallel_degree = {dims.tp}"
-        )
+    # EP with TP but ETP 1 is refused before this, by check_layout (titan.parallel.dims.check_experts).
+    assert not (dims.ep_enabled and dims.tp_enabled and not dims.etp_enabled), "EP x TP needs ETP = TP"
     for _, block in _blocks(model):
         if not block.moe_enabled:
             continue
