@@ -27,11 +27,13 @@ def _wait_async_output(module: nn.Module, args: tuple, output: torch.Tensor) -> 
     # A TP embedding's output can be an AsyncCollectiveTensor (from to_local() before the
     # collective finished). Handed straight to a compiled block, its backward fails with
     # "'Tensor' object has no attribute '_local_tensor'" (torch 2.13, pytorch/pytorch#180614); waiting here first
-    # costs nothing that the next op would not wait for anyway.
+    # costs nothing that the next op would not wait for anyway. Not with .wait(): it returns the
+    # tensor under the wrapper, outside autograd, and the embedding would get no gradient. A copy
+    # (any non-view op) waits and keeps the autograd edge.
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     if isinstance(output, AsyncCollectiveTensor):
-        return output.wait()
+        return output.clone()
     return output
 
 

@@ -13,9 +13,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from titan.errors import TitanError
@@ -53,6 +53,20 @@ def apply_tp_plan(
         parallelize_module(block, tp_mesh, block_plan)
 
 
+class _GradSum(torch.autograd.Function):
+    """Identity forward; the gradient all-reduced over ``group`` (a functional collective, which
+    compile traces: a DTensor to_local with Partial grad placements lost the sum in compiled blocks)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: str) -> torch.Tensor:
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return funcol.all_reduce(grad.contiguous(), "sum", ctx.group), None
+
+
 class SumGradOverTP(ParallelStyle):
     """A module's output every TP rank computes whole but uses only for its own shard (a key shared
     by all heads, expanded to the local heads; router scores weighting partial expert outputs): the
@@ -64,9 +78,10 @@ class SumGradOverTP(ParallelStyle):
         self.output_index = output_index
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group().group_name
+
         def summed(t: torch.Tensor) -> torch.Tensor:
-            local = DTensor.from_local(t, device_mesh, (Replicate(),), run_check=False)
-            return local.to_local(grad_placements=(Partial(),))
+            return _GradSum.apply(t, group)
 
         def hook(mod: nn.Module, inputs: Any, output: Any) -> Any:
             if self.output_index is None:

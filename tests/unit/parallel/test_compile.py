@@ -51,8 +51,26 @@ def test_components_are_checked_and_honoured():
     assert build_loss_fn(cross_entropy_sum, False) is cross_entropy_sum
 
 
+class _AsyncOutput(torch.autograd.Function):
+    """What a TP embedding hands the first block: an AsyncCollectiveTensor inside autograd."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return AsyncCollectiveTensor(x.detach().clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def test_tp_embedding_output_is_waited_before_the_compiled_blocks():
     t = torch.randn(2, 3)
     out = _wait_async_output(None, (), AsyncCollectiveTensor(t))
     assert type(out) is torch.Tensor and torch.equal(out, t)
     assert _wait_async_output(None, (), t) is t
+    # The wait keeps the autograd edge: the embedding before the compiled blocks gets its gradient.
+    x = torch.randn(2, 3, requires_grad=True)
+    waited = _wait_async_output(None, (), _AsyncOutput.apply(x))
+    assert type(waited) is torch.Tensor
+    (waited * 2).sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, torch.full_like(x, 2.0))
