@@ -36,6 +36,7 @@ from titan.parallel.expert_parallel import (
     ExpertParallel,
     ExpertTensorParallel,
     NoParallel,
+    ScoreGradOverTP,
     apply_experts_fsdp,
     log_experts_layout,
 )
@@ -63,6 +64,8 @@ def _moe_plan(block: Any) -> Plan:
         ),
         "moe.router.gate": NoParallel(),
     }
+    if not block.moe.score_before_experts:  # scores times TP-partial outputs: their gradient is partial
+        plan["moe.router"] = ScoreGradOverTP()
     if block.moe.shared_experts is not None:
         plan["moe.shared_experts.w1"] = ColwiseParallel()
         plan["moe.shared_experts.w2"] = RowwiseParallel(output_layouts=Partial())
