@@ -194,6 +194,18 @@ def test_bad_settings_are_refused_in_one_line() -> None:
             tiny(**kw).validate()
 
 
+def test_layouts_that_cannot_split_are_refused_in_one_line() -> None:
+    tiny().check_parallelism(2, 1)  # whole heads, kv heads and expert widths per rank
+    moe = dataclasses.replace(gpt_oss_moe(4), top_k=2, hidden_dim=26)
+    for args, tp, cp, match in (
+        (tiny(), 4, 1, r"tensor_parallel_degree = 4 must divide model.n_kv_heads \(2\)"),
+        (tiny(n_kv_heads=4, moe_args=moe), 4, 1, r"must divide model.moe_args.hidden_dim \(26\)"),
+        (tiny(), 1, 2, "context_parallel_degree = 2 is not supported"),
+    ):
+        with pytest.raises(TitanError, match=match):
+            args.check_parallelism(tp, cp)
+
+
 def test_trains_on_cpu_and_the_loss_falls() -> None:
     args = tiny()
     model = build(args)
