@@ -35,7 +35,7 @@ _HIDDEN_DIM = {"w1": 1, "w2": 2, "w3": 1, "b1": 1, "b3": 1}
 
 
 def _tp_placement(pname: str) -> Shard | Replicate:
-    return Shard(_HIDDEN_DIM[pname]) if pname in _HIDDEN_DIM else Replicate()
+    return Replicate() if pname == "b2" else Shard(_HIDDEN_DIM[pname])
 
 
 def _split_down_bias(module: Any, tp: int) -> None:

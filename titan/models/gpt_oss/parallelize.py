@@ -45,6 +45,7 @@ def apply_tp(
         attention: Any = block.attention
         # Heads are contiguous in wq's output: Shard(0) of the sinks gives each rank its heads' sinks.
         attention.sinks = nn.Parameter(distribute_tensor(attention.sinks, tp_mesh, [Shard(0)]))
+        attention.sinks_sharded = True
     model.seq_shards = tp = tp_mesh.size()
     logger.info(f"applied tensor + sequence parallel to gpt_oss (degree {tp}, loss parallel {loss_parallel})")
 
