@@ -120,6 +120,7 @@ def test_gpt_oss_debug_config_dry_runs_as_it_is_and_with_ep(tmp_path: Path, caps
     [
         (("--parallelism.tensor_parallel_degree", "4", "--model.n_kv_heads", "2"), "must divide model n_kv_heads (2)"),
         (("--parallelism.context_parallel_degree", "2"), "context_parallel_degree = 2 is not supported for model.name"),
+        (("--parallelism.tensor_parallel_degree", "2", "--compile.enable"), "compiled blocks gave wrong gradients"),
     ],
 )
 def test_refused_layouts_say_so_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, flags, line) -> None:
