@@ -1,6 +1,6 @@
 """torchtitan v0.2.2's gpt_oss training config, as that release ships it
 (torchtitan/models/gpt_oss/train_configs/debug_model.toml), through the dry run at 8 ranks (FSDP 8;
-the file sets no rank count), and the layouts gpt_oss refuses, each in one line. Only the tokenizer
+the file sets no rank count), 120b at TP 8, and the layouts gpt_oss refuses, each in one line. Only the tokenizer
 location is missing here (the dry run then uses the flavor's vocabulary) and c4_test is titan's
 offline corpus."""
 
@@ -118,14 +118,24 @@ def test_gpt_oss_debug_config_dry_runs_as_it_is_and_with_ep(tmp_path: Path, caps
 @pytest.mark.parametrize(
     ("flags", "line"),
     [
-        (("--parallelism.tensor_parallel_degree", "2"), "tensor_parallel_degree = 2 is not supported for model.name"),
+        (("--parallelism.tensor_parallel_degree", "4", "--model.n_kv_heads", "2"), "must divide model n_kv_heads (2)"),
         (("--parallelism.context_parallel_degree", "2"), "context_parallel_degree = 2 is not supported for model.name"),
+        (("--parallelism.tensor_parallel_degree", "2", "--compile.enable"), "compiled blocks gave wrong gradients"),
     ],
 )
 def test_refused_layouts_say_so_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, flags, line) -> None:
     status = _dry_run(tmp_path, *flags)
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and line in err[-1], err[-1:]
+
+
+def test_120b_plans_at_tp8(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Tensor + sequence parallel over 8 ranks: every parameter's shard is counted once (the check
+    line), sinks and experts' biases included."""
+    status = _dry_run(tmp_path, "--model.flavor", "120b", "--parallelism.tensor_parallel_degree", "8")
+    out = capsys.readouterr()
+    assert status == 0, out.err.strip().splitlines()[-1:]
+    assert "dp_shard 1, cp 1, tp 8" in out.out and "matches the model's 116,829,156,672" in out.out
 
 
 def test_gpt_oss_benchmark_presets_are_valid_configs() -> None:

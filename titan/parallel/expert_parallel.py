@@ -2,7 +2,9 @@
 
 The routed experts are a module with parameters ``w1``/``w3`` [E, hidden, dim] and ``w2`` [E, dim,
 hidden] whose forward takes (tokens sorted by expert [T, dim], tokens per expert [E]) and returns
-[T, dim]. ``ExpertParallel`` shards it: EP splits the experts (dim 0) over the ``ep`` mesh and moves
+[T, dim], and optionally biases ``b1``/``b3`` [E, hidden] and ``b2`` [E, dim] with an int attribute
+``down_bias_shares`` (how many partial outputs each ``b2`` is split over). ``ExpertParallel``
+shards it: EP splits the experts (dim 0) over the ``ep`` mesh and moves
 each token to the rank that owns its expert with an all-to-all, and back after; ETP also shards each
 expert's hidden dim over the ``etp`` mesh (the TP ranks), so that every TP rank holds a slice of
 every local expert, like the dense feed-forward under TP.
@@ -26,8 +28,19 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan.log import logger
 
-# Dim of each weight that ETP shards: the experts' hidden dim (column-wise w1/w3, row-wise w2).
-_HIDDEN_DIM = {"w1": 1, "w2": 2, "w3": 1}
+# Dim of each parameter that ETP shards: the experts' hidden dim (column-wise w1/w3 and their
+# biases, row-wise w2). The down projection's bias b2 is whole on every TP rank: each adds 1 / TP of
+# it to its partial output, so the sum over TP holds it once.
+_HIDDEN_DIM = {"w1": 1, "w2": 2, "w3": 1, "b1": 1, "b3": 1}
+
+
+def _tp_placement(pname: str) -> Shard | Replicate:
+    return Replicate() if pname == "b2" else Shard(_HIDDEN_DIM[pname])
+
+
+def _split_down_bias(module: Any, tp: int) -> None:
+    if getattr(module, "b2", None) is not None:
+        module.down_bias_shares = tp
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -117,8 +130,10 @@ class ExpertParallel(ParallelStyle):
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         _, etp = self._meshes(mesh)
         for pname, param in list(module.named_parameters(recurse=False)):
-            placements = [Shard(0)] if etp is None else [Shard(0), Shard(_HIDDEN_DIM[pname])]
+            placements = [Shard(0)] if etp is None else [Shard(0), _tp_placement(pname)]
             module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, placements)))
+        if etp is not None:
+            _split_down_bias(module, etp.size())
 
     def _dispatch(self, module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[torch.Tensor, ...]:
         x, counts = inputs
@@ -156,7 +171,8 @@ class ExpertTensorParallel(ParallelStyle):
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for pname, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(_HIDDEN_DIM[pname])])))
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [_tp_placement(pname)])))
+        _split_down_bias(module, mesh.size())
 
     @staticmethod
     def _input(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[torch.Tensor, ...]:

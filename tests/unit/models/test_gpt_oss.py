@@ -89,7 +89,8 @@ def test_sliding_window_mask_is_the_explicit_one_with_documents() -> None:
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_path_rescales_to_the_sink_softmax() -> None:
-    """The CUDA kernel's identity out * sigmoid(lse - sink), checked with eager flex on CPU (forward)."""
+    """The CUDA kernel's identity out * sigmoid(lse - sink), checked with eager flex on CPU (forward),
+    on all heads and on one TP rank's heads with their sinks."""
     from titan.models.gpt_oss.attention import block_masks
 
     g = torch.Generator().manual_seed(1)
@@ -104,6 +105,12 @@ def test_flex_path_rescales_to_the_sink_softmax() -> None:
     for d, b in ((dense.full, blocks.full), (dense.sliding, blocks.sliding)):
         want = sink_attention(q, k, v, sinks, d, 0.3)
         torch.testing.assert_close(flex_sink_attention(q, k, v, sinks, b, 0.3), want, atol=1e-5, rtol=0)
+        # A TP 2 rank's share, as the TP plan leaves it: heads 2r, 2r + 1, kv head r, sinks 2r, 2r + 1.
+        for r in range(2):
+            qr, kr, vr, sr = q[:, 2 * r : 2 * r + 2], k[:, r : r + 1], v[:, r : r + 1], sinks[2 * r : 2 * r + 2]
+            torch.testing.assert_close(sink_attention(qr, kr, vr, sr, d, 0.3), want[:, 2 * r : 2 * r + 2])
+            local = flex_sink_attention(qr, kr, vr, sr, b, 0.3)
+            torch.testing.assert_close(local, want[:, 2 * r : 2 * r + 2], atol=1e-5, rtol=0)
 
 
 def test_clamped_swiglu_experts_with_biases_match_a_per_token_loop() -> None:
@@ -192,6 +199,18 @@ def test_bad_settings_are_refused_in_one_line() -> None:
     ):
         with pytest.raises(TitanError, match=match):
             tiny(**kw).validate()
+
+
+def test_layouts_that_cannot_split_are_refused_in_one_line() -> None:
+    tiny().check_parallelism(2, 1)  # whole heads, kv heads and expert widths per rank
+    moe = dataclasses.replace(gpt_oss_moe(4), top_k=2, hidden_dim=26)
+    for args, tp, cp, match in (
+        (tiny(), 4, 1, r"tensor_parallel_degree = 4 must divide model.n_kv_heads \(2\)"),
+        (tiny(n_kv_heads=4, moe_args=moe), 4, 1, r"must divide model.moe_args.hidden_dim \(26\)"),
+        (tiny(), 1, 2, "context_parallel_degree = 2 is not supported"),
+    ):
+        with pytest.raises(TitanError, match=match):
+            args.check_parallelism(tp, cp)
 
 
 def test_trains_on_cpu_and_the_loss_falls() -> None:

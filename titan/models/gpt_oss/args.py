@@ -93,12 +93,15 @@ class GptOssModelArgs(TransformerModelArgs):
         )
 
     def check_parallelism(self, tp: int, cp: int) -> None:
-        """The layouts gpt-oss has no plan for, refused by the run plan's check."""
-        if tp > 1:
-            raise TitanError(
-                f"parallelism.tensor_parallel_degree = {tp} is not supported for model.name ="
-                ' "gpt_oss" (its router scales TP-partial expert outputs); use expert, data or pipeline parallelism'
-            )
+        """The layouts gpt-oss cannot run, refused by the run plan's check (before any process
+        group): CP, and a TP degree that does not split whole heads and the experts' width."""
+        widths = (("n_heads", self.n_heads), ("n_kv_heads", self.kv_heads))
+        for name, value in (*widths, ("moe_args.hidden_dim", self.moe_args.hidden_dim or 0)):
+            if tp > 1 and value % tp:
+                raise TitanError(
+                    f"parallelism.tensor_parallel_degree = {tp} must divide model.{name} ({value}) for"
+                    ' model.name = "gpt_oss" (TP splits whole heads and the experts\' hidden dim); pick a divisor'
+                )
         if cp > 1:
             raise TitanError(
                 f"parallelism.context_parallel_degree = {cp} is not supported for model.name ="

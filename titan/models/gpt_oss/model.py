@@ -53,12 +53,6 @@ def rotate_halves(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).type_as(x)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A tensor-parallel DTensor parameter (sinks split with the heads) as this rank's shard."""
-    to_local = getattr(t, "to_local", None)
-    return cast(torch.Tensor, to_local()) if callable(to_local) else t
-
-
 class GptOssAttention(Attention):
     def __init__(self, args: GptOssModelArgs, layer_id: int, flex: FlexSinkKernel | None) -> None:
         super().__init__(args, None, layer_id)
@@ -68,6 +62,9 @@ class GptOssAttention(Attention):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=bias)
         self.sinks = nn.Parameter(torch.empty(args.n_heads))
+        # Set by the TP plan, which makes the sinks a DTensor split on heads: the kernels take this
+        # rank's shard. A flag, not a type test: compiled code (dynamo) misreads getattr/hasattr on a DTensor.
+        self.sinks_sharded = False
         self.sliding = args.is_sliding(layer_id)
         self.window = args.sliding_window_size
         self.scale = self.head_dim**-0.5
@@ -78,11 +75,14 @@ class GptOssAttention(Attention):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return rotate_halves(xq, freqs_cis), rotate_halves(xk, freqs_cis)
 
+    def local_sinks(self) -> torch.Tensor:
+        return cast(Any, self.sinks).to_local() if self.sinks_sharded else self.sinks
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any) -> torch.Tensor:
         if not isinstance(attn_mask, GptOssMasks):
             raise TitanError("gpt_oss attention needs the masks built by GptOssTransformer.forward")
         mask = attn_mask.sliding if self.sliding else attn_mask.full
-        sinks = _local(self.sinks)
+        sinks = self.local_sinks()
         if self.flex is not None and q.device.type == "cuda":
             return flex_sink_attention(q, k, v, sinks, mask, self.scale, self.flex)
         return sink_attention(q, k, v, sinks, mask, self.scale)
@@ -100,7 +100,7 @@ class GptOssAttention(Attention):
         mask = keys[None, :] <= queries[:, None]
         if self.sliding and self.window is not None:
             mask = mask & (queries[:, None] - keys[None, :] < self.window)
-        return sink_attention(q, k, v, _local(self.sinks), mask[None], self.scale)
+        return sink_attention(q, k, v, self.local_sinks(), mask[None], self.scale)
 
     def init_weights(self, init_std: float) -> None:
         # As torchtitan: every projection, bias and the sinks at the block's depth-scaled std.

@@ -1,38 +1,64 @@
-"""Parallelize a gpt_oss model part with llama4's MoE pieces, in the same order: EP -> activation
-checkpointing -> compile -> FSDP2 / HSDP / DDP (experts FSDP-sharded on their own mesh under EP).
+"""Parallelize a gpt_oss model part with llama4's MoE driver (TP/SP -> EP/ETP -> AC -> compile ->
+FSDP2 / HSDP / DDP; experts FSDP-sharded on their own mesh under EP).
 
-Tensor parallelism is refused: gpt-oss scales the experts' OUTPUTS by the router scores, so under
-TP each rank's score gradient would be a partial sum while the router's weights are replicated,
-and the experts' down-projection bias would be added once per TP rank. Context parallelism is
-refused: the sink softmax needs every key of a query's window on one rank.
+The TP/SP plan is llama4's with gpt-oss's attention: the embedding row-wise (output sharded on the
+sequence), norms sequence-parallel, the output column-wise (loss parallel); wq/wk/wv column-wise
+with their biases and wo row-wise, whole heads per rank, and the learned sinks split on heads like
+wq's output, so each rank's heads keep their own sink (both attention kernels read the local
+shard). The MoE block gathers the sequence in and reduce-scatters its partial output; the router
+runs whole on every rank; the routed experts are split on their hidden dim by TP (or by ETP under
+EP), each rank adding 1 / TP of the down-projection bias. gpt-oss scales the experts' OUTPUTS by
+the router scores, so each rank's score gradient is a partial sum: it is summed over TP in the
+backward pass (titan.parallel.tp.SumGradOverTP) before it reaches the replicated router.
+
+Context parallelism is refused: the sink softmax needs every key of a query's window on one rank.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 from titan.config.job_config import JobConfig
+from titan.errors import TitanError
+from titan.log import logger
 from titan.models.gpt_oss.model import GptOssTransformer
-from titan.models.llama.parallelize import enabled_submesh
-from titan.models.llama4.parallelize import apply_experts, apply_llama4_fsdp, compile_blocks
-from titan.parallel.ac import apply_ac
+from titan.models.llama.parallelize import _block_plan, _root_plan
+from titan.models.llama4.parallelize import _DENSE_FFN, _blocks, _moe_plan, parallelize_moe_family
 from titan.parallel.dims import ParallelDims
-from titan.parallel.fsdp import apply_ddp
+from titan.parallel.tp import apply_tp_plan
+
+
+def apply_tp(
+    model: GptOssTransformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False
+) -> None:
+    """TP/SP for attention (sinks with their heads), norms, embedding, output and the MoE blocks'
+    router; the routed experts are llama4's apply_experts' (TP or ETP). The shapes were checked by
+    GptOssModelArgs.check_parallelism."""
+    apply_tp_plan(model, tp_mesh, _root_plan(model, loss_parallel), [], {}, enable_async_tp=enable_async_tp)
+    for _, block in _blocks(model):
+        plan = {k: v for k, v in _block_plan().items() if k not in _DENSE_FFN} | _moe_plan(block)
+        parallelize_module(block, tp_mesh, plan)
+        attention: Any = block.attention
+        # Heads are contiguous in wq's output: Shard(0) of the sinks gives each rank its heads' sinks.
+        attention.sinks = nn.Parameter(distribute_tensor(attention.sinks, tp_mesh, [Shard(0)]))
+        attention.sinks_sharded = True
+    model.seq_shards = tp = tp_mesh.size()
+    logger.info(f"applied tensor + sequence parallel to gpt_oss (degree {tp}, loss parallel {loss_parallel})")
 
 
 def parallelize_gpt_oss(model: GptOssTransformer, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
-    # TP and CP are refused before this by GptOssModelArgs.check_parallelism (the run plan's check).
-    # llama4's MoE plans read only what both families' blocks have (attention, norms, moe, moe_enabled).
-    shared = cast(Any, model)
-    apply_experts(shared, parallel_dims)
-    ac = job_config.activation_checkpoint
-    apply_ac(model, ac.mode, ac.selective_ac_option)
-    if job_config.compile.enable and "model" in job_config.compile.components:
-        compile_blocks(shared)
-    if parallel_dims.fsdp_enabled:
-        apply_llama4_fsdp(shared, parallel_dims, job_config)
-    elif parallel_dims.dp_replicate_enabled:
-        apply_ddp(model, enabled_submesh(parallel_dims, "dp_replicate"))
-    return model
+    # CP is refused before this by GptOssModelArgs.check_parallelism (the run plan's check).
+    if parallel_dims.tp_enabled and job_config.compile.enable and "model" in job_config.compile.components:
+        # Seen on torch 2.13 (gloo): under TP the compiled blocks gave the right losses but wrong
+        # gradients (the sequence-parallel norms compiled alone, or attention and router together).
+        raise TitanError(
+            f"compile.enable with 'model' in compile.components and parallelism.tensor_parallel_degree"
+            f' {parallel_dims.tp} is not supported for model.name = "gpt_oss" (compiled blocks gave wrong'
+            " gradients under TP); set compile.enable = false or tensor_parallel_degree = 1"
+        )
+    return parallelize_moe_family(model, parallel_dims, job_config, apply_tp, "gpt_oss")

@@ -70,6 +70,19 @@ Biases = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """b1, b2, b3: per-expert biases of w1 / w2 / w3 ([E, hidden], [E, dim], [E, hidden])."""
 
 
+class _ShareForward(torch.autograd.Function):
+    """``bias / shares`` forward, the gradient unscaled backward: ``shares`` ranks each add their
+    share to partial outputs that are then summed, and each rank's gradient is already the whole one."""
+
+    @staticmethod
+    def forward(ctx, bias: torch.Tensor, shares: int) -> torch.Tensor:  # type: ignore[override]
+        return bias / shares
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
@@ -160,7 +173,11 @@ class GroupedExperts(nn.Module):
     ``w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))``. E is whatever the local w1 holds (expert parallel
     shards dimension 0), and ``forward`` takes that many counts. With ``bias`` each projection adds
     its expert's ``b1`` / ``b3`` [E, hidden] / ``b2`` [E, dim]; with ``swiglu_limit`` the activation is
-    gpt-oss's clamped SwiGLU (see clamped_swiglu)."""
+    gpt-oss's clamped SwiGLU (see clamped_swiglu).
+
+    ``down_bias_shares``: how many ranks' partial outputs are summed into one (tensor parallel sets
+    it to its degree, each rank holding a slice of every hidden dim): ``b2`` must be added once to
+    the sum, so each rank adds 1 / shares of it."""
 
     def __init__(
         self,
@@ -185,6 +202,7 @@ class GroupedExperts(nn.Module):
             self.b1 = nn.Parameter(torch.empty(num_experts, hidden_dim))
             self.b2 = nn.Parameter(torch.empty(num_experts, dim))
             self.b3 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+        self.down_bias_shares = 1
         self.act: Activation = (
             swiglu if swiglu_limit is None else partial(clamped_swiglu, limit=swiglu_limit, alpha=swiglu_alpha)
         )
@@ -207,7 +225,10 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         biases = None
         if self.b1 is not None and self.b2 is not None and self.b3 is not None:
-            biases = (_local(self.b1), _local(self.b2), _local(self.b3))
+            b2 = _local(self.b2)
+            if self.down_bias_shares > 1:
+                b2 = cast(torch.Tensor, _ShareForward.apply(b2, self.down_bias_shares))
+            biases = (_local(self.b1), b2, _local(self.b3))
         dtype = self._autocast_dtype(x)
         if dtype is not None:
             x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
