@@ -24,7 +24,6 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from titan.config.job_config import JobConfig
-from titan.errors import TitanError
 from titan.log import logger
 from titan.models.gpt_oss.model import GptOssTransformer
 from titan.models.llama.parallelize import _block_plan, _root_plan
@@ -53,12 +52,4 @@ def apply_tp(
 
 def parallelize_gpt_oss(model: GptOssTransformer, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
     # CP is refused before this by GptOssModelArgs.check_parallelism (the run plan's check).
-    if parallel_dims.tp_enabled and job_config.compile.enable and "model" in job_config.compile.components:
-        # Seen on torch 2.13 (gloo): under TP the compiled blocks gave the right losses but wrong
-        # gradients (the sequence-parallel norms compiled alone, or attention and router together).
-        raise TitanError(
-            f"compile.enable with 'model' in compile.components and parallelism.tensor_parallel_degree"
-            f' {parallel_dims.tp} is not supported for model.name = "gpt_oss" (compiled blocks gave wrong'
-            " gradients under TP); set compile.enable = false or tensor_parallel_degree = 1"
-        )
     return parallelize_moe_family(model, parallel_dims, job_config, apply_tp, "gpt_oss")
