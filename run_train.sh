@@ -22,8 +22,18 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
+# gpu_count: the GPUs torch sees; 0 without asking it (seconds of importing torch) when
+# CUDA_VISIBLE_DEVICES is set and empty, which hides every GPU.
+gpu_count() {
+  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ] && [ -z "$CUDA_VISIBLE_DEVICES" ]; then
+    echo 0
+  else
+    python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0
+  fi
+}
 if [ -z "${NGPU:-}" ]; then
-  NGPU=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))" 2>/dev/null || echo 1)
+  NGPU=$(gpu_count)
+  [ "$NGPU" -gt 0 ] || NGPU=1
 fi
 CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
 LOG_RANK=${LOG_RANK:-0}
@@ -54,7 +64,7 @@ if [ -n "${REPLICA_GROUPS:-}" ]; then
   DUMP_FOLDER=$(python -m titan.launch.check --print_value job.dump_folder --world_size "${NGPU}" \
     --job.config_file "${CONFIG_FILE}" "$@" \
     --fault_tolerance.enable --fault_tolerance.group_size "${REPLICA_GROUPS}" --fault_tolerance.replica_id 0)
-  GPUS=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  GPUS=$(gpu_count)
   if [ -z "${TORCHFT_LIGHTHOUSE:-}" ]; then
     LIGHTHOUSE_PORT=${LIGHTHOUSE_PORT:-29510}
     # A quorum needs one group, so the survivors train on while a group restarts; a group that

@@ -1,5 +1,5 @@
-"""Run a function on N real ranks (spawned processes) from an ordinary pytest test, and the
-environment for CPU training subprocesses.
+"""Run a function on N real ranks (separate processes, each in a real process group) from an
+ordinary pytest test, and the environment for CPU training subprocesses.
 
 Every multi-rank test names its backend: ``gloo`` (the default) runs the ranks on CPU with the GPUs
 hidden from them (titan's pick_device would otherwise hand rank r the GPU cuda:r, which a one-GPU
@@ -44,9 +44,36 @@ def cpu_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# What every rank imports: the fork server imports it once per pytest session, so a rank starts as
+# a fork (milliseconds) instead of a fresh interpreter importing torch and titan's trainer (~4 CPU s,
+# paid by every rank of every multi-rank test). The fork server is a fresh single-threaded process
+# (forking pytest itself, after earlier tests started OpenMP/gloo threads, can deadlock a child).
+PRELOAD = ["torch", "torch.distributed", "titan.training.trainer", "train"]
+
+
+def forkserver() -> Any:
+    """The multiprocessing context whose children fork from a server that has imported PRELOAD
+    (set before the server's first start; a later call changes nothing)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def _worker(
-    rank: int, world_size: int, port: int, backend: str, init_group: bool, fn: Callable, args: tuple, queue: Any
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    init_group: bool,
+    fn: Callable,
+    args: tuple,
+    queue: Any,
+    environ: dict[str, str] | None = None,
 ) -> None:
+    if environ is not None:
+        # A forked rank has the fork server's environment: take the test's, as a spawned child would.
+        os.environ.clear()
+        os.environ.update(environ)
     import torch
     import torch.distributed as dist
 
@@ -94,18 +121,21 @@ def run_distributed(
         if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             pytest.skip(f"nccl with {world_size} ranks needs {world_size} GPUs, this machine has {count}")
-    ctx = mp.get_context("spawn")
+    # nccl ranks are spawned: a fresh interpreter initialises CUDA with the GPUs visible to it.
+    ctx = forkserver() if backend == "gloo" else mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, init_group, fn, args, queue))
-        for r in range(world_size)
-    ]
-    # Spawned children copy os.environ when they start; CUDA reads it once, at its first use there.
+    procs = []
+    # Children take os.environ as it is when they start; CUDA reads it once, at its first use there.
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
         if backend == "gloo":
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        environ = dict(os.environ) if backend == "gloo" else None
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, backend, init_group, fn, args, queue, environ))
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
     finally:

@@ -2,7 +2,7 @@
 torchtitan passes them) on titan's debug config.
 
 Every case goes through the dry run at its full rank count. Each case of at most 4 ranks also trains for real
-on CPU ranks (gloo) for a few steps, each case on its own spawned process group (cases sharing one group
+on CPU ranks (gloo) for a few steps, each case on its own process group (cases sharing one group
 left it out of step whenever one failed on some ranks only); one case also runs through run_train.sh as a
 user starts it. torchtitan's 10 / 20 steps shrink to 2 / 4 and its 2048-token windows to 32. The first step's
 collective timeout is long: a rank compiling on a busy machine must not time out its peers.
@@ -372,14 +372,24 @@ def _write_schedule(dump: Path) -> None:
     (dump / "custom_schedule.csv").write_text("\n".join(lines) + "\n")
 
 
-def _train_case(rank: int, world: int, dump: str, name: str) -> list[float]:
+def _train_case(rank: int, world: int, dump: str, name: str, kernels: str) -> list[float]:
     """On each rank of the case's own process group: every run of the case in order, in its dump folder."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
     from titan.training.checks import load_job
     from titan.training.trainer import Trainer
 
-    # One inductor cache per rank: TP + compile ranks sharing one once failed on CPU with "Could not resolve
-    # the process group registered under the name 4" in the compiled loss-parallel graph.
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{dump}/inductor-rank{rank}"
+    # Every rank compiles its own graphs, cold: compiled graphs are not cached (TP + compile ranks sharing
+    # them once failed on CPU with "Could not resolve the process group registered under the name 4" in the
+    # compiled loss-parallel graph). The C++ kernels those graphs lower to are shared by every rank and
+    # case: inductor files them by a hash of their source and build flags, one build each under a file
+    # lock, where four ranks each ran g++ on the same sources. Compiling in the rank itself spares each
+    # rank inductor's pool of compile-worker interpreters (2 cores: no parallel build to gain).
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = kernels
+    inductor_config.fx_graph_cache = False
+    functorch_config.enable_autograd_cache = False
+    inductor_config.compile_threads = 1
     losses: list[float] = []
     for flags in BY_NAME[name].runs:
         if flags:  # an empty run is a step that is not training (test_generate's generation)
@@ -387,26 +397,32 @@ def _train_case(rank: int, world: int, dump: str, name: str) -> list[float]:
     return losses
 
 
-def _train(tmp_path: Path, name: str) -> tuple[Path, list[float]]:
-    """One case on its own spawned process group: a rank that fails ends the case at once (its peers are
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The inductor cache of the module's compiled C++ kernels (empty at its start)."""
+    return str(tmp_path_factory.mktemp("inductor"))
+
+
+def _train(tmp_path: Path, name: str, kernels: str) -> tuple[Path, list[float]]:
+    """One case on its own process group: a rank that fails ends the case at once (its peers are
     stopped), and no case can leave a process group out of step for another."""
     case = BY_NAME[name]
     dump = tmp_path / name
     if name == "pp_custom_csv":
         _write_schedule(dump)
-    return dump, run_distributed(_train_case, case.ngpu, str(dump), name, timeout=900)[0]
+    return dump, run_distributed(_train_case, case.ngpu, str(dump), name, kernels, timeout=900)[0]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in REAL[2] + REAL[4] if n != "test_generate"])
-def test_trains_on_cpu_ranks(tmp_path: Path, name: str) -> None:
-    _, losses = _train(tmp_path, name)
+def test_trains_on_cpu_ranks(tmp_path: Path, name: str, kernels: str) -> None:
+    _, losses = _train(tmp_path, name, kernels)
     assert losses and all(math.isfinite(loss) for loss in losses), losses
 
 
 @pytest.mark.slow
-def test_generation_from_the_checkpoint(tmp_path: Path) -> None:
-    dump, losses = _train(tmp_path, "test_generate")
+def test_generation_from_the_checkpoint(tmp_path: Path, kernels: str) -> None:
+    dump, losses = _train(tmp_path, "test_generate", kernels)
     assert losses and all(math.isfinite(loss) for loss in losses), losses
     step = dump / "checkpoint" / "step-2"
     out = subprocess.run(

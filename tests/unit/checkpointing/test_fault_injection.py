@@ -11,7 +11,6 @@ threads, can deadlock the child).
 """
 
 import logging
-import multiprocessing as mp
 import os
 import random
 import re
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.distributed import forkserver
 from tests.helpers.runs import STEP_RE, TINY_CKPT
 from titan.checkpointing.folders import scan
 from titan.checkpointing.manifest import verify
@@ -90,8 +90,7 @@ def _losses(log: Path) -> dict[int, str]:
 
 
 def test_kill_9_at_random_points_resumes_exactly(tmp_path):
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "train"])
+    ctx = forkserver()  # the fork server run_distributed's ranks share: it has imported torch and train.py
     code = _run(ctx, tmp_path / "ref", tmp_path / "ref.log")
     ref = _losses(tmp_path / "ref.log")
     assert code == 0 and sorted(ref) == list(range(1, STEPS + 1)), (tmp_path / "ref.log").read_text()[-3000:]
