@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan.checkpointing import model_dcp as dcp_io
-from titan.checkpointing.hf_check import check_export_config
+from titan.checkpointing.hf_check import check_export_config, refuse_dropped_bias
 from titan.errors import TitanError, read_user_json
 from titan.models import get_flavor, get_model_spec, spec_for_args, spec_for_hf_model_type
 from titan.progress import progress
@@ -176,41 +176,6 @@ def _adapter(args: Any) -> Any:
     return spec.state_dict_adapter
 
 
-def trains_dropped_routing_bias(args: Any) -> bool:
-    """True for MoE model args whose balancing trains a routing bias their HF format has no key for."""
-    moe = getattr(args, "moe_args", None)
-    if moe is None or moe.load_balance_coeff is None:
-        return False
-    is_moe = getattr(args, "is_moe_layer", None)  # a family whose blocks are all MoE has none
-    if is_moe is not None and not any(is_moe(i) for i in range(args.n_layers)):
-        return False  # e.g. qwen3's dense flavors
-    return bool(getattr(spec_for_args(args).state_dict_adapter, "drops_routing_bias", False))
-
-
-def check_routing_bias_export(checkpoint: Any, args: Any) -> None:
-    """Before any process group: a final HF export that would lose the trained routing bias is
-    refused unless checkpoint.hf_drop_routing_bias accepts it (the export would route differently)."""
-    if checkpoint.last_save_in_hf and not checkpoint.hf_drop_routing_bias and trains_dropped_routing_bias(args):
-        raise TitanError(
-            f"checkpoint.last_save_in_hf: Hugging Face {spec_for_args(args).name} has no routing bias, and this run"
-            " trains one (auxiliary-loss-free balancing), so the export would pick other experts than the trained"
-            " model; set checkpoint.hf_drop_routing_bias = true to export without it, or"
-            " model.moe_load_balance_coeff = 0 to train without it"
-        )
-
-
-def _refuse_dropped_bias(adapter: Any, state: dict[str, torch.Tensor], family: str) -> None:
-    if not getattr(adapter, "drops_routing_bias", False):
-        return
-    for key, value in state.items():
-        if key.endswith("moe.expert_bias") and bool(value.abs().max() > 0):
-            raise TitanError(
-                f"{key} is not zero (max |bias| {float(value.abs().max()):.3g}) and Hugging Face {family} has no"
-                " routing bias, so the export would pick other experts than the trained model; pass"
-                " --drop_routing_bias (checkpoint.hf_drop_routing_bias = true) to export without it"
-            )
-
-
 def _write(
     out_dir: str | Path,
     args: Any,
@@ -226,7 +191,7 @@ def _write(
     check_export_config(adapter, args, config)
     if not drop_routing_bias:  # before the folder exists: the biases are small
         biases = [k for keys in groups for k in keys if k.endswith("moe.expert_bias")]
-        _refuse_dropped_bias(adapter, load(biases) if biases else {}, spec_for_args(args).name)
+        refuse_dropped_bias(adapter, load(biases) if biases else {}, spec_for_args(args).name)
     with dcp_io.atomic_folder(out_dir) as out:
         _write_files(out, adapter, args, groups, dtype, load, config)
 

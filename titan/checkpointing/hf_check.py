@@ -1,5 +1,6 @@
-"""An HF export's self-check: the config.json it is about to write, read back through
-transformers' config class and the family's reader, must describe the model being exported."""
+"""An HF export's self-checks: the config.json it is about to write, read back through
+transformers' config class and the family's reader, must describe the model being exported; and
+a routing bias the family's HF format cannot hold is refused unless dropping it was asked for."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import copy
 import dataclasses
 from typing import Any
 
+import torch
+
 from titan.errors import TitanError
+from titan.models import spec_for_args
 
 _PER_RUN = ("max_seq_len", "attn_type", "attn_mask_type", "depth_init")
 
@@ -57,3 +61,38 @@ def check_export_config(adapter: Any, args: Any, config: dict[str, Any]) -> None
 
 
 __all__ = ["check_export_config"]
+
+
+def trains_dropped_routing_bias(args: Any) -> bool:
+    """True for MoE model args whose balancing trains a routing bias their HF format has no key for."""
+    moe = getattr(args, "moe_args", None)
+    if moe is None or moe.load_balance_coeff is None:
+        return False
+    is_moe = getattr(args, "is_moe_layer", None)  # a family whose blocks are all MoE has none
+    if is_moe is not None and not any(is_moe(i) for i in range(args.n_layers)):
+        return False  # e.g. qwen3's dense flavors
+    return bool(getattr(spec_for_args(args).state_dict_adapter, "drops_routing_bias", False))
+
+
+def check_routing_bias_export(checkpoint: Any, args: Any) -> None:
+    """Before any process group: a final HF export that would lose the trained routing bias is
+    refused unless checkpoint.hf_drop_routing_bias accepts it (the export would route differently)."""
+    if checkpoint.last_save_in_hf and not checkpoint.hf_drop_routing_bias and trains_dropped_routing_bias(args):
+        raise TitanError(
+            f"checkpoint.last_save_in_hf: Hugging Face {spec_for_args(args).name} has no routing bias, and this run"
+            " trains one (auxiliary-loss-free balancing), so the export would pick other experts than the trained"
+            " model; set checkpoint.hf_drop_routing_bias = true to export without it, or"
+            " model.moe_load_balance_coeff = 0 to train without it"
+        )
+
+
+def refuse_dropped_bias(adapter: Any, state: dict[str, torch.Tensor], family: str) -> None:
+    if not getattr(adapter, "drops_routing_bias", False):
+        return
+    for key, value in state.items():
+        if key.endswith("moe.expert_bias") and bool(value.abs().max() > 0):
+            raise TitanError(
+                f"{key} is not zero (max |bias| {float(value.abs().max()):.3g}) and Hugging Face {family} has no"
+                " routing bias, so the export would pick other experts than the trained model; pass"
+                " --drop_routing_bias (checkpoint.hf_drop_routing_bias = true) to export without it"
+            )

@@ -309,19 +309,12 @@ class CheckpointManager:
         """The final save as an HF folder at step-N (torchtitan's initial_load_in_hf path), committed as DCP's are."""
         from titan.checkpointing.hf import save_model_hf
 
-        out = step_dir(self.root, step)
-        t0 = time.perf_counter()
-
+        out, t0 = step_dir(self.root, step), time.perf_counter()
         if self.groups.agree(lambda: os.path.exists(out)):
             logger.info(f"replacing existing {out}")
             self.groups.agree(lambda: delete(out, ignore_errors=False))
-        save_model_hf(
-            self.model.parts,
-            out,
-            dtype=DTYPES[self.cfg.export_dtype],
-            record=self.config_record,
-            drop_routing_bias=self.cfg.hf_drop_routing_bias,
-        )
+        dtype, drop = DTYPES[self.cfg.export_dtype], self.cfg.hf_drop_routing_bias
+        save_model_hf(self.model.parts, out, dtype=dtype, record=self.config_record, drop_routing_bias=drop)
 
         def commit() -> None:  # on rank 0; every rank returns once it is done (a next run may read it)
             write_manifest(out)

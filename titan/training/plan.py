@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from titan.checkpointing.hf import check_routing_bias_export
+from titan.checkpointing.hf_check import check_routing_bias_export
 from titan.config.job_config import JobConfig
 from titan.data import build_tokenizer, check_data
 from titan.errors import TitanError

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.helpers.moe import EPTEST
-from titan.checkpointing.hf import check_routing_bias_export, load_hf, save_hf
+from titan.checkpointing.hf import load_hf, save_hf
+from titan.checkpointing.hf_check import check_routing_bias_export
 from titan.config.sections.checkpoint import Checkpoint
 from titan.errors import TitanError
 from titan.models import get_flavor, get_model_spec
