@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from tests.helpers.deepseek import BF16, BF16_TOL, SHARD, close, dstest_flavor, layouts
 from tests.helpers.distributed import run_distributed
-from tests.unit.parallel.test_deepseek_v3_layouts import BF16, BF16_TOL, SHARD, _close, _layouts, dstest_flavor
-from tests.unit.parallel.test_moe_cp import DS, SEQ, VOCAB
+from tests.helpers.moe_cp import DS, SEQ, VOCAB
 from titan.models.deepseek_v3.model import DeepSeekV3Transformer
 from titan.models.llama.parallelize import apply_llama_cp, cp_buffers
 from titan.models.llama4.parallelize import apply_moe_cp
@@ -72,7 +72,7 @@ def test_cp2_gradients_equal_the_unsharded_model_with_latent_attention():
 
 def _curves_on_two_gpus(rank: int, world: int, dump: str) -> dict:
     with dstest_flavor():
-        return _layouts(
+        return layouts(
             dump,
             {
                 "fsdp2": (2, (SHARD, "2", *AUX)),
@@ -87,5 +87,5 @@ def test_cp2_trains_like_fsdp2(tmp_path):
     """The trainer at CP 2 (SDPA ring attention, the balance loss on) against FSDP 2: the same
     global batch, the tokens split along the sequence instead of across sequences."""
     for per_rank in run_distributed(_curves_on_two_gpus, 2, str(tmp_path), backend="nccl", timeout=900):
-        _close(per_rank["cp2"], per_rank["fsdp2"], "cp2")
-        _close(per_rank["cp2_bf16"], per_rank["fsdp2_bf16"], "cp2 bf16", BF16_TOL, relative=True)
+        close(per_rank["cp2"], per_rank["fsdp2"], "cp2")
+        close(per_rank["cp2_bf16"], per_rank["fsdp2_bf16"], "cp2 bf16", BF16_TOL, relative=True)

@@ -19,9 +19,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.moe_cp import CP_MOE, DS, SEQ, VOCAB
 from titan.errors import TitanError
 from titan.launch.entry import main
-from titan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from titan.models.deepseek_v3.model import DeepSeekV3Transformer
 from titan.models.llama.parallelize import apply_llama_cp, cp_buffers
 from titan.models.llama4.args import Llama4ModelArgs
@@ -33,31 +33,18 @@ from titan.models.qwen3.model import Qwen3Transformer
 from titan.parallel.cp import cp_shard_batch, cp_sum, cp_unshard
 from titan.training.loss import cross_entropy_sum
 
-SEQ, VOCAB = 512, 256  # flex CP needs seq_len % (2 x cp x 128) == 0
-_MOE = dict(num_experts=4, top_k=2)
-# MLA with q/k heads of 8 + 8 features and values of 8 (the kernels take each at its own width; CUDA's
-# fused SDPA kernels want multiples of 8), low-rank queries, YaRN on (max_seq_len > original_seq_len),
-# sigmoid scores in 2 groups, a shared expert.
-DS = DeepSeekV3ModelArgs(
-    vocab_size=VOCAB, dim=64, n_layers=2, n_dense_layers=1, n_heads=4, inter_dim=64, moe_inter_dim=32,
-    q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, original_seq_len=128,
-    rope_factor=4.0, mscale=0.7, max_seq_len=SEQ, attn_type="flex",
-    moe_args=MoEArgs(**_MOE, num_shared_experts=1, score_before_experts=False, score_func="sigmoid",
-                     route_norm=True, route_scale=2.0, num_expert_groups=2, num_limited_groups=1,
-                     load_balance_coeff=1e-2),
-)  # fmt: skip
-QWEN3_MOE = Qwen3ModelArgs(
+QWEN3CP_MOE = Qwen3ModelArgs(
     vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=64, max_seq_len=SEQ,
     attn_type="flex", moe_enabled=True,
-    moe_args=MoEArgs(**_MOE, hidden_dim=32, route_norm=True, score_before_experts=False),
+    moe_args=MoEArgs(**CP_MOE, hidden_dim=32, route_norm=True, score_before_experts=False),
 )  # fmt: skip
 LLAMA4 = Llama4ModelArgs(
     vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ, attn_type="flex",
-    interleave_moe_layer_step=1, moe_args=MoEArgs(**_MOE, num_shared_experts=1, score_before_experts=True),
+    interleave_moe_layer_step=1, moe_args=MoEArgs(**CP_MOE, num_shared_experts=1, score_before_experts=True),
 )  # fmt: skip
 MODELS = {
     "deepseek_v3": (DeepSeekV3Transformer, DS),
-    "qwen3": (Qwen3Transformer, QWEN3_MOE),
+    "qwen3": (Qwen3Transformer, QWEN3CP_MOE),
     "llama4": (Llama4Transformer, LLAMA4),
 }
 
