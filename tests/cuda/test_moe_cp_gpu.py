@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.helpers.deepseek import BF16, BF16_TOL, SHARD, close, dstest_flavor, layouts
+from tests.helpers.deepseek import BF16, BF16_TOL, SHARD, dstest_flavor, layouts
 from tests.helpers.distributed import run_distributed
 from tests.helpers.moe_cp import DS, SEQ, VOCAB
+from tests.helpers.parity import close
 from titan.models.deepseek_v3.model import DeepSeekV3Transformer
 from titan.models.llama.parallelize import apply_llama_cp, cp_buffers
 from titan.models.llama4.parallelize import apply_moe_cp

@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
-from tests.helpers.parity import GLOBAL_BATCH, VOCAB, batches, config
+from tests.helpers.parity import GLOBAL_BATCH, VOCAB, config, run
 from titan.models import get_model_spec, register_flavor, register_model_spec
 from titan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from titan.models.moe import MoEArgs
@@ -60,30 +60,8 @@ def trainer(dump: str, dp: int, *flags: str) -> Trainer:
     return Trainer(config(dump, *DS, *batch, "--metrics.log_freq", "5", "--optimizer.lr", "1e-3", *flags))
 
 
-def curve(trainer: Trainer, steps: int | None = None) -> list[tuple[float, float]]:
-    dp = trainer.parallel_dims.dp_degree
-    per, r = GLOBAL_BATCH // dp, trainer.dp_rank
-    out = []
-    for inputs, labels in batches()[:steps]:
-        x, y = inputs[r * per : (r + 1) * per], labels[r * per : (r + 1) * per]
-        n = trainer.grad_accum_steps
-        loss, norm = trainer.train_step(list(zip(x.chunk(n), y.chunk(n))))
-        out.append((loss.item(), norm.item()))
-    return out
-
-
 def layouts(dump: str, layouts: dict[str, tuple[int, tuple[str, ...]]]) -> dict:
     return {
-        name: curve(trainer(dump, dp, *flags), SAC_STEPS if "_sac" in name else None)
+        name: run(trainer(dump, dp, *flags), SAC_STEPS if "_sac" in name else None)
         for name, (dp, flags) in layouts.items()
     }
-
-
-def close(a: list, b: list, name: str, tol: float = TOL, relative: bool = False) -> float:
-    def diff(x: float, y: float) -> float:
-        return abs(x - y) / (abs(y) if relative else 1.0)
-
-    worst = max(diff(x[0], y[0]) for x, y in zip(a, b, strict=True))
-    assert worst < tol, (name, a, b)
-    assert all(diff(x[1], y[1]) < 10 * tol for x, y in zip(a, b)), (name, a, b)
-    return worst

@@ -55,17 +55,30 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def run(trainer: Trainer) -> list[tuple[float, float]]:
-    """(loss, grad norm) of every step over batches(), this rank's rows of each."""
+def run(trainer: Trainer, steps: int | None = None) -> list[tuple[float, float]]:
+    """(loss, grad norm) of every step over batches() (the first ``steps``), this rank's rows of each."""
     dp = trainer.parallel_dims.dp_degree
     per, r = GLOBAL_BATCH // dp, trainer.dp_rank
     out = []
-    for inputs, labels in batches():
+    for inputs, labels in batches()[:steps]:
         x, y = inputs[r * per : (r + 1) * per], labels[r * per : (r + 1) * per]
         n = trainer.grad_accum_steps  # this rank's rows, cut into the accumulation micro-batches
         loss, norm = trainer.train_step(list(zip(x.chunk(n), y.chunk(n))))
         out.append((loss.item(), norm.item()))
     return out
+
+
+def close(a: list, b: list, name: str, tol: float = 1e-5, relative: bool = False) -> float:
+    """Per step (loss, grad norm) of ``a`` against ``b``: losses within ``tol`` (of ``b``'s loss if
+    ``relative``), grad norms within 10x that; the worst loss difference."""
+
+    def diff(x: float, y: float) -> float:
+        return abs(x - y) / (abs(y) if relative else 1.0)
+
+    worst = max(diff(x[0], y[0]) for x, y in zip(a, b, strict=True))
+    assert worst < tol, (name, a, b)
+    assert all(diff(x[1], y[1]) < 10 * tol for x, y in zip(a, b)), (name, a, b)
+    return worst
 
 
 def reference(dump: str, *flags: str) -> list[tuple[float, float]]:

@@ -24,14 +24,12 @@ from tests.helpers.deepseek import (
     TOL,
     TP2,
     WQ,
-    close,
-    curve,
     dstest_flavor,
     layouts,
     trainer,
 )
 from tests.helpers.distributed import run_distributed
-from tests.helpers.parity import GLOBAL_BATCH
+from tests.helpers.parity import GLOBAL_BATCH, close, run
 
 
 def _train_loop(dump: str, world: int, steps: int, *flags: str) -> dict[int, float]:
@@ -95,10 +93,10 @@ def two(tmp_path_factory) -> tuple[list[dict], Path]:
 
 
 @pytest.mark.slow
-def test_ep_and_ac_reproduce_fsdp_and_pp_the_one_rankcurve(two, tmp_path) -> None:
+def test_ep_and_ac_reproduce_fsdp_and_pp_the_one_rank_curve(two, tmp_path) -> None:
     results, _ = two
     with dstest_flavor():
-        reference = curve(trainer(str(tmp_path), GLOBAL_BATCH))
+        reference = run(trainer(str(tmp_path), GLOBAL_BATCH))
     for per_rank in results:
         close(per_rank["ep2"], per_rank["fsdp2"], "ep2")
         close(per_rank["ep2_ac"], per_rank["fsdp2"], "ep2 + full AC")
@@ -111,7 +109,7 @@ def test_ep_and_ac_reproduce_fsdp_and_pp_the_one_rankcurve(two, tmp_path) -> Non
 @pytest.mark.slow
 def test_tensor_parallel_latent_attention_reproduces_fsdp_for_both_query_shapes(two, tmp_path) -> None:
     with dstest_flavor():
-        muon = curve(trainer(str(tmp_path), GLOBAL_BATCH, *MUON))
+        muon = run(trainer(str(tmp_path), GLOBAL_BATCH, *MUON))
     for per_rank in two[0]:
         # Muon orthogonalises each TP-sharded matrix whole (the replicated latent ones as they are).
         close(per_rank["tp2_muon"], muon, "tp2 muon")
@@ -124,7 +122,7 @@ def test_tensor_parallel_latent_attention_reproduces_fsdp_for_both_query_shapes(
 
 
 @pytest.mark.slow
-def test_saved_at_ep2_resumed_at_ep1_continues_thecurve(two) -> None:
+def test_saved_at_ep2_resumed_at_ep1_continues_the_curve(two) -> None:
     for per_rank in two[0]:
         full, resumed = per_rank["uninterrupted"], per_rank["resumed"]
         assert sorted(resumed) == list(range(6, 11)), resumed

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.parity import GLOBAL_BATCH, VOCAB, batches, config
+from tests.helpers.parity import GLOBAL_BATCH, VOCAB, close, config, run
 from titan.models import get_model_spec, register_flavor, register_model_spec
 from titan.models.gpt_oss.args import GptOssModelArgs, gpt_oss_moe
 from titan.models.llama4.parallelize import _moe_plan
@@ -80,20 +80,8 @@ def _trainer(dump: str, dp: int, *flags: str) -> Trainer:
     return Trainer(config(dump, *GPT_OSS, *batch, "--metrics.log_freq", "5", "--optimizer.lr", "1e-3", *flags))
 
 
-def _curve(trainer: Trainer) -> list[tuple[float, float]]:
-    dp = trainer.parallel_dims.dp_degree
-    per, r = GLOBAL_BATCH // dp, trainer.dp_rank
-    out = []
-    for inputs, labels in batches():
-        x, y = inputs[r * per : (r + 1) * per], labels[r * per : (r + 1) * per]
-        n = trainer.grad_accum_steps
-        loss, norm = trainer.train_step(list(zip(x.chunk(n), y.chunk(n))))
-        out.append((loss.item(), norm.item()))
-    return out
-
-
 def _layouts(dump: str, layouts: dict[str, tuple[int, tuple[str, ...]]]) -> dict:
-    return {name: _curve(_trainer(f"{dump}/{name}", dp, *flags)) for name, (dp, flags) in layouts.items()}
+    return {name: run(_trainer(f"{dump}/{name}", dp, *flags)) for name, (dp, flags) in layouts.items()}
 
 
 def _train_loop(dump: str, world: int, steps: int, *flags: str) -> dict[int, float]:
@@ -188,16 +176,6 @@ def on_four_ranks(rank: int, world: int, dump: str) -> dict:
         return out
 
 
-def _close(a: list, b: list, name: str, tol: float = TOL, relative: bool = False) -> float:
-    def diff(x: float, y: float) -> float:
-        return abs(x - y) / (abs(y) if relative else 1.0)
-
-    worst = max(diff(x[0], y[0]) for x, y in zip(a, b, strict=True))
-    assert worst < tol, (name, a, b)
-    assert all(diff(x[1], y[1]) < 10 * tol for x, y in zip(a, b)), (name, a, b)
-    return worst
-
-
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> tuple[list[dict], Path]:
     dump = tmp_path_factory.mktemp("gpt_oss")
@@ -207,15 +185,15 @@ def two(tmp_path_factory) -> tuple[list[dict], Path]:
 def test_two_rank_layouts_match_fsdp2(two, tmp_path) -> None:
     results, _ = two
     with gptest_flavor():
-        reference = _curve(_trainer(str(tmp_path), GLOBAL_BATCH, *NOLB))  # one process, one sequence per forward
+        reference = run(_trainer(str(tmp_path), GLOBAL_BATCH, *NOLB))  # one process, one sequence per forward
     for per_rank in results:
-        _close(per_rank["ep2"], per_rank["fsdp2"], "ep2")
-        _close(per_rank["ep2_ac"], per_rank["fsdp2"], "ep2 + full AC")
-        _close(per_rank["tp2"], per_rank["fsdp2"], "tp2")
-        _close(per_rank["tp2_bf16"], per_rank["fsdp2_bf16"], "tp2 bf16", BF16_TOL)
-        _close(per_rank["pp2"], reference, "pp2", PP_RTOL, relative=True)
-        _close(per_rank["ep2_bf16"], per_rank["fsdp2_bf16"], "ep2 bf16", BF16_TOL)
-        _close(per_rank["fsdp2_bf16"], per_rank["fsdp2"], "fsdp2 bf16 vs fp32", BF16_TOL)
+        close(per_rank["ep2"], per_rank["fsdp2"], "ep2")
+        close(per_rank["ep2_ac"], per_rank["fsdp2"], "ep2 + full AC")
+        close(per_rank["tp2"], per_rank["fsdp2"], "tp2")
+        close(per_rank["tp2_bf16"], per_rank["fsdp2_bf16"], "tp2 bf16", BF16_TOL)
+        close(per_rank["pp2"], reference, "pp2", PP_RTOL, relative=True)
+        close(per_rank["ep2_bf16"], per_rank["fsdp2_bf16"], "ep2 bf16", BF16_TOL)
+        close(per_rank["fsdp2_bf16"], per_rank["fsdp2"], "fsdp2 bf16 vs fp32", BF16_TOL)
 
 
 def test_router_gradient_under_tp_equals_one_process(two) -> None:
@@ -242,5 +220,5 @@ def test_four_rank_layouts_and_reshard_to_ep4(two) -> None:
     _, dump = two
     for per_rank in run_distributed(on_four_ranks, 4, str(dump), timeout=900):
         for name in ("ep2_fsdp4", "ep4", "hsdp", "tp2_etp2_fsdp2"):
-            _close(per_rank[name], per_rank["fsdp4"], name)
+            close(per_rank[name], per_rank["fsdp4"], name)
         assert list(per_rank["to_ep4"]) == [11] and torch.isfinite(torch.tensor(per_rank["to_ep4"][11]))

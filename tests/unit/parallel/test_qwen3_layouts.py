@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.parity import GLOBAL_BATCH, VOCAB, batches, config
+from tests.helpers.parity import GLOBAL_BATCH, VOCAB, close, config, run
 from titan.errors import TitanError
 from titan.models import get_model_spec, register_flavor, register_model_spec
 from titan.models.moe import MoEArgs
@@ -57,21 +57,9 @@ def _trainer(dump: str, flavor: str, dp: int, *flags: str) -> Trainer:
     return Trainer(config(dump, *model, *batch, "--metrics.log_freq", "5", "--optimizer.lr", "1e-4", *flags))
 
 
-def _curve(trainer: Trainer) -> list[tuple[float, float]]:
-    dp = trainer.parallel_dims.dp_degree
-    per, r = GLOBAL_BATCH // dp, trainer.dp_rank
-    out = []
-    for inputs, labels in batches():
-        x, y = inputs[r * per : (r + 1) * per], labels[r * per : (r + 1) * per]
-        n = trainer.grad_accum_steps
-        loss, norm = trainer.train_step(list(zip(x.chunk(n), y.chunk(n))))
-        out.append((loss.item(), norm.item()))
-    return out
-
-
 def _layouts(dump: str, layouts: dict[str, tuple[str, int, tuple[str, ...]]]) -> dict:
     with qwen3_flavors():
-        return {name: _curve(_trainer(dump, flavor, dp, *flags)) for name, (flavor, dp, flags) in layouts.items()}
+        return {name: run(_trainer(dump, flavor, dp, *flags)) for name, (flavor, dp, flags) in layouts.items()}
 
 
 def on_two_ranks(rank: int, world: int, dump: str) -> dict:
@@ -109,44 +97,34 @@ def on_four_ranks(rank: int, world: int, dump: str) -> dict:
     )  # fmt: skip
 
 
-def _close(a: list, b: list, name: str, tol: float = TOL, relative: bool = False) -> float:
-    def diff(x: float, y: float) -> float:
-        return abs(x - y) / (abs(y) if relative else 1.0)
-
-    worst = max(diff(x[0], y[0]) for x, y in zip(a, b, strict=True))
-    assert worst < tol, (name, a, b)
-    assert all(diff(x[1], y[1]) < 10 * tol for x, y in zip(a, b)), (name, a, b)
-    return worst
-
-
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict:
     """The one-process runs: one sequence per forward (the pipeline's micro-batch shapes)."""
     dump = str(tmp_path_factory.mktemp("q3ref"))
     with qwen3_flavors():
-        return {f: _curve(_trainer(dump, f, GLOBAL_BATCH)) for f in ("q3test", "q3moetest")}
+        return {f: run(_trainer(dump, f, GLOBAL_BATCH)) for f in ("q3test", "q3moetest")}
 
 
 def test_two_rank_layouts_match_their_data_parallel_layout(tmp_path: Path, references: dict) -> None:
     results = run_distributed(on_two_ranks, 2, str(tmp_path), timeout=600)
     dense, moe = references["q3test"], references["q3moetest"]
     for r in results:
-        _close(r["fsdp2"], dense, "fsdp2 vs 1 process", 1e-4)
-        _close(r["moe_fsdp2"], moe, "moe fsdp2 vs 1 process", 1e-4)
-        _close(r["fsdp2_ac_chunked"], r["fsdp2"], "full AC + chunked loss")
-        _close(r["tp2"], dense, "tp2 (q/k norms on local heads)")
-        _close(r["pp2"], dense, "pp2", PP_RTOL, relative=True)
-        _close(r["moe_ep2"], r["moe_fsdp2"], "ep2")
-        _close(r["moe_ep2_bf16"], r["moe_fsdp2_bf16"], "ep2 bf16", BF16_TOL, relative=True)
-        _close(r["moe_ep2_bf16"], r["moe_ep2"], "ep2 bf16 vs fp32", BF16_TOL, relative=True)
-        _close(r["tp2_bf16"], dense, "tp2 bf16 vs fp32", BF16_TOL, relative=True)
+        close(r["fsdp2"], dense, "fsdp2 vs 1 process", 1e-4)
+        close(r["moe_fsdp2"], moe, "moe fsdp2 vs 1 process", 1e-4)
+        close(r["fsdp2_ac_chunked"], r["fsdp2"], "full AC + chunked loss")
+        close(r["tp2"], dense, "tp2 (q/k norms on local heads)")
+        close(r["pp2"], dense, "pp2", PP_RTOL, relative=True)
+        close(r["moe_ep2"], r["moe_fsdp2"], "ep2")
+        close(r["moe_ep2_bf16"], r["moe_fsdp2_bf16"], "ep2 bf16", BF16_TOL, relative=True)
+        close(r["moe_ep2_bf16"], r["moe_ep2"], "ep2 bf16 vs fp32", BF16_TOL, relative=True)
+        close(r["tp2_bf16"], dense, "tp2 bf16 vs fp32", BF16_TOL, relative=True)
     results4 = run_distributed(on_four_ranks, 4, str(tmp_path), timeout=600)
     for r4 in results4:
-        _close(r4["fsdp4"], dense, "fsdp4 vs 1 process", 1e-4)
-        _close(r4["hsdp2x2"], r4["fsdp4"], "hsdp 2x2")
-        _close(r4["fsdp2"], results[0]["fsdp2"], "fsdp2 x tp2")
-        _close(r4["moe_ep4"], r4["moe_fsdp4"], "ep4")
-        _close(r4["moe_ep2_pp2"], results[0]["moe_fsdp2"], "ep2 x pp2", PP_RTOL, relative=True)
+        close(r4["fsdp4"], dense, "fsdp4 vs 1 process", 1e-4)
+        close(r4["hsdp2x2"], r4["fsdp4"], "hsdp 2x2")
+        close(r4["fsdp2"], results[0]["fsdp2"], "fsdp2 x tp2")
+        close(r4["moe_ep4"], r4["moe_fsdp4"], "ep4")
+        close(r4["moe_ep2_pp2"], results[0]["moe_fsdp2"], "ep2 x pp2", PP_RTOL, relative=True)
 
 
 def test_tp_on_moe_blocks_is_refused_in_one_line(tmp_path: Path) -> None:
