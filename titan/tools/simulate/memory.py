@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch._guards import active_fake_mode
+from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -73,12 +74,12 @@ _RETURNS_BUFFER = {
 }
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def _storages(obj: Any) -> Iterator[torch.UntypedStorage]:
+    """The storages under the tensors in ``obj``: a wrapper subclass (DTensor, float8's tensors)
+    holds none of its own, its inner tensors do."""
     for t in tree_flatten(obj)[0]:
-        if isinstance(t, DTensor):
-            yield t.to_local()
-        elif isinstance(t, torch.Tensor):
-            yield t
+        if isinstance(t, torch.Tensor):
+            yield from get_untyped_storages(t)
 
 
 @dataclass
@@ -166,12 +167,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def tag(self, tensors: Iterable[torch.Tensor | None], category: str) -> None:
         """Move the storages of ``tensors`` to ``category`` (adding those not seen yet)."""
-        for t in tensors:
-            if t is None:
-                continue
-            if isinstance(t, DTensor):
-                t = t.to_local()
-            storage = t.untyped_storage()
+        for storage in _storages(list(tensors)):
             entry = self._entries.get(id(storage))
             if entry is None:
                 self._add(storage, category)
@@ -249,7 +245,7 @@ class MemoryTracker(TorchDispatchMode):
             category = self.category()
             index = _OUT_ARG.get(func)
             if index is not None:
-                self.tag(_tensors(args[index]), "communication")
-        for t in _tensors(out):
-            self._add(t.untyped_storage(), category)
+                self.tag(tree_flatten(args[index])[0], "communication")
+        for storage in _storages(out):
+            self._add(storage, category)
         return out

@@ -2,10 +2,12 @@
 
 A read of a tensor's value into Python (``.item()``, ``.tolist()``, ``bool(t)``, ``int(t)``: each
 reaches the dispatcher as ``_local_scalar_dense`` per element; ``.cpu()`` and ``.numpy()``) makes
-the host wait for the device. ``HostReads`` counts them while ``counting`` (one read per call that
-reads, however many elements it returns) and, under fake tensors, answers them: a fake tensor has
-no value, so a read returns ``answer`` (0 / False unless a caller states another assumption with
-``answering``; expert parallelism's split sizes and the pipeline's warm-up vote state theirs).
+the host wait for the device. ``HostReads`` counts those of device data while ``counting`` (one read
+per call, however many elements it returns). Under fake tensors, a tensor whose value the fake mode
+knows (made from Python numbers on the host: device-mesh coordinates, small index tensors) is read
+as it is and not counted; a tensor computed from device data has no value there, so its read
+returns ``answer`` (0 / False unless a caller states another assumption with ``answering``: the
+pipeline schedule's warm-up vote does).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, is_fake
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,6 +28,15 @@ _SCALAR = torch.ops.aten._local_scalar_dense.default
 _COPIES_TO_HOST = frozenset({torch.Tensor.cpu, torch.Tensor.numpy})
 
 
+def _on_device(t: Any) -> bool:
+    """Whether ``t``'s value lives on the device (what a read waits for)."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    if isinstance(t, FakeTensor):
+        return t.constant is None
+    return isinstance(t, torch.Tensor) and t.device.type != "cpu"
+
+
 class _Copies(TorchFunctionMode):
     """``.cpu()`` / ``.numpy()``: no dispatcher op on a CPU-resident tensor, so caught by name."""
 
@@ -34,13 +45,13 @@ class _Copies(TorchFunctionMode):
         self.reads = reads
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _COPIES_TO_HOST:
+        if func in _COPIES_TO_HOST and args and _on_device(args[0]):
             self.reads.count(func.__name__)
         return func(*args, **(kwargs or {}))
 
 
 class HostReads(TorchDispatchMode):
-    """Counts host reads by kind while ``counting``; answers them on fake tensors."""
+    """Counts device-to-host reads by kind while ``counting``; answers them on fake tensors."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -50,17 +61,13 @@ class HostReads(TorchDispatchMode):
         self._last: int | None = None  # the storage of the read in progress (tolist reads element by element)
         self._copies = _Copies(self)
 
-    @property
-    def total(self) -> int:
-        return sum(self.reads.values())
-
     def count(self, kind: str) -> None:
         if self.counting:
             self.reads[kind] = self.reads.get(kind, 0) + 1
 
     @contextlib.contextmanager
     def answering(self, value: Any) -> Iterator[None]:
-        """Reads of fake tensors inside return ``value`` (a stated assumption)."""
+        """Reads of fake device data inside return ``value`` (a stated assumption)."""
         previous, self.answer = self.answer, value
         try:
             yield
@@ -83,10 +90,14 @@ class HostReads(TorchDispatchMode):
             self._last = None
             return func(*args, **(kwargs or {}))
         t = args[0]
-        storage = id(t.untyped_storage())
-        if storage != self._last:  # a new read (not the next element of the same tolist)
-            self.count("item/tolist")
-        self._last = storage
+        if _on_device(t):
+            storage = id(t.untyped_storage())
+            if storage != self._last:  # a new read (not the next element of the same tolist)
+                self.count("item/tolist")
+            self._last = storage
         if not is_fake(t):
             return func(*args, **(kwargs or {}))
-        return bool(self.answer) if t.dtype == torch.bool else self.answer
+        try:
+            return func(*args, **(kwargs or {}))  # a value the fake mode knows
+        except DataDependentOutputException:
+            return bool(self.answer) if t.dtype == torch.bool else self.answer

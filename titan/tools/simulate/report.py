@@ -71,7 +71,7 @@ def format_table(r: Report) -> str:
         )
     runs = " and ".join(str(n) for n in r.layers_run)
     depth = f"extrapolated to {r.record.layers} blocks from runs of {runs}" if r.extrapolated else f"{runs} blocks run"
-    lines.append(f"{depth}; step {r.record.step_seconds:.1f} s on this CPU; {r.seconds:.1f} s in all")
+    lines.append(f"{depth}; the step took {r.record.step_seconds:.1f} s on this CPU, {r.seconds:.1f} s in all")
     return "\n".join(lines)
 
 
