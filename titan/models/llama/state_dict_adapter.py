@@ -59,10 +59,16 @@ def _to_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, hd // 2, 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
 
 
-def _from_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def _from_hf_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``_to_hf_rows`` backwards, on any whole heads' rows (a rank's shard reads only its own)."""
     rows, cols = w.shape
-    hd = rows // n_heads
-    return w.view(n_heads, 2, hd // 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
+    return w.view(rows // head_dim, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
+
+
+def hf_row_block(key: str, model_args: TransformerModelArgs) -> int:
+    """Rows of an HF tensor that convert together: a head's for q/k (their rows are reordered
+    inside each head), one row otherwise."""
+    return model_args.head_dim if key.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")) else 1
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -193,10 +199,8 @@ def from_hf(
                 " (expected model.embed_tokens, model.layers.N.{self_attn,mlp,*_layernorm}, model.norm, lm_head)"
             )
         layer, rest = m.groups()
-        if rest == "self_attn.q_proj.weight":
-            value = _from_hf_rows(value, model_args.n_heads)
-        elif rest == "self_attn.k_proj.weight":
-            value = _from_hf_rows(value, model_args.kv_heads)
+        if rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+            value = _from_hf_rows(value, model_args.head_dim)
         out[f"layers.{layer}.{_LAYER_MAP_INV[rest]}"] = _cast(value, dtype)
     if model_args.tie_embeddings and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]
@@ -330,9 +334,16 @@ def args_from_shapes(
             f"{where}: embedding width {dim} does not match the flavor's dim {base.dim}; pick the right flavor"
         )
     n_layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("layers."))
-    args = replace(base, vocab_size=vocab, n_layers=n_layers, tie_embeddings="output.weight" not in shapes)
+    args = replace(base, vocab_size=vocab, n_layers=n_layers, tie_embeddings=tied_from_shapes(shapes, base))
     args.validate()
     return args
+
+
+def tied_from_shapes(shapes: dict[str, tuple[int, ...]], base: Any) -> bool:
+    """Whether a checkpoint's model ties its output to its embedding: no output.weight, or a tied
+    ``base`` (a tied model's state dict, and so its DCP checkpoint, holds the one tensor under both
+    names: the tensors alone cannot tell it from an untied one)."""
+    return "output.weight" not in shapes or bool(base.tie_embeddings)
 
 
 def state_dict_shapes(args: TransformerModelArgs) -> dict[str, tuple[int, ...]]:
@@ -347,6 +358,7 @@ class LlamaStateDictAdapter:
 
     hf_model_types = ("llama",)
     """config.json "model_type" values this adapter reads."""
+    hf_row_block = staticmethod(hf_row_block)
     args_from_shapes = staticmethod(args_from_shapes)
     state_dict_shapes = staticmethod(state_dict_shapes)
     to_hf = staticmethod(to_hf)
