@@ -170,6 +170,14 @@ def training_checkpoint_args(dcp_dir: str | Path, spec: Any, flavor: str | None)
     return export_args(args, record, flavor_max=args.max_seq_len)
 
 
+def dcp_model_args(dcp_dir: str | Path, model: str | None = None, flavor: str | None = None) -> Any:
+    """The model a DCP folder holds, read the one way scripts/convert_hf.py to_hf and
+    scripts/generate.py both read it: the family from the folder (checkpoint_family), the shape
+    from its model_args.json or the run's saved config (training_checkpoint_args); ``model`` and
+    ``flavor`` only where the folder records none (and never against what it records)."""
+    return training_checkpoint_args(dcp_dir, checkpoint_family(dcp_dir, model), flavor)
+
+
 def _adapter(args: Any) -> Any:
     spec = spec_for_args(args)
     if spec.state_dict_adapter is None:
@@ -313,6 +321,7 @@ def save_model_hf(
 
 __all__ = [
     "INDEX_FILE",
+    "dcp_model_args",
     "export_dcp_to_hf",
     "import_hf_to_dcp",
     "load_hf",
