@@ -195,18 +195,17 @@ def deepseek_release(path: Path, kimi: bool = False, seed: int = 0) -> None:
     _write(path, out, config)
 
 
-KIMI_PATTERN = "|".join(
-    [
-        r"""[\p{Han}]+""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""\p{N}{1,3}""",
-        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-        r"""\s*[\r\n]+""",
-        r"""\s+(?!\S)""",
-        r"""\s+""",
-    ]
+KIMI_PARTS = (
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
 )
+KIMI_PATTERN = "|".join(KIMI_PARTS)
 
 
 def kimi_tokenizer(path: Path) -> None:
@@ -217,7 +216,7 @@ def kimi_tokenizer(path: Path) -> None:
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
-    parts = ",\n".join(f"            r{json.dumps(p)}" for p in KIMI_PATTERN.split("|"))
+    parts = ",\n".join(f'            r"""{p}"""' for p in KIMI_PARTS)  # as Kimi's file spells them
     (path / "tokenization_kimi.py").write_text(
         "import tiktoken\n\n\nclass TikTokenTokenizer:\n    num_reserved_special_tokens = 256\n\n"
         f'    pat_str = "|".join(\n        [\n{parts},\n        ]\n    )\n'
