@@ -28,10 +28,11 @@ from titan.errors import TitanError
 from titan.log import logger
 from titan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from titan.models.llama.state_dict_adapter import (
-    _cast,
     hf_rope,
     layers_from_hf,
     layers_to_hf,
+    mlp_experts_from_hf,
+    mlp_experts_to_hf,
     tied_from_shapes,
 )
 from titan.models.moe import MoEArgs
@@ -111,17 +112,9 @@ def to_hf(
     """titan state dict (full tensors; a layer's experts.w1 and w3 together) -> HF keys."""
 
     def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        prefix = f"model.layers.{layer}.mlp.experts"
         if rest == "moe.expert_bias":  # transformers keeps it fp32 whatever the weights' dtype
             return {f"model.layers.{layer}.{_LAYER_MAP[rest]}": value.float()}
-        if rest == "moe.experts.w2":
-            return {f"{prefix}.down_proj": _cast(value, dtype)}
-        if rest == "moe.experts.w1":
-            w3 = state_dict.get(f"layers.{layer}.moe.experts.w3")
-            if w3 is None:
-                raise TitanError(f"layers.{layer}.moe.experts.w1 needs its w3 in the same call (HF fuses them)")
-            return {f"{prefix}.gate_up_proj": _cast(torch.cat([value, w3], dim=1), dtype)}
-        return {} if rest == "moe.experts.w3" else None
+        return mlp_experts_to_hf(state_dict, layer, rest, value, dtype)
 
     return layers_to_hf(state_dict, model_args, dtype, "DeepSeek-V3", _LAYER_MAP, experts)
 
@@ -154,15 +147,7 @@ def from_hf(
                     )
                 return {}
             return {f"layers.{layer}.moe.expert_bias": value.float()}
-        if rest == "mlp.experts.gate_up_proj":
-            gate, up = value.chunk(2, dim=1)
-            return {
-                f"layers.{layer}.moe.experts.w1": _cast(gate.contiguous(), dtype),
-                f"layers.{layer}.moe.experts.w3": _cast(up.contiguous(), dtype),
-            }
-        if rest == "mlp.experts.down_proj":
-            return {f"layers.{layer}.moe.experts.w2": _cast(value, dtype)}
-        return None
+        return mlp_experts_from_hf(layer, rest, value, dtype)
 
     return layers_from_hf(hf_state_dict, model_args, dtype, "DeepSeek-V3", _LAYER_INV, special)
 

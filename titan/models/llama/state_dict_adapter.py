@@ -157,6 +157,39 @@ def layers_from_hf(
     return out
 
 
+def mlp_experts_to_hf(
+    state_dict: dict[str, torch.Tensor], layer: str, rest: str, value: torch.Tensor, dtype: torch.dtype | None
+) -> dict[str, torch.Tensor] | None:
+    """titan's routed experts (w1 / w3 [E, hidden, dim], w2 [E, dim, hidden]; a layer's w1 and w3
+    in the same call) as transformers holds DeepSeek-V3's and Qwen3-MoE's: ``mlp.experts.gate_up_proj``
+    [E, 2 * hidden, dim] (gate rows first) and ``mlp.experts.down_proj`` [E, dim, hidden]; None for a
+    key that is no expert weight. Row slices and a concat: a round trip is bitwise lossless."""
+    prefix = f"model.layers.{layer}.mlp.experts"
+    if rest == "moe.experts.w2":
+        return {f"{prefix}.down_proj": _cast(value, dtype)}
+    if rest == "moe.experts.w1":
+        w3 = state_dict.get(f"layers.{layer}.moe.experts.w3")
+        if w3 is None:
+            raise TitanError(f"layers.{layer}.moe.experts.w1 needs its w3 in the same call (HF fuses them)")
+        return {f"{prefix}.gate_up_proj": _cast(torch.cat([value, w3], dim=1), dtype)}
+    return {} if rest == "moe.experts.w3" else None
+
+
+def mlp_experts_from_hf(
+    layer: str, rest: str, value: torch.Tensor, dtype: torch.dtype | None
+) -> dict[str, torch.Tensor] | None:
+    """``mlp_experts_to_hf`` backwards (any rows of experts: a rank's shard); None for other keys."""
+    if rest == "mlp.experts.gate_up_proj":
+        gate, up = value.chunk(2, dim=1)
+        return {
+            f"layers.{layer}.moe.experts.w1": _cast(gate.contiguous(), dtype),
+            f"layers.{layer}.moe.experts.w3": _cast(up.contiguous(), dtype),
+        }
+    if rest == "mlp.experts.down_proj":
+        return {f"layers.{layer}.moe.experts.w2": _cast(value.contiguous(), dtype)}
+    return None
+
+
 def zero_routing_bias(out: dict[str, torch.Tensor], moe_args: Any) -> None:
     """Add titan's balancing bias, at zero, to each MoE block of an imported state dict whose HF
     family has none (nothing when balancing is off)."""

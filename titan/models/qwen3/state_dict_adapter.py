@@ -23,11 +23,12 @@ import torch
 
 from titan.errors import TitanError
 from titan.models.llama.state_dict_adapter import (
-    _cast,
     args_from_shapes,
     hf_rope_scaling,
     layers_from_hf,
     layers_to_hf,
+    mlp_experts_from_hf,
+    mlp_experts_to_hf,
     unmapped_routing_bias,
     with_hf_rope_scaling,
     zero_routing_bias,
@@ -109,17 +110,9 @@ def to_hf(
     transformers holds them."""
 
     def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        prefix = f"model.layers.{layer}.mlp.experts"
         if rest == "moe.expert_bias":
             return unmapped_routing_bias(layer, value, "Qwen3-MoE", "router scores")
-        if rest == "moe.experts.w2":
-            return {f"{prefix}.down_proj": _cast(value, dtype)}
-        if rest == "moe.experts.w1":
-            w3 = state_dict.get(f"layers.{layer}.moe.experts.w3")
-            if w3 is None:
-                raise TitanError(f"layers.{layer}.moe.experts.w1 needs its w3 in the same call (HF fuses them)")
-            return {f"{prefix}.gate_up_proj": _cast(torch.cat([value, w3], dim=1), dtype)}
-        return {} if rest == "moe.experts.w3" else None
+        return mlp_experts_to_hf(state_dict, layer, rest, value, dtype)
 
     return layers_to_hf(state_dict, model_args, dtype, "Qwen3", _LAYER_MAP, experts)
 
@@ -130,15 +123,7 @@ def from_hf(
     """HF Qwen3 / Qwen3-MoE state dict (transformers' in-memory layout) -> titan keys."""
 
     def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        if rest == "mlp.experts.gate_up_proj":
-            gate, up = value.chunk(2, dim=1)
-            return {
-                f"layers.{layer}.moe.experts.w1": _cast(gate.contiguous(), dtype),
-                f"layers.{layer}.moe.experts.w3": _cast(up.contiguous(), dtype),
-            }
-        if rest == "mlp.experts.down_proj":
-            return {f"layers.{layer}.moe.experts.w2": _cast(value.contiguous(), dtype)}
-        return None
+        return mlp_experts_from_hf(layer, rest, value, dtype)
 
     out = layers_from_hf(hf_state_dict, model_args, dtype, "Qwen3", _LAYER_INV, experts)
     if model_args.moe_enabled:
