@@ -16,8 +16,8 @@ from tests.helpers.hf_release import KIMI_PATTERN, kimi_tokenizer
 from titan.data.tokenizer import build_tokenizer
 from titan.errors import TitanError
 from titan.models import get_flavor, get_model_spec, spec_for_hf_model_type
-from titan.models.deepseek_v3.args import parameter_counts
 from titan.models.deepseek_v3.model import DeepSeekV3Transformer
+from titan.models.moe.flops import parameter_counts
 
 # moonshotai/Kimi-K2-Instruct's config.json, less auto_map and the token ids.
 KIMI_K2 = {
