@@ -132,4 +132,5 @@ def extrapolate(one: StepRecord, two: StepRecord, layers: int) -> StepRecord:
         k: round(_line(one.checkpoint.get(k, 0), two.checkpoint.get(k, 0), na, nb, layers)) for k in two.checkpoint
     }
     # CPU time does not extrapolate (caches warm up over the runs): the runs' own time
-    return StepRecord(layers, peaks, collectives, reads, one.step_seconds + two.step_seconds, checkpoint)
+    seconds = one.step_seconds + two.step_seconds
+    return StepRecord(layers, two.tensors, peaks, collectives, reads, seconds, checkpoint)

@@ -20,10 +20,13 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from titan.config.job_config import JobConfig
+from titan.errors import TitanError
 from titan.parallel.dims import ParallelDims
 from titan.tools.dry_run import fake_world
 from titan.tools.simulate.attach import attach
 from titan.tools.simulate.checkpoint_plan import plan_save
+from titan.tools.simulate.ddp import hook_ddp
+from titan.tools.simulate.kernels import cuda_attention
 from titan.tools.simulate.collectives import CollectiveTracker, group_labels
 from titan.tools.simulate.memory import CATEGORIES, MemoryTracker, PhasePeak
 from titan.tools.simulate.pipeline import static_stage_shapes
@@ -34,6 +37,7 @@ from titan.training.plan import RunPlan
 __all__ = ["StepRecord", "measure_step", "simulate_step"]
 
 _CPU = torch.device("cpu")
+_REAL_LIMIT = 2 * 1024**3  # parameter bytes a real-tensor rank may hold (x4 with gradients and AdamW)
 # Phases of a step, in order; the checkpoint save plan follows the step.
 PHASES = ("forward_backward", "clip", "optimizer", "checkpoint")
 
@@ -44,6 +48,7 @@ class StepRecord:
     each phase's peak."""
 
     layers: int  # transformer blocks this rank ran
+    tensors: str  # "fake", or "real" where torch needs tensor data (DDP)
     peaks: dict[str, PhasePeak]
     collectives: dict[tuple[str, str], list[float]]
     host_reads: dict[str, int]
@@ -71,7 +76,7 @@ def _labels(dims: ParallelDims) -> dict[str, str]:
 def _run(rank: SimulatedRank, fake: bool) -> StepRecord:
     memory, comms, reads = MemoryTracker(), CollectiveTracker(_labels(rank.parallel_dims)), HostReads()
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
-    with mode, reads, memory, comms:
+    with mode, cuda_attention(), reads, memory, comms:
         if isinstance(mode, FakeTensorMode):
             mode.allow_non_fake_inputs = True  # the meta model's tensors become fake ones here
         rank.materialize(seed=None if fake else 0)
@@ -80,6 +85,7 @@ def _run(rank: SimulatedRank, fake: bool) -> StepRecord:
         for experts in rank.experts:  # expert parallelism's assumed routing (titan/parallel/expert_parallel.py)
             setattr(experts, "simulated_load", rank.config.simulate.moe_imbalance)  # noqa: B010
         static_stage_shapes(rank, reads)
+        hook_ddp(rank)
         with memory.region("optimizer_aux"):
             _optimizer_state(rank)
         attach(memory, rank)
@@ -95,7 +101,8 @@ def _run(rank: SimulatedRank, fake: bool) -> StepRecord:
         checkpoint = plan_save(rank, dist.get_rank() == 0)
     peaks = {p: memory.peaks[p] for p in PHASES if p in memory.peaks}
     layers = sum(len(getattr(part, "layers", {})) for part in rank.model_parts)
-    return StepRecord(layers, peaks, dict(comms.calls), dict(reads.reads), seconds, checkpoint)
+    tensors = "fake" if fake else "real"
+    return StepRecord(layers, tensors, peaks, dict(comms.calls), dict(reads.reads), seconds, checkpoint)
 
 
 def _optimizer_state(rank: SimulatedRank) -> None:
@@ -114,7 +121,24 @@ def simulate_step(config: JobConfig, plan: RunPlan, rank: int, keep_layers: Sequ
     with fake_world(rank, plan.parallel_dims.world_size):
         dims = dataclasses.replace(plan.parallel_dims)  # the plan's layout with a mesh of this world
         dims.build_mesh("cpu")
-        return _run(SimulatedRank(config, plan, dims, _CPU, keep_layers), fake=True)
+        sim = SimulatedRank(config, plan, dims, _CPU, keep_layers)
+        real = dims.dp_replicate_enabled and not dims.fsdp_enabled
+        if real:
+            _check_real_size(sim)
+        return _run(sim, fake=not real)
+
+
+def _check_real_size(rank: SimulatedRank) -> None:
+    """torch's DDP builds its gradient buckets from tensor data, so DDP layouts run real tensors:
+    this rank's model, gradients and optimizer state must fit this machine."""
+    params = sum(p.numel() * p.element_size() for part in rank.model_parts for p in part.parameters())
+    if params > _REAL_LIMIT:
+        raise TitanError(
+            f"scripts/simulate.py runs DDP layouts (data_parallel_replicate_degree without FSDP) with real"
+            f" tensors (torch's DDP reducer reads tensor data), and this rank holds {params / 2**30:.1f} GiB of"
+            f" parameters, above the {_REAL_LIMIT / 2**30:g} GiB this simulator allocates; simulate HSDP"
+            " (data_parallel_shard_degree > 1) or a smaller model"
+        )
 
 
 def measure_step(config: JobConfig, plan: RunPlan, dims: ParallelDims) -> StepRecord:
