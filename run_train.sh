@@ -16,8 +16,10 @@
 # peer. Group i writes to <job.dump_folder>/replica_<i> (the merged config's: TOML, then flags), uses
 # GPUs i*NGPU .. i*NGPU+NGPU-1 and prefixes its lines with [replica<i>_rank<r>]. docs/fault_tolerance.md.
 #   NGPU=1 REPLICA_GROUPS=2 ./run_train.sh --fault_tolerance.enable
-# COMM_MODE=fake_backend: no training; one CPU process dry-runs the layout for NGPU ranks
-# (mesh, per-stage layers, per-rank parameters and memory), e.g.
+# COMM_MODE=fake_backend: no training; one CPU process plays one rank of an NGPU-rank job and runs
+# one training step of it on a fake process group with fake tensors (scripts/simulate.py): its
+# memory by category, collectives and device-to-host reads, next to the analytic estimate
+# (docs/performance.md, "At scale"); --simulate.rank picks the rank, e.g.
 #   NGPU=512 COMM_MODE=fake_backend CONFIG_FILE=train_configs/llama3_405b.toml ./run_train.sh
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -51,7 +53,10 @@ RANKS=$((NGPU * ${REPLICA_GROUPS:-1}))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / RANKS > 0 ? $(nproc) / RANKS : 1 ))}
 
 if [ "${COMM_MODE:-}" = "fake_backend" ]; then
-  exec python train.py --job.config_file "${CONFIG_FILE}" --job.dry_run --job.dry_run_world_size "${NGPU}" "$@"
+  exec python scripts/simulate.py --world_size "${NGPU}" --job.config_file "${CONFIG_FILE}" "$@"
+elif [ -n "${COMM_MODE:-}" ]; then
+  echo "titan: error: COMM_MODE='${COMM_MODE}' is not a mode titan has; valid: fake_backend (one CPU process simulates a rank of NGPU ranks), or unset" >&2
+  exit 2
 fi
 
 if [ -n "${REPLICA_GROUPS:-}" ]; then

@@ -1,9 +1,10 @@
 """torchtitan v0.2.2's three deepseek_v3 training configs, as that release ships them
 (torchtitan/models/deepseek_v3/train_configs/, copied to tests/fixtures/torchtitan/), through the
-dry run at the 8 ranks its run_train.sh starts by default. Only the tokenizer location is missing here (the dry run then uses the flavor's
-vocabulary) and the debug model's c4_test is titan's offline corpus. The 16B file asks for per-op
-selective activation checkpointing with EP 8, which titan refuses in one line (as for llama4:
-torch cannot replay the experts' own FSDP inside a checkpointed block); with full AC it plans."""
+dry run at the 8 ranks its run_train.sh starts by default. Only the tokenizer location is missing
+here (the dry run then uses the flavor's vocabulary) and the debug model's c4_test is titan's
+offline corpus. The 16B file asks for per-op selective activation checkpointing with EP 8, which
+titan refuses in one line (as for llama4: torch cannot replay the experts' own FSDP inside a
+checkpointed block); with full AC it plans."""
 
 from __future__ import annotations
 

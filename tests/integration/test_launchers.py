@@ -78,17 +78,23 @@ def test_run_train_sh_hands_its_variables_to_the_launcher(tmp_path):
     flags = dict(zip(argv, argv[1:]))
     assert flags["--local-ranks-filter"] == "0,1" and flags["--max-restarts"] == "3", argv
     assert argv[argv.index("train.py") :] == ["train.py", "--job.config_file", "train_configs/x.toml"]
-    # the dry run needs no launcher: one process stands in for NGPU ranks
+    # the simulator needs no launcher: one process plays a rank of NGPU ranks
     assert _run_train_sh_argv(tmp_path, "--training.steps", "5", COMM_MODE="fake_backend") == [
-        "train.py",
+        "scripts/simulate.py",
+        "--world_size",
+        "2",
         "--job.config_file",
         "train_configs/debug_model.toml",
-        "--job.dry_run",
-        "--job.dry_run_world_size",
-        "2",
         "--training.steps",
         "5",
     ]
+
+
+def test_run_train_sh_refuses_a_comm_mode_it_does_not_have():
+    env = dict(os.environ, COMM_MODE="local_tensor", NGPU="2")
+    out = subprocess.run(["./run_train.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == "", out
+    assert out.stderr.startswith("titan: error: COMM_MODE='local_tensor' is not a mode titan has; valid: fake_backend")
 
 
 def _shims(tmp_path: Path, **scripts: str) -> Path:
@@ -283,12 +289,16 @@ def test_run_train_sh_bad_replica_group_input_is_one_line(env, line):
     assert out.returncode == 2 and out.stdout == "" and out.stderr == f"titan: error: {line}\n", out
 
 
+_SHORT = ("--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "2")
+
+
 @pytest.mark.slow
-def test_run_train_sh_fake_backend_dry_run_hsdp():
-    out = _run_train_sh("--parallelism.data_parallel_replicate_degree", "2", NGPU="8")
-    assert "dry run: llama3 debugmodel on 8 ranks" in out.stdout
-    assert "mesh: DeviceMesh((dp_replicate=2, dp_shard=4)" in out.stdout
-    assert "matches the model's" in out.stdout, out.stdout
+def test_run_train_sh_fake_backend_simulates_a_rank_of_hsdp():
+    out = _run_train_sh("--parallelism.data_parallel_replicate_degree", "2", "--simulate.rank", "5", *_SHORT, NGPU="8")
+    assert "simulate: llama3 debugmodel (dp_replicate 2, dp_shard 4), optimizer AdamW; rank 5 of 8" in out.stdout
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    assert last["world_size"] == 8 and last["rank"] == 5 and last["tensors"] == "fake"
+    assert {"all_gather@dp_shard", "all_reduce@dp_replicate"} <= set(last["collectives_by_group"]), last
 
 
 @pytest.mark.slow
@@ -296,8 +306,8 @@ def test_run_train_sh_detects_the_gpu_count():
     import torch
 
     n = max(torch.cuda.device_count(), 1)  # a CPU-only machine runs 1 process
-    out = _run_train_sh()
-    assert f"dry run: llama3 debugmodel on {n} rank" in out.stdout, out.stdout
+    out = _run_train_sh(*_SHORT)
+    assert json.loads(out.stdout.strip().splitlines()[-1])["world_size"] == n, out.stdout
 
 
 # ---------------------------------------------------------------- user errors through the launcher

@@ -23,7 +23,8 @@ class Job:
     dry_run: bool = False
     """Check the layout without hardware: one CPU process on a fake process group builds the real
     mesh and the parallelized model on the meta device for `dry_run_world_size` ranks, then prints
-    the plan and per-rank parameters and memory (run_train.sh: COMM_MODE=fake_backend, NGPU ranks)."""
+    the plan and per-rank parameters and memory (scripts/simulate.py goes on to run a training step of
+    one rank: run_train.sh's COMM_MODE=fake_backend)."""
     dry_run_world_size: int = 8
     """Number of ranks the dry run simulates (e.g. 512 for 64 nodes of 8 GPUs)."""
     debug: bool = False

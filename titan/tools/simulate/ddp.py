@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import GradBucket  # pyright: ignore[reportPrivateImportUsage]
 from torch.distributed._composable.replicate import DDP
 
 __all__ = ["hook_ddp"]
@@ -24,7 +25,7 @@ def hook_ddp(rank: Any) -> None:
         return
     group = mesh.get_group()
 
-    def all_reduce(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def all_reduce(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         dist.all_reduce(buffer, group=group)
         buffer.div_(group.size())
@@ -33,7 +34,11 @@ def hook_ddp(rank: Any) -> None:
         return future
 
     # DDP checks the hook's annotations as objects (this module's are strings)
-    all_reduce.__annotations__ = {"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+    all_reduce.__annotations__ = {
+        "state": object,
+        "bucket": GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
+    }
     for part in rank.model_parts:
         if isinstance(part, DDP):
             part.register_comm_hook(None, all_reduce)

@@ -62,10 +62,11 @@ def _signature(block: nn.Module) -> tuple:
 
 
 def _period(kinds: Sequence[object]) -> tuple[int, int]:
-    """(prefix, period): the shortest period the kinds repeat with after the shortest prefix."""
+    """(prefix, period): the shortest period the kinds repeat with (twice at least) after the
+    shortest prefix."""
     n = len(kinds)
     for prefix in range(n):
-        for period in range(1, min(_MAX_PERIOD, n - prefix) + 1):
+        for period in range(1, min(_MAX_PERIOD, (n - prefix) // 2) + 1):
             if all(kinds[i] == kinds[i + period] for i in range(prefix, n - period)):
                 return prefix, period
     return n, 1

@@ -3,11 +3,11 @@
 A read of a tensor's value into Python (``.item()``, ``.tolist()``, ``bool(t)``, ``int(t)``: each
 reaches the dispatcher as ``_local_scalar_dense`` per element; ``.cpu()`` and ``.numpy()``) makes
 the host wait for the device. ``HostReads`` counts those of device data while ``counting`` (one read
-per call, however many elements it returns). Under fake tensors, a tensor whose value the fake mode
-knows (made from Python numbers on the host: device-mesh coordinates, small index tensors) is read
-as it is and not counted; a tensor computed from device data has no value there, so its read
-returns ``answer`` (0 / False unless a caller states another assumption with ``answering``: the
-pipeline schedule's warm-up vote does).
+per call, however many elements it returns). Host tensors (real CPU tensors under the simulator's
+fake ones: device-mesh coordinates) are read as they are and not counted; a fake tensor whose
+value the fake mode knows is read as it is too; any other fake tensor stands for device data with
+no value, so its read returns ``answer`` (0 / False unless a caller states another assumption with
+``answering``: the pipeline schedule's warm-up vote does).
 """
 
 from __future__ import annotations

@@ -70,9 +70,13 @@ def simulate(config: JobConfig, world_size: int) -> Report:
         record = extrapolate(one, two, len(depths.full))
         runs = [one.layers, two.layers]
     if record.tensors == "fake":
-        notes.insert(0, "fake process group (nothing sent) and fake tensors (no values, no memory); the step is titan's")
+        notes.insert(
+            0, "fake process group (nothing sent) and fake tensors (no values, no memory); the step is titan's"
+        )
     else:
-        notes.insert(0, "fake process group (nothing sent); real tensors of this rank's size (torch's DDP reads tensor data)")
+        notes.insert(
+            0, "fake process group (nothing sent); real tensors of this rank's size (torch's DDP reads tensor data)"
+        )
     if plan.parallel_dims.ep > 1:
         load = config.simulate.moe_imbalance
         notes.append(

@@ -25,9 +25,9 @@ from titan.parallel.dims import ParallelDims
 from titan.tools.dry_run import fake_world
 from titan.tools.simulate.attach import attach
 from titan.tools.simulate.checkpoint_plan import plan_save
+from titan.tools.simulate.collectives import CollectiveTracker, group_labels
 from titan.tools.simulate.ddp import hook_ddp
 from titan.tools.simulate.kernels import cuda_attention
-from titan.tools.simulate.collectives import CollectiveTracker, group_labels
 from titan.tools.simulate.memory import CATEGORIES, MemoryTracker, PhasePeak
 from titan.tools.simulate.pipeline import static_stage_shapes
 from titan.tools.simulate.rank import SimulatedRank
