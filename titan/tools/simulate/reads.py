@@ -58,6 +58,7 @@ class HostReads(TorchDispatchMode):
         self.counting = False
         self.reads: dict[str, int] = {}
         self.answer: Any = 0
+        self.assumed = 0  # reads of fake device data answered by an assumption, in or out of the step
         self._last: int | None = None  # the storage of the read in progress (tolist reads element by element)
         self._copies = _Copies(self)
 
@@ -100,4 +101,5 @@ class HostReads(TorchDispatchMode):
         try:
             return func(*args, **(kwargs or {}))  # a value the fake mode knows
         except DataDependentOutputException:
+            self.assumed += 1
             return bool(self.answer) if t.dtype == torch.bool else self.answer
