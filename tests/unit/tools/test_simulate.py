@@ -113,7 +113,7 @@ def test_simulated_peak_matches_a_real_two_rank_run():
     real = run_distributed(_measured, 2, argv)[0]
     config = load_config(argv)
     _, peak = simulate_step(config, plan_run(config, 2, "cuda", data_here=False), 0).peak
-    assert abs(peak.total - real["total"]) <= 0.1 * real["total"], (peak, real)  # measured: 0.2% apart
+    assert abs(peak.total - real["total"]) <= 0.1 * real["total"], (peak, real)  # measured: 1 KiB apart
     # The same storages; at the peak's moment a real reduce-scatter may still hold its input where
     # the fake one has handed over the gradient shard already: those two may trade places.
     for key in ("parameters", "optimizer_state", "activations", "loss"):
