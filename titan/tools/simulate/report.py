@@ -41,22 +41,23 @@ class Report:
         return max(CATEGORIES, key=lambda k: peak[k])
 
 
-def _gib(n: float | None) -> str:
-    return "n/a" if n is None else f"{n / _GIB:,.2f}"
+def _gib(n: float | None, unit: int = _GIB) -> str:
+    return "n/a" if n is None else f"{n / unit:,.2f}"
 
 
 def format_table(r: Report) -> str:
     phase, peak = r.peak
     est = r.estimate
+    unit, name = (_GIB, "GiB") if peak["total"] >= _GIB else (1024**2, "MiB")
     lines = [f"simulate: {r.title}; rank {r.rank} of {r.world_size}", *(f"  {n}" for n in r.notes)]
-    lines.append(f"peak memory of rank {r.rank} (in {phase}), GiB:")
+    lines.append(f"peak memory of rank {r.rank} (in {phase}), {name}:")
     lines.append(f"  {'category':<16} {'simulated':>12} {'estimate':>12}")
     for key in (*CATEGORIES, "total"):
-        lines.append(f"  {key:<16} {_gib(peak[key]):>12} {_gib(est[key] if est else None):>12}")
+        lines.append(f"  {key:<16} {_gib(peak[key], unit):>12} {_gib(est[key] if est else None, unit):>12}")
     if est is None:
         lines.append(f"  estimate n/a: {r.estimate_note}")
-    phases = ", ".join(f"{p} {_gib(v.total)}" for p, v in r.record.peaks.items())
-    lines.append(f"peak of each phase, GiB: {phases}")
+    phases = ", ".join(f"{p} {_gib(v.total, unit)}" for p, v in r.record.peaks.items())
+    lines.append(f"peak of each phase, {name}: {phases}")
     lines.append("collectives of one step (bytes this rank sends, ring algorithms):")
     for (kind, group), (count, sent) in sorted(r.record.collectives.items()):
         lines.append(f"  {kind:<15} {group:<13} {int(count):>7} calls {_gib(sent):>12} GiB")
