@@ -160,3 +160,16 @@ def test_layouts_run_their_collectives(layout):
         assert sum(report.record.host_reads.values()) == 1
     if layout in ("tp", "cp", "pp", "ep_etp"):
         assert report.estimate is None and report.estimate_note
+
+
+def test_a_step_that_fails_at_this_scale_is_one_line_naming_where(capsys, monkeypatch):
+    def fails(config, world):
+        import torch
+
+        torch._foreach_norm([torch.empty(0)], float("inf"))  # what torchao's float8 precompute hits
+
+    monkeypatch.setattr("titan.tools.simulate.run.simulate", fails)
+    assert script_module("simulate").main(["--world_size", "4096", *DEBUG, "--simulate.rank", "4095"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("titan: rank 4095 of 4096 fails in its simulated step: RuntimeError: "), err
+    assert "test_simulate.py:" in err[-1] and "in fails" in err[-1], err

@@ -13,10 +13,14 @@ memory), nor asynchronous TP (a compile pass).
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import time
+import traceback
 
 from titan.config.dialects import log_translations
 from titan.config.job_config import JobConfig
+from titan.errors import TitanError
 from titan.log import init_logger
 from titan.tools.simulate.depth import choose_depths, extrapolate
 from titan.tools.simulate.estimate import estimate_categories
@@ -98,13 +102,41 @@ def simulate(config: JobConfig, world_size: int) -> Report:
     )
 
 
-def main(config: JobConfig, world_size: int) -> int:
-    """Print the table and the JSON line; 1 when the rank does not fit simulate.device_memory_gib."""
-    import sys
+def _where(error: BaseException) -> str:
+    """The innermost frame of ``error`` outside torch itself, tensor-subclass dispatch and the
+    simulator's trackers: the code that asked for what failed."""
+    frames = traceback.extract_tb(error.__traceback__)
+    own = [
+        f
+        for f in frames
+        if f"{os.sep}torch{os.sep}" not in f.filename
+        and "tools/simulate" not in f.filename
+        and f.name not in ("__torch_dispatch__", "__torch_function__")
+    ]
+    frame = (own or frames)[-1]
+    return f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno} in {frame.name}"
 
+
+def main(config: JobConfig, world_size: int) -> int:
+    """Print the table and the JSON line; 1 when the rank does not fit simulate.device_memory_gib or
+    its step fails (one line saying where; --job.debug: the traceback)."""
     init_logger(0)
     log_translations(config.translations)
-    report = simulate(config, world_size)
+    try:
+        report = simulate(config, world_size)
+    except TitanError:
+        raise
+    except Exception as e:  # the step itself failed at this scale: a finding, said in one line
+        if config.job.debug:
+            raise
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(
+            f"titan: rank {config.simulate.rank} of {world_size} fails in its simulated step:"
+            f" {type(e).__name__}: {text} ({_where(e)}); --job.debug shows the traceback",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     print(format_table(report), flush=True)
     line = overflow_line(report)
     if line is not None:
