@@ -1,0 +1,194 @@
+"""QK-clip on one process, every family: the rescale each attention module asks for against the factor
+worked out by hand per head (llama3 and gpt-oss: grouped heads take their group's smallest gamma, with
+gpt-oss's biases; qwen3: the layer's smallest, through the shared q/k norm weights; llama4: nothing on
+its weightless-normed blocks; deepseek_v3's MLA: gamma per head, for both query shapes, with the
+shared rotary key, values and low-rank query untouched); a step whose logits exceed tau leaves the
+recomputed maximum at tau; and the refusals, one line each."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from tests.helpers.deepseek import DSTEST
+from tests.helpers.parity import REPO
+from tests.helpers.tiny import TINY
+from titan.config import load_config
+from titan.errors import TitanError
+from titan.models.deepseek_v3.model import DeepSeekV3Transformer, MLAttention
+from titan.models.gpt_oss.args import GptOssModelArgs, gpt_oss_moe
+from titan.models.gpt_oss.model import GptOssTransformer
+from titan.models.llama.model import Transformer
+from titan.models.llama4.args import Llama4ModelArgs
+from titan.models.llama4.model import Llama4Transformer
+from titan.models.moe import MoEArgs
+from titan.models.qwen3.args import Qwen3ModelArgs
+from titan.models.qwen3.model import Qwen3Transformer
+from titan.parallel.dims import ParallelDims
+from titan.training.qk_clip import PER_LAYER_PREFIX, QKClip, check_qk_clip, clip_gammas, rescale_
+
+SEQ = 16
+MOE = MoEArgs(num_experts=4, top_k=2)
+FAMILIES = {
+    "llama3": lambda: Transformer(dataclasses.replace(TINY, n_heads=8, n_kv_heads=2)),
+    "qwen3": lambda: Qwen3Transformer(
+        Qwen3ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=40, vocab_size=64)
+    ),
+    # layer 0: NoPE, no norm (llama's rescale); layer 1: RoPE with q/k L2-normalised (none)
+    "llama4": lambda: Llama4Transformer(
+        Llama4ModelArgs(
+            dim=32,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            vocab_size=64,
+            every_n_layers_nope=2,
+            use_qk_norm=True,
+            moe_args=MOE,
+        )
+    ),  # fmt: skip
+    "deepseek_v3": lambda: DeepSeekV3Transformer(dataclasses.replace(DSTEST, n_layers=2, vocab_size=64)),
+    "deepseek_v3_wq": lambda: DeepSeekV3Transformer(dataclasses.replace(DSTEST, n_layers=2, q_lora_rank=0)),
+    "gpt_oss": lambda: GptOssTransformer(
+        GptOssModelArgs(
+            dim=32,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=8,
+            vocab_size=64,
+            max_seq_len=32,
+            moe_args=dataclasses.replace(gpt_oss_moe(4), top_k=2, hidden_dim=24),
+        )
+    ),  # fmt: skip
+}
+
+
+def _model(family: str):
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    model.model_args.max_seq_len = max(model.model_args.max_seq_len, SEQ)
+    model.init_weights()
+    with torch.no_grad():  # sharper attention (logits well above 1), biases that matter
+        for name, p in model.named_parameters():
+            if name.endswith(("wq.weight", "wk.weight", "wq_b.weight", "wkv_b.weight")):
+                p.mul_(8.0)
+            elif name.endswith(("wq.bias", "wk.bias")):
+                p.normal_(0, 0.5)
+    return model
+
+
+def _logits(att, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """[B, H, S, S]: every query head against its key head, all pairs, as the kernel scales them."""
+    q, k, _ = att.project(x)
+    q, k = att.position(q, k, freqs[: x.shape[1]], 0)
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    return torch.einsum("bshd,bthd->bhst", q, k) * q.shape[-1] ** -0.5
+
+
+def _expected_factor(family: str, att, gamma: torch.Tensor) -> torch.Tensor:
+    """Per head, by hand: what the clip should multiply the head's logits by."""
+    if family.startswith("deepseek"):
+        return gamma  # every head its own key
+    if family == "qwen3":
+        return gamma.min().expand(att.n_heads)  # one norm weight for all heads
+    if family == "llama4" and att.qk_norm_eps is not None:
+        return torch.ones(att.n_heads)  # nothing to scale
+    rep = att.n_heads // att.n_kv_heads
+    return gamma.view(-1, rep).min(dim=1).values.repeat_interleave(rep)  # the shared key's group
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_rescale_scales_each_heads_logits_by_the_hand_worked_factor(family) -> None:
+    model = _model(family)
+    x = torch.randn(2, SEQ, model.model_args.dim, generator=torch.Generator().manual_seed(1))
+    for block in model.layers.values():
+        att = block.attention
+        gamma = torch.linspace(0.3, 1.0, att.n_heads)[torch.randperm(att.n_heads, generator=torch.Generator())]
+        gamma[0] = 1.0  # a head under tau: exactly 1
+        before = {n: p.detach().clone() for n, p in att.named_parameters()}
+        with torch.no_grad():
+            logits = _logits(att, x, model.freqs_cis)
+            for part in att.qk_clip_scales(gamma):
+                rescale_(part)
+            after = _logits(att, x, model.freqs_cis)
+        factor = _expected_factor(family, att, gamma).view(1, -1, 1, 1)
+        torch.testing.assert_close(after, logits * factor, rtol=1e-5, atol=1e-6)
+        changed = {n for n, p in att.named_parameters() if not torch.equal(p, before[n])}
+        if isinstance(att, MLAttention):
+            assert changed == {"wq.weight" if att.q_lora_rank == 0 else "wq_b.weight", "wkv_b.weight"}
+            shape, nope = (att.n_heads, -1, att.kv_lora_rank), att.nope_dim  # wkv_b's value rows of every head
+            assert torch.equal(att.wkv_b.weight.view(shape)[:, nope:], before["wkv_b.weight"].view(shape)[:, nope:])
+        elif family == "qwen3":
+            assert changed == {"q_norm.weight", "k_norm.weight"}
+        elif family == "gpt_oss":
+            assert changed == {"wq.weight", "wk.weight", "wq.bias", "wk.bias"}  # sinks, v and o stay
+        elif family == "llama4" and att.qk_norm_eps is not None:
+            assert changed == set()
+        else:
+            assert changed == {"wq.weight", "wk.weight"}
+
+
+def _maxima(model, clip: QKClip, run) -> torch.Tensor:
+    """Per layer, the largest logit ``run()`` makes, through a tracked step and its optimizer hook."""
+    clip.track(log_step=True)
+    run()
+    clip.after_step()
+    values = clip.log_tensors()
+    return torch.stack([values[f"{PER_LAYER_PREFIX}layers.{i}/max_logit"] for i in range(len(model.layers))])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_over_tau_are_held_at_tau(family) -> None:
+    model = _model(family)
+    dims = ParallelDims(1, 1, 1, 1, 1, 1)
+    tokens = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    inputs = []  # every attention call's arguments: the clip changes later layers' inputs, so replay them
+    hooks = [
+        b.attention.register_forward_pre_hook(lambda m, a, kw: inputs.append((m, a, kw)), with_kwargs=True)
+        for b in model.layers.values()
+    ]
+    probe = QKClip(None, [model], dims, torch.device("cpu"), "sdpa")  # the metric alone: no clip
+    first = _maxima(model, probe, lambda: model(tokens))
+    for h in hooks:
+        h.remove()
+
+    def replay() -> None:
+        for m, a, kw in inputs:
+            m(*a, **kw)
+
+    assert torch.equal(_maxima(model, probe, replay), first)  # weights untouched
+    normed = torch.tensor([family == "llama4" and b.attention.qk_norm_eps is not None for b in model.layers.values()])
+    tau = 0.8 * first[~normed].min().item()  # every layer that can be clipped is
+    clip = QKClip(tau, [model], dims, torch.device("cpu"), "sdpa")
+    assert torch.equal(_maxima(model, clip, replay), first)  # before the clip
+    held = _maxima(model, clip, replay)
+    torch.testing.assert_close(held, torch.where(normed, first, torch.full_like(first, tau)), rtol=1e-5, atol=0)
+
+
+def test_clip_gammas_leave_heads_under_tau_and_non_finite_maxima_alone() -> None:
+    table = torch.tensor([[50.0, 200.0, -math.inf], [math.nan, math.inf, 100.0]])
+    assert clip_gammas(table, 100.0).tolist() == [[1.0, 0.5, 1.0], [1.0, 1.0, 1.0]]
+
+
+def _config(*flags: str):
+    return load_config(["--job.config_file", str(REPO / "train_configs/debug_model.toml"), *flags])
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_threshold_must_be_a_positive_number(value) -> None:
+    with pytest.raises(TitanError, match="optimizer.qk_clip_threshold.*a number > 0, or unset"):
+        _config("--optimizer.qk_clip_threshold", value)
+
+
+def test_layouts_qk_clip_refuses() -> None:
+    cp_sdpa = _config("--optimizer.qk_clip_threshold", "100", "--parallelism.context_parallel_degree", "2")
+    with pytest.raises(TitanError, match='needs model.attn_type = "flex"'):
+        check_qk_clip(cp_sdpa, ParallelDims(1, 1, 2, 1, 1, 2))
+    check_qk_clip(_config("--parallelism.context_parallel_degree", "2"), ParallelDims(1, 1, 2, 1, 1, 2))  # off: fine
+    ft = _config("--optimizer.qk_clip_threshold", "100", "--fault_tolerance.enable")
+    with pytest.raises(TitanError, match="fault_tolerance.enable"):
+        check_qk_clip(ft, ParallelDims(1, 1, 1, 1, 1, 1))

@@ -1,0 +1,81 @@
+"""QK-clip on FSDP 2, TP 2 and EP 2 reproduces the one-process run: per step the loss, the grad norm and
+the largest logit of every layer (measured before that step's clip, so it shows every earlier
+clip's rescale), 4 steps with a threshold that clips some heads of the tiny models every step.
+float32 within 1e-5; bfloat16 parameters within bf16's tolerance of the float32 run. llama3 (grouped
+heads, TP splitting them) and deepseek_v3 (latent attention: TP splitting wq_b / wkv_b by head rows;
+EP with FSDP: dense attention sharded by FSDP); the layouts share one spawned group of 2 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.deepseek import DS, dstest_flavor
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import FLAVORS, GLOBAL_BATCH, batches, config
+from tests.helpers.tiny import extra_flavors
+from titan.training.qk_clip import PER_LAYER_PREFIX
+from titan.training.trainer import Trainer
+
+STEPS = 4
+TOL = 1e-5
+# bf16 parameters against the fp32 run: bf16 rounds every matmul input (relative 2**-8) and the
+# tracked logits themselves; the curves of these tiny models stay within a few 1e-2.
+BF16_TOL = 5e-2
+# The largest logits of the tiny models start near 0.11 (llama3) and 0.06 (deepseek_v3): these
+# thresholds clip 3 to 7 of their 12-16 heads at every step.
+LLAMA = ("--optimizer.qk_clip_threshold", "0.1")
+DEEPSEEK = (*DS, "--optimizer.qk_clip_threshold", "0.05")
+SHARD = "--parallelism.data_parallel_shard_degree"
+TP2 = ("--parallelism.tensor_parallel_degree", "2", SHARD, "1")
+EP2 = ("--parallelism.expert_parallel_degree", "2")
+BF16 = ("--training.mixed_precision_param", "bfloat16")
+LAYOUTS = {  # name -> (data-parallel degree, flags)
+    "llama3_fsdp2": (2, (*LLAMA, SHARD, "2")),
+    "llama3_tp2": (1, (*LLAMA, *TP2)),
+    "llama3_fsdp2_bf16": (2, (*LLAMA, SHARD, "2", *BF16)),
+    "deepseek_v3_ep2": (2, (*DEEPSEEK, SHARD, "2", *EP2)),
+    "deepseek_v3_tp2": (1, (*DEEPSEEK, *TP2)),
+    "deepseek_v3_ep2_bf16": (2, (*DEEPSEEK, SHARD, "2", *EP2, *BF16)),
+}
+
+
+def _curve(dump: str, dp: int, *flags: str) -> list[list[float]]:
+    """Per step: loss, grad norm, then each layer's largest logit (this rank's share of the batch)."""
+    batch = ("--training.local_batch_size", str(GLOBAL_BATCH // dp), "--training.global_batch_size", str(GLOBAL_BATCH))
+    trainer = Trainer(config(dump, *batch, "--metrics.log_freq", "1", *flags))
+    rank = trainer.dp_rank
+    out = []
+    for inputs, labels in batches()[:STEPS]:
+        rows = slice(rank * GLOBAL_BATCH // dp, (rank + 1) * GLOBAL_BATCH // dp)
+        result = trainer.train_step([(inputs[rows], labels[rows])])
+        layers = [v for k, v in result.extra.items() if k.startswith(PER_LAYER_PREFIX)]
+        out.append(torch.stack([result.loss, result.grad_norm, *layers]).tolist())
+    return out
+
+
+def _on_ranks(rank: int, world: int, dump: str) -> dict[str, list[list[float]]]:
+    with extra_flavors(**FLAVORS), dstest_flavor():
+        return {name: _curve(f"{dump}/{name}", dp, *flags) for name, (dp, flags) in LAYOUTS.items()}
+
+
+@pytest.mark.slow
+def test_qk_clip_layouts_match_one_process(tmp_path) -> None:
+    results = run_distributed(_on_ranks, 2, str(tmp_path), timeout=900)
+    with extra_flavors(**FLAVORS), dstest_flavor():
+        references = {
+            "llama3": _curve(str(tmp_path / "ref_llama3"), 1, *LLAMA),
+            "deepseek_v3": _curve(str(tmp_path / "ref_deepseek_v3"), 1, *DEEPSEEK),
+        }
+    for name in LAYOUTS:
+        ref = torch.tensor(references["llama3" if name.startswith("llama3") else "deepseek_v3"])
+        bf16 = name.endswith("bf16")
+        for per_rank in results:
+            got = torch.tensor(per_rank[name])
+            # fp32: the loss within 1e-5, the grad norm (~0.7) within 10x that, the logits (~0.1)
+            # within 1e-5 of their size; bf16: all within bf16's tolerance of their size.
+            rtol, atol = (BF16_TOL, 0.0) if bf16 else (0.0, TOL)
+            torch.testing.assert_close(got[:, 0], ref[:, 0], rtol=rtol, atol=atol, msg=f"{name} loss")
+            torch.testing.assert_close(got[:, 1], ref[:, 1], rtol=rtol, atol=10 * atol, msg=f"{name} grad norm")
+            rtol = BF16_TOL if bf16 else TOL
+            torch.testing.assert_close(got[:, 2:], ref[:, 2:], rtol=rtol, atol=0.0, msg=f"{name} max logits")
