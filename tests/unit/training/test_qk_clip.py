@@ -31,39 +31,18 @@ from titan.parallel.dims import ParallelDims
 from titan.training.qk_clip import PER_LAYER_PREFIX, QKClip, check_qk_clip, clip_gammas, rescale_
 
 SEQ = 16
-MOE = MoEArgs(num_experts=4, top_k=2)
+HEADS = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64)  # grouped: 2 query heads per key head
+QWEN3 = Qwen3ModelArgs(**HEADS, head_dim=8, hidden_dim=40)
+# layer 0: NoPE, no norm (llama's rescale); layer 1: RoPE with q/k L2-normalised (nothing to scale)
+LLAMA4 = Llama4ModelArgs(**HEADS, every_n_layers_nope=2, use_qk_norm=True, moe_args=MoEArgs(num_experts=4, top_k=2))
+GPT_OSS = GptOssModelArgs(**HEADS, head_dim=8, moe_args=dataclasses.replace(gpt_oss_moe(4), top_k=2, hidden_dim=24))
 FAMILIES = {
     "llama3": lambda: Transformer(dataclasses.replace(TINY, n_heads=8, n_kv_heads=2)),
-    "qwen3": lambda: Qwen3Transformer(
-        Qwen3ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=40, vocab_size=64)
-    ),
-    # layer 0: NoPE, no norm (llama's rescale); layer 1: RoPE with q/k L2-normalised (none)
-    "llama4": lambda: Llama4Transformer(
-        Llama4ModelArgs(
-            dim=32,
-            n_layers=2,
-            n_heads=4,
-            n_kv_heads=2,
-            vocab_size=64,
-            every_n_layers_nope=2,
-            use_qk_norm=True,
-            moe_args=MOE,
-        )
-    ),  # fmt: skip
+    "qwen3": lambda: Qwen3Transformer(dataclasses.replace(QWEN3)),
+    "llama4": lambda: Llama4Transformer(dataclasses.replace(LLAMA4)),
     "deepseek_v3": lambda: DeepSeekV3Transformer(dataclasses.replace(DSTEST, n_layers=2, vocab_size=64)),
     "deepseek_v3_wq": lambda: DeepSeekV3Transformer(dataclasses.replace(DSTEST, n_layers=2, q_lora_rank=0)),
-    "gpt_oss": lambda: GptOssTransformer(
-        GptOssModelArgs(
-            dim=32,
-            n_layers=2,
-            n_heads=4,
-            n_kv_heads=2,
-            head_dim=8,
-            vocab_size=64,
-            max_seq_len=32,
-            moe_args=dataclasses.replace(gpt_oss_moe(4), top_k=2, hidden_dim=24),
-        )
-    ),  # fmt: skip
+    "gpt_oss": lambda: GptOssTransformer(dataclasses.replace(GPT_OSS)),
 }
 
 
