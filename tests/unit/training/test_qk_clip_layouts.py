@@ -2,18 +2,26 @@
 the largest logit of every layer (measured before that step's clip, so it shows every earlier
 clip's rescale), 4 steps with a threshold that clips some heads of the tiny models every step.
 float32 within 1e-5; bfloat16 parameters within bf16's tolerance of the float32 run. llama3 (grouped
-heads, TP splitting them) and deepseek_v3 (latent attention: TP splitting wq_b / wkv_b by head rows;
-EP with FSDP: dense attention sharded by FSDP); the layouts share one spawned group of 2 ranks."""
+heads, TP splitting them), deepseek_v3 (latent attention: TP splitting wq_b / wkv_b by head rows;
+EP with FSDP: dense attention sharded by FSDP), qwen3 (the q/k norm weights, whole on each TP rank)
+and gpt-oss (q/k biases split by TP with their rows); the layouts share one spawned group of 2 ranks."""
 
 from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from tests.helpers.deepseek import DS, dstest_flavor
 from tests.helpers.distributed import run_distributed
-from tests.helpers.parity import FLAVORS, GLOBAL_BATCH, batches, config
+from tests.helpers.parity import FLAVORS, GLOBAL_BATCH, VOCAB, batches, config
 from tests.helpers.tiny import extra_flavors
+from titan.models import get_model_spec, register_flavor, register_model_spec
+from titan.models.gpt_oss.args import GptOssModelArgs, gpt_oss_moe
+from titan.models.qwen3.args import Qwen3ModelArgs
 from titan.training.qk_clip import PER_LAYER_PREFIX
 from titan.training.trainer import Trainer
 
@@ -22,10 +30,18 @@ TOL = 1e-5
 # bf16 parameters against the fp32 run: bf16 rounds every matmul input (relative 2**-8) and the
 # tracked logits themselves; the curves of these tiny models stay within a few 1e-2.
 BF16_TOL = 5e-2
-# The largest logits of the tiny models start near 0.11 (llama3) and 0.06 (deepseek_v3): these
-# thresholds clip 3 to 7 of their 12-16 heads at every step.
+HEADS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=VOCAB)
+QKTEST = {
+    "qwen3": Qwen3ModelArgs(**HEADS, hidden_dim=64),
+    "gpt_oss": GptOssModelArgs(**HEADS, max_seq_len=64, moe_args=dataclasses.replace(gpt_oss_moe(4), top_k=2)),
+}
+# The largest logits of the tiny models start near 0.11 (llama3), 0.06 (deepseek_v3 and gpt-oss) and
+# 3.6 (qwen3, normalised q/k): these thresholds clip some heads (qwen3: whole layers) at every step.
 LLAMA = ("--optimizer.qk_clip_threshold", "0.1")
 DEEPSEEK = (*DS, "--optimizer.qk_clip_threshold", "0.05")
+QWEN3 = ("--model.name", "qwen3", "--model.flavor", "qktest", "--optimizer.qk_clip_threshold", "2")
+GPT_OSS = ("--model.name", "gpt_oss", "--model.flavor", "qktest", "--optimizer.qk_clip_threshold", "0.03")
+FAMILY = {"llama3": LLAMA, "deepseek_v3": DEEPSEEK, "qwen3": QWEN3, "gpt_oss": GPT_OSS}
 SHARD = "--parallelism.data_parallel_shard_degree"
 TP2 = ("--parallelism.tensor_parallel_degree", "2", SHARD, "1")
 EP2 = ("--parallelism.expert_parallel_degree", "2")
@@ -37,7 +53,23 @@ LAYOUTS = {  # name -> (data-parallel degree, flags)
     "deepseek_v3_ep2": (2, (*DEEPSEEK, SHARD, "2", *EP2)),
     "deepseek_v3_tp2": (1, (*DEEPSEEK, *TP2)),
     "deepseek_v3_ep2_bf16": (2, (*DEEPSEEK, SHARD, "2", *EP2, *BF16)),
+    "qwen3_tp2": (1, (*QWEN3, *TP2)),
+    "gpt_oss_tp2": (1, (*GPT_OSS, *TP2)),
 }
+
+
+@contextlib.contextmanager
+def flavors() -> Iterator[None]:
+    """The tiny flavors of the four families, registered for the block."""
+    saved = [get_model_spec(name) for name in QKTEST]
+    with extra_flavors(**FLAVORS), dstest_flavor():
+        try:
+            for name, args in QKTEST.items():
+                register_flavor(name, "qktest", args, replace=True)
+            yield
+        finally:
+            for spec in saved:
+                register_model_spec(spec, replace=True)
 
 
 def _curve(dump: str, dp: int, *flags: str) -> list[list[float]]:
@@ -55,20 +87,21 @@ def _curve(dump: str, dp: int, *flags: str) -> list[list[float]]:
 
 
 def _on_ranks(rank: int, world: int, dump: str) -> dict[str, list[list[float]]]:
-    with extra_flavors(**FLAVORS), dstest_flavor():
+    with flavors():
         return {name: _curve(f"{dump}/{name}", dp, *flags) for name, (dp, flags) in LAYOUTS.items()}
+
+
+def _family(layout: str) -> str:
+    return next(name for name in FAMILY if layout.startswith(name))
 
 
 @pytest.mark.slow
 def test_qk_clip_layouts_match_one_process(tmp_path) -> None:
     results = run_distributed(_on_ranks, 2, str(tmp_path), timeout=900)
-    with extra_flavors(**FLAVORS), dstest_flavor():
-        references = {
-            "llama3": _curve(str(tmp_path / "ref_llama3"), 1, *LLAMA),
-            "deepseek_v3": _curve(str(tmp_path / "ref_deepseek_v3"), 1, *DEEPSEEK),
-        }
+    with flavors():
+        references = {family: _curve(str(tmp_path / f"ref_{family}"), 1, *flags) for family, flags in FAMILY.items()}
     for name in LAYOUTS:
-        ref = torch.tensor(references["llama3" if name.startswith("llama3") else "deepseek_v3"])
+        ref = torch.tensor(references[_family(name)])
         bf16 = name.endswith("bf16")
         for per_rank in results:
             got = torch.tensor(per_rank[name])
