@@ -113,7 +113,8 @@ def build_optimizers_and_schedulers(
     float8's scale precompute and MoE load balancing."""
     container = OptimizersInBackward if config.optimizer.early_step_in_backward else OptimizersContainer
     optimizers: OptimizersContainer = build_optimizers(parts, config.optimizer, container)
-    qk_clip = QKClip(config.optimizer.qk_clip_threshold, parts, dims, device, config.model.attn_type)
+    tau, attn_type = config.optimizer.qk_clip_threshold, config.model.attn_type
+    qk_clip = QKClip(tau, parts, dims, device, attn_type, metric_freq=config.metrics.max_logit_freq)
     optimizers.register_step_post_hook(qk_clip.after_step)
     register_float8_precompute(optimizers, parts, config.float8, dims.fsdp_enabled)
     register_moe_balancing(optimizers, parts, dims)

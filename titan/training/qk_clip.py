@@ -10,10 +10,10 @@ gamma = tau / S: the attention module rescales its query/key weights so that hea
 by gamma (``qk_clip_scales``: per family, since what a logit depends on differs), on the local
 shards, by rows. Nothing is read on the host: heads under tau are multiplied by exactly 1.
 
-Tracking runs every step when clipping, and otherwise only on log steps (for the metric). On log
-steps the step's maximum over all layers and heads goes on the console line (``max_logit``), with
-the number of heads clipped since the last log step (``qk_clipped_heads``), and each layer's
-maximum goes to the metric files.
+Tracking runs every step when clipping, and otherwise only on the log steps that show the metric
+(``metrics.max_logit_freq``). On log steps the step's maximum over all layers and heads goes on the
+console line (``max_logit``), with the number of heads clipped since the last log step
+(``qk_clipped_heads``), and each layer's maximum goes to the metric files.
 """
 
 from __future__ import annotations
@@ -91,9 +91,16 @@ class QKClip:
     each optimizer step (registered by the build), ``log_tensors()`` on log steps."""
 
     def __init__(
-        self, threshold: float | None, parts: list[nn.Module], dims: ParallelDims, device: torch.device, attn_type: str
+        self,
+        threshold: float | None,
+        parts: list[nn.Module],
+        dims: ParallelDims,
+        device: torch.device,
+        attn_type: str,
+        metric_freq: int = 1,
     ) -> None:
         self.threshold = threshold
+        self.metric_freq = metric_freq  # metrics.max_logit_freq
         self.modules = attention_modules(parts)
         args = getattr(parts[0], "model_args", None)
         # SDPA under context parallelism is ring attention on sharded q/k/v: no logits to take
@@ -121,9 +128,11 @@ class QKClip:
             dist.all_reduce(present, op=dist.ReduceOp.MAX)
         self.layers = present.nonzero().flatten().tolist()
 
-    def track(self, log_step: bool) -> None:
-        """Before the step's forward: track when clipping, or when this step logs."""
-        self._tracking = self.enabled and (self.threshold is not None or log_step)
+    def track(self, step: int, log_step: bool) -> None:
+        """Before the step's forward: track when clipping, or when this step logs the metric."""
+        freq = self.metric_freq
+        metric = log_step and freq > 0 and (step == 1 or step % freq == 0)
+        self._tracking = self.enabled and (self.threshold is not None or metric)
         for m in self.modules:
             m.inner_attention.track_logits = self._tracking
 

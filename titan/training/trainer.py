@@ -267,7 +267,7 @@ class Trainer:
             (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in microbatches
         ]
         self.optimizers.zero_grad()
-        self.qk_clip.track(logs := self.metrics.should_log(self.step))  # attention's largest logits: clip or log
+        self.qk_clip.track(self.step, logs := self.metrics.should_log(self.step))  # largest logits: clip or log
         self.replicas.start_step()
         global_tokens = self._global_token_count(microbatches)
         # Data-parallel wrappers average gradients over dp (x cp) ranks; scaling by that turns it

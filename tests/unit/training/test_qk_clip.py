@@ -113,7 +113,7 @@ def test_rescale_scales_each_heads_logits_by_the_hand_worked_factor(family) -> N
 
 def _maxima(model, clip: QKClip, run) -> torch.Tensor:
     """Per layer, the largest logit ``run()`` makes, through a tracked step and its optimizer hook."""
-    clip.track(log_step=True)
+    clip.track(1, log_step=True)
     run()
     clip.after_step()
     values = clip.log_tensors()
@@ -171,3 +171,25 @@ def test_layouts_qk_clip_refuses() -> None:
     ft = _config("--optimizer.qk_clip_threshold", "100", "--fault_tolerance.enable")
     with pytest.raises(TitanError, match="fault_tolerance.enable"):
         check_qk_clip(ft, ParallelDims(1, 1, 1, 1, 1, 1))
+
+
+def test_tracking_runs_every_step_when_clipping_else_on_the_metrics_log_steps() -> None:
+    model = _model("llama3")
+    kernels = [b.attention.inner_attention for b in model.layers.values()]
+    dims = ParallelDims(1, 1, 1, 1, 1, 1)
+
+    def tracked(clip: QKClip, step: int, log_step: bool) -> bool:
+        clip.track(step, log_step)
+        assert {k.track_logits for k in kernels} == {clip._tracking}
+        return clip._tracking
+
+    metric = QKClip(None, [model], dims, torch.device("cpu"), "sdpa", metric_freq=10)  # metrics.max_logit_freq
+    assert [tracked(metric, s, True) for s in (1, 2, 5, 10, 20)] == [True, False, False, True, True]
+    assert not tracked(metric, 10, False)  # not a log step
+    never = QKClip(None, [model], dims, torch.device("cpu"), "sdpa", metric_freq=0)
+    assert not tracked(never, 1, True)
+    clip = QKClip(1.0, [model], dims, torch.device("cpu"), "sdpa", metric_freq=0)
+    assert all(tracked(clip, s, False) for s in (1, 2, 3))
+    assert clip.log_tensors() == {}  # nothing tracked yet: nothing to log
+    # SDPA under context parallelism has no logits to take: the metric is left out
+    assert not tracked(QKClip(None, [model], ParallelDims(1, 1, 2, 1, 1, 2), torch.device("cpu"), "sdpa"), 1, True)
