@@ -41,7 +41,7 @@ def _doc_ids() -> torch.Tensor:
     return docs
 
 
-@pytest.mark.parametrize("chunk", [max_logits_mod.CHUNK_ELEMENTS, 3 * H * S])  # one chunk / 8 chunks of 3 rows
+@pytest.mark.parametrize("chunk", [max_logits_mod.CHUNK_ELEMENTS, 3 * B * H * S])  # one chunk / 8 chunks of 3 rows
 def test_max_logits_equal_the_masked_scores_maximum(monkeypatch, chunk) -> None:
     monkeypatch.setattr(max_logits_mod, "CHUNK_ELEMENTS", chunk)
     q, k, _ = _qkv()
