@@ -120,13 +120,10 @@ class QKClip:
             heads = m.n_heads // tp_size
             m.inner_attention.start_tracking(heads, device)
             self.slots.append((m.layer_id, tp_rank * heads, m))
-        # Which layers have attention anywhere (pipeline stages hold others; hybrid models have
-        # layers without): their rows are the per-layer metrics. Once, at build.
-        present = torch.zeros(args.n_layers, device=device)
-        present[[layer for layer, _, _ in self.slots]] = 1.0
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(present, op=dist.ReduceOp.MAX)
-        self.layers = present.nonzero().flatten().tolist()
+        # The per-layer metrics: this rank's attention layers (a pipeline stage's own, as the MoE
+        # statistics), their rows of the reduced table. Known without reading any tensor, so the
+        # build also runs on fake tensors.
+        self.layers = sorted({layer for layer, _, _ in self.slots})
 
     def track(self, step: int, log_step: bool) -> None:
         """Before the step's forward: track when clipping, or when this step logs the metric."""
