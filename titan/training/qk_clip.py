@@ -32,7 +32,15 @@ from titan.models.max_logits import RowScale
 from titan.parallel.dims import ParallelDims
 from titan.training.metrics import FILES_ONLY_PREFIXES
 
-__all__ = ["PER_LAYER_PREFIX", "QKClip", "attention_modules", "check_qk_clip", "clip_gammas", "rescale_"]
+__all__ = [
+    "PER_LAYER_PREFIX",
+    "QKClip",
+    "attention_modules",
+    "check_qk_clip",
+    "clip_gammas",
+    "local_rows",
+    "rescale_",
+]
 
 PER_LAYER_PREFIX = FILES_ONLY_PREFIXES[1]
 """Per-layer maxima go to TensorBoard/W&B/JSONL, not to the console line."""
@@ -68,22 +76,50 @@ def clip_gammas(table: torch.Tensor, threshold: float) -> torch.Tensor:
     return torch.where(over, threshold / table, torch.ones_like(table))
 
 
+def local_rows(param: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """The indices (on ``device``) of the rows of ``param`` this rank holds: a DTensor's placements on
+    its dim 0 (FSDP's and TP's shards, strided ones too), whole elsewhere; None for a plain tensor."""
+    if not isinstance(param, DTensor):
+        return None
+    placements = [p if getattr(p, "dim", None) == 0 else Replicate() for p in param.placements]
+    rows = torch.arange(param.shape[0], device=device)
+    return distribute_tensor(rows, param.device_mesh, placements, src_data_rank=None).to_local()
+
+
 @torch.no_grad()
-def rescale_(part: RowScale) -> None:
-    """``(param + offset) * scale - offset`` by rows, on this rank's shard of the parameter."""
+def rescale_(part: RowScale, rows: torch.Tensor | None = None) -> None:
+    """``(param + offset) * scale - offset`` by rows, on this rank's shard of the parameter (``rows``:
+    its ``local_rows``, worked out here when not given). No communication: every rank has all of
+    ``scale`` (a row vector, not the parameter)."""
     param, scale = part.param, part.scale
+    if rows is None:
+        rows = local_rows(param, scale.device)
     local = param.to_local() if isinstance(param, DTensor) else param
-    if isinstance(param, DTensor):
-        # The rows this rank holds: the parameter's placements on its dim 0 (FSDP's and TP's
-        # shards, strided ones too), whole elsewhere. No communication: every rank has all of
-        # ``scale`` (a row vector, not the parameter).
-        placements = [p if getattr(p, "dim", None) == 0 else Replicate() for p in param.placements]
-        scale = distribute_tensor(scale, param.device_mesh, placements, src_data_rank=None).to_local()
+    if rows is not None:
+        scale = scale[rows]
     scale = scale.to(local.device).view(-1, *([1] * (local.dim() - 1)))
     if part.offset:
         local.add_(part.offset).mul_(scale).sub_(part.offset)
     else:
         local.mul_(scale)
+
+
+def _inside(module: nn.Module, part: nn.Module) -> bool:
+    return any(m is module for m in part.modules())
+
+
+def _drop_shape_inference(part: nn.Module, modules: list[Attention]) -> None:
+    """torch's pipeline stage learns its shapes in its first training step by running the stage once
+    more, on uninitialised inputs (all but the first stage): whatever that first training-mode
+    forward of the part recorded is dropped."""
+
+    def after_forward(module: nn.Module, args: object, output: object) -> None:
+        if module.training:
+            for m in modules:
+                m.inner_attention.reset_max_logits()
+            handle.remove()
+
+    handle = part.register_forward_hook(after_forward)
 
 
 class QKClip:
@@ -109,6 +145,7 @@ class QKClip:
         self._tracking = False
         self._table: torch.Tensor | None = None
         self._clipped = torch.zeros((), dtype=torch.int64, device=device)
+        self._rows: dict[int, torch.Tensor | None] = {}  # id(parameter) -> its local_rows
         if not self.enabled:
             return
         assert args is not None
@@ -120,6 +157,9 @@ class QKClip:
             heads = m.n_heads // tp_size
             m.inner_attention.start_tracking(heads, device)
             self.slots.append((m.layer_id, tp_rank * heads, m))
+        if dims.pp_enabled:
+            for part in parts:
+                _drop_shape_inference(part, [m for m in self.modules if _inside(m, part)])
         # The per-layer metrics: this rank's attention layers (a pipeline stage's own, as the MoE
         # statistics), their rows of the reduced table. Known without reading any tensor, so the
         # build also runs on fake tensors.
@@ -151,7 +191,10 @@ class QKClip:
         self._clipped += (gamma < 1).sum()
         for layer, _, m in self.slots:
             for part in m.qk_clip_scales(gamma[layer, : m.n_heads]):
-                rescale_(part)
+                key = id(part.param)
+                if key not in self._rows:  # fixed per parameter: worked out at its first clip
+                    self._rows[key] = local_rows(part.param, table.device)
+                rescale_(part, self._rows[key])
 
     def log_tensors(self) -> dict[str, torch.Tensor]:
         """Device scalars for this log step: the step's largest logit (before the clip), per layer

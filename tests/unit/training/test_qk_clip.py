@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -31,7 +32,8 @@ from titan.parallel.dims import ParallelDims
 from titan.training.qk_clip import PER_LAYER_PREFIX, QKClip, check_qk_clip, clip_gammas, rescale_
 
 SEQ = 16
-HEADS = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64)  # grouped: 2 query heads per key head
+# grouped: 2 query heads per key head
+HEADS: dict[str, Any] = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64)
 QWEN3 = Qwen3ModelArgs(**HEADS, head_dim=8, hidden_dim=40)
 # layer 0: NoPE, no norm (llama's rescale); layer 1: RoPE with q/k L2-normalised (nothing to scale)
 LLAMA4 = Llama4ModelArgs(**HEADS, every_n_layers_nope=2, use_qk_norm=True, moe_args=MoEArgs(num_experts=4, top_k=2))

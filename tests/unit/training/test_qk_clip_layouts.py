@@ -1,4 +1,4 @@
-"""QK-clip on FSDP 2, TP 2 and EP 2 reproduces the one-process run: per step the loss, the grad norm and
+"""QK-clip on FSDP 2, TP 2, EP 2 and PP 2 reproduces the one-process run: per step the loss, the grad norm and
 the largest logit of every layer (measured before that step's clip, so it shows every earlier
 clip's rescale), 4 steps with a threshold that clips some heads of the tiny models every step.
 float32 within 1e-5; bfloat16 parameters within bf16's tolerance of the float32 run. llama3 (grouped
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ TOL = 1e-5
 # bf16 parameters against the fp32 run: bf16 rounds every matmul input (relative 2**-8) and the
 # tracked logits themselves; the curves of these tiny models stay within a few 1e-2.
 BF16_TOL = 5e-2
-HEADS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=VOCAB)
+HEADS: dict[str, Any] = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=VOCAB)
 QKTEST = {
     "qwen3": Qwen3ModelArgs(**HEADS, hidden_dim=64),
     "gpt_oss": GptOssModelArgs(**HEADS, max_seq_len=64, moe_args=dataclasses.replace(gpt_oss_moe(4), top_k=2)),
@@ -50,6 +51,8 @@ LAYOUTS = {  # name -> (data-parallel degree, flags)
     "llama3_fsdp2": (2, (*LLAMA, SHARD, "2")),
     "llama3_tp2": (1, (*LLAMA, *TP2)),
     "llama3_fsdp2_bf16": (2, (*LLAMA, SHARD, "2", *BF16)),
+    # each stage its own layers; torch's shape inference runs the later stage on uninitialised inputs first
+    "llama3_pp2": (1, (*LLAMA, "--parallelism.pipeline_parallel_degree", "2", SHARD, "1")),
     "deepseek_v3_ep2": (2, (*DEEPSEEK, SHARD, "2", *EP2)),
     "deepseek_v3_tp2": (1, (*DEEPSEEK, *TP2)),
     "deepseek_v3_ep2_bf16": (2, (*DEEPSEEK, SHARD, "2", *EP2, *BF16)),
@@ -72,21 +75,26 @@ def flavors() -> Iterator[None]:
                 register_model_spec(spec, replace=True)
 
 
-def _curve(dump: str, dp: int, *flags: str) -> list[list[float]]:
-    """Per step: loss, grad norm, then each layer's largest logit (this rank's share of the batch)."""
+Curve = dict[str, list[float]]
+
+
+def _curve(dump: str, dp: int, *flags: str) -> Curve:
+    """Per step: the loss, the grad norm and each of this rank's layers' largest logit, by name."""
     batch = ("--training.local_batch_size", str(GLOBAL_BATCH // dp), "--training.global_batch_size", str(GLOBAL_BATCH))
     trainer = Trainer(config(dump, *batch, "--metrics.log_freq", "1", *flags))
     rank = trainer.dp_rank
-    out = []
+    out: Curve = {}
     for inputs, labels in batches()[:STEPS]:
         rows = slice(rank * GLOBAL_BATCH // dp, (rank + 1) * GLOBAL_BATCH // dp)
         result = trainer.train_step([(inputs[rows], labels[rows])])
-        layers = [v for k, v in result.extra.items() if k.startswith(PER_LAYER_PREFIX)]
-        out.append(torch.stack([result.loss, result.grad_norm, *layers]).tolist())
+        values = {"loss": result.loss, "grad_norm": result.grad_norm}
+        values.update((k, v) for k, v in result.extra.items() if k.startswith(PER_LAYER_PREFIX))
+        for key, value in values.items():
+            out.setdefault(key, []).append(value.item())
     return out
 
 
-def _on_ranks(rank: int, world: int, dump: str) -> dict[str, list[list[float]]]:
+def _on_ranks(rank: int, world: int, dump: str) -> dict[str, Curve]:
     with flavors():
         return {name: _curve(f"{dump}/{name}", dp, *flags) for name, (dp, flags) in LAYOUTS.items()}
 
@@ -101,14 +109,17 @@ def test_qk_clip_layouts_match_one_process(tmp_path) -> None:
     with flavors():
         references = {family: _curve(str(tmp_path / f"ref_{family}"), 1, *flags) for family, flags in FAMILY.items()}
     for name in LAYOUTS:
-        ref = torch.tensor(references[_family(name)])
+        ref = references[_family(name)]
         bf16 = name.endswith("bf16")
         for per_rank in results:
-            got = torch.tensor(per_rank[name])
+            got = per_rank[name]
+            layers = [k for k in got if k.startswith(PER_LAYER_PREFIX)]
+            assert layers and set(layers) <= set(ref), (name, layers)  # a pipeline stage: its own layers
             # fp32: the loss within 1e-5, the grad norm (~0.7) within 10x that, the logits (~0.1)
             # within 1e-5 of their size; bf16: all within bf16's tolerance of their size.
             rtol, atol = (BF16_TOL, 0.0) if bf16 else (0.0, TOL)
-            torch.testing.assert_close(got[:, 0], ref[:, 0], rtol=rtol, atol=atol, msg=f"{name} loss")
-            torch.testing.assert_close(got[:, 1], ref[:, 1], rtol=rtol, atol=10 * atol, msg=f"{name} grad norm")
+            for key, scale in (("loss", 1), ("grad_norm", 10)):
+                torch.testing.assert_close(got[key], ref[key], rtol=rtol, atol=scale * atol, msg=f"{name} {key}")
             rtol = BF16_TOL if bf16 else TOL
-            torch.testing.assert_close(got[:, 2:], ref[:, 2:], rtol=rtol, atol=0.0, msg=f"{name} max logits")
+            for key in layers:
+                torch.testing.assert_close(got[key], ref[key], rtol=rtol, atol=0.0, msg=f"{name} {key}")
