@@ -105,6 +105,55 @@ QWEN3_MOE_DEFAULTS: Any = MappingProxyType(
 _ROPE_THETA_DEFAULT = 10000.0  # transformers' rope_parameters default for both classes
 
 
+def experts_to_hf(
+    layer: str, rest: str, value: torch.Tensor, dtype: torch.dtype | None
+) -> dict[str, torch.Tensor] | None:
+    """A titan stack of routed experts (``moe.experts.w1|w2|w3``) -> HF's per-expert keys
+    (``model.layers.{layer}.mlp.experts.{e}.gate_proj.weight``, ...); None for any other key."""
+    name = _EXPERT_NAMES.get(rest.removeprefix("moe.experts.")) if rest.startswith("moe.experts.") else None
+    if name is None:
+        return None
+    prefix = f"model.layers.{layer}.mlp.experts"
+    return {f"{prefix}.{e}.{name}.weight": _cast(value[e].contiguous(), dtype) for e in range(value.shape[0])}
+
+
+class ExpertsFromHF:
+    """HF's routed experts -> titan's stacks: per-expert tensors are collected (``take``) and
+    stacked at the end (``stack``); transformers' in-memory fused form converts at once."""
+
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        self.dtype = dtype
+        self.per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+
+    def take(self, layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        e = _HF_EXPERT.match(rest)
+        if e is not None:  # the checkpoint form, one tensor per expert: stacked below
+            self.per_expert.setdefault((layer, e.group(2)), {})[int(e.group(1))] = value
+            return {}
+        if rest == "mlp.experts.gate_up_proj":
+            gate, up = value.chunk(2, dim=1)
+            return {
+                f"layers.{layer}.moe.experts.w1": _cast(gate.contiguous(), self.dtype),
+                f"layers.{layer}.moe.experts.w3": _cast(up.contiguous(), self.dtype),
+            }
+        if rest == "mlp.experts.down_proj":
+            return {f"layers.{layer}.moe.experts.w2": _cast(value.contiguous(), self.dtype)}
+        return None
+
+    def stack(self, out: dict[str, torch.Tensor], n: int) -> None:
+        inv = {v: k for k, v in _EXPERT_NAMES.items()}
+        for (layer, name), given in self.per_expert.items():
+            if sorted(given) != list(range(n)):
+                missing = sorted(set(range(n)) - set(given))[:5]
+                raise TitanError(
+                    f"layer {layer} mlp.experts.*.{name}: {len(given)} of {n} experts given (missing e.g. {missing});"
+                    " a layer's experts convert together"
+                )
+            out[f"layers.{layer}.moe.experts.{inv[name]}"] = _cast(
+                torch.stack([given[i] for i in range(n)]), self.dtype
+            )
+
+
 def to_hf(
     state_dict: dict[str, torch.Tensor], model_args: Qwen3ModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
@@ -113,11 +162,7 @@ def to_hf(
     def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         if rest == "moe.expert_bias":
             return unmapped_routing_bias(layer, value, "Qwen3-MoE", "router scores")
-        name = _EXPERT_NAMES.get(rest.removeprefix("moe.experts.")) if rest.startswith("moe.experts.") else None
-        if name is None:
-            return None
-        prefix = f"model.layers.{layer}.mlp.experts"
-        return {f"{prefix}.{e}.{name}.weight": _cast(value[e].contiguous(), dtype) for e in range(value.shape[0])}
+        return experts_to_hf(layer, rest, value, dtype)
 
     return layers_to_hf(state_dict, model_args, dtype, "Qwen3", _LAYER_MAP, experts)
 
@@ -126,34 +171,9 @@ def from_hf(
     hf_state_dict: dict[str, torch.Tensor], model_args: Qwen3ModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """HF Qwen3 / Qwen3-MoE state dict (checkpoint or in-memory form) -> titan keys."""
-    per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-
-    def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        e = _HF_EXPERT.match(rest)
-        if e is not None:  # the checkpoint form, one tensor per expert: stacked below
-            per_expert.setdefault((layer, e.group(2)), {})[int(e.group(1))] = value
-            return {}
-        if rest == "mlp.experts.gate_up_proj":
-            gate, up = value.chunk(2, dim=1)
-            return {
-                f"layers.{layer}.moe.experts.w1": _cast(gate.contiguous(), dtype),
-                f"layers.{layer}.moe.experts.w3": _cast(up.contiguous(), dtype),
-            }
-        if rest == "mlp.experts.down_proj":
-            return {f"layers.{layer}.moe.experts.w2": _cast(value.contiguous(), dtype)}
-        return None
-
-    out = layers_from_hf(hf_state_dict, model_args, dtype, "Qwen3", _LAYER_INV, experts)
-    inv = {v: k for k, v in _EXPERT_NAMES.items()}
-    n = model_args.moe_args.num_experts
-    for (layer, name), given in per_expert.items():
-        if sorted(given) != list(range(n)):
-            missing = sorted(set(range(n)) - set(given))[:5]
-            raise TitanError(
-                f"layer {layer} mlp.experts.*.{name}: {len(given)} of {n} experts given (missing e.g. {missing});"
-                " a layer's experts convert together"
-            )
-        out[f"layers.{layer}.moe.experts.{inv[name]}"] = _cast(torch.stack([given[i] for i in range(n)]), dtype)
+    experts = ExpertsFromHF(dtype)
+    out = layers_from_hf(hf_state_dict, model_args, dtype, "Qwen3", _LAYER_INV, experts.take)
+    experts.stack(out, model_args.moe_args.num_experts)
     if model_args.moe_enabled:
         zero_routing_bias(out, model_args.moe_args)
     return out
