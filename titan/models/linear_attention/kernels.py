@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
+from titan.config.choices import LinearAttnBackend, choices
 from titan.errors import TitanError
 
-BACKENDS = ("auto", "torch", "fla")
+BACKENDS = choices(LinearAttnBackend)
 INSTALL = "pip install 'titan[linear_attention]' (fla-core, causal-conv1d)"
 
 

@@ -1,0 +1,76 @@
+"""Parallelize a qwen3_5 model part: llama's order and pieces for the dense flavors (TP/SP -> AC ->
+compile -> FSDP/HSDP/DDP), the shared MoE layout for the MoE ones (EP -> AC -> compile -> experts'
+and dense FSDP). Context parallelism is refused before this (Qwen35ModelArgs.check_parallelism).
+
+Tensor parallelism: attention blocks take qwen3's plan (wq column-wise carries each head's gate with
+it). Gated DeltaNet blocks get the sequence gathered in and reduce-scattered out like attention; the
+q/k/v/z/a/b projections are column-wise (whole key and value heads per rank, the value heads of a
+key head on the same rank), the convolutions' channels and A_log / dt_bias are split the same way,
+the per-head norm runs on the local heads with its shared weight replicated, out_proj is row-wise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from titan.config.job_config import JobConfig
+from titan.log import logger
+from titan.models.linear_attention import resolve_backend
+from titan.models.llama.parallelize import _block_plan, _root_plan, parallelize_llama
+from titan.models.llama4.parallelize import parallelize_moe_family
+from titan.models.qwen3.parallelize import _qk_norm_plan
+from titan.models.qwen3_5.model import Qwen35Transformer
+from titan.parallel.dims import ParallelDims
+from titan.parallel.tp import Plan, ShardParameters, apply_tp_plan, check_tp_shapes
+from titan.parallel.utils import blocks_of
+
+
+def _deltanet_plan() -> Plan:
+    plan: Plan = {k: v for k, v in _block_plan().items() if not k.startswith("attention.")}
+    plan |= {f"attention.in_proj_{p}": ColwiseParallel() for p in "qkvzab"}
+    plan |= {f"attention.conv_{p}": ShardParameters() for p in "qkv"}
+    plan["attention.norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    plan["attention.out_proj"] = RowwiseParallel(output_layouts=Shard(1))
+    plan["attention"] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+    return plan
+
+
+def apply_tp(
+    model: Qwen35Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False
+) -> None:
+    """TP/SP for the dense flavors (the MoE ones are refused by the run plan's check)."""
+    tp = tp_mesh.size()
+    args = model.model_args
+    check_tp_shapes(args.n_heads, args.kv_heads, tp)
+    apply_tp_plan(model, tp_mesh, _root_plan(model, loss_parallel), [], {}, enable_async_tp=enable_async_tp)
+    for wrapper in blocks_of(model).values():
+        block: Any = getattr(wrapper, "_checkpoint_wrapped_module", wrapper)
+        if block.layer_type == "full_attention":
+            parallelize_module(block, tp_mesh, _block_plan() | _qk_norm_plan())
+        else:
+            parallelize_module(block, tp_mesh, _deltanet_plan())
+            parallelize_module(block.attention, tp_mesh, ShardParameters(("A_log", "dt_bias")))
+    model.seq_shards = tp
+    logger.info(f"applied tensor + sequence parallel to qwen3_5 (degree {tp}, loss parallel {loss_parallel})")
+
+
+def parallelize_qwen3_5(model: Qwen35Transformer, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
+    args = model.model_args
+    mesh = parallel_dims.mesh
+    device_type = mesh.device_type if mesh is not None else "cpu"
+    backend, why = resolve_backend(args.linear_attn_backend, device_type)
+    logger.info(f"Gated DeltaNet layers run the {backend} path ({why})")
+    if args.moe_enabled:
+        return parallelize_moe_family(model, parallel_dims, job_config, None, "qwen3_5")
+    return parallelize_llama(model, parallel_dims, job_config, tp_fn=apply_tp)
