@@ -111,7 +111,8 @@ def hf_config_to_args(config: dict[str, Any]) -> Qwen35ModelArgs:
         n_kv_heads=c["num_key_value_heads"] or n_heads,
         vocab_size=c["vocab_size"],
         head_dim=c["head_dim"] or c["hidden_size"] // n_heads,
-        hidden_dim=c.get("intermediate_size") or c["moe_intermediate_size"],
+        # Qwen3.5-MoE has no dense feed-forward (every layer routes): its width is the experts'.
+        hidden_dim=c["moe_intermediate_size"] if model_type == "qwen3_5_moe_text" else c["intermediate_size"],
         norm_eps=float(c["rms_norm_eps"]),
         rope_theta=theta,
         partial_rotary_factor=partial,

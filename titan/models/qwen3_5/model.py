@@ -76,8 +76,8 @@ class Qwen35Attention(Qwen3Attention):
             out = self._cached_attention(xq, xk, xv, kv_cache)
         else:
             q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))
-            out = self.attend(q, k, v, attn_mask).transpose(1, 2)
-        out = out.contiguous().view(bs, seqlen, -1) * torch.sigmoid(gate.reshape(bs, seqlen, -1))
+            out = self.attend(q, k, v, attn_mask)
+        out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1) * torch.sigmoid(gate.reshape(bs, seqlen, -1))
         return self.wo(out)
 
     def position(
