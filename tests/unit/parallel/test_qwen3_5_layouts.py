@@ -3,7 +3,7 @@ parallel layout without it, within 1e-5 for 10 steps in fp32 (1e-4 against the o
 dense layouts' test) and within bf16's tolerance with bf16 parameters. The tiny hybrid has three Gated
 DeltaNet blocks and one gated attention block (2 key / 4 value DeltaNet heads: TP 2 splits both); the
 MoE one routes in every block with the gated shared expert. Compile with the memory-budget AC runs
-in one process against eager. Context parallelism is refused in one line."""
+in one process against eager (one block of each kind, 3 steps). Context parallelism is refused in one line."""
 
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ MOE = MoEArgs(
 )  # fmt: skip
 FLAVORS = {
     "q35test": Qwen35ModelArgs(**SHAPE),
+    # One block of each kind: what compile sees (each kind compiles once, whatever the depth).
+    "q35short": Qwen35ModelArgs(**{**SHAPE, "n_layers": 2}, layer_types=["linear_attention", "full_attention"]),
     "q35moetest": Qwen35ModelArgs(**SHAPE, moe_enabled=True, moe_args=MOE),
 }
 SHARD = "--parallelism.data_parallel_shard_degree"
@@ -74,15 +76,12 @@ def on_two_ranks(rank: int, world: int, dump: str) -> dict:
             "fsdp2": ("q35test", 2, (SHARD, "2")),
             "fsdp2_ac_full": ("q35test", 2, (SHARD, "2", "--activation_checkpoint.mode", "full")),
             "fsdp2_ac_op": ("q35test", 2, (SHARD, "2", "--activation_checkpoint.mode", "selective")),
-            "fsdp2_ac_layer": ("q35test", 2, (SHARD, "2", "--activation_checkpoint.mode", "selective",
-                                              "--activation_checkpoint.selective_ac_option", "2")),
             "tp2": ("q35test", 1, tp2),
             "pp2": ("q35test", 1, pp2),
             "moe_fsdp2": ("q35moetest", 2, (SHARD, "2")),
             "moe_ep2": ("q35moetest", 2, ep2),
             "moe_pp2": ("q35moetest", 1, pp2),
             "tp2_bf16": ("q35test", 1, (*tp2, *BF16)),
-            "moe_fsdp2_bf16": ("q35moetest", 2, (SHARD, "2", *BF16)),
             "moe_ep2_bf16": ("q35moetest", 2, (*ep2, *BF16)),
         },
     )  # fmt: skip
@@ -103,7 +102,7 @@ def references(tmp_path_factory) -> dict:
     """The one-process runs."""
     dump = str(tmp_path_factory.mktemp("q35ref"))
     with qwen3_5_flavors():
-        return {f: run(_trainer(dump, f, GLOBAL_BATCH)) for f in FLAVORS}
+        return {f: run(_trainer(dump, f, GLOBAL_BATCH), steps=3 if f == "q35short" else None) for f in FLAVORS}
 
 
 def test_layouts_match_their_data_parallel_layout(tmp_path: Path, references: dict) -> None:
@@ -112,14 +111,13 @@ def test_layouts_match_their_data_parallel_layout(tmp_path: Path, references: di
     for r in results:
         close(r["fsdp2"], dense, "fsdp2 vs 1 process", 1e-4)
         close(r["moe_fsdp2"], moe, "moe fsdp2 vs 1 process", 1e-4)
-        for ac in ("fsdp2_ac_full", "fsdp2_ac_op", "fsdp2_ac_layer"):
+        for ac in ("fsdp2_ac_full", "fsdp2_ac_op"):
             close(r[ac], r["fsdp2"], ac, TOL)
         close(r["tp2"], dense, "tp2 (DeltaNet heads split)", TOL)
         close(r["pp2"], dense, "pp2", PP_RTOL, relative=True)
         close(r["moe_ep2"], r["moe_fsdp2"], "ep2", TOL)
         close(r["moe_pp2"], moe, "moe pp2", PP_RTOL, relative=True)
         close(r["tp2_bf16"], dense, "tp2 bf16 vs fp32", BF16_TOL, relative=True)
-        close(r["moe_ep2_bf16"], r["moe_fsdp2_bf16"], "ep2 bf16", BF16_TOL, relative=True)
         close(r["moe_ep2_bf16"], r["moe_ep2"], "ep2 bf16 vs fp32", BF16_TOL, relative=True)
     for r4 in run_distributed(on_four_ranks, 4, str(tmp_path), timeout=900):
         close(r4["hsdp2x2"], dense, "hsdp 2x2 vs 1 process", 1e-4)
@@ -128,9 +126,9 @@ def test_layouts_match_their_data_parallel_layout(tmp_path: Path, references: di
 
 def test_compile_with_memory_budget_ac_matches_eager(tmp_path: Path, references: dict) -> None:
     flags = ("--compile.enable", "--activation_checkpoint.mode", "memory_budget")
-    with qwen3_5_flavors():
-        compiled = run(_trainer(str(tmp_path), "q35test", GLOBAL_BATCH, *flags))
-    close(compiled, references["q35test"], "compile + memory-budget AC", TOL)
+    with qwen3_5_flavors():  # 3 steps: the compile is the cost, and the subject
+        compiled = run(_trainer(str(tmp_path), "q35short", GLOBAL_BATCH, *flags), steps=3)
+    close(compiled, references["q35short"], "compile + memory-budget AC", TOL)
 
 
 def test_context_parallel_is_refused_in_one_line() -> None:
