@@ -34,7 +34,7 @@ DEFAULT_SHARD_BYTES = 5 * 1024**3  # what transformers' save_pretrained uses
 
 
 def _plan_shards(
-    nbytes: dict[str, int], max_shard_bytes: int, unit: Callable[[str], str] | None = None
+    nbytes: dict[str, int], max_shard_bytes: int, unit_of: Callable[[str], str] | None = None
 ) -> list[list[str]]:
     """Greedy in layer order, so a layer's tensors mostly land in one file; a module's tensors always
     do (an adapter may fuse them: Llama 4's experts.w1 and w3 become one gate_up_proj), and so do the
@@ -46,7 +46,7 @@ def _plan_shards(
 
     modules: dict[str, list[str]] = {}
     for key in sorted(nbytes, key=order):
-        modules.setdefault(unit(key) if unit is not None else key.rsplit(".", 1)[0], []).append(key)
+        modules.setdefault(unit_of(key) if unit_of is not None else key.rsplit(".", 1)[0], []).append(key)
     shards: list[list[str]] = [[]]
     size = 0
     for keys in modules.values():

@@ -59,11 +59,18 @@ def test_the_debug_flavors_are_torchtitans() -> None:
         256, 8, 4, 2, 64, 512
     )  # fmt: skip
     assert [dense.layer_type(i) for i in range(4)] == ["linear_attention"] * 3 + ["full_attention"]
-    assert (moe.n_layers, moe.moe_args.num_experts, moe.moe_args.top_k, moe.moe_args.shared_hidden_dim) == (4, 8, 2, 256)
+    assert (moe.n_layers, moe.moe_args.num_experts, moe.moe_args.top_k, moe.moe_args.shared_hidden_dim) == (
+        4,
+        8,
+        2,
+        256,
+    )
 
 
 def test_packed_window_equals_each_document_alone() -> None:
-    args = replace(qwen3_5_configs["debugmodel"], vocab_size=64, n_layers=4, max_seq_len=80, linear_attn_backend="torch")
+    args = replace(
+        qwen3_5_configs["debugmodel"], vocab_size=64, n_layers=4, max_seq_len=80, linear_attn_backend="torch"
+    )
     torch.manual_seed(0)
     alone_model = Qwen35Transformer(args)
     alone_model.init_weights()

@@ -173,7 +173,9 @@ def test_every_config_field_loads_exactly_or_is_refused(model_type: str) -> None
                 refused.add(field)
                 continue
             with torch.no_grad():
-                torch.testing.assert_close(ours(TOKENS), hf(TOKENS, use_cache=False).logits, atol=1e-4, rtol=0, msg=f"{field}={value!r}")
+                torch.testing.assert_close(
+                    ours(TOKENS), hf(TOKENS, use_cache=False).logits, atol=1e-4, rtol=0, msg=f"{field}={value!r}"
+                )
     assert REFUSED & set(fields) <= refused | ({"output_router_logits"} if model_type == "qwen3_5_text" else set())
 
 

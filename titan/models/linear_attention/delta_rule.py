@@ -66,7 +66,9 @@ def chunk_gated_delta_rule(
     hv, dv = v.shape[-2:]
     if hk != hv:
         q, k = (t.repeat_interleave(hv // hk, dim=2) for t in (q, k))
-    q, k, v, beta, g = (t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for t in (q, k, v, beta, g))
+    q, k, v, beta, g = (
+        t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for t in (q, k, v, beta, g)
+    )
     q, k = l2norm(q), l2norm(k)
     q = q * dk**-0.5
     pad = -s % CHUNK

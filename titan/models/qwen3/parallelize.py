@@ -23,7 +23,8 @@ from titan.parallel.dims import ParallelDims
 from titan.parallel.tp import Plan, check_tp_shapes
 
 
-def _qk_norm_plan() -> Plan:
+def qk_norm_plan() -> Plan:
+    """Per-head q/k norms on the rank's local heads (a family with qwen3's attention reuses it)."""
     return {
         "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
@@ -31,7 +32,7 @@ def _qk_norm_plan() -> Plan:
 
 
 def _block_plan(block: Qwen3Block) -> Plan:
-    return block_plan() | _qk_norm_plan()
+    return block_plan() | qk_norm_plan()
 
 
 def apply_tp(

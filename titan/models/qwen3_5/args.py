@@ -22,8 +22,8 @@ from torch import nn
 
 from titan.errors import TitanError
 from titan.models.linear_attention import BACKENDS
-from titan.models.llama4.args import parameter_counts
 from titan.models.moe import MoEArgs
+from titan.models.moe.flops import active_matmul_params
 from titan.models.qwen3.args import Qwen3ModelArgs
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -103,7 +103,8 @@ class Qwen35ModelArgs(Qwen3ModelArgs):
             len(self.layer_types) != self.n_layers or any(t not in LAYER_TYPES for t in self.layer_types)
         ):
             raise TitanError(
-                f"model.layer_types must list {self.n_layers} entries of {', '.join(LAYER_TYPES)}, got {self.layer_types!r}"
+                f"model.layer_types must list {self.n_layers} entries of {', '.join(LAYER_TYPES)},"
+                f" got {self.layer_types!r}"
             )
         if self.linear_attn_backend not in BACKENDS:
             raise TitanError(
@@ -206,16 +207,12 @@ def get_nparams_and_flops(model: nn.Module, seq_len: int) -> tuple[int, int]:
     head, 6 * (2 C (Dk + Dv) + 3 Dk Dv) for the chunked delta rule (C = 64 positions per chunk: the
     within-chunk products and the state's read, correction and update)."""
     args: Qwen35ModelArgs = model.model_args  # type: ignore[assignment]
-    c = parameter_counts(model)
-    emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
-    tied = emb is not None and out is not None and out.weight is emb.weight
-    experts = c["experts"] * args.moe_args.top_k // args.moe_args.num_experts if args.moe_enabled else 0
-    flop_params = c["dense"] + c["moe_other"] + experts + (c["embedding"] if tied else 0)
     ids = [int(i) for i in model.layers.keys()]  # type: ignore[union-attr]
     full = sum(args.layer_type(i) == "full_attention" for i in ids)
     dk, dv, hv = args.linear_key_head_dim, args.linear_value_head_dim, args.linear_num_value_heads
     linear = (len(ids) - full) * hv * 6 * (2 * 64 * (dk + dv) + 3 * dk * dv)
-    return sum(c.values()), 6 * flop_params + 12 * full * args.n_heads * args.head_dim * seq_len + linear
+    nparams = sum(p.numel() for p in model.parameters())
+    return nparams, 6 * active_matmul_params(model) + 12 * full * args.n_heads * args.head_dim * seq_len + linear
 
 
 __all__ = ["Qwen35ModelArgs", "get_nparams_and_flops", "qwen3_5_configs"]

@@ -21,7 +21,11 @@ from titan.models.moe import MoEArgs
 from titan.models.qwen3_5.args import LAYER_TYPES, Qwen35ModelArgs
 
 HF_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
-_ARCH = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+_ARCH = {
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+}
 _COMMON = dict(
     hidden_size=2048,
     num_hidden_layers=40,
@@ -94,7 +98,9 @@ def hf_config_to_args(config: dict[str, Any]) -> Qwen35ModelArgs:
     if c["attention_dropout"]:
         raise _refuse("attention_dropout", c["attention_dropout"], "titan's attention has no dropout")
     if c.get("output_router_logits"):
-        raise _refuse("output_router_logits", True, "HF's Switch-style balance loss is not titan's (moe_args.aux_loss_coeff)")
+        raise _refuse(
+            "output_router_logits", True, "HF's Switch-style balance loss is not titan's (moe_args.aux_loss_coeff)"
+        )
     n_layers = c["num_hidden_layers"]
     interval = c.get("full_attention_interval", 4)
     types = c["layer_types"] or [

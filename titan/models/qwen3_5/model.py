@@ -17,20 +17,19 @@ from titan.models.kv_cache import KVCache
 from titan.models.linear_attention import DocumentSpans, GatedDeltaNet
 from titan.models.llama.flex import FlexKernel
 from titan.models.llama.masks import varlen_mask
-from titan.models.llama.model import precompute_freqs_cis
+from titan.models.llama.model import RMSNorm, precompute_freqs_cis
 from titan.models.moe.block import MoEBlock, MoETransformer
 from titan.models.qwen3.model import Qwen3Attention, apply_rotary_emb_half
 from titan.models.qwen3_5.args import Qwen35ModelArgs
 
 
-class OffsetRMSNorm(nn.Module):
+class OffsetRMSNorm(RMSNorm):
     """RMSNorm scaling by (1 + weight), the weight starting at zero; computed in fp32 and cast back
     after the scale (transformers' Qwen3.5 / Qwen3-Next RMSNorm)."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()

@@ -27,9 +27,9 @@ from torch.distributed.tensor.parallel import (
 from titan.config.job_config import JobConfig
 from titan.log import logger
 from titan.models.linear_attention import resolve_backend
-from titan.models.llama.parallelize import _block_plan, _root_plan, parallelize_llama
-from titan.models.llama4.parallelize import parallelize_moe_family
-from titan.models.qwen3.parallelize import _qk_norm_plan
+from titan.models.llama.parallelize import block_plan, parallelize_llama, root_plan
+from titan.models.moe.parallelize import parallelize_moe_family
+from titan.models.qwen3.parallelize import qk_norm_plan
 from titan.models.qwen3_5.model import Qwen35Transformer
 from titan.parallel.dims import ParallelDims
 from titan.parallel.tp import Plan, ShardParameters, apply_tp_plan, check_tp_shapes
@@ -37,7 +37,7 @@ from titan.parallel.utils import blocks_of
 
 
 def _deltanet_plan() -> Plan:
-    plan: Plan = {k: v for k, v in _block_plan().items() if not k.startswith("attention.")}
+    plan: Plan = {k: v for k, v in block_plan().items() if not k.startswith("attention.")}
     plan |= {f"attention.in_proj_{p}": ColwiseParallel() for p in "qkvzab"}
     plan |= {f"attention.conv_{p}": ShardParameters() for p in "qkv"}
     plan["attention.norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -53,11 +53,11 @@ def apply_tp(
     tp = tp_mesh.size()
     args = model.model_args
     check_tp_shapes(args.n_heads, args.kv_heads, tp)
-    apply_tp_plan(model, tp_mesh, _root_plan(model, loss_parallel), [], {}, enable_async_tp=enable_async_tp)
+    apply_tp_plan(model, tp_mesh, root_plan(model, loss_parallel), [], {}, enable_async_tp=enable_async_tp)
     for wrapper in blocks_of(model).values():
         block: Any = getattr(wrapper, "_checkpoint_wrapped_module", wrapper)
         if block.layer_type == "full_attention":
-            parallelize_module(block, tp_mesh, _block_plan() | _qk_norm_plan())
+            parallelize_module(block, tp_mesh, block_plan() | qk_norm_plan())
         else:
             parallelize_module(block, tp_mesh, _deltanet_plan())
             parallelize_module(block.attention, tp_mesh, ShardParameters(("A_log", "dt_bias")))

@@ -65,7 +65,9 @@ def _gdn_to_hf(layer: str, parts: dict[str, torch.Tensor], args: Qwen35ModelArgs
         f"conv_{p}" for p in "qkv" if f"conv_{p}" not in parts
     ]
     if missing:
-        raise TitanError(f"layers.{layer}.attention: {missing[0]} is missing; a layer's Gated DeltaNet converts together")
+        raise TitanError(
+            f"layers.{layer}.attention: {missing[0]} is missing; a layer's Gated DeltaNet converts together"
+        )
     p = f"model.layers.{layer}.linear_attn"
     out = {f"{p}.conv1d.weight": torch.cat([parts[f"conv_{c}"] for c in "qkv"]).unsqueeze(1)}
     q, k, v, z, a, b = (parts[f"in_proj_{c}"] for c in _PARTS)
