@@ -186,3 +186,36 @@ def test_an_absent_field_takes_transformers_default(model_type: str) -> None:
     for key, value in DEFAULTS[model_type].items():
         assert declared[key] == value, key
     assert hf_config_to_args({"model_type": model_type}) == hf_config_to_args(config_cls().to_dict())
+
+
+def test_continued_pretraining_starts_at_transformers_loss(tmp_path: Path) -> None:
+    """checkpoint.initial_load_path at a Qwen3.5 folder (initial_load_in_hf): the run builds the
+    folder's model and its first step's loss is transformers' loss on the same batch."""
+    import torch.nn.functional as F
+
+    from titan.config import load_config
+    from titan.training.trainer import Trainer
+
+    hf = _hf_model("qwen3_5_moe_text", vocab_size=2048)
+    with torch.no_grad():  # logits of O(1) at this vocabulary
+        hf.lm_head.weight.mul_(0.25)
+    hf.save_pretrained(tmp_path / "hf")
+    trainer = Trainer(
+        load_config(
+            [
+                "--model.name", "qwen3_5", "--model.flavor", "debugmodel_moe", "--training.seq_len", "32",
+                "--training.local_batch_size", "2", "--training.steps", "1", "--training.mixed_precision_param",
+                "float32", "--metrics.enable_tensorboard", "false", "--checkpoint.enable",
+                "--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf",
+                "--checkpoint.config_mismatch", "use_checkpoint", "--job.dump_folder", str(tmp_path / "run"),
+            ]
+        )
+    )  # fmt: skip
+    batch = trainer.next_microbatches()
+    assert batch is not None
+    inputs, labels = batch[0]
+    with torch.no_grad():
+        logits = hf(inputs, use_cache=False).logits
+    ref = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).item()
+    loss, _ = trainer.train_step(batch)
+    assert abs(loss.item() - ref) < 1e-4, (loss.item(), ref)
