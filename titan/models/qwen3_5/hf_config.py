@@ -18,6 +18,7 @@ import torch
 
 from titan.errors import TitanError
 from titan.models.moe import MoEArgs
+from titan.models.qwen3.state_dict_adapter import QWEN3_MOE_DEFAULTS
 from titan.models.qwen3_5.args import LAYER_TYPES, Qwen35ModelArgs
 
 HF_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -26,17 +27,14 @@ _ARCH = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
 }
+# The fields Qwen3's config classes share, with their defaults (the tests check each class's own).
+_SHARED = ("hidden_act", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "attention_bias")
 _COMMON = dict(
+    **{k: QWEN3_MOE_DEFAULTS[k] for k in (*_SHARED, "attention_dropout")},
     hidden_size=2048,
     num_hidden_layers=40,
     num_attention_heads=16,
     num_key_value_heads=2,
-    hidden_act="silu",
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    attention_bias=False,
-    attention_dropout=0.0,
     head_dim=256,
     linear_conv_kernel_dim=4,
     linear_key_head_dim=128,
