@@ -106,6 +106,7 @@ def hf_config_to_args(config: dict[str, Any]) -> Qwen35ModelArgs:
     ]
     if len(types) != n_layers or set(types) - set(LAYER_TYPES):
         raise _refuse("layer_types", types, f"{n_layers} entries of {', '.join(LAYER_TYPES)}")
+    default = [("linear_attention" if (i + 1) % 4 else "full_attention") for i in range(n_layers)]
     theta, partial = _rope(c)
     n_heads = c["num_attention_heads"]
     args = Qwen35ModelArgs(
@@ -122,7 +123,7 @@ def hf_config_to_args(config: dict[str, Any]) -> Qwen35ModelArgs:
         partial_rotary_factor=partial,
         max_seq_len=c["max_position_embeddings"],
         tie_embeddings=bool(c["tie_word_embeddings"]),
-        layer_types=list(types),
+        layer_types=None if list(types) == default else list(types),  # None: the flavors' every 4th layer
         linear_num_key_heads=c["linear_num_key_heads"],
         linear_num_value_heads=c["linear_num_value_heads"],
         linear_key_head_dim=c["linear_key_head_dim"],
