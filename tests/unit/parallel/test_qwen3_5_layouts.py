@@ -2,7 +2,8 @@
 parallel layout without it, within 1e-5 for 10 steps in fp32 (1e-4 against the one-process run, as the
 dense layouts' test) and within bf16's tolerance with bf16 parameters. The tiny hybrid has three Gated
 DeltaNet blocks and one gated attention block (2 key / 4 value DeltaNet heads: TP 2 splits both); the
-MoE one routes in every block with the gated shared expert. Compile with the memory-budget AC runs
+MoE one routes in every block with the gated shared expert (TP: the router and the shared expert's
+gate whole on every rank; ETP with EP). Compile with the memory-budget AC runs
 in one process against eager (one block of each kind, 3 steps). Context parallelism is refused in one line."""
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def on_two_ranks(rank: int, world: int, dump: str) -> dict:
             "moe_fsdp2": ("q35moetest", 2, (SHARD, "2")),
             "moe_ep2": ("q35moetest", 2, ep2),
             "moe_pp2": ("q35moetest", 1, pp2),
+            "moe_tp2": ("q35moetest", 1, tp2),
             "tp2_bf16": ("q35test", 1, (*tp2, *BF16)),
             "moe_ep2_bf16": ("q35moetest", 2, (*ep2, *BF16)),
         },
@@ -93,6 +95,9 @@ def on_four_ranks(rank: int, world: int, dump: str) -> dict:
         {
             "hsdp2x2": ("q35test", 4, (SHARD, "2", "--parallelism.data_parallel_replicate_degree", "2")),
             "fsdp2_tp2": ("q35test", 2, (SHARD, "2", "--parallelism.tensor_parallel_degree", "2")),
+            "moe_ep2_etp2": ("q35moetest", 2, (SHARD, "2", "--parallelism.tensor_parallel_degree", "2",
+                                               "--parallelism.expert_parallel_degree", "2",
+                                               "--parallelism.expert_tensor_parallel_degree", "2")),
         },
     )  # fmt: skip
 
@@ -117,11 +122,13 @@ def test_layouts_match_their_data_parallel_layout(tmp_path: Path, references: di
         close(r["pp2"], dense, "pp2", PP_RTOL, relative=True)
         close(r["moe_ep2"], r["moe_fsdp2"], "ep2", TOL)
         close(r["moe_pp2"], moe, "moe pp2", PP_RTOL, relative=True)
+        close(r["moe_tp2"], moe, "moe tp2 (router and shared gate whole, gradients summed)", TOL)
         close(r["tp2_bf16"], dense, "tp2 bf16 vs fp32", BF16_TOL, relative=True)
         close(r["moe_ep2_bf16"], r["moe_ep2"], "ep2 bf16 vs fp32", BF16_TOL, relative=True)
     for r4 in run_distributed(on_four_ranks, 4, str(tmp_path), timeout=900):
         close(r4["hsdp2x2"], dense, "hsdp 2x2 vs 1 process", 1e-4)
         close(r4["fsdp2_tp2"], results[0]["fsdp2"], "fsdp2 x tp2", TOL)
+        close(r4["moe_ep2_etp2"], results[0]["moe_fsdp2"], "ep2 x etp2", TOL)
 
 
 def test_compile_with_memory_budget_ac_matches_eager(tmp_path: Path, references: dict) -> None:
@@ -135,5 +142,5 @@ def test_context_parallel_is_refused_in_one_line() -> None:
     with pytest.raises(TitanError, match="context_parallel_degree = 2 is not supported for qwen3_5") as e:
         FLAVORS["q35test"].check_parallelism(1, 2)
     assert "\n" not in str(e.value)
-    with pytest.raises(TitanError, match="tensor_parallel_degree 2 is not supported for qwen3_5's MoE"):
-        FLAVORS["q35moetest"].check_parallelism(2, 1)
+    with pytest.raises(TitanError, match="tensor_parallel_degree 4 must divide model.linear_num_key_heads"):
+        FLAVORS["q35test"].check_parallelism(4, 1)

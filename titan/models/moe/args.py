@@ -21,7 +21,8 @@ class MoEArgs:
     """The shared experts' FeedForward width; None: hidden_dim x num_shared_experts."""
     shared_expert_gate: bool = False
     """Scale the shared experts' output per token by sigmoid(a linear map of the token to one
-    value) (Qwen3-Next / Qwen3.5: ``shared_expert_gate``)."""
+    value) (Qwen3-Next / Qwen3.5: ``shared_expert_gate``). Under TP the gate runs whole on every
+    rank, its gradient summed over TP (titan.models.moe.parallelize)."""
     top_k: int = 1
     score_func: str = "sigmoid"
     """Router score per expert: sigmoid (independent) or softmax (over the experts), in fp32."""

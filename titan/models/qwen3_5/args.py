@@ -139,12 +139,6 @@ class Qwen35ModelArgs(Qwen3ModelArgs):
                         f"parallelism.tensor_parallel_degree {tp} must divide model.{name} ({heads}); pick a"
                         " degree that divides every head count"
                     )
-        if tp > 1 and self.moe_enabled:
-            raise TitanError(
-                f"parallelism.tensor_parallel_degree {tp} is not supported for qwen3_5's MoE flavors (the router"
-                " scores and the shared expert's gate weight the experts' outputs); use expert, data or pipeline"
-                " parallelism"
-            )
 
 
 _DEBUG: Mapping[str, Any] = MappingProxyType(

@@ -1,6 +1,6 @@
 """Parallelize a qwen3_5 model part: llama's order and pieces for the dense flavors (TP/SP -> AC ->
-compile -> FSDP/HSDP/DDP), the shared MoE layout for the MoE ones (EP -> AC -> compile -> experts'
-and dense FSDP). Context parallelism is refused before this (Qwen35ModelArgs.check_parallelism).
+compile -> FSDP/HSDP/DDP), the shared MoE driver's for the MoE ones (TP/SP -> EP/ETP -> AC ->
+compile -> experts' and dense FSDP). Context parallelism is refused before this (Qwen35ModelArgs.check_parallelism).
 
 Tensor parallelism: attention blocks take qwen3's plan (wq column-wise carries each head's gate with
 it). Gated DeltaNet blocks get the sequence gathered in and reduce-scattered out like attention; the
@@ -27,13 +27,12 @@ from torch.distributed.tensor.parallel import (
 from titan.config.job_config import JobConfig
 from titan.log import logger
 from titan.models.linear_attention import resolve_backend
-from titan.models.llama.parallelize import block_plan, parallelize_llama, root_plan
-from titan.models.moe.parallelize import parallelize_moe_family
+from titan.models.llama.parallelize import block_plan, parallelize_llama
+from titan.models.moe.parallelize import apply_moe_family_tp, moe_blocks, parallelize_moe_family
 from titan.models.qwen3.parallelize import qk_norm_plan
 from titan.models.qwen3_5.model import Qwen35Transformer
 from titan.parallel.dims import ParallelDims
-from titan.parallel.tp import Plan, ShardParameters, apply_tp_plan, check_tp_shapes
-from titan.parallel.utils import blocks_of
+from titan.parallel.tp import Plan, ShardParameters
 
 
 def _deltanet_plan() -> Plan:
@@ -46,23 +45,23 @@ def _deltanet_plan() -> Plan:
     return plan
 
 
+def _block_plan(block: Any) -> Plan:
+    if block.layer_type == "full_attention":
+        return block_plan() | qk_norm_plan()
+    return _deltanet_plan()
+
+
 def apply_tp(
     model: Qwen35Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False
 ) -> None:
-    """TP/SP for the dense flavors (the MoE ones are refused by the run plan's check)."""
-    tp = tp_mesh.size()
-    args = model.model_args
-    check_tp_shapes(args.n_heads, args.kv_heads, tp)
-    apply_tp_plan(model, tp_mesh, root_plan(model, loss_parallel), [], {}, enable_async_tp=enable_async_tp)
-    for wrapper in blocks_of(model).values():
-        block: Any = getattr(wrapper, "_checkpoint_wrapped_module", wrapper)
-        if block.layer_type == "full_attention":
-            parallelize_module(block, tp_mesh, block_plan() | qk_norm_plan())
-        else:
-            parallelize_module(block, tp_mesh, _deltanet_plan())
+    """TP/SP for both kinds of block (the MoE ones through the shared MoE driver's plan: router and
+    the shared expert's gate whole on every rank, their gradients summed over TP)."""
+    apply_moe_family_tp(
+        model, tp_mesh, _block_plan, "qwen3_5", loss_parallel=loss_parallel, enable_async_tp=enable_async_tp
+    )
+    for _, block in moe_blocks(model):
+        if block.layer_type == "linear_attention":
             parallelize_module(block.attention, tp_mesh, ShardParameters(("A_log", "dt_bias")))
-    model.seq_shards = tp
-    logger.info(f"applied tensor + sequence parallel to qwen3_5 (degree {tp}, loss parallel {loss_parallel})")
 
 
 def parallelize_qwen3_5(model: Qwen35Transformer, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
@@ -72,5 +71,5 @@ def parallelize_qwen3_5(model: Qwen35Transformer, parallel_dims: ParallelDims, j
     backend, why = resolve_backend(args.linear_attn_backend, device_type)
     logger.info(f"Gated DeltaNet layers run the {backend} path ({why})")
     if args.moe_enabled:
-        return parallelize_moe_family(model, parallel_dims, job_config, None, "qwen3_5")
+        return parallelize_moe_family(model, parallel_dims, job_config, apply_tp, "qwen3_5")
     return parallelize_llama(model, parallel_dims, job_config, tp_fn=apply_tp)
