@@ -219,3 +219,33 @@ def test_continued_pretraining_starts_at_transformers_loss(tmp_path: Path) -> No
     ref = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).item()
     loss, _ = trainer.train_step(batch)
     assert abs(loss.item() - ref) < 1e-4, (loss.item(), ref)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
+def test_row_slices_read_as_a_sharded_rank_reads_them(tmp_path: Path, model_type: str) -> None:
+    """A rank's FSDP / TP shard of a DeltaNet tensor reads its rows of the fused HF tensor (titan's
+    q, k, v sit at offsets in in_proj_qkv / in_proj_qkvz / conv1d)."""
+    from titan.checkpointing.hf_folder import HFFolder
+    from titan.checkpointing.hf_load import HFPlan
+
+    _hf_model(model_type).save_pretrained(tmp_path / "hf")
+    plan = HFPlan(HFFolder(tmp_path / "hf"))
+    for name in [n for n in plan.source if ".attention." in n and "layers.0." in n]:
+        whole = plan.rows(name, None)
+        for a, b in ((0, 1), (1, whole.shape[0] - 1), (whole.shape[0] // 2, whole.shape[0])):
+            assert torch.equal(plan.rows(name, (a, b)), whole[a:b]), (name, a, b)
+
+
+def test_the_mtp_head_is_skipped_with_one_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from safetensors.torch import save_file
+
+    hf = _hf_model("qwen3_5_text")
+    hf.save_pretrained(tmp_path / "hf")
+    tensors = load_file(str(tmp_path / "hf/model.safetensors"))
+    mtp = {"mtp.fc.weight": torch.ones(32, 64), "mtp.layers.0.input_layernorm.weight": torch.ones(32)}
+    save_file({**tensors, **mtp}, str(tmp_path / "hf/model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level("INFO"):
+        state, _ = load_hf(tmp_path / "hf")
+    assert not any(k.startswith("mtp") for k in state)
+    lines = [r.getMessage() for r in caplog.records if "multi-token-prediction" in r.getMessage()]
+    assert len(lines) == 1 and "2 Hugging Face tensor(s)" in lines[0], lines

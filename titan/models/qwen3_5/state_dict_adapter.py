@@ -10,7 +10,7 @@ q/k/v convolutions (tensor parallelism splits each by heads); Hugging Face fuses
 - both: ``conv1d.weight`` [2K + V, 1, W] = the q, k and v convolutions stacked.
 Row permutations and concatenations only: a round trip is bitwise. A layer's DeltaNet tensors
 convert together (``export_unit`` keeps them in one output file). Multi-token-prediction weights
-(``mtp.*``) are not part of titan's model: an import skips them with one log line.
+(``mtp.*``) are not part of titan's model: an import skips them (``skipped_hf_key``) with one log line.
 """
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ from typing import Any
 import torch
 
 from titan.errors import TitanError
-from titan.log import logger
 from titan.models.llama.state_dict_adapter import (
     _cast,
     args_from_shapes,
     layers_from_hf,
     layers_to_hf,
+    mlp_experts_from_hf,
+    mlp_experts_to_hf,
     unmapped_routing_bias,
     zero_routing_bias,
 )
 from titan.models.qwen3.state_dict_adapter import _LAYER_MAP as _QWEN3_MAP
-from titan.models.qwen3.state_dict_adapter import ExpertsFromHF, experts_to_hf
 from titan.models.qwen3_5 import hf_config
 from titan.models.qwen3_5.args import Qwen35ModelArgs
 
@@ -51,8 +51,6 @@ _LAYER_MAP = MappingProxyType(
 _LAYER_INV = MappingProxyType({v: k for k, v in _LAYER_MAP.items()})
 _GDN = re.compile(r"^layers\.(\d+)\.attention\.(in_proj_[qkvzab]|conv_[qkv])\.weight$")
 _PARTS = ("q", "k", "v", "z", "a", "b")
-SKIPPED_PREFIXES = ("mtp.",)
-"""Hugging Face keys outside titan's model, skipped on import (the MTP head is trained elsewhere)."""
 
 
 def _heads(args: Qwen35ModelArgs) -> tuple[int, int, int, int]:
@@ -120,7 +118,7 @@ def to_hf(
     def layer_key(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         if rest == "moe.expert_bias":
             return unmapped_routing_bias(layer, value, family, "router scores")
-        return experts_to_hf(layer, rest, value, dtype)
+        return mlp_experts_to_hf(state_dict, layer, rest, value, dtype)
 
     out = layers_to_hf(rest_of_model, model_args, dtype, family, _LAYER_MAP, layer_key)
     for layer, parts in gdn.items():
@@ -131,25 +129,39 @@ def to_hf(
 def from_hf(
     hf_state_dict: dict[str, torch.Tensor], model_args: Qwen35ModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """HF Qwen3.5 / Qwen3.5-MoE / Qwen3-Next state dict (checkpoint or in-memory experts) -> titan keys."""
-    skipped = [k for k in hf_state_dict if k.startswith(SKIPPED_PREFIXES)]
-    if skipped:
-        logger.info(f"skipped {len(skipped)} multi-token-prediction tensors ({', '.join(SKIPPED_PREFIXES)}*) on import")
-    experts = ExpertsFromHF(dtype)
+    """HF Qwen3.5 / Qwen3.5-MoE / Qwen3-Next state dict (transformers' in-memory layout: experts
+    fused; any subset of keys, a fused DeltaNet tensor whole) -> titan keys."""
 
     def layer_key(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         mapped = _gdn_from_hf(layer, rest, value, model_args)
         if mapped is not None:
             return {k: _cast(v.contiguous(), dtype) for k, v in mapped.items()}
-        return experts.take(layer, rest, value)
+        return mlp_experts_from_hf(layer, rest, value, dtype)
 
-    kept = {k: v for k, v in hf_state_dict.items() if not k.startswith(SKIPPED_PREFIXES)}
+    kept = {k: v for k, v in hf_state_dict.items() if skipped_hf_key(k, model_args) is None}
     family = "Qwen3-Next" if model_args.release == "qwen3_next" else "Qwen3.5"
     out = layers_from_hf(kept, model_args, dtype, family, _LAYER_INV, layer_key)
-    experts.stack(out, model_args.moe_args.num_experts)
     if model_args.moe_enabled:
         zero_routing_bias(out, model_args.moe_args)
     return out
+
+
+def skipped_hf_key(key: str, model_args: Qwen35ModelArgs) -> str | None:
+    """Why an HF tensor is not loaded (None: it is): the releases' multi-token-prediction head."""
+    return "the multi-token-prediction head (mtp.*) is not part of titan's model" if key.startswith("mtp.") else None
+
+
+def hf_row_block(key: str, model_args: Qwen35ModelArgs) -> int:
+    """Rows of an HF tensor that convert together: all of a fused DeltaNet tensor's (its q, k, v
+    (z, b, a) parts lie side by side, so titan's rows sit at an offset in it), one row otherwise."""
+    hk, hv, dk, dv = _heads(model_args)
+    fused = {
+        "linear_attn.in_proj_qkv.weight": 2 * hk * dk + hv * dv,
+        "linear_attn.conv1d.weight": 2 * hk * dk + hv * dv,
+        "linear_attn.in_proj_qkvz.weight": 2 * hk * dk + 2 * hv * dv,
+        "linear_attn.in_proj_ba.weight": 2 * hv,
+    }
+    return next((rows for name, rows in fused.items() if key.endswith(name)), 1)
 
 
 def export_unit(key: str) -> str:
@@ -172,6 +184,9 @@ class Qwen35StateDictAdapter:
     """The registry's handle on this module (ModelSpec.state_dict_adapter)."""
 
     drops_routing_bias = True  # its HF formats have none: an export drops titan's only when told to
+    hf_per_expert = True  # releases store one key per routed expert (written so on export)
+    hf_row_block = staticmethod(hf_row_block)
+    skipped_hf_key = staticmethod(skipped_hf_key)
     hf_model_types = hf_config.HF_MODEL_TYPES
     args_from_shapes = staticmethod(args_from_shapes)
     state_dict_shapes = staticmethod(state_dict_shapes)
