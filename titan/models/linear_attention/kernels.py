@@ -47,8 +47,11 @@ def check_backend(choice: str, device_type: str) -> None:
 
 
 def uses_fla(choice: str, x: torch.Tensor) -> bool:
-    """Whether a forward on ``x`` takes the fla path (``choice`` checked already)."""
-    return choice != "torch" and x.device.type == "cuda" and fla_installed()
+    """Whether a forward on ``x`` takes the fla path: "fla" as resolved by the parallelize step
+    (resolve_backend), or "auto" in a model used as it is built (generation, tests)."""
+    if choice == "fla":
+        return True
+    return choice == "auto" and x.device.type == "cuda" and fla_installed()
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

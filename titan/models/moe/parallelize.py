@@ -146,16 +146,18 @@ def compile_moe_blocks(model: Any) -> None:
     expert, leaving the routing glue and the routed experts eager (token counts decide shapes, and
     EP's all-to-all needs its split sizes on the host)."""
     compiled = 0
+    # A model whose blocks call kernels outside torch.compile (fla's) says so: graph breaks there.
+    fullgraph = getattr(model, "compile_fullgraph", True)
     for wrapper in blocks_of(model).values():
         block: Any = getattr(wrapper, "_checkpoint_wrapped_module", wrapper)
         if not block.moe_enabled:
-            wrapper.compile(fullgraph=True)  # the AC wrapper, if any, with its block
+            wrapper.compile(fullgraph=fullgraph)  # the AC wrapper, if any, with its block
             compiled += 1
             continue
         for child in (block.attention, block.attention_norm, block.ffn_norm, block.moe.router):
-            child.compile(fullgraph=True)
+            child.compile(fullgraph=fullgraph)
         if block.moe.shared_experts is not None:
-            block.moe.shared_experts.compile(fullgraph=True)
+            block.moe.shared_experts.compile(fullgraph=fullgraph)
     if model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(wait_async_output)
     logger.info(f"compiled {compiled} dense blocks whole and the MoE blocks' parts but the routed experts")

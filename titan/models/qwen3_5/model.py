@@ -128,6 +128,8 @@ class Qwen35Block(MoEBlock):
 
 class Qwen35Transformer(MoETransformer):
     model_args: Qwen35ModelArgs
+    compile_fullgraph: bool = True
+    """False where the parallelize step chose fla's kernels, which run outside torch.compile."""
 
     def __init__(self, model_args: Qwen35ModelArgs) -> None:
         model_args.validate()

@@ -26,13 +26,14 @@ from torch.distributed.tensor.parallel import (
 
 from titan.config.job_config import JobConfig
 from titan.log import logger
-from titan.models.linear_attention import resolve_backend
+from titan.models.linear_attention import GatedDeltaNet, resolve_backend
 from titan.models.llama.parallelize import block_plan, parallelize_llama
 from titan.models.moe.parallelize import apply_moe_family_tp, moe_blocks, parallelize_moe_family
 from titan.models.qwen3.parallelize import qk_norm_plan
 from titan.models.qwen3_5.model import Qwen35Transformer
 from titan.parallel.dims import ParallelDims
 from titan.parallel.tp import Plan, ShardParameters
+from titan.parallel.utils import blocks_of
 
 
 def _deltanet_plan() -> Plan:
@@ -69,6 +70,12 @@ def parallelize_qwen3_5(model: Qwen35Transformer, parallel_dims: ParallelDims, j
     mesh = parallel_dims.mesh
     device_type = mesh.device_type if mesh is not None else "cpu"
     backend, why = resolve_backend(args.linear_attn_backend, device_type)
+    for block in blocks_of(model).values():
+        mixer = getattr(block, "_checkpoint_wrapped_module", block).attention
+        if isinstance(mixer, GatedDeltaNet):
+            mixer.backend = backend  # resolved once here: no package lookups inside compiled code
+    # fla's kernels run outside torch.compile (fla marks them so): compiled blocks break the graph there.
+    model.compile_fullgraph = backend != "fla"
     logger.info(f"Gated DeltaNet layers run the {backend} path ({why})")
     if args.moe_enabled:
         return parallelize_moe_family(model, parallel_dims, job_config, apply_tp, "qwen3_5")
