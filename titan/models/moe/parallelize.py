@@ -47,7 +47,7 @@ from titan.parallel.expert_parallel import (
     log_experts_layout,
 )
 from titan.parallel.fsdp import DTYPES, apply_ddp, apply_fsdp, reshard_policy
-from titan.parallel.tp import Plan, SumGradOverTP, apply_tp_plan
+from titan.parallel.tp import Plan, SumGradOverTP, apply_tp_plan, check_tp_shapes
 from titan.parallel.utils import blocks_of
 
 DENSE_FFN = ("feed_forward", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
@@ -78,6 +78,10 @@ def moe_tp_plan(block: Any) -> Plan:
         # The scores then weight the experts' TP-partial outputs: each rank's gradient of them is
         # partial, summed over TP before it reaches the replicated router.
         plan["moe.router"] = SumGradOverTP(output_index=0)
+    if getattr(block.moe, "shared_gate", None) is not None:
+        # The gate scales the shared expert's TP-partial output: computed whole on every rank, its
+        # gradient summed over TP (apply_moe_family_tp adds the sum).
+        plan["moe.shared_gate"] = NoParallel()
     if block.moe.shared_experts is not None:
         plan["moe.shared_experts.w1"] = ColwiseParallel()
         plan["moe.shared_experts.w2"] = RowwiseParallel(output_layouts=Partial())
@@ -103,10 +107,14 @@ def apply_moe_family_tp(
     enable_async_tp: bool = False,
 ) -> None:
     """llama's root plan, then each block's: ``block_plan(block)`` (attention, norms and a dense
-    FFN, llama's names) with the dense FFN's entries replaced by the MoE plan in MoE blocks."""
+    FFN, llama's names) with the dense FFN's entries replaced by the MoE plan in MoE blocks. Whole
+    heads per rank (the run plan's check refused other degrees first)."""
+    check_tp_shapes(model.model_args.n_heads, model.model_args.kv_heads, tp_mesh.size())
     apply_tp_plan(model, tp_mesh, root_plan(model, loss_parallel), [], {}, enable_async_tp=enable_async_tp)
     for _, block in moe_blocks(model):
         parallelize_module(block, tp_mesh, with_moe_plan(block_plan(block), block))
+        if block.moe_enabled and getattr(block.moe, "shared_gate", None) is not None:
+            parallelize_module(block.moe.shared_gate, tp_mesh, SumGradOverTP())
     model.seq_shards = tp_mesh.size()
     logger.info(
         f"applied tensor + sequence parallel to {family} (degree {tp_mesh.size()}, loss parallel {loss_parallel})"
@@ -138,16 +146,18 @@ def compile_moe_blocks(model: Any) -> None:
     expert, leaving the routing glue and the routed experts eager (token counts decide shapes, and
     EP's all-to-all needs its split sizes on the host)."""
     compiled = 0
+    # A model whose blocks call kernels outside torch.compile (fla's) says so: graph breaks there.
+    fullgraph = getattr(model, "compile_fullgraph", True)
     for wrapper in blocks_of(model).values():
         block: Any = getattr(wrapper, "_checkpoint_wrapped_module", wrapper)
         if not block.moe_enabled:
-            wrapper.compile(fullgraph=True)  # the AC wrapper, if any, with its block
+            wrapper.compile(fullgraph=fullgraph)  # the AC wrapper, if any, with its block
             compiled += 1
             continue
         for child in (block.attention, block.attention_norm, block.ffn_norm, block.moe.router):
-            child.compile(fullgraph=True)
+            child.compile(fullgraph=fullgraph)
         if block.moe.shared_experts is not None:
-            block.moe.shared_experts.compile(fullgraph=True)
+            block.moe.shared_experts.compile(fullgraph=fullgraph)
     if model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(wait_async_output)
     logger.info(f"compiled {compiled} dense blocks whole and the MoE blocks' parts but the routed experts")
