@@ -1,9 +1,9 @@
 """QK-clip on one process, every family: the rescale each attention module asks for against the factor
 worked out by hand per head (llama3 and gpt-oss: grouped heads take their group's smallest gamma, with
-gpt-oss's biases; qwen3: the layer's smallest, through the shared q/k norm weights; llama4: nothing on
-its weightless-normed blocks; deepseek_v3's MLA: gamma per head, for both query shapes, with the
-shared rotary key, values and low-rank query untouched); a step whose logits exceed tau leaves the
-recomputed maximum at tau; and the refusals, one line each."""
+gpt-oss's biases; qwen3 and qwen3_5: the layer's smallest, through the shared q/k norm weights, qwen3_5's
+scaling by 1 + weight; llama4: nothing on its weightless-normed blocks; deepseek_v3's MLA: gamma per
+head, for both query shapes, with the shared rotary key, values and low-rank query untouched); a step
+whose logits exceed tau leaves the recomputed maximum at tau; and the refusals, one line each."""
 
 from __future__ import annotations
 
@@ -28,8 +28,10 @@ from titan.models.llama4.model import Llama4Transformer
 from titan.models.moe import MoEArgs
 from titan.models.qwen3.args import Qwen3ModelArgs
 from titan.models.qwen3.model import Qwen3Transformer
+from titan.models.qwen3_5.args import Qwen35ModelArgs
+from titan.models.qwen3_5.model import Qwen35Transformer
 from titan.parallel.dims import ParallelDims
-from titan.training.qk_clip import PER_LAYER_PREFIX, QKClip, check_qk_clip, clip_gammas, rescale_
+from titan.training.qk_clip import PER_LAYER_PREFIX, QKClip, attention_modules, check_qk_clip, clip_gammas, rescale_
 
 SEQ = 16
 # grouped: 2 query heads per key head
@@ -37,6 +39,11 @@ HEADS: dict[str, Any] = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_
 QWEN3 = Qwen3ModelArgs(**HEADS, head_dim=8, hidden_dim=40)
 # layer 0: NoPE, no norm (llama's rescale); layer 1: RoPE with q/k L2-normalised (nothing to scale)
 LLAMA4 = Llama4ModelArgs(**HEADS, every_n_layers_nope=2, use_qk_norm=True, moe_args=MoEArgs(num_experts=4, top_k=2))
+# layers 0 and 2: Gated DeltaNet (no attention logits); 1 and 3: gated attention, norms of 1 + weight
+QWEN3_5 = Qwen35ModelArgs(
+    **{**HEADS, "n_layers": 4}, head_dim=8, hidden_dim=40, linear_num_key_heads=2, linear_num_value_heads=2,
+    linear_key_head_dim=8, linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"] * 2,
+)  # fmt: skip
 GPT_OSS = GptOssModelArgs(**HEADS, head_dim=8, moe_args=dataclasses.replace(gpt_oss_moe(4), top_k=2, hidden_dim=24))
 FAMILIES = {
     "llama3": lambda: Transformer(dataclasses.replace(TINY, n_heads=8, n_kv_heads=2)),
@@ -45,6 +52,7 @@ FAMILIES = {
     "deepseek_v3": lambda: DeepSeekV3Transformer(dataclasses.replace(DSTEST, n_layers=2, vocab_size=64)),
     "deepseek_v3_wq": lambda: DeepSeekV3Transformer(dataclasses.replace(DSTEST, n_layers=2, q_lora_rank=0)),
     "gpt_oss": lambda: GptOssTransformer(dataclasses.replace(GPT_OSS)),
+    "qwen3_5": lambda: Qwen35Transformer(dataclasses.replace(QWEN3_5)),
 }
 
 
@@ -62,19 +70,37 @@ def _model(family: str):
     return model
 
 
-def _logits(att, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """[B, H, S, S]: every query head against its key head, all pairs, as the kernel scales them."""
-    q, k, _ = att.project(x)
-    q, k = att.position(q, k, freqs[: x.shape[1]], 0)
-    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-    return torch.einsum("bshd,bthd->bhst", q, k) * q.shape[-1] ** -0.5
+def _attention_calls(model, tokens: torch.Tensor) -> list[tuple]:
+    """Every attention module's call (module, args, kwargs) in a forward: replayed, each sees the
+    same input however a clip changes the layers before it."""
+    calls: list[tuple] = []
+    hooks = [
+        m.register_forward_pre_hook(lambda m, a, kw: calls.append((m, a, kw)), with_kwargs=True)
+        for m in attention_modules([model])
+    ]
+    model(tokens)
+    for h in hooks:
+        h.remove()
+    return calls
+
+
+def _logits(call: tuple) -> torch.Tensor:
+    """[B, H, S, S]: the q . k of every query head and its key head, all pairs, as its kernel gets them."""
+    att, args, kwargs = call
+    seen = []
+    hook = att.inner_attention.register_forward_pre_hook(lambda m, a: seen.append(a[:2]))
+    att(*args, **kwargs)
+    hook.remove()
+    [(q, k)] = seen
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
 
 
 def _expected_factor(family: str, att, gamma: torch.Tensor) -> torch.Tensor:
     """Per head, by hand: what the clip should multiply the head's logits by."""
     if family.startswith("deepseek"):
         return gamma  # every head its own key
-    if family == "qwen3":
+    if family.startswith("qwen3"):
         return gamma.min().expand(att.n_heads)  # one norm weight for all heads
     if family == "llama4" and att.qk_norm_eps is not None:
         return torch.ones(att.n_heads)  # nothing to scale
@@ -85,17 +111,17 @@ def _expected_factor(family: str, att, gamma: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_rescale_scales_each_heads_logits_by_the_hand_worked_factor(family) -> None:
     model = _model(family)
-    x = torch.randn(2, SEQ, model.model_args.dim, generator=torch.Generator().manual_seed(1))
-    for block in model.layers.values():
-        att = block.attention
+    tokens = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    for call in _attention_calls(model, tokens):
+        att = call[0]
         gamma = torch.linspace(0.3, 1.0, att.n_heads)[torch.randperm(att.n_heads, generator=torch.Generator())]
         gamma[0] = 1.0  # a head under tau: exactly 1
         before = {n: p.detach().clone() for n, p in att.named_parameters()}
         with torch.no_grad():
-            logits = _logits(att, x, model.freqs_cis)
+            logits = _logits(call)
             for part in att.qk_clip_scales(gamma):
                 rescale_(part)
-            after = _logits(att, x, model.freqs_cis)
+            after = _logits(call)
         factor = _expected_factor(family, att, gamma).view(1, -1, 1, 1)
         torch.testing.assert_close(after, logits * factor, rtol=1e-5, atol=1e-6)
         changed = {n for n, p in att.named_parameters() if not torch.equal(p, before[n])}
@@ -103,7 +129,7 @@ def test_rescale_scales_each_heads_logits_by_the_hand_worked_factor(family) -> N
             assert changed == {"wq.weight" if att.q_lora_rank == 0 else "wq_b.weight", "wkv_b.weight"}
             shape, nope = (att.n_heads, -1, att.kv_lora_rank), att.nope_dim  # wkv_b's value rows of every head
             assert torch.equal(att.wkv_b.weight.view(shape)[:, nope:], before["wkv_b.weight"].view(shape)[:, nope:])
-        elif family == "qwen3":
+        elif family.startswith("qwen3"):
             assert changed == {"q_norm.weight", "k_norm.weight"}
         elif family == "gpt_oss":
             assert changed == {"wq.weight", "wk.weight", "wq.bias", "wk.bias"}  # sinks, v and o stay
@@ -119,7 +145,7 @@ def _maxima(model, clip: QKClip, run) -> torch.Tensor:
     run()
     clip.after_step()
     values = clip.log_tensors()
-    return torch.stack([values[f"{PER_LAYER_PREFIX}layers.{i}/max_logit"] for i in range(len(model.layers))])
+    return torch.stack([values[f"{PER_LAYER_PREFIX}layers.{i}/max_logit"] for i in clip.layers])
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -127,22 +153,16 @@ def test_logits_over_tau_are_held_at_tau(family) -> None:
     model = _model(family)
     dims = ParallelDims(1, 1, 1, 1, 1, 1)
     tokens = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(2))
-    inputs = []  # every attention call's arguments: the clip changes later layers' inputs, so replay them
-    hooks = [
-        b.attention.register_forward_pre_hook(lambda m, a, kw: inputs.append((m, a, kw)), with_kwargs=True)
-        for b in model.layers.values()
-    ]
     probe = QKClip(None, [model], dims, torch.device("cpu"), "sdpa")  # the metric alone: no clip
-    first = _maxima(model, probe, lambda: model(tokens))
-    for h in hooks:
-        h.remove()
+    calls: list[tuple] = []
+    first = _maxima(model, probe, lambda: calls.extend(_attention_calls(model, tokens)))
 
     def replay() -> None:
-        for m, a, kw in inputs:
+        for m, a, kw in calls:
             m(*a, **kw)
 
     assert torch.equal(_maxima(model, probe, replay), first)  # weights untouched
-    normed = torch.tensor([family == "llama4" and b.attention.qk_norm_eps is not None for b in model.layers.values()])
+    normed = torch.tensor([family == "llama4" and m.qk_norm_eps is not None for m in attention_modules([model])])
     tau = 0.8 * first[~normed].min().item()  # every layer that can be clipped is
     clip = QKClip(tau, [model], dims, torch.device("cpu"), "sdpa")
     assert torch.equal(_maxima(model, clip, replay), first)  # before the clip
