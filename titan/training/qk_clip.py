@@ -123,8 +123,9 @@ def _drop_shape_inference(part: nn.Module, modules: list[Attention]) -> None:
 
 
 class QKClip:
-    """The trainer's handle: ``track(log_step)`` before each step's forward, ``after_step`` after
-    each optimizer step (registered by the build), ``log_tensors()`` on log steps."""
+    """The trainer's handle: ``track(step, log_step)`` before each step's forward, ``after_step``
+    after each optimizer step (registered by the build), ``log_tensors()`` on log steps.
+    ``metric_freq``: metrics.max_logit_freq (without a threshold, which log steps measure)."""
 
     def __init__(
         self,
@@ -136,7 +137,7 @@ class QKClip:
         metric_freq: int = 1,
     ) -> None:
         self.threshold = threshold
-        self.metric_freq = metric_freq  # metrics.max_logit_freq
+        self.metric_freq = metric_freq
         self.modules = attention_modules(parts)
         args = getattr(parts[0], "model_args", None)
         # SDPA under context parallelism is ring attention on sharded q/k/v: no logits to take
