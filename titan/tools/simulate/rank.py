@@ -43,9 +43,13 @@ class _NoLogs:
 
 
 class SimulatedRank(Trainer):
-    """``keep_layers``: the transformer blocks to build (global indices; None: all of them)."""
+    """``keep_layers``: the transformer blocks to build (global indices; None: all of them).
 
-    def __init__(  # noqa: PLR0913 - the Trainer's set-up is not run: a rank of an existing world
+    Trainer.__init__ is deliberately not called (it would start a process group, lock a dump folder,
+    build loaders and a checkpoint manager): this sets what ``Trainer.train_step`` reads. A new
+    attribute the step starts reading must be set here too (the simulator's tests run the step)."""
+
+    def __init__(
         self,
         config: JobConfig,
         plan: RunPlan,
