@@ -81,6 +81,7 @@ def test_the_last_line_is_json_and_a_rank_that_does_not_fit_says_why_in_one_line
         (["--world_size", "8", *DEBUG, "--simulate.rank", "8"], "config key 'simulate.rank' got 8; valid: 0 .. 7"),
         (["--world_size", "8", *DEBUG, "--simulate.moe_imbalance", "0.5"], "simulate.moe_imbalance"),
         (["--world_size", "6", *DEBUG, "--parallelism.tensor_parallel_degree", "4"], "do not divide the world size"),
+        (["--world_size", "8", *DEBUG, "--training.enable_cpu_offload"], "training.enable_cpu_offload"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(args, says, capsys):

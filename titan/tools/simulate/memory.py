@@ -95,10 +95,10 @@ class PhasePeak:
 
 
 class _Entry:
-    __slots__ = ("category", "nbytes", "phase")
+    __slots__ = ("category", "nbytes")
 
-    def __init__(self, nbytes: int, category: str, phase: str) -> None:
-        self.nbytes, self.category, self.phase = nbytes, category, phase
+    def __init__(self, nbytes: int, category: str) -> None:
+        self.nbytes, self.category = nbytes, category
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -148,7 +148,7 @@ class MemoryTracker(TorchDispatchMode):
         if entry is not None:
             return
         nbytes = storage.nbytes()
-        self._entries[key] = _Entry(nbytes, category, self.current_phase)
+        self._entries[key] = _Entry(nbytes, category)
         self.bytes[category] += nbytes
         self.total += nbytes
         weakref.finalize(storage, self._free, key)
@@ -175,14 +175,6 @@ class MemoryTracker(TorchDispatchMode):
                 self.bytes[entry.category] -= entry.nbytes
                 self.bytes[category] += entry.nbytes
                 entry.category = category
-
-    def alive(self, created_in: str) -> dict[str, int]:
-        """Bytes by category of the live storages created during phase ``created_in``."""
-        out = dict.fromkeys(CATEGORIES, 0)
-        for entry in self._entries.values():
-            if entry.phase == created_in:
-                out[entry.category] += entry.nbytes
-        return out
 
     # ------------------------------------------------------------ the mode
     def __enter__(self) -> MemoryTracker:

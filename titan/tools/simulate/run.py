@@ -62,6 +62,11 @@ def simulate(config: JobConfig, world_size: int) -> Report:
     t0 = time.perf_counter()
     # Checked as for the GPUs the simulation stands in for; tokenizer and data may live only there.
     check_job(config, world_size, "cuda", data_here=False)
+    if config.training.enable_cpu_offload:
+        raise TitanError(
+            "scripts/simulate.py does not simulate training.enable_cpu_offload (its host and device are"
+            " this one CPU: what FSDP offloads could not be told apart); set it to false"
+        )
     sim, notes = _eager(config)
     plan = plan_run(sim, world_size, "cuda", data_here=False)
     rank = config.simulate.rank

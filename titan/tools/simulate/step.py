@@ -28,7 +28,7 @@ from titan.tools.simulate.checkpoint_plan import plan_save
 from titan.tools.simulate.collectives import CollectiveTracker, group_labels
 from titan.tools.simulate.ddp import hook_ddp
 from titan.tools.simulate.kernels import cuda_attention
-from titan.tools.simulate.memory import CATEGORIES, MemoryTracker, PhasePeak
+from titan.tools.simulate.memory import MemoryTracker, PhasePeak
 from titan.tools.simulate.pipeline import static_stage_shapes
 from titan.tools.simulate.rank import SimulatedRank
 from titan.tools.simulate.reads import HostReads
@@ -76,7 +76,9 @@ def _labels(dims: ParallelDims) -> dict[str, str]:
 def _run(rank: SimulatedRank, fake: bool) -> StepRecord:
     memory, comms, reads = MemoryTracker(), CollectiveTracker(_labels(rank.parallel_dims)), HostReads()
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
-    with mode, cuda_attention(), reads, memory, comms:
+    # a real run computes: the CPU's own kernels; a fake one stands for a CUDA rank
+    kernels = cuda_attention() if fake else contextlib.nullcontext()
+    with mode, kernels, reads, memory, comms:
         if isinstance(mode, FakeTensorMode):
             mode.allow_non_fake_inputs = True  # the meta model's tensors become fake ones here
         rank.materialize(seed=None if fake else 0)
@@ -146,7 +148,3 @@ def measure_step(config: JobConfig, plan: RunPlan, dims: ParallelDims) -> StepRe
     """The same on this process's real process group (initialized by the caller; ``dims`` with its
     mesh built) with real tensors: the reference measurement."""
     return _run(SimulatedRank(config, plan, dims, _CPU), fake=False)
-
-
-def empty_categories() -> dict[str, int]:
-    return dict.fromkeys(CATEGORIES, 0)
