@@ -42,6 +42,48 @@ def _specs(world: int) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple]]:
     return specs
 
 
+def _run(params: list, cases: list, fulls: list, share: int | None) -> dict:
+    """One step of ``_fn`` over every case: what came back wrong, who owned what, the plan's counts."""
+    flops = [a * b for *_, a, b in (p.shape for p in params)]
+    updates = WholeMatrixUpdates(params, flops, [0] * len(params), lambda k, a, b: 0, share=share)
+    results = [torch.full_like(local(p), float("nan")) for p in params]
+
+    def fn(x: torch.Tensor, i: int) -> None:
+        assert x.dtype == torch.bfloat16 and x.shape[-2] <= x.shape[-1]
+        x.copy_(_fn(x))
+
+    def update(i: int, index: tuple) -> torch.Tensor:
+        return local(params[i])[index]
+
+    def apply(i: int, index: tuple, o: torch.Tensor) -> None:
+        results[i][index] = o.float()
+
+    updates.run(update, fn, apply, torch.device("cpu"))
+    wrong = []
+    for i, ((mesh, shape, pl), full) in enumerate(zip(cases, fulls)):
+        mats = full.reshape(-1, *shape[-2:]).bfloat16()
+        whole = torch.stack([_fn(m if m.shape[0] <= m.shape[1] else m.T) for m in mats])
+        whole = whole.view(-1, *shape[-2:][::-1]).mT if shape[-2] > shape[-1] else whole
+        want = distribute_tensor(whole.reshape(shape).bfloat16().float(), mesh, pl, src_data_rank=None)
+        if not torch.equal(results[i], want.to_local()):
+            wrong.append((shape, str(pl)))
+    owned: dict[int, list[int]] = {i: [] for i in range(len(params))}
+    travelling = [0] * len(params)
+    for b in updates.buckets:
+        for u in b.units:
+            travelling[u.param] += u.travels
+            if u.owner == updates.layouts[u.param].me:
+                owned[u.param] += list(range(u.first, u.first + u.count))
+    replica = [tuple(c for c, q in zip(mesh.get_coordinate(), pl) if isinstance(q, Replicate)) for mesh, _, pl in cases]
+    return {
+        "wrong": wrong,
+        "owned": [(replica[i], owned[i], updates.layouts[i].tiling is None) for i in range(len(params))],
+        "travelling": travelling,
+        "calls": updates.calls_per_step,
+        "ahead": sum(b.ahead for b in updates.buckets),
+    }
+
+
 def _round_trips(rank: int, world: int, _: str) -> dict:
     gen = torch.Generator().manual_seed(0)
     meshes = {
@@ -54,48 +96,7 @@ def _round_trips(rank: int, world: int, _: str) -> dict:
         full = torch.randint(-3, 4, shape, generator=gen).float()
         params.append(distribute_tensor(full, mesh, pl, src_data_rank=None))
         fulls.append(full)
-    out: dict = {}
-    for name, share in (("one bucket", None), ("small buckets", 64)):
-        updates = WholeMatrixUpdates(params, [a * b for *_, a, b in (p.shape for p in params)], [0] * len(params),
-                                     lambda k, a, b: 0, share=share)  # fmt: skip
-        results = [torch.full_like(local(p), float("nan")) for p in params]
-        seen: list[tuple[int, int]] = []
-
-        def fn(x: torch.Tensor, i: int) -> None:
-            assert x.dtype == torch.bfloat16 and x.shape[-2] <= x.shape[-1]
-            seen.append((i, x.shape[0]))
-            x.copy_(_fn(x))
-
-        def update(i: int, index: tuple) -> torch.Tensor:
-            return local(params[i])[index]
-
-        def apply(i: int, index: tuple, o: torch.Tensor) -> None:
-            results[i][index] = o.float()
-
-        updates.run(update, fn, apply, torch.device("cpu"))
-        wrong = []
-        for i, ((mesh, shape, pl), full) in enumerate(zip(cases, fulls)):
-            mats = full.reshape(-1, *shape[-2:]).bfloat16()
-            whole = torch.stack([_fn(m if m.shape[0] <= m.shape[1] else m.T) for m in mats])
-            whole = whole.view(-1, *shape[-2:][::-1]).mT if shape[-2] > shape[-1] else whole
-            want = distribute_tensor(whole.reshape(shape).bfloat16().float(), mesh, pl, src_data_rank=None)
-            if not torch.equal(results[i], want.to_local()):
-                wrong.append((shape, str(pl)))
-        owned = {i: [] for i in range(len(params))}
-        for b in updates.buckets:
-            for u in b.units:
-                lay = updates.layouts[u.param]
-                if u.owner == lay.me:
-                    owned[u.param] += list(range(u.first, u.first + u.count))
-        replicas = [tuple(c for c, q in zip(mesh.get_coordinate(), pl) if isinstance(q, Replicate)) for mesh, _, pl in cases]
-        out[name] = {
-            "wrong": wrong,
-            "owned": [(replicas[i], owned[i], updates.layouts[i].tiling is None) for i in range(len(params))],
-            "travelling": [sum(u.travels for b in updates.buckets for u in b.units if u.param == i) for i in range(len(params))],
-            "calls": updates.calls_per_step,
-            "ahead": sum(b.ahead for b in updates.buckets),
-            "loads": updates.loads,
-        }  # fmt: skip
+    out = {name: _run(params, cases, fulls, share) for name, share in (("one bucket", None), ("small buckets", 64))}
     dist.barrier()
     return out
 
