@@ -228,10 +228,10 @@ def muon_memory(part: nn.Module, shards: int | None = None, ns_steps: int = 5) -
         tilings: dict = {}
         layouts = [fsdp_layout(tuple(p.shape), shards, 0, tilings) for p in matrices]
 
-    def rank_numel(p: torch.Tensor) -> int:
+    def rank_numel(p: torch.Tensor) -> int:  # FSDP's padded dim-0 shard, or this rank's own
         if shards is None:
             return local(p).numel()
-        return -(-p.shape[0] // shards) * (p.numel() // max(p.shape[0], 1))
+        return p.numel() if p.ndim == 0 else -(-p.shape[0] // shards) * (p.numel() // max(p.shape[0], 1))
 
     state = sum(rank_numel(p) * p.element_size() for p in matrices)
     state += sum(2 * rank_numel(p) * p.element_size() for p in others)
