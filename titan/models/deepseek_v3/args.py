@@ -14,6 +14,7 @@ from torch import nn
 from titan.errors import TitanError
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.moe import MoEArgs
+from titan.models.moe.flops import active_matmul_params
 from titan.models.rope import YarnScaling, yarn_mscale
 
 
@@ -213,37 +214,15 @@ deepseek_v3_configs: Mapping[str, DeepSeekV3ModelArgs] = MappingProxyType(
 )
 
 
-def parameter_counts(model: nn.Module) -> dict[str, int]:
-    """Parameters by kind: embedding, routed experts (all of them), the rest of the MoE layers
-    (router, shared experts) and everything else (dense, latent attention included)."""
-    counts = {"embedding": 0, "experts": 0, "moe_other": 0, "dense": 0}
-    for name, p in model.named_parameters():
-        if "tok_embeddings" in name:
-            counts["embedding"] += p.numel()
-        elif ".moe.experts." in name:
-            counts["experts"] += p.numel()
-        elif ".moe." in name:
-            counts["moe_other"] += p.numel()
-        else:
-            counts["dense"] += p.numel()
-    return counts
-
-
 def get_nparams_and_flops(model: nn.Module, seq_len: int) -> tuple[int, int]:
     """All parameters and training FLOPs per token on the ACTIVE parameters: 6 * (dense
     non-embedding, the latent attention's projections included, + router + shared experts + routed
     experts * top_k / num_experts) + 6 * L * H * (qk_head_dim + v_head_dim) * T (q.k over the
     query-key width, the weighted sum over the value width; torchtitan's count)."""
     args: DeepSeekV3ModelArgs = model.model_args  # type: ignore[assignment]
-    c = parameter_counts(model)
-    emb = getattr(model, "tok_embeddings", None)
-    out = getattr(model, "output", None)
-    tied = emb is not None and out is not None and out.weight is emb.weight
-    active_experts = c["experts"] * args.moe_args.top_k // args.moe_args.num_experts
-    flop_params = c["dense"] + c["moe_other"] + active_experts + (c["embedding"] if tied else 0)
     n_layers = len(model.layers)  # type: ignore[arg-type]
     attn = 6 * n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
-    return sum(c.values()), 6 * flop_params + attn
+    return sum(p.numel() for p in model.parameters()), 6 * active_matmul_params(model) + attn
 
 
-__all__ = ["DeepSeekV3ModelArgs", "deepseek_v3_configs", "get_nparams_and_flops", "parameter_counts"]
+__all__ = ["DeepSeekV3ModelArgs", "deepseek_v3_configs", "get_nparams_and_flops"]
