@@ -17,6 +17,7 @@ stacks bounded by the memory budget, and update temporaries of at most ``CHUNK``
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -27,12 +28,13 @@ from titan.parallel.muon_layout import Box, Layout, LayoutBuilder
 from titan.parallel.muon_plan import (
     Bucket,
     Exchange,
+    Route,
     Unit,
-    exchanges,
+    exchange,
     frame,
-    orientation,
     plan_buckets,
     plan_units,
+    routes,
     runs,
 )
 
@@ -106,36 +108,65 @@ class WholeMatrixUpdates:
             _, a, b = frame(self.layouts[u.param])
             return _BF16 * u.count * a * b
 
+        def sent(u: Unit) -> int:  # the largest piece of it a rank sends
+            lay = self.layouts[u.param]
+            if not u.travels or lay.tiling is None:
+                return 0
+            rows, cols = (max(n for _, n in lay.tiling.spans[d].values()) for d in (-2, -1))
+            return _BF16 * u.count * rows * cols
+
         cap = [max(1, self.share // (_BF16 * a * b)) for _, a, b in map(frame, self.layouts)]
         units, self.loads = plan_units(self.layouts, flops, cap)
-        self.buckets = plan_buckets(units, size, flops, self.share)
+        self.buckets = plan_buckets(units, size, sent, flops, self.share)
         self._starts = [lay.tiling.box(lay.me)[0][0] if lay.tiling is not None else 0 for lay in self.layouts]
-        self._plan_overlap()
-        self.mine = [self._mine(b) for b in self.buckets]
+        self.mine: list[Exchange] = []
+        self._most: list[tuple[int, int]] = []  # per bucket: largest (send + received, received + compute or send)
+        for bucket in self.buckets:  # one walk over each bucket's pieces: this rank's part, every rank's bytes
+            found = routes(bucket, self.layouts)
+            lay = self.layouts[bucket.units[0].param]
+            self.mine.append(exchange(bucket, found, lay.tiling.ranks if lay.tiling is not None else 1, lay.me))
+            fp = self._footprints(bucket, found).values()
+            transit = max((f.send + f.recv for f in fp), default=0)
+            self._most.append((transit, max((f.recv + max(f.work, f.send) for f in fp), default=0)))
+        for i, bucket in enumerate(self.buckets[:-1]):  # ahead where two buckets' bound fits
+            before = self._most[i - 1][0] if i and self.buckets[i - 1].ahead else 0
+            (transit, busy), (nxt_transit, nxt_busy) = self._most[i], self._most[i + 1]
+            bucket.ahead = before + busy + nxt_transit <= self.budget and transit + nxt_busy <= self.budget
         self.calls_per_step = 2 * sum(b.travels for b in self.buckets)
 
     # ------------------------------------------------------------------ memory
     def footprints(self, bucket: Bucket) -> dict[int, Footprint]:
         """Every group rank's bytes in ``bucket``."""
-        out = {}
-        for rank, ex in exchanges(bucket, self.layouts).items():
-            send = sum(_numel(box) for _, box, _ in ex.sends)
-            recv = sum(_numel(box) for _, pieces, _ in ex.recvs for _, box in pieces)
-            out[rank] = Footprint(_BF16 * send, _BF16 * recv, self._work(ex))
-        return out
+        return self._footprints(bucket, routes(bucket, self.layouts))
 
-    def _work(self, ex: Exchange) -> int:
-        """The most this rank's compute in a bucket holds beyond its received buffer."""
+    def _footprints(self, bucket: Bucket, found: list[Route]) -> dict[int, Footprint]:
+        send: dict[int, int] = defaultdict(int)
+        recv: dict[int, int] = defaultdict(int)
+        owned: dict[int, list[Route]] = defaultdict(list)
+        for route in found:
+            owned[route[0].owner].append(route)
+            for rank, box in route[1]:
+                n = _numel(box)
+                send[rank] += n
+                recv[route[0].owner] += n
+        locals_: dict[int, list[Unit]] = defaultdict(list)
+        for u in bucket.units:
+            if not u.travels:
+                locals_[u.owner].append(u)
+        ranks = set(send) | set(owned) | set(locals_)
+        return {r: Footprint(_BF16 * send[r], _BF16 * recv[r], self._work(owned[r], locals_[r])) for r in ranks}
+
+    def _work(self, owned: list[Route], locals_: list[Unit]) -> int:
+        """The most a rank's compute in a bucket holds beyond its received buffer."""
         work = 0
-        if len(ex.recvs) == 1 and ex.recvs[0][2] is not None:
-            u, pieces, _ = ex.recvs[0]
+        if len(owned) == 1 and owned[0][2] is not None:
+            u, _, _, reorder = owned[0]
             _, a, b = frame(self.layouts[u.param])
-            reorder = orientation(pieces, (a, b), True)[1]
             work = max(_BF16 * reorder, self.workspace(1, a, b))
         else:
-            for chunk in self._chunks([u for u, _, _ in ex.recvs]):
+            for chunk in self._chunks([route[0] for route in owned]):
                 work = max(work, self._stack_bytes(chunk))
-        for chunk in self._chunks(ex.locals):
+        for chunk in self._chunks(locals_):
             work = max(work, self._stack_bytes(chunk) + 4 * CHUNK)
         return work
 
@@ -160,18 +191,6 @@ class WholeMatrixUpdates:
             out.append(chunk)
         return out
 
-    def _plan_overlap(self) -> None:
-        """``ahead`` where the bound on two buckets at once (each bucket's largest rank) fits."""
-        self._most = []  # per bucket: (largest send + received, largest received + compute or send)
-        for bucket in self.buckets:
-            fp = self.footprints(bucket).values()
-            transit = max((f.send + f.recv for f in fp), default=0)
-            self._most.append((transit, max((f.recv + max(f.work, f.send) for f in fp), default=0)))
-        for i, bucket in enumerate(self.buckets[:-1]):
-            before = self._most[i - 1][0] if i and self.buckets[i - 1].ahead else 0
-            (transit, busy), (nxt_transit, nxt_busy) = self._most[i], self._most[i + 1]
-            bucket.ahead = before + busy + nxt_transit <= self.budget and transit + nxt_busy <= self.budget
-
     def peak(self) -> int:
         """An upper bound of any rank's bytes at once over a step (each bucket's largest rank, plus
         the update and apply temporaries)."""
@@ -183,10 +202,6 @@ class WholeMatrixUpdates:
         return peak + 4 * CHUNK
 
     # ------------------------------------------------------------------ step
-    def _mine(self, bucket: Bucket) -> Exchange:
-        me = self.layouts[bucket.units[0].param].me
-        return exchanges(bucket, self.layouts, [me])[me]
-
     def _local_index(self, u: Unit, j: int, rows: slice) -> tuple:
         if len(self.layouts[u.param].shape) == 2:
             return (rows, slice(None))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
@@ -69,27 +70,66 @@ class Tiling:
         coord = self.coordinate(rank)
         return tuple(spans[tuple(coord[a] for a in axes)] for axes, spans in zip(self.axes, self.spans))
 
-    def holders(self, dim_choices: Sequence[Sequence[tuple[int, ...]]]) -> list[int]:
-        """The ranks whose sub-coordinate on each tensor dim is one of ``dim_choices[dim]``, ascending."""
-        ranks = []
-        for combo in itertools.product(*dim_choices):
-            coord = [0] * len(self.sizes)
-            for axes, sub in zip(self.axes, combo):
-                for a, c in zip(axes, sub):
-                    coord[a] = c
-            ranks.append(self.rank_of(coord))
-        return sorted(ranks)
+    def holders(self, dim_choices: Sequence[Sequence[tuple[int, ...]]]) -> list[tuple[int, Box]]:
+        """(rank, box) of the ranks whose sub-coordinate on each tensor dim is one of
+        ``dim_choices[dim]``, ranks ascending."""
+        strides = [math.prod(self.sizes[a + 1 :]) for a in range(len(self.sizes))]
+        per_dim = [
+            [(sum(c * strides[a] for a, c in zip(axes, sub)), spans[sub]) for sub in choices]
+            for axes, spans, choices in zip(self.axes, self.spans, dim_choices)
+        ]
+        out = [(sum(r for r, _ in combo), tuple(span for _, span in combo)) for combo in itertools.product(*per_dim)]
+        out.sort()
+        return out
 
     def nonempty(self, dim: int) -> list[tuple[int, ...]]:
         return [sub for sub, (_, n) in self.spans[dim].items() if n]
 
-    def largest_box(self) -> int:
-        return math.prod(max(n for _, n in spans.values()) for spans in self.spans)
+
+def _take(pieces: list[range], lo: int, hi: int) -> list[range]:
+    """Elements [lo, hi) of the concatenation of ``pieces``."""
+    out, at = [], 0
+    for r in pieces:
+        a, b = max(lo - at, 0), min(hi - at, len(r))
+        if a < b:
+            out.append(r[a:b])
+        at += len(r)
+    return out
+
+
+def _chunk(pieces: list[range], parts: int, index: int) -> list[range]:
+    """torch.chunk's ``index``-th of ``parts`` chunks (ceil-sized, trailing ones short or empty)."""
+    total = sum(len(r) for r in pieces)
+    size = -(-total // parts)
+    lo, hi = min(index * size, total), min((index + 1) * size, total)
+    return [pieces[0][lo:hi]] if len(pieces) == 1 else _take(pieces, lo, hi)
+
+
+def _span(length: int, steps: list[tuple[Placement, int, int]]) -> tuple[int, int] | None:
+    """(start, length) of the indices a rank holds along one tensor dim, given the (placement, mesh
+    size, coordinate) of each mesh dim sharding it in mesh order; None where they are not one run.
+    Shard takes a chunk; _StridedShard(split_factor f) takes that chunk of each of f chunks (DTensor's
+    placement semantics, as torch's _compute_local_shape_and_global_offset applies them)."""
+    pieces = [range(length)]
+    for placement, parts, coord in steps:
+        factor = getattr(placement, "split_factor", None)
+        if factor is None:
+            pieces = _chunk(pieces, parts, coord)
+        else:
+            pieces = [r for i in range(factor) for r in _chunk(_chunk(pieces, factor, i), parts, coord)]
+    pieces = [r for r in pieces if len(r)]
+    if not pieces:
+        return 0, 0
+    if any(x.stop != y.start for x, y in zip(pieces, pieces[1:])):
+        return None
+    return pieces[0].start, sum(len(r) for r in pieces)
 
 
 def build_tiling(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: Sequence[Placement]) -> Tiling:
     """The tiling of ``shape`` placed by ``placements`` on a mesh of ``mesh_shape``; raises where a
-    shard is not one box (a strided shard that interleaves rows)."""
+    shard is not one box (a strided shard that interleaves rows). Spans are computed on index
+    ranges (one Python walk per sub-coordinate) and checked against torch's own offsets at the
+    first and last coordinates."""
     dims = [d for d, pl in enumerate(placements) if not isinstance(pl, Replicate)]
     axes = tuple(
         tuple(i for i, d in enumerate(dims) if getattr(placements[d], "dim", None) == t) for t in range(len(shape))
@@ -98,14 +138,32 @@ def build_tiling(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements
     for t, on in enumerate(axes):
         table: dict[tuple[int, ...], tuple[int, int]] = {}
         for sub in itertools.product(*(range(mesh_shape[dims[a]]) for a in on)):
-            coord = [0] * len(mesh_shape)
-            for a, c in zip(on, sub):
-                coord[dims[a]] = c
-            size, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, coord, placements)
-            table[sub] = (offset[t], size[t])
+            span = _span(shape[t], [(placements[dims[a]], mesh_shape[dims[a]], c) for a, c in zip(on, sub)])
+            if span is None:
+                raise _not_boxes(shape, t, placements)
+            table[sub] = span
         _check_tiles(shape, t, table, placements)
         spans.append(table)
-    return Tiling(tuple(shape), tuple(mesh_shape[d] for d in dims), axes, tuple(spans))
+    tiling = Tiling(tuple(shape), tuple(mesh_shape[d] for d in dims), axes, tuple(spans))
+    for rank in {0, tiling.ranks - 1}:
+        coord = [0] * len(mesh_shape)
+        for d, c in zip(dims, tiling.coordinate(rank)):
+            coord[d] = c
+        # torch computes strided shards' offsets with small index tensors: real ones, also when
+        # the plan is built inside a fake-tensor mode (the simulator's).
+        with unset_fake_temporarily():
+            size, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, coord, placements)
+        box = tiling.box(rank)
+        if any(n != b[1] or (n and o != b[0]) for n, o, b in zip(size, offset, box)):
+            raise ValueError(f"shards of {shape} placed {tuple(placements)} disagree with DTensor's: {box} at {coord}")
+    return tiling
+
+
+def _not_boxes(shape: tuple[int, ...], dim: int, placements: Sequence[Placement]) -> ValueError:
+    return ValueError(
+        f"whole-matrix updates need each shard to be one box of the parameter; shape {shape} placed"
+        f" {tuple(placements)} is not tiled by boxes along dim {dim}"
+    )
 
 
 def _check_tiles(shape: tuple[int, ...], dim: int, table: dict, placements: Sequence[Placement]) -> None:
@@ -113,10 +171,7 @@ def _check_tiles(shape: tuple[int, ...], dim: int, table: dict, placements: Sequ
     for start, n in sorted(span for span in table.values() if span[1]):
         end = end + n if start == end else -1
     if end != shape[dim]:
-        raise ValueError(
-            f"whole-matrix updates need each shard to be one box of the parameter; shape {shape} placed"
-            f" {tuple(placements)} is not tiled by boxes along dim {dim}"
-        )
+        raise _not_boxes(shape, dim, placements)
 
 
 @dataclass(frozen=True)
@@ -164,6 +219,10 @@ class LayoutBuilder:
         return self._groups[key]
 
     def layout(self, p: torch.Tensor) -> Layout:
+        with unset_fake_temporarily():  # metadata only (mesh tensors are real), also in a fake-tensor mode
+            return self._layout(p)
+
+    def _layout(self, p: torch.Tensor) -> Layout:
         if p.ndim not in (2, 3):
             raise ValueError(f"whole-matrix updates take 2-D or 3-D [E, A, B] parameters, got shape {tuple(p.shape)}")
         shape = tuple(p.shape)

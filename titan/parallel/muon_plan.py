@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from titan.parallel.muon_layout import Box, Layout
 
-__all__ = ["Unit", "Bucket", "Exchange", "plan_units", "plan_buckets", "exchanges", "frame"]
+__all__ = ["Unit", "Bucket", "Exchange", "Route", "plan_units", "plan_buckets", "routes", "exchange", "frame"]
 
 
 @dataclass(frozen=True, order=True)
@@ -89,11 +89,8 @@ def holders(lay: Layout, unit: Unit) -> list[tuple[int, Box]]:
     choices = [t.nonempty(dims - 2), t.nonempty(dims - 1)]
     if dims == 3:
         choices.insert(0, [sub for sub, (s, n) in t.spans[0].items() if n and s <= unit.first < s + n])
-    out = []
-    for rank in t.holders(choices):
-        box = t.box(rank)
-        out.append((rank, ((unit.first, unit.count), box[-2], box[-1])))
-    return out
+    matrices = (unit.first, unit.count)
+    return [(rank, (matrices, box[-2], box[-1])) for rank, box in t.holders(choices)]
 
 
 def plan_units(
@@ -129,25 +126,42 @@ def plan_units(
 
 
 def plan_buckets(
-    units: dict[Hashable, list[Unit]], size: Callable[[Unit], int], flops: Sequence[int], share: int
+    units: dict[Hashable, list[Unit]],
+    size: Callable[[Unit], int],
+    sent: Callable[[Unit], int],
+    flops: Sequence[int],
+    share: int,
 ) -> list[Bucket]:
-    """Deal each key's units out in rounds: every rank adds its next largest units to the bucket
-    while their ``size`` (bytes) fits ``share`` (one at least); consecutive units of one parameter
-    and owner merge."""
+    """Deal each key's units out in rounds: each rank in turn adds its next largest units to the
+    bucket while their ``size`` (bytes held by the owner) fits ``share`` (one at least), and the
+    bucket closes when the ``sent`` bytes (the largest piece any rank sends) of its units would pass
+    ``share``; the next bucket goes on from the next rank. Consecutive units of one parameter and
+    owner merge."""
     buckets = []
     for key in sorted(units, key=lambda k: (k is not None, min(u.param for u in units[k]))):
         queues: dict[int, list[Unit]] = defaultdict(list)
         for u in sorted(units[key], key=lambda u: (-u.count * flops[u.param], u)):
             queues[u.owner].append(u)
-        position = dict.fromkeys(queues, 0)
-        while any(position[r] < len(q) for r, q in queues.items()):
-            bucket = []
-            for r, q in queues.items():
-                used = 0
-                while position[r] < len(q) and (not used or used + size(q[position[r]]) <= share):
-                    used += size(q[position[r]])
-                    bucket.append(q[position[r]])
+        order = sorted(queues)
+        position = dict.fromkeys(order, 0)
+        turn, left = 0, sum(len(q) for q in queues.values())
+        while left:
+            bucket: list[Unit] = []
+            sending = 0
+            for _ in range(len(order)):
+                r = order[turn]
+                q, used = queues[r], 0
+                while position[r] < len(q):
+                    u = q[position[r]]
+                    if bucket and (used + size(u) > share and used or sending + sent(u) > share):
+                        break
+                    used, sending = used + size(u), sending + sent(u)
+                    bucket.append(u)
                     position[r] += 1
+                    left -= 1
+                if position[r] < len(q) and used == 0:
+                    break  # the bucket is full: this rank starts the next one
+                turn = (turn + 1) % len(order)
             buckets.append(Bucket(key, _merge(sorted(bucket))))
     return buckets
 
@@ -220,36 +234,36 @@ def orientation(pieces: list[tuple[int, Box]], shape: tuple[int, int], only: boo
     return best
 
 
-def exchanges(bucket: Bucket, layouts: Sequence[Layout], ranks: Sequence[int] | None = None) -> dict[int, Exchange]:
-    """The listed ranks' parts of ``bucket`` with their split sizes, or (None) every rank's pieces
-    without them (what the memory accounting reads)."""
-    want = None if ranks is None else set(ranks)
-    out: dict[int, Exchange] = defaultdict(Exchange)
-    owned = defaultdict(int)
+Route = tuple[Unit, list[tuple[int, Box]], "str | None", int]
+"""A travelling unit, its pieces (rank, box) by rank, how its owner receives it (orientation) and
+the elements of that reorder buffer."""
+
+
+def routes(bucket: Bucket, layouts: Sequence[Layout]) -> list[Route]:
+    """The travelling units of ``bucket`` with their pieces: one walk over every holder."""
+    owned: dict[int, int] = defaultdict(int)
     for u in bucket.units:
         owned[u.owner] += u.travels
+    out = []
     for u in bucket.units:
-        if not u.travels:
-            if want is None or u.owner in want:
-                out[u.owner].locals.append(u)
-            continue
-        pieces = holders(layouts[u.param], u)
-        way = orientation(pieces, frame(layouts[u.param])[1:], owned[u.owner] == 1)[0]
-        if want is None or u.owner in want:
-            out[u.owner].recvs.append((u, pieces, way))
-        for rank, box in pieces:
-            if want is None or rank in want:
-                out[rank].sends.append((u, box, way == "cols"))
-    tiling = layouts[bucket.units[0].param].tiling
-    n = tiling.ranks if tiling is not None else 1
-    for rank in want or ():
-        ex = out[rank]
-        ex.sends.sort(key=lambda s: (s[0].owner, s[0]))
-        ex.send_splits = [0] * n
-        for u, box, _ in ex.sends:
-            ex.send_splits[u.owner] += _numel(box)
-        ex.recv_splits = [0] * n
-        for _, pieces, _ in ex.recvs:
+        if u.travels:
+            pieces = holders(layouts[u.param], u)
+            out.append((u, pieces, *orientation(pieces, frame(layouts[u.param])[1:], owned[u.owner] == 1)))
+    return out
+
+
+def exchange(bucket: Bucket, found: list[Route], ranks: int, rank: int) -> Exchange:
+    """``rank``'s part of ``bucket`` (a group of ``ranks``) given its routes."""
+    ex = Exchange(locals=[u for u in bucket.units if not u.travels and u.owner == rank])
+    ex.send_splits, ex.recv_splits = [0] * ranks, [0] * ranks
+    for u, pieces, way, _ in found:
+        if u.owner == rank:
+            ex.recvs.append((u, pieces, way))
             for src, box in pieces:
                 ex.recv_splits[src] += _numel(box)
-    return dict(out)
+        for src, box in pieces:
+            if src == rank:
+                ex.sends.append((u, box, way == "cols"))
+                ex.send_splits[u.owner] += _numel(box)
+    ex.sends.sort(key=lambda s: (s[0].owner, s[0]))
+    return ex
