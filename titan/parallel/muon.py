@@ -52,15 +52,32 @@ Orthogonalise = Callable[[torch.Tensor, int], None]
 @dataclass(frozen=True)
 class Footprint:
     """One rank's bytes in one bucket: its pieces (sent, then received back), the matrices it owns
-    (received), and the most its compute holds on top of those."""
+    (received), the most its compute holds on top of those, and its largest fp32 update or apply
+    temporary."""
 
     send: int = 0
     recv: int = 0
     work: int = 0
+    temp: int = 0
+
+    @property
+    def transit(self) -> int:
+        """Held while its pieces are packed, travel and are applied."""
+        return self.send + self.recv + self.temp
+
+    @property
+    def busy(self) -> int:
+        """Held while it computes (its pieces' send buffer is free by then)."""
+        return self.recv + max(self.work, self.send)
 
 
 def _numel(box: Box) -> int:
     return box[0][1] * box[1][1] * box[2][1]
+
+
+def _temp(a: int, b: int) -> int:
+    """Bytes of the largest fp32 region of an [a, b] piece (see _regions)."""
+    return 4 * min(a, max(1, CHUNK // max(b, 1))) * b
 
 
 def _regions(k: int, a: int, b: int) -> Iterator[tuple[int, slice]]:
@@ -126,8 +143,7 @@ class WholeMatrixUpdates:
             lay = self.layouts[bucket.units[0].param]
             self.mine.append(exchange(bucket, found, lay.tiling.ranks if lay.tiling is not None else 1, lay.me))
             fp = self._footprints(bucket, found).values()
-            transit = max((f.send + f.recv for f in fp), default=0)
-            self._most.append((transit, max((f.recv + max(f.work, f.send) for f in fp), default=0)))
+            self._most.append((max((f.transit for f in fp), default=0), max((f.busy for f in fp), default=0)))
         for i, bucket in enumerate(self.buckets[:-1]):  # ahead where two buckets' bound fits
             before = self._most[i - 1][0] if i and self.buckets[i - 1].ahead else 0
             (transit, busy), (nxt_transit, nxt_busy) = self._most[i], self._most[i + 1]
@@ -154,7 +170,13 @@ class WholeMatrixUpdates:
             if not u.travels:
                 locals_[u.owner].append(u)
         ranks = set(send) | set(owned) | set(locals_)
-        return {r: Footprint(_BF16 * send[r], _BF16 * recv[r], self._work(owned[r], locals_[r])) for r in ranks}
+        temp: dict[int, int] = defaultdict(int)
+        for route in found:
+            for rank, (_, (_, a), (_, b)) in route[1]:
+                temp[rank] = max(temp[rank], _temp(a, b))
+        return {
+            r: Footprint(_BF16 * send[r], _BF16 * recv[r], self._work(owned[r], locals_[r]), temp[r]) for r in ranks
+        }
 
     def _work(self, owned: list[Route], locals_: list[Unit]) -> int:
         """The most a rank's compute in a bucket holds beyond its received buffer."""
@@ -167,7 +189,9 @@ class WholeMatrixUpdates:
             for chunk in self._chunks([route[0] for route in owned]):
                 work = max(work, self._stack_bytes(chunk))
         for chunk in self._chunks(locals_):
-            work = max(work, self._stack_bytes(chunk) + 4 * CHUNK)
+            _, a, b = frame(self.layouts[chunk[0].param])
+            k = sum(u.count for u in chunk)
+            work = max(work, _BF16 * k * a * b + max(self.workspace(k, a, b), _temp(a, b)))
         return work
 
     def _stack_bytes(self, chunk: list[Unit]) -> int:
@@ -192,14 +216,13 @@ class WholeMatrixUpdates:
         return out
 
     def peak(self) -> int:
-        """An upper bound of any rank's bytes at once over a step (each bucket's largest rank, plus
-        the update and apply temporaries)."""
+        """An upper bound of any rank's bytes at once over a step (each bucket's largest rank)."""
         peak, held = 0, 0  # held: a pending bucket's return buffers
         for i, bucket in enumerate(self.buckets):
             nxt = self._most[i + 1][0] if bucket.ahead and i + 1 < len(self.buckets) else 0
-            peak = max(peak, held + self._most[i][1] + nxt)
+            peak = max(peak, held + self._most[i][1] + nxt, self._most[i][0])
             held = self._most[i][0] if bucket.ahead else 0
-        return peak + 4 * CHUNK
+        return peak
 
     # ------------------------------------------------------------------ step
     def _local_index(self, u: Unit, j: int, rows: slice) -> tuple:

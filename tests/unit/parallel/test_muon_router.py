@@ -4,7 +4,8 @@ meshes, replicate dims, uneven and empty shards), the function applied on the ow
 matrices comes back as exactly the shards of the function of the unsharded matrices; each matrix
 has one owner per replica group, whole experts stay where they are, and the work is spread. Run
 once with one bucket per sharding group and once with buckets so small that every bucket's
-shards travel while the previous one is computed."""
+shards travel while the previous one is computed; and Muon's step on such ranks allocates no more
+than the plan's bound, itself within the budget of AdamW's second moment."""
 
 from __future__ import annotations
 
@@ -97,8 +98,31 @@ def _round_trips(rank: int, world: int, _: str) -> dict:
         params.append(distribute_tensor(full, mesh, pl, src_data_rank=None))
         fulls.append(full)
     out = {name: _run(params, cases, fulls, share) for name, share in (("one bucket", None), ("small buckets", 64))}
+    out["memory"] = _step_memory(meshes[(world,)])
     dist.barrier()
     return out
+
+
+def _step_memory(mesh) -> dict:
+    """Muon's step buffers on this rank (every storage a second step allocates beyond parameters,
+    gradients and momentum) against the plan's bound, with buckets that overlap."""
+    from titan.training.memory import LiveBytes
+    from titan.training.muon import Muon
+
+    torch.manual_seed(1)
+    shapes = [((96, 64), Shard(0)), ((64, 160), Shard(1)), ((8, 48, 32), Shard(0)), ((4, 40, 24), Shard(1))] * 6
+    params = [torch.nn.Parameter(distribute_tensor(torch.randn(s), mesh, (pl,))) for s, pl in shapes]
+    opt = Muon(params, lr=1e-2, weight_decay=0.1, share=24_000)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    tracker = LiveBytes()
+    held = [*params, *(p.grad for p in params), *(s["momentum_buffer"] for s in opt.state.values())]
+    tracker.ignore([local(t) for t in held])
+    with tracker:
+        opt.step()
+    u = opt.updates
+    return {"measured": tracker.peak, "bound": u.peak(), "budget": u.budget, "ahead": sum(b.ahead for b in u.buckets)}
 
 
 @pytest.mark.slow
@@ -122,3 +146,5 @@ def test_whole_matrix_round_trip_on_every_placement() -> None:
                 assert per_rank[0]["travelling"][i] == 0, (shape, pl)
     small, one = results[0]["small buckets"], results[0]["one bucket"]
     assert small["ahead"] > 0 and small["calls"] > one["calls"], (small, one)
+    for memory in (r["memory"] for r in results):  # the plan's bound holds, within the budget
+        assert 0 < memory["measured"] <= memory["bound"] <= memory["budget"] and memory["ahead"], memory
