@@ -23,7 +23,7 @@ from titan.models.llama.parallelize import apply_llama_cp, block_plan
 from titan.models.moe.parallelize import apply_moe_family_tp, parallelize_moe_family
 from titan.parallel.dims import ParallelDims
 from titan.parallel.expert_parallel import NoParallel
-from titan.parallel.tp import Plan, SumGradOverTP, check_tp_shapes
+from titan.parallel.tp import Plan, SumGradOverTP
 
 
 def _mla_plan(block: Any) -> Plan:
@@ -52,7 +52,6 @@ def apply_tp(
 ) -> None:
     """TP/SP for latent attention, dense FFNs, router and shared experts; the routed experts are
     the MoE driver's apply_experts' (ETP or TP)."""
-    check_tp_shapes(model.model_args.n_heads, model.model_args.kv_heads, tp_mesh.size())
     apply_moe_family_tp(
         model, tp_mesh, _mla_plan, "deepseek_v3", loss_parallel=loss_parallel, enable_async_tp=enable_async_tp
     )

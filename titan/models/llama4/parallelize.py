@@ -11,12 +11,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan.config.job_config import JobConfig
-from titan.errors import TitanError
 from titan.models.llama.parallelize import apply_llama_cp, block_plan
 from titan.models.llama4.model import Llama4Transformer
 from titan.models.moe.parallelize import apply_moe_family_tp, parallelize_moe_family
 from titan.parallel.dims import ParallelDims
-from titan.parallel.tp import Plan, check_tp_shapes
+from titan.parallel.tp import Plan
 
 
 def _llama_block_plan(block: Any) -> Plan:
@@ -27,17 +26,8 @@ def apply_tp(
     model: Llama4Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False
 ) -> None:
     """TP/SP for attention, dense FFNs, router and shared experts; the routed experts are the MoE
-    driver's apply_experts' (ETP or TP)."""
-    tp = tp_mesh.size()
-    args = model.model_args
-    check_tp_shapes(args.n_heads, args.kv_heads, tp)
-    if not args.moe_args.score_before_experts:
-        # The router's scores would then multiply TP-partial expert outputs: their gradient would be
-        # partial on each TP rank while the router's weights are replicated.
-        raise TitanError(
-            "parallelism.tensor_parallel_degree > 1 needs moe_args.score_before_experts = true for llama4"
-            " (scores applied to the experts' inputs); use data parallelism and pipeline stages instead"
-        )
+    driver's apply_experts' (ETP or TP). Scores applied before or after the experts both train: the
+    MoE plan sums the scores' gradient over TP when they weight the experts' partial outputs."""
     apply_moe_family_tp(
         model, tp_mesh, _llama_block_plan, "llama4", loss_parallel=loss_parallel, enable_async_tp=enable_async_tp
     )

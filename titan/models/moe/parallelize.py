@@ -47,7 +47,7 @@ from titan.parallel.expert_parallel import (
     log_experts_layout,
 )
 from titan.parallel.fsdp import DTYPES, apply_ddp, apply_fsdp, reshard_policy
-from titan.parallel.tp import Plan, SumGradOverTP, apply_tp_plan
+from titan.parallel.tp import Plan, SumGradOverTP, apply_tp_plan, check_tp_shapes
 from titan.parallel.utils import blocks_of
 
 DENSE_FFN = ("feed_forward", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
@@ -103,7 +103,9 @@ def apply_moe_family_tp(
     enable_async_tp: bool = False,
 ) -> None:
     """llama's root plan, then each block's: ``block_plan(block)`` (attention, norms and a dense
-    FFN, llama's names) with the dense FFN's entries replaced by the MoE plan in MoE blocks."""
+    FFN, llama's names) with the dense FFN's entries replaced by the MoE plan in MoE blocks. Whole
+    heads per rank (the run plan's check refused other degrees first)."""
+    check_tp_shapes(model.model_args.n_heads, model.model_args.kv_heads, tp_mesh.size())
     apply_tp_plan(model, tp_mesh, root_plan(model, loss_parallel), [], {}, enable_async_tp=enable_async_tp)
     for _, block in moe_blocks(model):
         parallelize_module(block, tp_mesh, with_moe_plan(block_plan(block), block))

@@ -15,12 +15,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from titan.config.job_config import JobConfig
-from titan.errors import TitanError
 from titan.models.llama.parallelize import apply_llama_cp, block_plan, parallelize_llama
 from titan.models.moe.parallelize import apply_moe_family_tp, parallelize_moe_family
 from titan.models.qwen3.model import Qwen3Block, Qwen3Transformer
 from titan.parallel.dims import ParallelDims
-from titan.parallel.tp import Plan, check_tp_shapes
+from titan.parallel.tp import Plan
 
 
 def _qk_norm_plan() -> Plan:
@@ -38,17 +37,8 @@ def apply_tp(
     model: Qwen3Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False
 ) -> None:
     """TP/SP for attention (q/k norms on the local heads), dense feed-forwards and the MoE blocks'
-    router; the routed experts are the MoE driver's apply_experts' (ETP or TP)."""
-    tp = tp_mesh.size()
-    args = model.model_args
-    check_tp_shapes(args.n_heads, args.kv_heads, tp)
-    if args.moe_enabled and not args.moe_args.score_before_experts:
-        # The router's scores would multiply TP-partial expert outputs: their gradient would be partial
-        # on each TP rank while the router's weights are replicated.
-        raise TitanError(
-            f"parallelism.tensor_parallel_degree {tp} is not supported for qwen3's MoE flavors (Qwen3 applies the"
-            " router scores to the experts' outputs); use expert, data or pipeline parallelism"
-        )
+    router; the routed experts are the MoE driver's apply_experts' (ETP or TP). Qwen3 weights the
+    experts' outputs by the router scores: the MoE plan sums the scores' gradient over TP."""
     apply_moe_family_tp(
         model, tp_mesh, _block_plan, "qwen3", loss_parallel=loss_parallel, enable_async_tp=enable_async_tp
     )
