@@ -18,7 +18,7 @@ stacks bounded by the memory budget, and update temporaries of at most ``CHUNK``
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +40,7 @@ from titan.parallel.muon_plan import (
 
 __all__ = ["WholeMatrixUpdates", "Footprint", "CHUNK"]
 
-CHUNK = 1 << 20
+CHUNK = 1 << 18
 """Elements of an update or apply temporary (fp32): rows are computed in slices of this size."""
 _BF16 = 2
 
@@ -94,10 +94,13 @@ class WholeMatrixUpdates:
     ``flops``: the function's cost per matrix of each parameter (owners are balanced by it);
     ``styles``: parameters with the same style may share one batched call; ``workspace(k, a, b)``:
     the function's temporary bytes on a [k, a, b] stack; ``budget``: bytes this may hold at once,
-    by default one more tensor like the parameters' shards (on the average shard, so that every
-    rank plans alike); buckets and stacks are sized by it: ``share``, default budget / 4, is each
-    rank's part of a bucket and the most a stack holds. ``layouts``: given instead of read from
+    by default three quarters of one more tensor like the parameters' shards (on the average
+    shard, so that every rank plans alike; the last quarter is slack for the allocator); buckets,
+    stacks and overlap are sized by it: ``share``, default budget / 4, is each rank's part of a
+    bucket and the most a stack holds. ``layouts``: given instead of read from
     the parameters (a plan for a layout the parameters do not have: the memory estimate).
+    ``loads``: FLOPs per group rank given out by the plans of other model parts on the same ranks
+    (pipeline stages of one rank), so that their owners balance together; updated here.
     """
 
     def __init__(
@@ -109,14 +112,19 @@ class WholeMatrixUpdates:
         budget: int | None = None,
         share: int | None = None,
         layouts: Sequence[Layout] | None = None,
+        loads: dict[Hashable, list[int]] | None = None,
     ) -> None:
         builder = LayoutBuilder()
         self.layouts = list(layouts) if layouts is not None else [builder.layout(p) for p in params]
         self.styles, self.workspace = list(styles), workspace
         if budget is None:
-            budget = sum(
-                p.element_size() * p.numel() // (lay.tiling.ranks if lay.tiling is not None else 1)
-                for p, lay in zip(params, self.layouts)
+            budget = (
+                3
+                * sum(
+                    p.element_size() * p.numel() // (lay.tiling.ranks if lay.tiling is not None else 1)
+                    for p, lay in zip(params, self.layouts)
+                )
+                // 4
             )
         self.budget = budget
         self.share = max(1, share if share is not None else budget // 4)
@@ -133,7 +141,7 @@ class WholeMatrixUpdates:
             return _BF16 * u.count * rows * cols
 
         cap = [max(1, self.share // (_BF16 * a * b)) for _, a, b in map(frame, self.layouts)]
-        units, self.loads = plan_units(self.layouts, flops, cap)
+        units, self.loads = plan_units(self.layouts, flops, cap, loads)
         self.buckets = plan_buckets(units, size, sent, flops, self.share)
         self._starts = [lay.tiling.box(lay.me)[0][0] if lay.tiling is not None else 0 for lay in self.layouts]
         self.mine: list[Exchange] = []

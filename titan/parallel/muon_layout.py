@@ -130,7 +130,7 @@ def build_tiling(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements
     shard is not one box (a strided shard that interleaves rows). Spans are computed on index
     ranges (one Python walk per sub-coordinate) and checked against torch's own offsets at the
     first and last coordinates."""
-    dims = [d for d, pl in enumerate(placements) if not isinstance(pl, Replicate)]
+    dims = _sharding_dims(mesh_shape, placements)
     axes = tuple(
         tuple(i for i, d in enumerate(dims) if getattr(placements[d], "dim", None) == t) for t in range(len(shape))
     )
@@ -157,6 +157,11 @@ def build_tiling(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements
         if any(n != b[1] or (n and o != b[0]) for n, o, b in zip(size, offset, box)):
             raise ValueError(f"shards of {shape} placed {tuple(placements)} disagree with DTensor's: {box} at {coord}")
     return tiling
+
+
+def _sharding_dims(mesh_shape: Sequence[int], placements: Sequence[Placement]) -> list[int]:
+    """The mesh dims that split a tensor placed so (a dim of size 1 splits nothing)."""
+    return [d for d, pl in enumerate(placements) if not isinstance(pl, Replicate) and mesh_shape[d] > 1]
 
 
 def _not_boxes(shape: tuple[int, ...], dim: int, placements: Sequence[Placement]) -> ValueError:
@@ -229,8 +234,8 @@ class LayoutBuilder:
         if not isinstance(p, DTensor):
             return Layout(shape, None, 0, None)
         mesh, placements = p.device_mesh, tuple(p.placements)
-        dims = tuple(d for d, pl in enumerate(placements) if not isinstance(pl, Replicate))
-        if not dims or math.prod(mesh.size(d) for d in dims) == 1:
+        dims = tuple(_sharding_dims(mesh.shape, placements))
+        if not dims:
             return Layout(shape, None, 0, None)
         key = (shape, tuple(mesh.shape), placements)
         if key not in self._tilings:

@@ -94,12 +94,16 @@ def holders(lay: Layout, unit: Unit) -> list[tuple[int, Box]]:
 
 
 def plan_units(
-    layouts: Sequence[Layout], flops: Sequence[int], local_cap: Sequence[int]
+    layouts: Sequence[Layout],
+    flops: Sequence[int],
+    local_cap: Sequence[int],
+    loads: dict[Hashable, list[int]] | None = None,
 ) -> tuple[dict[Hashable, list[Unit]], dict[Hashable, list[int]]]:
     """Units per sharding key and the NS FLOPs each group rank gets (``flops``: per matrix of each
-    parameter; ``local_cap``: most matrices of a parameter in one local unit)."""
+    parameter; ``local_cap``: most matrices of a parameter in one local unit). ``loads``: the FLOPs
+    already given to each group rank (other model parts on the same ranks), updated here."""
     units: dict[Hashable, list[Unit]] = defaultdict(list)
-    loads: dict[Hashable, list[int]] = {}
+    loads = {} if loads is None else loads
     travelling: dict[Hashable, list[Unit]] = defaultdict(list)
     for i, lay in enumerate(layouts):
         size = lay.tiling.ranks if lay.tiling is not None else 1

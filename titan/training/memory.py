@@ -228,8 +228,8 @@ def _optimizer_step_bytes(model: nn.Module, shards: int, config: JobConfig) -> i
     params = [p for p in model.parameters() if p.requires_grad]
     muon = 0
     if config.optimizer.name.lower() == "muon":
-        muon = muon_memory(model, shards, config.optimizer.ns_steps)["optimizer_aux"]
-        params = split_muon_params(model)[1]
+        muon = muon_memory(model, shards, config.optimizer.ns_steps, config.optimizer.muon_router_gate)["optimizer_aux"]
+        params = split_muon_params(model, config.optimizer.muon_router_gate)[1]
     if not params:
         return muon
     impl = resolve_implementation(config.optimizer)
@@ -249,7 +249,7 @@ def _optimizer_states(model: nn.Module, shards: int, config: JobConfig) -> tuple
     if config.optimizer.name.lower() != "muon":
         local = sum(_shard_numel(p, shards) for p in model.parameters())
         return local * _FP32 * _ADAM_STATES, "AdamW, 2 x fp32"
-    state = muon_memory(model, shards, config.optimizer.ns_steps)["optimizer_state"]
+    state = muon_memory(model, shards, config.optimizer.ns_steps, config.optimizer.muon_router_gate)["optimizer_state"]
     return state, "Muon 1 x fp32 on matrices, AdamW 2 x fp32 on the rest"
 
 

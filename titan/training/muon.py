@@ -31,18 +31,20 @@ __all__ = ["Muon", "split_muon_params", "NS_COEFFICIENTS", "newton_schulz_", "mu
 
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 _BF16 = 2
-_BLOCK = 1 << 22
+_BLOCK = 1 << 20
 """The last product of an iteration runs in column blocks of about this many elements (at least a
 quarter of the short side squared), so it needs no second copy of a large matrix."""
 
 
-def _adamw_roles(part: nn.Module) -> set[int]:
+def _adamw_roles(part: nn.Module, router_gate: bool) -> set[int]:
     """ids of the parameters AdamW keeps whatever their shape: embeddings, the output projection,
-    router gates, biases."""
+    router gates (unless ``router_gate``: their weight then goes to Muon), biases."""
     ids = set()
     for m in part.modules():
-        if isinstance(m, (nn.Embedding, TokenChoiceTopKRouter)):
+        if isinstance(m, nn.Embedding):
             ids |= {id(p) for p in m.parameters()}
+        elif isinstance(m, TokenChoiceTopKRouter):
+            ids |= {id(p) for p in m.parameters() if not router_gate or p.ndim != 2}
         elif isinstance(m, nn.Linear) and m.bias is not None:
             ids.add(id(m.bias))
         elif isinstance(m, GroupedExperts):  # per-expert vectors [E, width]: the experts' biases
@@ -53,9 +55,10 @@ def _adamw_roles(part: nn.Module) -> set[int]:
     return ids
 
 
-def split_muon_params(part: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(Muon's matrices, AdamW's parameters) of ``part``'s trainable parameters, in module order."""
-    adamw = _adamw_roles(part)
+def split_muon_params(part: nn.Module, router_gate: bool = False) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(Muon's matrices, AdamW's parameters) of ``part``'s trainable parameters, in module order;
+    ``router_gate``: optimizer.muon_router_gate."""
+    adamw = _adamw_roles(part, router_gate)
     params = [p for p in part.parameters() if p.requires_grad]
     matrices = [p for p in params if p.ndim in (2, 3) and id(p) not in adamw]
     chosen = {id(p) for p in matrices}
@@ -114,6 +117,8 @@ class Muon(torch.optim.Optimizer):
     rank), decoupled weight decay ``W *= 1 - lr wd``, then ``W -= adjust(lr, A, B) O``. One state
     tensor per matrix: ``momentum_buffer``, sharded like the parameter. ``share``: bytes of one
     rank's part of a bucket (default: a quarter of the memory budget; tests set it small).
+    ``balance``: one dict shared by the Muon of every model part of a rank (pipeline stages), so
+    that their matrices' owners are balanced together.
     """
 
     def __init__(
@@ -129,6 +134,7 @@ class Muon(torch.optim.Optimizer):
         adamw_groups: list[dict[str, Any]] | None = None,
         adamw_kwargs: dict[str, Any] | None = None,
         share: int | None = None,
+        balance: dict | None = None,
     ) -> None:
         defaults: dict[str, Any] = {
             "lr": lr,
@@ -143,7 +149,7 @@ class Muon(torch.optim.Optimizer):
         self._muon_groups = len(self.param_groups)
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [i for i, g in enumerate(self.param_groups) for _ in g["params"]]
-        self.updates = whole_matrix_updates(self._params, self._group_of, self.param_groups, share)
+        self.updates = whole_matrix_updates(self._params, self._group_of, self.param_groups, share, balance=balance)
         self.adamw = torch.optim.AdamW(adamw_groups, **(adamw_kwargs or {})) if adamw_groups else None
         if self.adamw is not None:
             self.param_groups.extend(self.adamw.param_groups)
@@ -210,19 +216,26 @@ def whole_matrix_updates(
     groups: Sequence[dict[str, Any]],
     share: int | None = None,
     layouts: Sequence[Layout] | None = None,
+    balance: dict | None = None,
 ) -> WholeMatrixUpdates:
     """The plan of Muon's matrices: owners balanced by Newton-Schulz FLOPs, buckets and stacks
     within the bytes of the one state AdamW keeps and Muon does not (its second moment)."""
     flops = [ns_flops(p.shape[-2], p.shape[-1], groups[g]["ns_steps"]) for p, g in zip(params, group_of)]
-    return WholeMatrixUpdates(params, flops, group_of, ns_workspace, share=share, layouts=layouts)
+    return WholeMatrixUpdates(params, flops, group_of, ns_workspace, share=share, layouts=layouts, loads=balance)
 
 
-def muon_memory(part: nn.Module, shards: int | None = None, ns_steps: int = 5) -> dict[str, int]:
+def muon_memory(
+    part: nn.Module,
+    shards: int | None = None,
+    ns_steps: int = 5,
+    router_gate: bool = False,
+    balance: dict | None = None,
+) -> dict[str, int]:
     """Muon's per-rank ``optimizer_state`` (momentum of the matrices, AdamW's two moments for the
     rest) and ``optimizer_aux`` (the step's buffers: an upper bound over the ranks) in bytes, for a
     parallelized model part (DTensor parameters, real or fake process group; meta tensors are
     fine), or for a plain one sharded as FSDP would over ``shards`` ranks (the memory estimate)."""
-    matrices, others = split_muon_params(part)
+    matrices, others = split_muon_params(part, router_gate)
     layouts = None
     if shards is not None:
         tilings: dict = {}
@@ -238,5 +251,5 @@ def muon_memory(part: nn.Module, shards: int | None = None, ns_steps: int = 5) -
     if not matrices:
         return {"optimizer_state": state, "optimizer_aux": 0}
     groups = [{"ns_steps": ns_steps}]
-    updates = whole_matrix_updates(matrices, [0] * len(matrices), groups, layouts=layouts)
+    updates = whole_matrix_updates(matrices, [0] * len(matrices), groups, layouts=layouts, balance=balance)
     return {"optimizer_state": state, "optimizer_aux": updates.peak()}

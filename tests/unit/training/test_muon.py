@@ -56,6 +56,8 @@ def test_hidden_matrices_go_to_muon_the_rest_to_adamw() -> None:
     assert "layers.1.moe.experts.w1" in muon and "layers.1.moe.shared_experts.w1.weight" in muon
     assert not any("router" in n or "embeddings" in n or "norm" in n or n.startswith("output") for n in muon)
     assert any("router.gate" in n for n in _names(moe, split_muon_params(moe)[1]))
+    on_muon = _names(moe, split_muon_params(moe, router_gate=True)[0])  # optimizer.muon_router_gate
+    assert on_muon - muon == {"layers.1.moe.router.gate.weight"}, on_muon - muon
 
 
 def test_biases_of_any_shape_go_to_adamw() -> None:
@@ -137,6 +139,7 @@ def test_build_muon_with_adamw_and_its_own_keys() -> None:
         ({"adamw_lr": -1.0}, "'optimizer.adamw_lr' got -1.0; valid: a number > 0"),
         ({"bf16_stochastic_round": True}, "'optimizer.name' got 'Muon'; valid: AdamW with optimizer.bf16_"),
         ({"name": "AdamW", "adamw_lr": 1e-3}, "'optimizer.name' got 'AdamW'; valid: Muon with optimizer.adamw_lr"),
+        ({"name": "AdamW", "muon_router_gate": True}, "'optimizer.name' got 'AdamW'; valid: Muon with optimizer.muon_"),
     ],
 )
 def test_refusals_are_one_line(override: dict, message: str) -> None:
