@@ -18,13 +18,14 @@ stacks bounded by the memory budget, and update temporaries of at most ``CHUNK``
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from titan.parallel.muon_layout import Box, Layout, LayoutBuilder
+from titan.parallel.muon_pieces import CHUNK, in_place, regions, temp_bytes
 from titan.parallel.muon_plan import (
     Bucket,
     Exchange,
@@ -32,16 +33,14 @@ from titan.parallel.muon_plan import (
     Unit,
     exchange,
     frame,
+    numel,
     plan_buckets,
     plan_units,
     routes,
-    runs,
 )
 
 __all__ = ["WholeMatrixUpdates", "Footprint", "CHUNK"]
 
-CHUNK = 1 << 18
-"""Elements of an update or apply temporary (fp32): rows are computed in slices of this size."""
 _BF16 = 2
 
 Update = Callable[[int, tuple], "torch.Tensor | None"]
@@ -69,23 +68,6 @@ class Footprint:
     def busy(self) -> int:
         """Held while it computes (its pieces' send buffer is free by then)."""
         return self.recv + max(self.work, self.send)
-
-
-def _numel(box: Box) -> int:
-    return box[0][1] * box[1][1] * box[2][1]
-
-
-def _temp(a: int, b: int) -> int:
-    """Bytes of the largest fp32 region of an [a, b] piece (see _regions)."""
-    return 4 * min(a, max(1, CHUNK // max(b, 1))) * b
-
-
-def _regions(k: int, a: int, b: int) -> Iterator[tuple[int, slice]]:
-    """(matrix, row slice) covering [k, a, b] in pieces of at most CHUNK elements."""
-    step = max(1, CHUNK // max(b, 1))
-    for j in range(k):
-        for r in range(0, a, step):
-            yield j, slice(r, min(a, r + step))
 
 
 class WholeMatrixUpdates:
@@ -170,7 +152,7 @@ class WholeMatrixUpdates:
         for route in found:
             owned[route[0].owner].append(route)
             for rank, box in route[1]:
-                n = _numel(box)
+                n = numel(box)
                 send[rank] += n
                 recv[route[0].owner] += n
         locals_: dict[int, list[Unit]] = defaultdict(list)
@@ -181,7 +163,7 @@ class WholeMatrixUpdates:
         temp: dict[int, int] = defaultdict(int)
         for route in found:
             for rank, (_, (_, a), (_, b)) in route[1]:
-                temp[rank] = max(temp[rank], _temp(a, b))
+                temp[rank] = max(temp[rank], temp_bytes(a, b))
         return {
             r: Footprint(_BF16 * send[r], _BF16 * recv[r], self._work(owned[r], locals_[r]), temp[r]) for r in ranks
         }
@@ -199,7 +181,7 @@ class WholeMatrixUpdates:
         for chunk in self._chunks(locals_):
             _, a, b = frame(self.layouts[chunk[0].param])
             k = sum(u.count for u in chunk)
-            work = max(work, _BF16 * k * a * b + max(self.workspace(k, a, b), _temp(a, b)))
+            work = max(work, _BF16 * k * a * b + max(self.workspace(k, a, b), temp_bytes(a, b)))
         return work
 
     def _stack_bytes(self, chunk: list[Unit]) -> int:
@@ -240,7 +222,7 @@ class WholeMatrixUpdates:
 
     def _fill(self, dst: torch.Tensor, u: Unit, k: int, a: int, b: int, update: Update) -> None:
         """``dst`` (a [k, a, b] view) <- the update of this rank's part of ``u``."""
-        for j, rows in _regions(k, a, b):
+        for j, rows in regions(k, a, b):
             value = update(u.param, self._local_index(u, j, rows))
             if value is None:
                 dst[j, rows].zero_()
@@ -248,7 +230,7 @@ class WholeMatrixUpdates:
                 dst[j, rows].copy_(value)
 
     def _give(self, src: torch.Tensor, u: Unit, k: int, a: int, b: int, apply: Apply) -> None:
-        for j, rows in _regions(k, a, b):
+        for j, rows in regions(k, a, b):
             apply(u.param, self._local_index(u, j, rows), src[j, rows])
 
     def _start(self, b: int, update: Update, device: torch.device) -> tuple | None:
@@ -270,7 +252,7 @@ class WholeMatrixUpdates:
     def _orthogonalise_owned(self, ex: Exchange, recv: torch.Tensor, fn: Orthogonalise) -> None:
         if len(ex.recvs) == 1 and ex.recvs[0][2] is not None:
             u, pieces, way = ex.recvs[0]
-            _in_place(recv, u.param, frame(self.layouts[u.param])[1:], pieces, way == "cols", fn)
+            in_place(recv, u.param, frame(self.layouts[u.param])[1:], pieces, way == "cols", fn)
             return
         # The receive buffer holds, by source rank, that rank's pieces of the owned units in unit order.
         by_source: dict[int, list[tuple[Unit, Box]]] = {}
@@ -281,7 +263,7 @@ class WholeMatrixUpdates:
         for src in sorted(by_source):
             for u, box in by_source[src]:
                 offsets[(u, src)] = offset
-                offset += _numel(box)
+                offset += numel(box)
         boxes = {u: pieces for u, pieces, _ in ex.recvs}
         for chunk in self._chunks(list(boxes)):
             _, a, b = frame(self.layouts[chunk[0].param])
@@ -361,41 +343,3 @@ class WholeMatrixUpdates:
             piece = ret[offset : offset + k * a * c]
             self._give(piece.view(k, c, a).mT if transposed else piece.view(k, a, c), u, k, a, c, apply)
             offset += k * a * c
-
-
-def _in_place(
-    recv: torch.Tensor, param: int, shape: tuple[int, int], pieces: list, cols: bool, fn: Orthogonalise
-) -> None:
-    """The received pieces are the matrix's (its transpose's with ``cols``) row blocks, each split
-    in consecutive pieces: join each split block into rows, orthogonalise, split it back."""
-    rows, width = (shape[1], shape[0]) if cols else shape
-    r, c = (2, 1) if cols else (1, 2)
-    found = runs(pieces, width, cols)
-    assert found is not None, "an in-place plan is made of row blocks"
-    starts, offset = [], 0
-    for _, box in pieces:
-        starts.append(offset)
-        offset += _numel(box)
-    split = [(starts[i], n, pieces[i][1][r][1], [pieces[j][1][c][1] for j in range(i, i + n)]) for i, n in found]
-
-    def join(forward: bool) -> None:
-        for start, n, height, widths in split:
-            if n == 1:
-                continue
-            block = recv[start : start + height * width].view(height, width)
-            parts, o = [], start
-            for w in widths:
-                parts.append(recv[o : o + height * w].view(height, w))
-                o += height * w
-            if forward:
-                block.copy_(torch.cat(parts, dim=1))
-            else:
-                whole, col = block.clone(), 0
-                for part, w in zip(parts, widths):
-                    part.copy_(whole[:, col : col + w])
-                    col += w
-
-    join(True)
-    matrix = recv.view(1, rows, width)
-    fn(matrix.mT if rows > width else matrix, param)
-    join(False)

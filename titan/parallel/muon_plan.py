@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from titan.parallel.muon_layout import Box, Layout
 
-__all__ = ["Unit", "Bucket", "Exchange", "Route", "plan_units", "plan_buckets", "routes", "exchange", "frame"]
+__all__ = ["Unit", "Bucket", "Exchange", "Route", "plan_units", "plan_buckets", "routes", "exchange", "frame", "numel"]
 
 
 @dataclass(frozen=True, order=True)
@@ -199,7 +199,7 @@ class Exchange:
     locals: list[Unit] = field(default_factory=list)
 
 
-def _numel(box: Box) -> int:
+def numel(box: Box) -> int:
     return box[0][1] * box[1][1] * box[2][1]
 
 
@@ -264,10 +264,10 @@ def exchange(bucket: Bucket, found: list[Route], ranks: int, rank: int) -> Excha
         if u.owner == rank:
             ex.recvs.append((u, pieces, way))
             for src, box in pieces:
-                ex.recv_splits[src] += _numel(box)
+                ex.recv_splits[src] += numel(box)
         for src, box in pieces:
             if src == rank:
                 ex.sends.append((u, box, way == "cols"))
-                ex.send_splits[u.owner] += _numel(box)
+                ex.send_splits[u.owner] += numel(box)
     ex.sends.sort(key=lambda s: (s[0].owner, s[0]))
     return ex

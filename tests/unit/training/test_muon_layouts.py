@@ -6,17 +6,14 @@ world size runs all of its layouts (llama3 and llama4, fp32 and bf16) in turn, w
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from tests.helpers.distributed import run_distributed
 from tests.helpers.moe import LLAMA4, eptest_flavor
 from tests.helpers.parity import FLAVORS, GLOBAL_BATCH, batches, config
+from tests.helpers.reads import count, undo
 from tests.helpers.tiny import extra_flavors
 from titan.training.muon import Muon
 from titan.training.trainer import Trainer
@@ -63,36 +60,9 @@ def _trainer(dump: str, dp: int, accum: int, *flags: str) -> Trainer:
     return Trainer(config(dump, *batch, *MUON, *flags))
 
 
-TITAN = Path(__file__).resolve().parents[3] / "titan"
-HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
 # The collectives a step issues: FSDP's (all_gather_single / reduce_scatter_single), Muon's
 # (all_to_all_single), the loss and grad norm's (all_reduce).
 COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_to_all_single", "all_reduce")
-
-
-def _counting(counts: Counter, patched: list) -> None:
-    """Count host reads from titan's code and collective calls / bytes (the larger buffer) until undone."""
-    for name in HOST_READS:
-        original = getattr(torch.Tensor, name)
-
-        def read(self, *a, _original=original, **k):
-            if TITAN in Path(sys._getframe(1).f_code.co_filename).parents:
-                counts["host reads"] += 1
-            return _original(self, *a, **k)
-
-        patched.append((torch.Tensor, name, original))
-        setattr(torch.Tensor, name, read)
-    for name in COLLECTIVES:
-        original = getattr(dist, name)
-
-        def collective(*a, _original=original, _name=name, **k):
-            tensors = [t for t in (*a, *k.values()) if isinstance(t, torch.Tensor)]
-            counts[f"{_name} calls"] += 1
-            counts[f"{_name} bytes"] += max(t.numel() * t.element_size() for t in tensors)
-            return _original(*a, **k)
-
-        patched.append((dist, name, original))
-        setattr(dist, name, collective)
 
 
 def _curve(trainer: Trainer, counts: Counter | None = None, first: int = 1, last: int = 10) -> list[float]:
@@ -108,12 +78,11 @@ def _curve(trainer: Trainer, counts: Counter | None = None, first: int = 1, last
         n = trainer.grad_accum_steps
         patched: list = []
         if counts is not None and step == 3:
-            _counting(counts, patched)
+            count(counts, patched, COLLECTIVES)
         try:
             loss, _ = trainer.train_step(list(zip(x.chunk(n), y.chunk(n))))
         finally:
-            for owner, name, original in patched:
-                setattr(owner, name, original)
+            undo(patched)
         losses.append(loss.item())
     return losses
 
