@@ -61,7 +61,8 @@ def test_owners_balance_newton_schulz_at_405b_width() -> None:
     updates = WholeMatrixUpdates(params, flops, [0] * len(shapes), ns_workspace, layouts=layouts)
     (loads,) = updates.loads.values()
     assert max(loads) <= 1.2 * sum(loads) / len(loads), (max(loads), sum(loads) / len(loads))
-    assert updates.calls_per_step <= 8 and updates.peak() <= updates.budget, (updates.calls_per_step, updates.peak())
+    second_moment = sum(4 * a * b // 128 for a, b in shapes)  # AdamW's exp_avg_sq shard, fp32
+    assert updates.calls_per_step <= 12 and updates.peak() <= second_moment, (updates.calls_per_step, updates.peak())
 
 
 @pytest.mark.slow
