@@ -178,7 +178,7 @@ def test_muon_two_rank_layouts_match_one_process(tmp_path, references) -> None:
     # backward) and reduce-scatter.
     matrices = len(results[0]["fsdp2_owned"]) - 1
     calls = results[0]["fsdp2_owned"]["calls"]
-    assert step["all_to_all_single calls"] == calls <= 4 < 2 * matrices, (step, calls)
+    assert step["all_to_all_single calls"] == calls and 4 * calls <= 2 * matrices, (step, calls)  # a quarter at most
     fsdp = step["all_gather_single bytes"] + step["reduce_scatter_single bytes"]
     assert step["all_to_all_single bytes"] < fsdp / 4, step
 
