@@ -276,18 +276,19 @@ class Stage(PipelineStage):
     first runs (``step`` or ``eval``) and again at every switch between the two (validation, then
     training): before the real micro-batches, every stage of the pipeline runs its part once more,
     the first stage on a copy of micro-batch 0 and every other one on uninitialised tensors
-    (torch.empty) of the shapes its predecessor sends; in the part's current mode (training mode
-    under ``step``); under ``step`` with grad enabled, followed by ``torch.autograd.grad`` towards
-    the stage's inputs (the last stage through the loss function), so parameter gradients are
-    untouched. Counters and maxima that forwards accumulate in buffers would take that pass in
-    (the MoE layers' routing counts, QK-clip's largest logits): both passes run inside
-    ``buffers_kept``.
+    (torch.empty) of the shapes its predecessor sends, in the part's current mode (training under
+    ``step``) and under a forked RNG; under ``step`` with grad enabled, followed by
+    ``torch.autograd.grad`` towards the stage's inputs only (the last stage through the loss
+    function), which leaves the parameters' gradients alone. What forwards accumulate in buffers
+    would take that pass in (the MoE layers' routing counts, QK-clip's largest logits): both
+    halves run inside ``buffers_kept``.
 
     titan does not hand the stages their shapes instead (which would skip the pass): a boundary's
-    dtype follows mixed precision (FSDP's param dtype, autocast, float8), its shape TP's sequence
-    sharding and CP, validation's batch may be another size, and the last stage's output can be a
-    DTensor (loss parallel), for which torch then wants the gradients' layouts as well. Restating all
-    of that is where an error would hide; the pass costs one micro-batch's forward per switch.
+    dtype follows mixed precision (FSDP's param dtype, autocast), its shape TP's sequence sharding
+    and CP, validation's batch may be another size, and the last stage's output can be a DTensor
+    (loss parallel), for which torch then wants the gradients' layouts as well. Restating all that
+    is where an error would hide; the pass costs one micro-batch's forward and input backward per
+    stage at each switch.
     """
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
