@@ -137,3 +137,20 @@ def test_extrapolation_is_linear_in_blocks_per_category():
     assert peak.total == 1260 + 12600 + 7
     assert out.collectives[("all_gather", "dp")] == [2 * 126 + 1, pytest.approx(2.0 * 253)]
     assert out.layers == 126 and out.step_seconds == 2.0
+
+
+def test_extrapolation_takes_the_moment_of_most_activations_where_it_outgrows_the_short_runs_peak():
+    # Short runs peak at the end of backward (gradients, 10 per block, and a fixed 1000), the
+    # deep run at the start of backward: 50 saved per block on top of a fixed 500.
+    def record(layers: int) -> StepRecord:
+        end = PhasePeak(0, dict.fromkeys(CATEGORIES, 0))
+        end.bytes.update(gradients=10 * layers, communication=1000)
+        start = PhasePeak(0, dict.fromkeys(CATEGORIES, 0))
+        start.bytes.update(activations=500 + 50 * layers)
+        for p in (end, start):
+            p.total = sum(p.bytes.values())
+        return StepRecord(layers, "fake", {"forward_backward": end}, {}, {}, 1.0, {}, {"forward_backward": start})
+
+    assert extrapolate(record(3), record(4), 10).peaks["forward_backward"].total == 1100  # the end
+    deep = extrapolate(record(3), record(4), 100).peaks["forward_backward"]
+    assert deep.total == 500 + 5000 and deep.bytes["activations"] == 5500 and deep.bytes["gradients"] == 0

@@ -116,11 +116,21 @@ def _line(a: float, b: float, na: int, nb: int, n: int) -> float:
 def extrapolate(one: StepRecord, two: StepRecord, layers: int) -> StepRecord:
     """The record at ``layers`` blocks from two records at fewer, linearly in the block count."""
     na, nb = one.layers, two.layers
-    peaks = {}
-    for phase in two.peaks:
-        a, b = one.peaks.get(phase, PhasePeak()), two.peaks[phase]
+
+    def line(a: PhasePeak, b: PhasePeak) -> PhasePeak:
         cats = {k: int(_line(a.bytes[k], b.bytes[k], na, nb, layers)) for k in CATEGORIES}
-        peaks[phase] = PhasePeak(sum(cats.values()), cats)
+        return PhasePeak(sum(cats.values()), cats)
+
+    # Two moments of each phase, each extrapolated: its peak and its moment of most activations.
+    # They are one moment where activations dominate; where they do not, a short run's peak can
+    # come where the deep run's does not (the end of backward, with every gradient), while the
+    # activations saved per block make the start of backward the deep run's peak.
+    peaks, most = {}, {}
+    for phase in two.peaks:
+        peaks[phase] = line(one.peaks.get(phase, PhasePeak()), two.peaks[phase])
+        if phase in one.activation_peaks and phase in two.activation_peaks:
+            most[phase] = line(one.activation_peaks[phase], two.activation_peaks[phase])
+            peaks[phase] = max(peaks[phase], most[phase], key=lambda p: p.total)
     collectives = {}
     for key in two.collectives.keys() | one.collectives.keys():
         ca, cb = one.collectives.get(key, [0, 0.0]), two.collectives.get(key, [0, 0.0])
@@ -134,4 +144,4 @@ def extrapolate(one: StepRecord, two: StepRecord, layers: int) -> StepRecord:
     }
     # CPU time does not extrapolate (caches warm up over the runs): the runs' own time
     seconds = one.step_seconds + two.step_seconds
-    return StepRecord(layers, two.tensors, peaks, collectives, reads, seconds, checkpoint)
+    return StepRecord(layers, two.tensors, peaks, collectives, reads, seconds, checkpoint, most)

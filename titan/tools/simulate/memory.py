@@ -114,6 +114,9 @@ class MemoryTracker(TorchDispatchMode):
         self.loss_tail = False  # between the output projection's forward and its input's gradient
         self.current_phase = "setup"
         self.peaks: dict[str, PhasePeak] = {}
+        # each phase's moment of most activations (a deep model's start of backward): the depth
+        # extrapolation's second candidate, for short runs whose peak comes elsewhere
+        self.activation_peaks: dict[str, PhasePeak] = {}
         self._regions: list[str] = []
         self._entries: dict[int, _Entry] = {}
         self._fake = None
@@ -164,6 +167,9 @@ class MemoryTracker(TorchDispatchMode):
         peak = self.peaks.get(self.current_phase)
         if peak is None or self.total > peak.total:
             self.peaks[self.current_phase] = PhasePeak(self.total, dict(self.bytes))
+        most = self.activation_peaks.get(self.current_phase)
+        if most is None or self.bytes["activations"] > most.bytes["activations"]:
+            self.activation_peaks[self.current_phase] = PhasePeak(self.total, dict(self.bytes))
 
     def tag(self, tensors: Iterable[torch.Tensor | None], category: str) -> None:
         """Move the storages of ``tensors`` to ``category`` (adding those not seen yet)."""

@@ -45,7 +45,7 @@ PHASES = ("forward_backward", "clip", "optimizer")
 @dataclass
 class StepRecord:
     """What one step of one rank did (a step after the first: the optimizer state exists). ``peaks``:
-    each phase's peak."""
+    each phase's peak; ``activation_peaks``: each phase's moment of most activations."""
 
     layers: int  # transformer blocks this rank ran
     tensors: str  # "fake", or "real" where torch needs tensor data (DDP)
@@ -54,6 +54,7 @@ class StepRecord:
     host_reads: dict[str, int]
     step_seconds: float
     checkpoint: dict[str, int] = field(default_factory=dict)
+    activation_peaks: dict[str, PhasePeak] = field(default_factory=dict)
 
     @property
     def peak(self) -> tuple[str, PhasePeak]:
@@ -103,9 +104,10 @@ def _run(rank: SimulatedRank, fake: bool) -> StepRecord:
     # tensors are host values: planned outside the fake mode (where they would have no value).
     checkpoint = plan_save(rank, dist.get_rank() == 0)
     peaks = {p: memory.peaks[p] for p in PHASES if p in memory.peaks}
+    most = {p: memory.activation_peaks[p] for p in PHASES if p in memory.activation_peaks}
     layers = sum(len(getattr(part, "layers", {})) for part in rank.model_parts)
     tensors = "fake" if fake else "real"
-    return StepRecord(layers, tensors, peaks, dict(comms.calls), dict(reads.reads), seconds, checkpoint)
+    return StepRecord(layers, tensors, peaks, dict(comms.calls), dict(reads.reads), seconds, checkpoint, most)
 
 
 def _optimizer_state(rank: SimulatedRank) -> None:
