@@ -123,8 +123,10 @@ class QKClip:
         self.modules = attention_modules(parts)
         args = getattr(parts[0], "model_args", None)
         # SDPA under context parallelism is ring attention on sharded q/k/v: no logits to take
-        # (check_qk_clip refuses clipping there; the metric is left out).
-        self.enabled = bool(self.modules) and args is not None and not (dims.cp_enabled and attn_type != "flex")
+        # (check_qk_clip refuses clipping there; the metric is left out). Decided by the config and
+        # the model alone, never by this rank's modules: the table's all-reduce takes every rank, and
+        # a pipeline stage may hold no attention (Qwen3.5's linear-attention blocks, an embedding stage).
+        self.enabled = args is not None and not (dims.cp_enabled and attn_type != "flex")
         self._tracking = False
         self._table: torch.Tensor | None = None
         self._clipped = torch.zeros((), dtype=torch.int64, device=device)
