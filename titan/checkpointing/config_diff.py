@@ -140,6 +140,16 @@ def resolve(
     if not diff:
         return {}
     listing = ", ".join(f"{k} = {old!r} there, {new!r} now" for k, (old, new) in diff.items())
+    names = diff.get("optimizer.name")
+    if names is not None and "muon" in {str(n).lower() for n in names} and policy != "use_checkpoint":
+        # Muon keeps one momentum per matrix, Adam(W) two moments: no state carries over, whatever
+        # the policy says about the other keys.
+        others = [k for k in diff if k != "optimizer.name"]
+        rest = f" (and --checkpoint.config_mismatch for {', '.join(others)})" if others and policy == "error" else ""
+        raise TitanError(
+            f"resuming from {folder}: its optimizer state is {names[0]}'s, this run's optimizer is"
+            f" {names[1]}; start the optimizer afresh with --checkpoint.exclude_from_loading optimizer{rest}"
+        )
     if policy == "error":
         raise TitanError(
             f"resuming from {folder}, whose run config differs in training-relevant keys: {listing}; say which"
@@ -157,13 +167,6 @@ def resolve(
             )
         logger.warning(f"checkpoint.config_mismatch=use_checkpoint: continuing with the checkpoint's values: {listing}")
     else:
-        names = diff.get("optimizer.name")
-        if names is not None and "muon" in {str(n).lower() for n in names}:
-            # Muon keeps one momentum per matrix, Adam(W) two moments: no state carries over.
-            raise TitanError(
-                f"resuming from {folder}: its optimizer state is {names[0]}'s, this run's optimizer is"
-                f" {names[1]}; start the optimizer afresh with --checkpoint.exclude_from_loading optimizer"
-            )
         logger.warning(f"checkpoint.config_mismatch=use_new: this run uses today's values: {listing}")
     return diff
 
