@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan.checkpointing import model_dcp as dcp_io
-from titan.checkpointing.hf_check import check_export_config, refuse_dropped_bias
+from titan.checkpointing.hf_check import check_export_config, check_loaded_weights, refuse_dropped_bias
 from titan.errors import TitanError, read_user_json
 from titan.models import get_flavor, get_model_spec, spec_for_args, spec_for_hf_model_type
 from titan.progress import progress
@@ -308,13 +308,7 @@ def load_hf(hf_dir: str | Path, dtype: torch.dtype | None = None) -> tuple[dict[
         with safe_open(str(f), framework="pt") as fh:
             for k in fh.keys():
                 hf[k] = fh.get_tensor(k)
-    if args.tie_embeddings:
-        hf.pop("lm_head.weight", None)  # some exports store the tied copy too
-    state = _adapter(args).from_hf(hf, args, dtype)
-    expected = set(_expected_keys(args)) | ({"output.weight"} if args.tie_embeddings else set())
-    if set(state) != expected:
-        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise TitanError(f"{hf_dir}: weights do not match config.json; missing {missing[:3]}, unexpected {extra[:3]}")
+    state = check_loaded_weights(_adapter(args), hf, args, dtype, hf_dir)
     return state, args
 
 

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from titan.errors import TitanError
+from titan.models.hf_config import HfConfig, hf_rope, reset
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.model import ffn_hidden_dim
 
@@ -220,36 +221,42 @@ def _ffn_settings(dim: int, intermediate: int) -> dict[str, Any]:
 _Args = TypeVar("_Args", bound=TransformerModelArgs)
 
 
-def hf_rope(config: dict[str, Any]) -> dict[str, Any]:
-    """The RoPE settings of an HF config.json: transformers >= 5 writes rope_parameters; older
-    files have rope_theta + rope_scaling."""
-    return dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-
-
-def with_hf_rope_scaling(args: _Args, rope: dict[str, Any]) -> _Args:
-    """``args`` with the Llama 3.1 frequency scaling that ``rope`` (``hf_rope``) describes; other
-    RoPE types than default and llama3 are refused."""
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "llama3":
+def with_hf_rope_scaling(args: _Args, config: HfConfig, default_theta: float) -> _Args:
+    """``args`` with config.json's RoPE (``hf_rope``: default, or Llama 3.1's frequency scaling)."""
+    rope = hf_rope(config, types=("default", "llama3"), default_theta=default_theta)
+    args = replace(args, rope_theta=float(rope["rope_theta"]))
+    if rope["rope_type"] == "llama3":
         return replace(
             args,
             use_rope_scaling=True,
             rope_scale_factor=float(rope["factor"]),
             rope_low_freq_factor=float(rope["low_freq_factor"]),
             rope_high_freq_factor=float(rope["high_freq_factor"]),
-            rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            rope_original_max_position_embeddings=rope["original_max_position_embeddings"],
         )
-    if rope_type != "default":
-        raise TitanError(f"config.json rope type {rope_type!r} is not supported; valid: default, llama3")
     return args
 
 
-def hf_rope_scaling(args: TransformerModelArgs) -> dict[str, Any] | None:
-    """The config.json rope scaling entries of ``args`` (None without Llama 3.1 scaling)."""
+_LLAMA3_SCALING = (
+    "rope_scale_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_position_embeddings",
+)
+
+
+def hf_view(args: _Args) -> _Args:
+    """``args`` as config.json states them: Llama 3.1 scaling's settings only when it is on."""
+    return args if args.use_rope_scaling else reset(args, _LLAMA3_SCALING)
+
+
+def hf_rope_parameters(args: TransformerModelArgs) -> dict[str, Any]:
+    """config.json's rope_parameters for ``args`` (theta, and Llama 3.1's scaling when on)."""
     if not args.use_rope_scaling:
-        return None
+        return {"rope_type": "default", "rope_theta": args.rope_theta}
     return {
         "rope_type": "llama3",
+        "rope_theta": args.rope_theta,
         "factor": args.rope_scale_factor,
         "low_freq_factor": args.rope_low_freq_factor,
         "high_freq_factor": args.rope_high_freq_factor,
@@ -257,44 +264,62 @@ def hf_rope_scaling(args: TransformerModelArgs) -> dict[str, Any] | None:
     }
 
 
+# transformers 5.24's LlamaConfig defaults for a field config.json leaves out (a test compares them).
+LLAMA_DEFAULTS: Any = MappingProxyType(
+    dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=None,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        pretraining_tp=1,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        attention_dropout=0.0,
+        mlp_bias=False,
+        head_dim=None,
+    )
+)
+
+
 def hf_config_to_args(config: dict[str, Any]) -> TransformerModelArgs:
-    """HF Llama config.json (as a dict) -> TransformerModelArgs; unsupported variants raise."""
-
-    def need(key: str) -> Any:
-        if key not in config:
-            raise TitanError(f"config.json has no {key!r}; is this a Llama (LlamaForCausalLM) checkpoint?")
-        return config[key]
-
+    """HF LlamaConfig (config.json as a dict) -> TransformerModelArgs, exactly or refused in one
+    line; an absent field is transformers' default (LLAMA_DEFAULTS)."""
     if config.get("model_type", "llama") != "llama":
         raise TitanError(f"config.json model_type is {config['model_type']!r}; only 'llama' is supported")
-    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if config.get(key, ok) != ok:
-            raise TitanError(f"config.json {key} is {config[key]!r}; titan's Llama supports only {ok!r}")
-    dim, n_heads = need("hidden_size"), need("num_attention_heads")
-    if config.get("head_dim") not in (None, dim // n_heads):
-        raise TitanError(f"config.json head_dim {config['head_dim']} != hidden_size / num_attention_heads")
-    rope = hf_rope(config)
-    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    c = HfConfig(config, LLAMA_DEFAULTS, "llama3")
+    c.only("hidden_act", "silu", "the feed-forward is SwiGLU")
+    for key in ("attention_bias", "mlp_bias"):
+        c.only(key, False, "titan's projections have no bias")
+    if c.get("attention_dropout") not in (0, 0.0):
+        raise c.refuse("attention_dropout", c.get("attention_dropout"), "titan's attention has no dropout")
+    if c.get("pretraining_tp") is not None:
+        c.int("pretraining_tp")  # transformers 5 computes the same model for any value
+    dim, n_heads = c.int("hidden_size"), c.int("num_attention_heads")
+    if c.get("head_dim") is not None and c.get("head_dim") != dim // n_heads:
+        raise c.refuse("head_dim", c.get("head_dim"), f"only hidden_size / num_attention_heads ({dim // n_heads})")
     args = TransformerModelArgs(
         dim=dim,
-        n_layers=need("num_hidden_layers"),
+        n_layers=c.int("num_hidden_layers"),
         n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads") or n_heads,
-        vocab_size=need("vocab_size"),
-        norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=float(theta),
-        max_seq_len=config.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        **_ffn_settings(dim, need("intermediate_size")),
+        n_kv_heads=c.int("num_key_value_heads") if c.get("num_key_value_heads") is not None else n_heads,
+        vocab_size=c.int("vocab_size"),
+        norm_eps=c.number("rms_norm_eps"),
+        max_seq_len=c.int("max_position_embeddings"),
+        tie_embeddings=c.flag("tie_word_embeddings"),
+        **_ffn_settings(dim, c.int("intermediate_size")),
     )
-    args = with_hf_rope_scaling(args, rope)
+    args = with_hf_rope_scaling(args, c, default_theta=10000.0)
     args.validate()
     return args
 
 
 def args_to_hf_config(args: TransformerModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """TransformerModelArgs -> a config.json dict that transformers' LlamaForCausalLM loads."""
-    rope_scaling = hf_rope_scaling(args)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -306,8 +331,7 @@ def args_to_hf_config(args: TransformerModelArgs, dtype: torch.dtype = torch.flo
         "head_dim": args.head_dim,
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": rope_scaling,
+        "rope_parameters": hf_rope_parameters(args),
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings,
         "hidden_act": "silu",
@@ -353,3 +377,4 @@ class LlamaStateDictAdapter:
     from_hf = staticmethod(from_hf)
     hf_config_to_args = staticmethod(hf_config_to_args)
     args_to_hf_config = staticmethod(args_to_hf_config)
+    hf_view = staticmethod(hf_view)
