@@ -49,7 +49,7 @@ def test_config_round_trip_for_published_flavors():
     for flavor in ("8B", "70B", "405B"):
         args = spec.flavors[flavor]
         cfg = args_to_hf_config(args)
-        assert cfg["rope_scaling"]["rope_type"] == "llama3"
+        assert cfg["rope_parameters"]["rope_type"] == "llama3"
         back = hf_config_to_args(cfg)
         assert ffn_hidden_dim(back) == ffn_hidden_dim(args) == cfg["intermediate_size"]
         for f in (
@@ -98,7 +98,7 @@ def test_bad_hf_folders_give_clear_errors(tmp_path):
     with pytest.raises(TitanError, match="no model.safetensors"):
         load_hf(tmp_path)
     cfg = args_to_hf_config(small_args()) | {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}
-    with pytest.raises(TitanError, match="rope type 'yarn'"):
+    with pytest.raises(TitanError, match="rope_scaling.rope_type = 'yarn' is not supported"):
         hf_config_to_args(cfg)
     with pytest.raises(TitanError, match="attention_bias"):
         hf_config_to_args(args_to_hf_config(small_args()) | {"attention_bias": True})

@@ -83,11 +83,10 @@ HF_FIELDS: MappingProxyType[str, str] = MappingProxyType(
         )},
         **{k: "refused" for k in (
             "num_key_value_heads", "hidden_act", "rope_interleave", "attention_bias", "attention_dropout",
-            "pretraining_tp",
         )},
         **{k: "inert" for k in (
             "output_router_logits", "initializer_range", "use_cache", "pad_token_id", "bos_token_id",
-            "eos_token_id", "num_mtp_layers",
+            "eos_token_id", "num_mtp_layers", "pretraining_tp",
         )},
     }
 )  # fmt: skip
