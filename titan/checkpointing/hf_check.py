@@ -87,39 +87,28 @@ def _first_difference(name: str, mine: Any, theirs: Any) -> tuple[str, Any, Any]
     return name, mine, theirs
 
 
-def check_loaded_weights(
-    adapter: Any, hf: dict[str, torch.Tensor], args: Any, dtype: torch.dtype | None, where: Any
-) -> dict[str, torch.Tensor]:
-    """The titan state dict of a folder's HF tensors, refused in one line unless every tensor is
-    there with the shape config.json's model (``args``) gives it."""
-    if args.tie_embeddings and "lm_head.weight" in hf:  # some exports store the tied copy too
-        embed = hf.get("model.embed_tokens.weight")
-        if embed is not None and not torch.equal(embed, hf["lm_head.weight"]):
-            raise TitanError(
-                f"{where}: config.json tie_word_embeddings is true but lm_head.weight differs from"
-                " model.embed_tokens.weight (transformers then unties them); set tie_word_embeddings to false"
-            )
-        hf = {k: v for k, v in hf.items() if k != "lm_head.weight"}
+def converted_layout(adapter: Any, hf: dict[str, torch.Tensor], args: Any, where: Any) -> dict[str, torch.Tensor]:
+    """``adapter.from_hf`` of a folder's (meta) tensors, refused in one line where their shapes do
+    not fit the model config.json describes (a layout step that cannot split them)."""
     try:
-        state = adapter.from_hf(hf, args, dtype)
-    except (RuntimeError, ValueError, IndexError) as e:  # a layout step the tensors' shapes do not fit
+        return adapter.from_hf(hf, args)
+    except (RuntimeError, ValueError, IndexError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TitanError(f"{where}: the weights do not fit the model config.json describes ({reason})") from None
-    shapes = adapter.state_dict_shapes(args)  # a tied model's output.weight is its embedding
-    expected = set(shapes)
-    if set(state) != expected:
-        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise TitanError(f"{where}: weights do not match config.json; missing {missing[:3]}, unexpected {extra[:3]}")
-    for key in sorted(state):
-        if tuple(state[key].shape) != tuple(shapes[key]):
-            raise TitanError(
-                f"{where}: the weights contradict config.json: {key} is {tuple(state[key].shape)} in the folder,"
-                f" config.json gives {tuple(shapes[key])}"
-            )
-    return state
+        raise TitanError(f"{where}: {', '.join(hf)} does not fit the model config.json describes ({reason})") from None
 
 
-__all__ = ["check_export_config", "check_loaded_weights"]
+def refuse_untied_copy(folder: Any, args: Any) -> None:
+    """A tied model's folder may store lm_head.weight too: transformers ties it only when it equals
+    the embedding (else it runs the two apart), so a different one is refused."""
+    embed = "model.embed_tokens.weight"
+    if embed in folder.keys() and not torch.equal(folder.read(embed), folder.read("lm_head.weight")):
+        raise TitanError(
+            f"{folder.path}: config.json tie_word_embeddings is true but lm_head.weight differs from {embed}"
+            " (transformers then unties them); set tie_word_embeddings to false"
+        )
+
+
+__all__ = ["check_export_config", "converted_layout", "refuse_untied_copy"]
 
 
 def trains_dropped_routing_bias(args: Any) -> bool:
