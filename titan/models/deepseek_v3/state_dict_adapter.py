@@ -26,6 +26,7 @@ import torch
 from titan.errors import TitanError
 from titan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from titan.models.hf_config import HfConfig, hf_rope, moe_view, reset, yarn_scaling
+from titan.models.llama.hf_config import hf_view as llama_hf_view
 from titan.models.llama.state_dict_adapter import (
     _cast,
     layers_from_hf,
@@ -34,7 +35,6 @@ from titan.models.llama.state_dict_adapter import (
     mlp_experts_to_hf,
     tied_from_shapes,
 )
-from titan.models.llama.state_dict_adapter import hf_view as llama_hf_view
 from titan.models.moe import MoEArgs
 
 _LAYER_MAP = MappingProxyType(

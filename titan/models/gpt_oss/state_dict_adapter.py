@@ -26,6 +26,7 @@ import torch
 from titan.errors import TitanError
 from titan.models.gpt_oss.args import LAYER_TYPES, GptOssModelArgs, gpt_oss_moe
 from titan.models.hf_config import HfConfig, hf_layer_types, hf_rope, moe_view, reset, yarn_scaling
+from titan.models.llama.hf_config import hf_view as llama_hf_view
 from titan.models.llama.state_dict_adapter import (
     _cast,
     layers_from_hf,
@@ -34,7 +35,6 @@ from titan.models.llama.state_dict_adapter import (
     unmapped_routing_bias,
     zero_routing_bias,
 )
-from titan.models.llama.state_dict_adapter import hf_view as llama_hf_view
 
 _LAYER_MAP = MappingProxyType(
     {

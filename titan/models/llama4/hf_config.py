@@ -23,9 +23,9 @@ import torch
 
 from titan.errors import TitanError
 from titan.models.hf_config import HfConfig, hf_layer_types, moe_view, reset
+from titan.models.llama.hf_config import _ffn_settings, hf_rope_parameters, with_hf_rope_scaling
+from titan.models.llama.hf_config import hf_view as llama_hf_view
 from titan.models.llama.model import ffn_hidden_dim
-from titan.models.llama.state_dict_adapter import _ffn_settings, hf_rope_parameters, with_hf_rope_scaling
-from titan.models.llama.state_dict_adapter import hf_view as llama_hf_view
 from titan.models.llama4.args import Llama4ModelArgs
 from titan.models.moe import MoEArgs
 

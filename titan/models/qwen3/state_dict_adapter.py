@@ -23,18 +23,17 @@ import torch
 
 from titan.errors import TitanError
 from titan.models.hf_config import HfConfig, hf_layer_types, moe_view, reset
+from titan.models.llama.hf_config import hf_rope_parameters, with_hf_rope_scaling
+from titan.models.llama.hf_config import hf_view as llama_hf_view
 from titan.models.llama.state_dict_adapter import (
     args_from_shapes,
-    hf_rope_parameters,
     layers_from_hf,
     layers_to_hf,
     mlp_experts_from_hf,
     mlp_experts_to_hf,
     unmapped_routing_bias,
-    with_hf_rope_scaling,
     zero_routing_bias,
 )
-from titan.models.llama.state_dict_adapter import hf_view as llama_hf_view
 from titan.models.moe import MoEArgs
 from titan.models.qwen3.args import Qwen3ModelArgs
 
