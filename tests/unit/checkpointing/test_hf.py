@@ -112,6 +112,22 @@ def test_bad_hf_folders_give_clear_errors(tmp_path):
         save_model_dcp(sd, small_args(), tmp_path / "dcp")
 
 
+def test_from_hf_writes_nothing_for_a_folder_whose_tensors_contradict_config_json(tmp_path, capsys):
+    """config.json without hidden_size means transformers' 4096: the script says so in one line,
+    exits 1 and leaves no DCP folder (every family and field: tests/unit/models/test_hf_config_sweep.py)."""
+    from scripts.convert_hf import main
+
+    save_hf(random_model(small_args()).state_dict(), small_args(), tmp_path / "hf")
+    config = json.loads((tmp_path / "hf/config.json").read_text())
+    for key in ("hidden_size", "head_dim"):
+        del config[key]
+    (tmp_path / "hf/config.json").write_text(json.dumps(config))
+    assert main(["from_hf", str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "does not fit the model config.json describes" in err and "\n" not in err and not (tmp_path / "dcp").exists()
+    assert not list(tmp_path.glob(".dcp*"))
+
+
 @pytest.mark.slow
 def test_convert_script_on_a_training_checkpoint_and_torch_save_round_trip(tmp_path, capsys):
     import torch.distributed.checkpoint as dcp
