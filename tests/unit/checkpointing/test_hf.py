@@ -43,6 +43,18 @@ def test_round_trip_is_bitwise_through_memory_files_and_dcp(tmp_path, tied):
     assert json.loads((tmp_path / "hf_bf16/config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
+def test_an_absent_llama_field_takes_transformers_default():
+    import dataclasses
+
+    from transformers import LlamaConfig
+
+    from titan.models.llama.hf_config import LLAMA_DEFAULTS
+
+    declared = {f.name: f.default for f in dataclasses.fields(LlamaConfig)}
+    assert {k: declared[k] for k in LLAMA_DEFAULTS} == dict(LLAMA_DEFAULTS)
+    assert hf_config_to_args({"model_type": "llama"}) == hf_config_to_args(LlamaConfig().to_dict())
+
+
 def test_config_round_trip_for_published_flavors():
     spec = get_model_spec("llama3")
     assert spec.state_dict_adapter.to_hf is to_hf

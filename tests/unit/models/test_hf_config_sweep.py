@@ -46,7 +46,7 @@ FAMILIES = {
                   rope_parameters=DEFAULT),
         changes={**COMMON, "rope_parameters": (YARN, *OTHER_ROPES), "hidden_size": (24,), "intermediate_size": (40,),
                  "num_hidden_layers": (3,), "num_attention_heads": (4,), "num_key_value_heads": (2, None),
-                 "head_dim": (8, 4), "attention_bias": (True,), "mlp_bias": (True,), "pretraining_tp": (2,)},
+                 "head_dim": (8, 4), "attention_bias": (True,), "mlp_bias": (True,), "pretraining_tp": (2, None)},
         ropes=(DEFAULT, LLAMA3),
     ),
     "qwen3": HfFamily(
@@ -88,7 +88,7 @@ FAMILIES = {
                  "routed_scaling_factor": (1.0,), "kv_lora_rank": (12,), "q_lora_rank": (None, 8),
                  "qk_rope_head_dim": (8,), "v_head_dim": (8,), "qk_nope_head_dim": (4,), "n_group": (1, 4, None),
                  "topk_group": (2, None), "num_experts_per_tok": (1, 3), "first_k_dense_replace": (0, 2, None),
-                 "norm_topk_prob": (False, None), "output_router_logits": (True,), "pretraining_tp": (2,),
+                 "norm_topk_prob": (False, None), "output_router_logits": (True,), "pretraining_tp": (2, None),
                  "rope_interleave": (False, None), "attention_bias": (True,), "num_mtp_layers": (0, 2)},
         ropes=(DEFAULT, YARN),
         extra={"num_local_experts beside n_routed_experts": dict(num_local_experts=6),

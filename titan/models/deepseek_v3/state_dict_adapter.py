@@ -163,7 +163,8 @@ def _refuse_unsupported(c: HfConfig) -> None:
     c.only("attention_bias", False, "titan's latent attention projections have no bias")
     if c.get("attention_dropout") not in (0, 0.0):
         raise c.refuse("attention_dropout", c.get("attention_dropout"), "titan trains without attention dropout")
-    c.int("pretraining_tp")  # transformers 5 computes the same model for any value
+    if c.get("pretraining_tp") is not None:
+        c.int("pretraining_tp")  # transformers 5 computes the same model for any value
 
 
 def _routing(c: HfConfig) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import torch
 from titan.errors import TitanError
 from titan.models.gpt_oss.args import LAYER_TYPES, GptOssModelArgs, gpt_oss_moe
 from titan.models.hf_config import HfConfig, hf_layer_types, hf_rope, moe_view, reset, yarn_scaling
+from titan.models.llama.hf_config import hf_shape_fields
 from titan.models.llama.hf_config import hf_view as llama_hf_view
 from titan.models.llama.state_dict_adapter import (
     _cast,
@@ -238,17 +239,9 @@ def args_to_hf_config(args: GptOssModelArgs, dtype: torch.dtype = torch.float32)
     return {
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",
-        "hidden_size": args.dim,
-        "intermediate_size": moe.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
+        **hf_shape_fields(args),
         "rope_parameters": rope,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
+        "intermediate_size": moe.hidden_dim,
         "num_local_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
         "swiglu_alpha": moe.swiglu_alpha,

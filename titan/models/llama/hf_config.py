@@ -133,13 +133,11 @@ def hf_config_to_args(config: dict[str, Any]) -> TransformerModelArgs:
     return args
 
 
-def args_to_hf_config(args: TransformerModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """TransformerModelArgs -> a config.json dict that transformers' LlamaForCausalLM loads."""
+def hf_shape_fields(args: TransformerModelArgs) -> dict[str, Any]:
+    """The config.json fields every family on llama's skeleton writes alike (widths, depth, heads,
+    vocabulary, norm eps, RoPE, context length, tying)."""
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
         "hidden_size": args.dim,
-        "intermediate_size": ffn_hidden_dim(args),
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.kv_heads,
@@ -149,6 +147,16 @@ def args_to_hf_config(args: TransformerModelArgs, dtype: torch.dtype = torch.flo
         "rope_parameters": hf_rope_parameters(args),
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings,
+    }
+
+
+def args_to_hf_config(args: TransformerModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """TransformerModelArgs -> a config.json dict that transformers' LlamaForCausalLM loads."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **hf_shape_fields(args),
+        "intermediate_size": ffn_hidden_dim(args),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,

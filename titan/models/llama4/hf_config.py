@@ -23,7 +23,7 @@ import torch
 
 from titan.errors import TitanError
 from titan.models.hf_config import HfConfig, hf_layer_types, moe_view, reset
-from titan.models.llama.hf_config import _ffn_settings, hf_rope_parameters, with_hf_rope_scaling
+from titan.models.llama.hf_config import _ffn_settings, hf_shape_fields, with_hf_rope_scaling
 from titan.models.llama.hf_config import hf_view as llama_hf_view
 from titan.models.llama.model import ffn_hidden_dim
 from titan.models.llama4.args import Llama4ModelArgs
@@ -217,18 +217,9 @@ def args_to_hf_config(args: Llama4ModelArgs, dtype: torch.dtype = torch.float32)
     return {
         "architectures": ["Llama4ForCausalLM"],
         "model_type": "llama4_text",
-        "hidden_size": args.dim,
+        **hf_shape_fields(args),
         "intermediate_size": args.moe_hidden_dim,
         "intermediate_size_mlp": ffn_hidden_dim(args),
-        "num_hidden_layers": n,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_parameters": hf_rope_parameters(args),
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
         "num_local_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
         "interleave_moe_layer_step": args.interleave_moe_layer_step,

@@ -23,7 +23,7 @@ import torch
 
 from titan.errors import TitanError
 from titan.models.hf_config import HfConfig, hf_layer_types, moe_view, reset
-from titan.models.llama.hf_config import hf_rope_parameters, with_hf_rope_scaling
+from titan.models.llama.hf_config import hf_shape_fields, with_hf_rope_scaling
 from titan.models.llama.hf_config import hf_view as llama_hf_view
 from titan.models.llama.state_dict_adapter import (
     args_from_shapes,
@@ -211,17 +211,8 @@ def args_to_hf_config(args: Qwen3ModelArgs, dtype: torch.dtype = torch.float32) 
     out: dict[str, Any] = {
         "architectures": ["Qwen3MoeForCausalLM" if args.moe_enabled else "Qwen3ForCausalLM"],
         "model_type": "qwen3_moe" if args.moe_enabled else "qwen3",
-        "hidden_size": args.dim,
+        **hf_shape_fields(args),
         "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_parameters": hf_rope_parameters(args),
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
