@@ -37,8 +37,10 @@ ABSENT: Any = type("Absent", (), {"__repr__": lambda self: "<absent>"})()
 TOL = 1e-4
 TOKENS = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
 # A config with a size above MAX_SIZE (transformers' default width, vocabulary, ...) whose model has
-# more than MAX_PARAMS parameters is only checked for refusals: its model is built on the meta device.
-MAX_SIZE, MAX_PARAMS = 1024, 1_000_000
+# more than MAX_PARAMS parameters, or with more than MAX_LAYERS layers (transformers' default depth,
+# where fp32 rounding alone grows past the tolerance), is only checked for refusals and shapes: its
+# model is built on the meta device.
+MAX_SIZE, MAX_PARAMS, MAX_LAYERS = 1024, 1_000_000, 8
 _SIZE_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "intermediate_size_mlp", "moe_intermediate_size",
     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts",
@@ -185,10 +187,12 @@ def _transformers(config: dict[str, Any]) -> tuple[Any, bool]:
 
     try:
         hf_config = config_class(config["model_type"]).from_dict(copy.deepcopy(config), attn_implementation="eager")
-        if any(isinstance(getattr(hf_config, k, None), int) and getattr(hf_config, k) > MAX_SIZE for k in _SIZE_KEYS):
+        deep = isinstance(hf_config.num_hidden_layers, int) and hf_config.num_hidden_layers > MAX_LAYERS
+        wide = any(isinstance(n, int) and n > MAX_SIZE for n in (getattr(hf_config, k, None) for k in _SIZE_KEYS))
+        if deep or wide:
             with torch.device("meta"):
                 meta = AutoModelForCausalLM.from_config(hf_config)
-            if sum(p.numel() for p in meta.parameters()) > MAX_PARAMS:
+            if deep or sum(p.numel() for p in meta.parameters()) > MAX_PARAMS:
                 return meta, False
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(hf_config).eval()

@@ -128,10 +128,16 @@ def hf_rope(
     types: tuple[str, ...],
     default_theta: float,
     class_default: Mapping[str, Any] | None = None,
+    partial: float | None = None,
+    ignored: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """config.json's RoPE as transformers resolves it (see the module docstring): rope_type,
     rope_theta and the type's keys, checked; ``types`` are the ones the family computes. A key the
-    type does not read is refused (a per-layer-type mapping among them)."""
+    type does not read is refused (a per-layer-type mapping among them), but ``ignored`` ones
+    (which the family's text model does not read). ``partial``: the family's default RoPE rotates
+    ``partial_rotary_factor`` of each head, and its config class defaults the top-level field to
+    this; the result then holds the factor. Without it default RoPE ignores the factor (as the
+    families' rotary tables do) and the scaled types need 1."""
     scaling, params = config.get("rope_scaling"), config.get("rope_parameters")
     where = "rope_scaling" if scaling else "rope_parameters"
     rope = scaling or (params if params is not None else class_default) or {}
@@ -139,8 +145,11 @@ def hf_rope(
         raise config.refuse(where, rope, "a mapping of RoPE settings is needed")
     rope = dict(rope)
     rope.setdefault("rope_theta", config.raw.get("rope_theta", default_theta))
-    if config.raw.get("partial_rotary_factor") is not None:
-        rope.setdefault("partial_rotary_factor", config.raw["partial_rotary_factor"])
+    top_partial = config.raw["partial_rotary_factor"] if "partial_rotary_factor" in config.raw else partial
+    if top_partial is not None:
+        rope.setdefault("partial_rotary_factor", top_partial)
+    for key in ignored:
+        rope.pop(key, None)
     rope_type = rope.setdefault("rope_type", rope.get("type", "default"))
     rope.pop("type", None)
     if rope_type not in types:
@@ -151,9 +160,13 @@ def hf_rope(
         raise config.refuse(f"{where}.{unknown[0]}", rope[unknown[0]], f"{rope_type} RoPE reads {sorted(known)}")
     if not _is_number(rope["rope_theta"]) or rope["rope_theta"] <= 0:
         raise config.refuse(f"{where}.rope_theta", rope["rope_theta"], "a number > 0 is needed")
-    partial = rope.pop("partial_rotary_factor", 1.0)
-    if rope_type != "default" and partial != 1:  # the default rotary table ignores it
-        raise config.refuse(f"{where}.partial_rotary_factor", partial, "every feature rotates (1.0)")
+    factor = rope.pop("partial_rotary_factor", 1.0)
+    if partial is not None and rope_type == "default":
+        if not _is_number(factor) or not 0 < factor <= 1:
+            raise config.refuse(f"{where}.partial_rotary_factor", factor, "a number in (0, 1] is needed")
+        rope["partial_rotary_factor"] = float(factor)
+    elif rope_type != "default" and factor != 1:  # families' default rotary tables ignore it
+        raise config.refuse(f"{where}.partial_rotary_factor", factor, "every feature rotates (1.0)")
     for key in _REQUIRED.get(rope_type, ()):
         if key not in rope:
             raise config.refuse(f"{where}.{key}", None, f"transformers requires it for {rope_type} RoPE")

@@ -40,6 +40,32 @@ QWEN3_CHANGES = {
 }  # fmt: skip
 SLIDING = ["full_attention", "sliding_attention", "full_attention"]
 
+# Qwen3.5 / Qwen3-Next: hybrid layers (3 Gated DeltaNet, 1 full attention), RoPE on half of each head.
+PARTIAL = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+QWEN3_5 = dict(SHAPES, intermediate_size=24, num_hidden_layers=4, num_key_value_heads=1, head_dim=8,
+               linear_key_head_dim=4, linear_value_head_dim=4, linear_num_key_heads=2, linear_num_value_heads=2,
+               rope_parameters=PARTIAL)  # fmt: skip
+QWEN3_5_MOE = dict(moe_intermediate_size=8, shared_expert_intermediate_size=8, num_experts=4, num_experts_per_tok=2)
+MROPE = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+QWEN3_5_CHANGES = {
+    **COMMON, "rope_parameters": (LLAMA3, *OTHER_ROPES, MROPE), "hidden_size": (24,), "intermediate_size": (20,),
+    "num_hidden_layers": (3,), "num_attention_heads": (4,), "num_key_value_heads": (2, None), "head_dim": (4, None),
+    "attention_bias": (True,), "linear_conv_kernel_dim": (2,), "linear_key_head_dim": (8,),
+    "linear_value_head_dim": (8,), "linear_num_key_heads": (1,), "linear_num_value_heads": (4,),
+    "layer_types": (["full_attention", "linear_attention", "linear_attention", "full_attention"], ["attention"] * 4),
+}  # fmt: skip
+QWEN3_5_MOE_CHANGES = {
+    **QWEN3_5_CHANGES, "moe_intermediate_size": (12,), "shared_expert_intermediate_size": (12,), "num_experts": (3,),
+    "num_experts_per_tok": (1,), "output_router_logits": (True,), "router_aux_loss_coef": (0.5,),
+}  # fmt: skip
+QWEN3_5_EXTRA = {  # transformers' class sets partial_rotary_factor 0.25 where config.json says none
+    "partial_rotary_factor 1 beside the mapping's": dict(partial_rotary_factor=1.0),
+    "partial_rotary_factor 1, none in the mapping": dict(partial_rotary_factor=1.0, rope_parameters=DEFAULT),
+    "no partial_rotary_factor (0.25)": dict(rope_parameters=DEFAULT),
+    "full_attention_interval 2": dict(full_attention_interval=2),
+}
+QWEN3_5_ROPES = (PARTIAL, {"rope_type": "default", "rope_theta": 3e4})
+
 FAMILIES = {
     "llama": HfFamily(
         base=dict(SHAPES, model_type="llama", intermediate_size=48, num_hidden_layers=2, num_key_value_heads=1,
@@ -109,6 +135,18 @@ FAMILIES = {
         extra={"num_experts beside num_local_experts": dict(num_experts=3),
                "sliding_window null, all full": dict(sliding_window=None, layer_types=["full_attention"] * 2)},
     ),
+    "qwen3_5_text": HfFamily(
+        base=dict(QWEN3_5, model_type="qwen3_5_text"), changes=QWEN3_5_CHANGES, ropes=QWEN3_5_ROPES, extra=QWEN3_5_EXTRA
+    ),
+    "qwen3_5_moe_text": HfFamily(
+        base=dict(QWEN3_5, model_type="qwen3_5_moe_text", **QWEN3_5_MOE), changes=QWEN3_5_MOE_CHANGES,
+        ropes=QWEN3_5_ROPES, extra=QWEN3_5_EXTRA,
+    ),
+    "qwen3_next": HfFamily(
+        base=dict(QWEN3_5, model_type="qwen3_next", **QWEN3_5_MOE), ropes=QWEN3_5_ROPES, extra=QWEN3_5_EXTRA,
+        changes={**QWEN3_5_MOE_CHANGES, "decoder_sparse_step": (2,), "norm_topk_prob": (False,),
+                 "mlp_only_layers": ([1],)},
+    ),
     "llama4_text": HfFamily(
         base=dict(SHAPES, model_type="llama4_text", intermediate_size=8, intermediate_size_mlp=24, num_hidden_layers=4,
                   num_key_value_heads=1, head_dim=8, num_local_experts=3, num_experts_per_tok=1,
@@ -169,8 +207,8 @@ def test_every_config_field_reads_as_transformers_or_is_refused(name: str, tmp_p
 # it), and the settings config.json states directly (the import sweep exports each value it reads).
 UNTOUCHED = {
     "depth_init", "attn_type", "attn_mask_type", "moe_args.use_grouped_mm", "moe_args.aux_loss_coeff",
-    "moe_args.force_load_balance", "dim", "n_layers", "n_heads", "vocab_size", "norm_eps", "rope_theta",
-    "use_rope_scaling", "max_seq_len", "tie_embeddings",
+    "moe_args.force_load_balance", "linear_attn_backend", "dim", "n_layers", "n_heads", "vocab_size", "norm_eps",
+    "rope_theta", "use_rope_scaling", "max_seq_len", "tie_embeddings",
 }  # fmt: skip
 # Spellings of one model (n_kv_heads None, the SwiGLU width's multiple_of / multiplier) and settings
 # without effect (Llama 3.1 scaling's while it is off) must export too.
@@ -186,10 +224,18 @@ MOE_EXPORTS = {
     "moe_args.swiglu_limit": (None, 0.3), "moe_args.swiglu_alpha": (1.0,), "moe_args.num_expert_groups": (None, 2),
     "moe_args.num_limited_groups": (None, 1),
 }  # fmt: skip
+QWEN3_5_EXPORTS = {
+    **LLAMA_EXPORTS, **MOE_EXPORTS, "moe_args.shared_hidden_dim": (12,), "moe_args.shared_expert_gate": (False,),
+    "head_dim": (4,), "hidden_dim": (20,), "moe_enabled": (False,), "decoder_sparse_step": (2,),
+    "mlp_only_layers": ([1],), "partial_rotary_factor": (1.0,), "layer_types": (["full_attention"] * 4,),
+    "full_attention_interval": (2,), "linear_num_key_heads": (1,), "linear_num_value_heads": (4,),
+    "linear_key_head_dim": (8,), "linear_value_head_dim": (8,), "linear_conv_kernel_dim": (2,),
+    "release": ("qwen3_next", "qwen3_5"),
+}  # fmt: skip
+# One export sweep per titan family (args class), from an MoE config where it has one: moe_enabled
+# false and release cover its other Hugging Face types.
 EXPORTS: dict[str, dict[str, tuple[Any, ...]]] = {
     "llama": LLAMA_EXPORTS,
-    "qwen3": {**LLAMA_EXPORTS, **MOE_EXPORTS, "head_dim": (8,), "hidden_dim": (20,), "moe_enabled": (True,),
-              "decoder_sparse_step": (2,), "mlp_only_layers": ([0],)},
     "qwen3_moe": {**LLAMA_EXPORTS, **MOE_EXPORTS, "head_dim": (8,), "hidden_dim": (20,), "moe_enabled": (False,),
                   "decoder_sparse_step": (2,), "mlp_only_layers": ([0],)},
     "deepseek_v3": {**LLAMA_EXPORTS, **MOE_EXPORTS, "inter_dim": (20,), "moe_inter_dim": (12,),
@@ -202,6 +248,7 @@ EXPORTS: dict[str, dict[str, tuple[Any, ...]]] = {
                 "sliding_window_size": (None, 2), "layer_types": (["full_attention"] * 2,),
                 "rope_type": ("default",), "rope_factor": (2.0,), "original_seq_len": (16,), "ntk_alpha": (2.0,),
                 "ntk_beta": (16.0,), "rope_truncate": (True,), "rope_attention_factor": (1.2,)},
+    "qwen3_next": QWEN3_5_EXPORTS,
     "llama4_text": {**LLAMA_EXPORTS, **MOE_EXPORTS, "interleave_moe_layer_step": (1, 3),
                     "auto_scale_hidden_dim": (False,), "every_n_layers_nope": (2,), "fixed_attn_block_size": (4,),
                     "moe_layers": ([0, 3],), "nope_layers": ([1],), "chunked_layers": ([0, 1],),
@@ -222,10 +269,13 @@ def test_every_model_setting_exports_as_transformers_runs_it_or_is_refused(name:
         assert outcomes["sliding_window_size=None"].kind == "match"
 
 
-def test_sweeps_cover_every_field_of_the_families_titan_reads() -> None:
-    """Each family's config class and model args are swept (the sweeps fail on a field they miss)."""
+def test_sweeps_cover_every_family_titan_reads() -> None:
+    """Every config.json model_type titan reads is swept, and every titan family's export (each
+    sweep fails on a field it does not change)."""
     from titan.models import _REGISTRY
 
-    read = {t for spec in _REGISTRY.specs().values() for t in getattr(spec.state_dict_adapter, "hf_model_types", ())}
+    specs = [s for s in _REGISTRY.specs().values() if s.state_dict_adapter is not None]
+    read = {t for spec in specs for t in getattr(spec.state_dict_adapter, "hf_model_types", ())}
     # llama4: the multimodal wrapper of llama4_text; kimi_k2: a DeepseekV3Config under its own name
-    assert read - {"llama4", "kimi_k2"} == set(FAMILIES) == set(EXPORTS)
+    assert read - {"llama4", "kimi_k2"} == set(FAMILIES)
+    assert {spec_for_hf_model_type(t).name for t in EXPORTS} == {spec.name for spec in specs}
