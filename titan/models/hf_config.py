@@ -223,9 +223,10 @@ def reset(obj: _T, names: Iterable[str]) -> _T:
 
 def moe_view(moe: Any) -> Any:
     """MoEArgs as an export states them: the SwiGLU clamp's gain only with the clamp, the kept
-    groups only with groups."""
+    groups only with groups, the shared expert's width and gate only with a shared expert."""
     names = ["swiglu_alpha"] if moe.swiglu_limit is None else []
-    return reset(moe, names + (["num_limited_groups"] if moe.num_expert_groups is None else []))
+    names += ["num_limited_groups"] if moe.num_expert_groups is None else []
+    return reset(moe, names + (["shared_hidden_dim", "shared_expert_gate"] if not moe.num_shared_experts else []))
 
 
 __all__ = ["ROPE_KEYS", "HfConfig", "hf_layer_types", "hf_rope", "moe_view", "reset", "yarn_scaling"]

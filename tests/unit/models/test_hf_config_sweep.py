@@ -222,15 +222,15 @@ MOE_EXPORTS = {
     "moe_args.gate_bias": (True,), "moe_args.score_before_experts": (True, False), "moe_args.hidden_dim": (12,),
     "moe_args.load_balance_coeff": (None,), "moe_args.experts_bias": (True, False),
     "moe_args.swiglu_limit": (None, 0.3), "moe_args.swiglu_alpha": (1.0,), "moe_args.num_expert_groups": (None, 2),
-    "moe_args.num_limited_groups": (None, 1),
+    "moe_args.num_limited_groups": (None, 1), "moe_args.shared_hidden_dim": (12,),
+    "moe_args.shared_expert_gate": (True, False),
 }  # fmt: skip
 QWEN3_5_EXPORTS = {
-    **LLAMA_EXPORTS, **MOE_EXPORTS, "moe_args.shared_hidden_dim": (12,), "moe_args.shared_expert_gate": (False,),
-    "head_dim": (4,), "hidden_dim": (20,), "moe_enabled": (False,), "decoder_sparse_step": (2,),
-    "mlp_only_layers": ([1],), "partial_rotary_factor": (1.0,), "layer_types": (["full_attention"] * 4,),
-    "full_attention_interval": (2,), "linear_num_key_heads": (1,), "linear_num_value_heads": (4,),
-    "linear_key_head_dim": (8,), "linear_value_head_dim": (8,), "linear_conv_kernel_dim": (2,),
-    "release": ("qwen3_next", "qwen3_5"),
+    **LLAMA_EXPORTS, **MOE_EXPORTS, "head_dim": (4,), "hidden_dim": (20,), "moe_enabled": (False,),
+    "decoder_sparse_step": (2,), "mlp_only_layers": ([1],), "partial_rotary_factor": (1.0,),
+    "layer_types": (["full_attention"] * 4,), "full_attention_interval": (2,), "linear_num_key_heads": (1,),
+    "linear_num_value_heads": (4,), "linear_key_head_dim": (8,), "linear_value_head_dim": (8,),
+    "linear_conv_kernel_dim": (2,), "release": ("qwen3_next", "qwen3_5"),
 }  # fmt: skip
 # One export sweep per titan family (args class), from an MoE config where it has one: moe_enabled
 # false and release cover its other Hugging Face types.
