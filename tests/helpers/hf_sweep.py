@@ -6,7 +6,8 @@ random weights; titan must read the folder (those weights beside that config.jso
 model, logits within 1e-4 in fp32, or refuse it in one line. Where transformers cannot build or run
 the config, titan must refuse it. Where the base model's weights contradict the config.json (other
 shapes), ``from_hf`` must refuse before writing anything. Every model titan reads must export to a
-folder that transformers' from_pretrained runs as the same model.
+config.json that reads back as the same model (and the base's export runs in transformers'
+from_pretrained as the same model).
 
 Export (``sweep_export``): titan model args with one field changed must export to a folder that
 transformers runs as the same model, or be refused in one line with nothing left behind.
@@ -29,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from titan.checkpointing.hf import import_hf_to_dcp, load_hf, save_hf
+from titan.checkpointing.hf_check import check_export_config
 from titan.errors import TitanError
 from titan.models import spec_for_args, spec_for_hf_model_type
 
@@ -270,6 +272,19 @@ def check_export(args: Any, model: torch.nn.Module, out: Path) -> Outcome:
     return Outcome(str(out), "match")
 
 
+def _exports(args: Any) -> str:
+    """ "" when the config.json titan exports for ``args`` reads back (through transformers' config
+    class and titan's reader) as the same model, else the refusal: the round trip of every model the
+    import sweep reads. Whether transformers runs an export as the same model is the export sweep's
+    (and, for each family's base, the import sweep's) from_pretrained check."""
+    adapter = spec_for_args(args).state_dict_adapter
+    try:
+        check_export_config(adapter, args, adapter.args_to_hf_config(args))
+    except TitanError as e:
+        return _refusal(e)
+    return ""
+
+
 def _differing(args: Any, base: Any) -> str:
     """The names of the settings in which ``args`` differs from ``base``."""
     names = [
@@ -299,8 +314,9 @@ class _ImportSweep:
         with torch.no_grad():
             err = float((model(TOKENS) - self.base.logits).abs().max())
         assert err <= TOL, f"the base model's logits differ from transformers' by {err:.3g}"
-        self.exports = {"": check_export(self.base_args, model, tmp / "base_export")}
-        assert self.exports[""].kind == "match", self.exports[""]
+        exported = check_export(self.base_args, model, tmp / "base_export")
+        assert exported.kind == "match", exported
+        self.exports: dict[str, str] = {"": ""}
 
     def contradiction(self, label: str, config: dict[str, Any], runs: bool, tmp: Path) -> Outcome:
         """The base weights under ``config``: from_hf must refuse them before writing anything."""
@@ -337,9 +353,9 @@ class _ImportSweep:
             raise _Failed(f"titan's logits differ from transformers' by {err:.3g}")
         key = _differing(args, self.base_args)  # an export is checked once per set of changed settings
         if key not in self.exports:
-            self.exports[key] = check_export(args, model, tmp / "export")
-        if self.exports[key].kind != "match":
-            raise _Failed(f"the export of what titan read is refused: {self.exports[key].message}")
+            self.exports[key] = _exports(args)
+        if self.exports[key]:
+            raise _Failed(f"the export of what titan read is refused: {self.exports[key]}")
         changed = hf.logits.shape != self.base.logits.shape or bool((hf.logits - self.base.logits).abs().max() > 1e-3)
         return outcome or Outcome(label, "match", changed=changed)
 
