@@ -20,6 +20,7 @@ import torch
 
 from titan.errors import TitanError
 from titan.models.hf_config import HfConfig, hf_layer_types, hf_rope, moe_view, reset
+from titan.models.llama.hf_config import hf_shape_fields
 from titan.models.llama.hf_config import hf_view as llama_hf_view
 from titan.models.moe import MoEArgs
 from titan.models.qwen3.state_dict_adapter import QWEN3_MOE_DEFAULTS
@@ -199,20 +200,13 @@ def args_to_hf_config(args: Qwen35ModelArgs, dtype: torch.dtype = torch.float32)
     out: dict[str, Any] = {
         "architectures": [_ARCH[model_type]],
         "model_type": model_type,
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
+        **hf_shape_fields(args),
+        # RoPE on part of each head (the export check refuses Llama 3.1 scaling, which these classes lack)
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": args.rope_theta,
             "partial_rotary_factor": args.partial_rotary_factor,
         },
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
