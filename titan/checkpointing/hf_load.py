@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from titan.checkpointing import model_dcp as dcp_io
+from titan.checkpointing.hf_check import converted_layout, refuse_untied_copy
 from titan.checkpointing.hf_folder import HFFolder
 from titan.checkpointing.hf_quant import quantization_of
 from titan.checkpointing.states import dcp_call
@@ -70,9 +71,10 @@ class HFPlan:
                 skipped.setdefault(reason, set()).add(int(_LAYER.search(key)[1]))  # type: ignore[index]
                 continue
             if self.args.tie_embeddings and key == "lm_head.weight":
-                continue  # some exports store the tied copy too
+                refuse_untied_copy(folder, self.args)  # some exports store the tied copy too
+                continue
             meta = torch.empty(folder.shape(key), device="meta")
-            for name, value in self.adapter.from_hf({key: meta}, self.args).items():
+            for name, value in converted_layout(self.adapter, {key: meta}, self.args, folder.path).items():
                 self.source[name], self.shapes[name] = key, tuple(value.shape)
         for reason, layers in skipped.items():
             logger.info(f"{folder.path}: not loading Hugging Face layer(s) {sorted(layers)}: {reason}")

@@ -195,3 +195,4 @@ class Qwen35StateDictAdapter:
     from_hf = staticmethod(from_hf)
     hf_config_to_args: Callable[[dict[str, Any]], Qwen35ModelArgs] = staticmethod(hf_config.hf_config_to_args)
     args_to_hf_config = staticmethod(hf_config.args_to_hf_config)
+    hf_view = staticmethod(hf_config.hf_view)
