@@ -34,9 +34,18 @@ def check_export_config(adapter: Any, args: Any, config: dict[str, Any]) -> None
     """Stop unless config.json, read back through transformers' config class and the family's
     reader, describes the model being exported: the same tensor shapes and the same settings
     (the per-run ones aside, and the SwiGLU width's spelling, which the shapes check)."""
-    back = adapter.hf_config_to_args(_through_transformers(config))
+    resolved = _through_transformers(config)
+    back = adapter.hf_config_to_args(resolved)
     if type(back) is not type(args):
         raise TitanError(f"HF export refused: config.json reads back as {type(back).__name__}")
+    if hasattr(args, "mtp_depth"):  # a load takes the MTP layers a run asks for, not config.json's count
+        written = adapter.hf_config_mtp_depth(resolved)
+        if written != args.mtp_depth:
+            raise TitanError(
+                f"HF export refused: config.json says {written} multi-token-prediction layer(s), the model has"
+                f" {args.mtp_depth}"
+            )
+        back = dataclasses.replace(back, mtp_depth=args.mtp_depth)
     a_shapes, b_shapes = adapter.state_dict_shapes(args), adapter.state_dict_shapes(back)
     bad = [k for k in sorted(set(a_shapes) | set(b_shapes)) if a_shapes.get(k) != b_shapes.get(k)]
     if bad:

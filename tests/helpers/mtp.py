@@ -1,0 +1,107 @@
+"""Multi-token prediction references, independent of titan's MTP code: a DeepSeek-V3 folder with MTP
+layers as the release lays them out (built from transformers' own MTP module, ``MtpModel``), that
+module's forward per depth, and the loss formula written out in plain torch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from transformers.modeling_layers import MtpModel
+
+from tests.helpers.hf_release import _DS, _write, random_hf
+
+IGNORE = -100
+
+
+def deepseek_mtp_folder(path: Path, depth: int, seed: int = 0) -> tuple[Any, Any]:
+    """A DeepSeek-V3 folder with ``depth`` MTP layers at num_hidden_layers on: save_pretrained's main
+    model, then each transformers MtpModel layer's weights under the release's keys (enorm, hnorm,
+    eh_proj, shared_head.norm, the block's own keys, and the copies of the embedding and head the
+    release stores in every MTP layer), fp32. Returns (the transformers model, its MtpModel)."""
+    model = random_hf("deepseek_v3", seed, dict(_DS, num_mtp_layers=depth))
+    mtp = MtpModel(model, depth).eval()
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, p in mtp.named_parameters():
+            if name.startswith(("embed_tokens", "shared_head")):
+                continue  # the main model's
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.08)
+    model.save_pretrained(path / ".plain")
+    with safe_open(str(path / ".plain/model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    config = json.loads((path / ".plain/config.json").read_text())
+    for f in (path / ".plain").iterdir():
+        f.unlink()
+    (path / ".plain").rmdir()
+    n = model.config.num_hidden_layers
+    for name, value in mtp.state_dict().items():
+        if name.startswith(("embed_tokens", "shared_head")):
+            continue
+        _, k, rest = name.split(".", 2)
+        rest = rest.removeprefix("mtp_block.").replace("post_norm.", "shared_head.norm.")
+        if rest.startswith("mlp.experts."):  # per expert, as the release and save_pretrained store them
+            kind = rest.split(".")[2]
+            for e in range(value.shape[0]):
+                pre = f"model.layers.{n + int(k)}.mlp.experts.{e}"
+                if kind == "gate_up_proj":
+                    gate, up = value[e].chunk(2, dim=0)
+                    tensors[f"{pre}.gate_proj.weight"], tensors[f"{pre}.up_proj.weight"] = gate, up
+                else:
+                    tensors[f"{pre}.down_proj.weight"] = value[e]
+            continue
+        tensors[f"model.layers.{n + int(k)}.{rest}"] = value
+        tensors[f"model.layers.{n + int(k)}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[f"model.layers.{n + int(k)}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    _write(path, tensors, config)
+    return model, mtp
+
+
+def shifted(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+    """x[:, t + k] at t, ``fill`` past the window (written out, one position at a time)."""
+    out = torch.full_like(x, fill)
+    for t in range(x.shape[1] - k):
+        out[:, t] = x[:, t + k]
+    return out
+
+
+@torch.no_grad()
+def transformers_logits(model: Any, mtp: Any, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """[main logits, depth 1's, ...] from transformers: the main model's final-normed hidden state
+    into MtpModel's depth 1, each depth's output into the next, token 0 past the window."""
+    out = model(tokens, output_hidden_states=True)
+    logits, hidden = [out.logits], out.hidden_states[-1]
+    positions = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1)
+    for k in range(len(mtp.layers)):
+        hidden = mtp.forward_layer(k, hidden, positions, None, input_ids=shifted(tokens, k + 1, 0))
+        logits.append(mtp._project_to_logits(hidden))
+    return logits
+
+
+def reference_losses(
+    logits: list[torch.Tensor], labels: torch.Tensor, doc_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next-token loss, MTP loss) per token of the next-token labels: depth k at t targets
+    labels[t + k] when t + k is in the window (and in t's document), and the MTP loss is the mean
+    of the depths' summed cross entropies, over the same token count (torchtitan's MTPLoss)."""
+    tokens = (labels != IGNORE).sum()
+
+    def ce(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(x.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE, reduction="sum")
+
+    depths = []
+    for k, x in enumerate(logits[1:], start=1):
+        target = torch.full_like(labels, IGNORE)
+        for b in range(labels.shape[0]):
+            for t in range(labels.shape[1] - k):
+                if doc_ids is None or doc_ids[b, t + k] == doc_ids[b, t]:
+                    target[b, t] = labels[b, t + k]
+        depths.append(ce(x, target))
+    return ce(logits[0], labels) / tokens, torch.stack(depths).mean() / tokens
