@@ -105,3 +105,23 @@ def reference_losses(
                     target[b, t] = labels[b, t + k]
         depths.append(ce(x, target))
     return ce(logits[0], labels) / tokens, torch.stack(depths).mean() / tokens
+
+
+MTP2 = ("--model.mtp_depth", "2", "--metrics.log_freq", "1")
+"""Two MTP depths, every step logged (the MTP loss is read on log steps)."""
+MTP_STEPS = 3
+
+
+def run_mtp(trainer: Any, steps: int = MTP_STEPS) -> list[tuple[float, float, float]]:
+    """(loss, grad norm, MTP loss) of the first ``steps`` steps over the parity batches, this rank's rows."""
+    from tests.helpers.parity import GLOBAL_BATCH, batches
+
+    dp = trainer.parallel_dims.dp_degree
+    per, r = GLOBAL_BATCH // dp, trainer.dp_rank
+    out = []
+    for inputs, labels in batches()[:steps]:
+        x, y = inputs[r * per : (r + 1) * per], labels[r * per : (r + 1) * per]
+        n = trainer.grad_accum_steps
+        result = trainer.train_step(list(zip(x.chunk(n), y.chunk(n))))
+        out.append((result.loss.item(), result.grad_norm.item(), result.extra["mtp_loss"].item()))
+    return out

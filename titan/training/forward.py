@@ -22,9 +22,14 @@ from torch.distributed.tensor.parallel import loss_parallel
 from titan.models.documents import document_ids
 from titan.models.moe import aux_loss_scale
 from titan.models.mtp import mtp_labels
-from titan.training.loss import IGNORE_INDEX, ScaledLoss, TokenLoss
+from titan.training.loss import IGNORE_INDEX, ScaledLoss, TokenLoss, mtp_loss_of
 
 __all__ = ["ModelForward"]
+
+
+def _mtp(loss: torch.Tensor) -> torch.Tensor | float:
+    mtp = mtp_loss_of(loss)
+    return 0.0 if mtp is None else mtp
 
 
 def _replicated(t: torch.Tensor) -> torch.Tensor:
@@ -58,7 +63,8 @@ class ModelForward:
         self.loss_parallel_enabled, self.amp, self.eos_id = loss_parallel_enabled, amp, eos_id
         self.pp_schedule, self.pp_loss, self.pp_group = pp_schedule, pp_loss, pp_group
         self.pp_has_first, self.pp_has_last = pp_has_first, pp_has_last
-        self._mtp_sum = torch.zeros((), device=device)  # the step's MTP loss (titan.models.mtp), as loss_sum
+        # The step's MTP losses (titan.models.mtp) as the loss returned them (x dp ranks / global tokens).
+        self._mtp_sum = torch.zeros((), device=device)
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.loss_parallel_enabled else contextlib.nullcontext()
@@ -88,8 +94,7 @@ class ModelForward:
                     scaled = self.loss(self.parts[0](inputs, **docs), labels, dp_scale / global_tokens)
                 scaled.backward()
             loss = _replicated(scaled.detach()) / dp_scale
-        if self.loss.mtp_depth:
-            self._mtp_sum += self.loss.take_mtp(self.device) / dp_scale
+            self._mtp_sum += _mtp(scaled)
         return loss
 
     def mtp_log_tensors(self, log: bool, dims: Any) -> dict[str, torch.Tensor]:
@@ -98,7 +103,7 @@ class ModelForward:
         otherwise and without MTP; the step's sum restarts either way. ``dims``: ParallelDims."""
         if not self.loss.mtp_depth:
             return {}
-        total, self._mtp_sum = self._mtp_sum, torch.zeros((), device=self.device)
+        total, self._mtp_sum = self._mtp_sum / (dims.dp_degree * dims.cp), torch.zeros((), device=self.device)
         if not log:
             return {}
         dp_cp = dims.submesh("dp_cp")
@@ -132,5 +137,6 @@ class ModelForward:
         loss = torch.zeros((), device=self.device)
         for x in losses or ():  # the last stage: its micro-batches' losses, added in order
             loss = loss + _replicated(x.detach()).float()
+            self._mtp_sum += _mtp(x)  # training with MTP (TokenLoss)
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.pp_group)
         return loss

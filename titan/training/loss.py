@@ -100,8 +100,10 @@ class TokenLoss:
     then each depth's on the batch dim and ``labels`` are [B, 1 + depth, S] (``mtp_labels``). The
     backward pass gets scale x (main + ``mtp_weight`` x the mean over depths of each depth's sum);
     the returned value is the main loss alone (the MTP part enters as ``x - x.detach()``), so the
-    logged and validated loss keeps its meaning; each call's scaled MTP mean is kept for
-    ``take_mtp``. Plain [B, S] labels (evaluation) score the main rows only.
+    logged and validated loss keeps its meaning, and carries the scaled MTP mean (detached) as its
+    attribute ``mtp_loss``: a pipeline schedule keeps the loss tensors of its micro-batches, and
+    only those (torch's first step also calls the loss on the uninitialized outputs of its shape
+    inference). Plain [B, S] labels (evaluation) score the main rows only.
     """
 
     def __init__(
@@ -110,15 +112,9 @@ class TokenLoss:
         self.chunk_tokens, self.ce = chunk_tokens, ce
         self.output: nn.Module | None = None
         self.mtp_depth, self.mtp_weight = mtp_depth, mtp_weight
-        self._mtp: torch.Tensor | None = None
 
     def bind(self, parts: list[nn.Module]) -> None:
         self.output = output_module(parts) if self.chunk_tokens > 0 else None
-
-    def take_mtp(self, device: torch.device) -> torch.Tensor:
-        """The scaled MTP losses of the calls since the last take (zero without any), then reset."""
-        out, self._mtp = self._mtp, None
-        return out if out is not None else torch.zeros((), device=device)
 
     def __call__(self, out: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         segments = list(labels.unbind(1)) if labels.dim() == 3 else [labels]
@@ -138,13 +134,8 @@ class TokenLoss:
         if len(losses) == 1:
             return main
         mtp = sum(losses[1:]) * (scale / (len(losses) - 1))
-        self._keep_mtp(mtp)
         weighted = mtp * self.mtp_weight
-        return main + (weighted - weighted.detach())
-
-    def _keep_mtp(self, mtp: torch.Tensor) -> None:
-        value = _local(mtp.detach()).float()
-        self._mtp = value if self._mtp is None else self._mtp + value
+        return _with_mtp(main + (weighted - weighted.detach()), mtp)
 
     def _chunked(
         self,
@@ -198,8 +189,6 @@ class TokenLoss:
                 if grad is None:
                     grad = torch.empty((h.shape[0], g.shape[-1]), dtype=g.dtype, device=g.device)
                 grad[s:e] = g.squeeze(0)
-        if len(segments) > 1:
-            self._keep_mtp(sum(totals[1:]) * (scale / (len(segments) - 1)))
         if not train:
             if isinstance(output, FSDPModule):
                 output.reshard()  # evaluation keeps nothing gathered
@@ -211,9 +200,11 @@ class TokenLoss:
             mesh = hidden.device_mesh
             full = DTensor.from_local(full, mesh, placements, run_check=False).redistribute(mesh, hidden.placements)
         if fsdp:
-            return _HiddenGrad.apply(totals[0] * scale, [full], hidden)
-        assert param_grads is not None
-        return _HiddenGrad.apply(totals[0] * scale, [full, *param_grads], hidden, *params)
+            loss = _HiddenGrad.apply(totals[0] * scale, [full], hidden)
+        else:
+            assert param_grads is not None
+            loss = _HiddenGrad.apply(totals[0] * scale, [full, *param_grads], hidden, *params)
+        return _with_mtp(loss, sum(totals[1:]) * (scale / (len(totals) - 1))) if len(totals) > 1 else loss
 
     @staticmethod
     @contextlib.contextmanager
@@ -237,6 +228,17 @@ class TokenLoss:
         finally:
             output.set_reshard_after_backward(True, recurse=False)
             output.set_requires_gradient_sync(True, recurse=False)
+
+
+def _with_mtp(loss: torch.Tensor, mtp: torch.Tensor) -> torch.Tensor:
+    """``loss`` carrying the call's scaled MTP loss as ``loss.mtp_loss`` (TokenLoss)."""
+    loss.mtp_loss = _local(mtp.detach()).float()  # type: ignore[attr-defined]
+    return loss
+
+
+def mtp_loss_of(loss: torch.Tensor) -> torch.Tensor | None:
+    """The scaled MTP loss a TokenLoss call's result carries (None without MTP)."""
+    return getattr(loss, "mtp_loss", None)
 
 
 def _local(loss: torch.Tensor) -> torch.Tensor:
