@@ -4,16 +4,14 @@ module's forward per depth, and the loss formula written out in plain torch."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from transformers.modeling_layers import MtpModel
 
-from tests.helpers.hf_release import _DS, _write, random_hf
+from tests.helpers.hf_release import _DS, _saved, _write, random_hf
 
 IGNORE = -100
 
@@ -34,13 +32,7 @@ def deepseek_mtp_folder(path: Path, depth: int, seed: int = 0) -> tuple[Any, Any
                 p.copy_(torch.rand(p.shape, generator=g) + 0.5)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.08)
-    model.save_pretrained(path / ".plain")
-    with safe_open(str(path / ".plain/model.safetensors"), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    config = json.loads((path / ".plain/config.json").read_text())
-    for f in (path / ".plain").iterdir():
-        f.unlink()
-    (path / ".plain").rmdir()
+    tensors, config = _saved(model, path)
     n = model.config.num_hidden_layers
     for name, value in mtp.state_dict().items():
         if name.startswith(("embed_tokens", "shared_head")):

@@ -179,3 +179,17 @@ def test_refusals_name_the_key() -> None:
         check_mtp(args, 2, 32)
     with pytest.raises(TitanError, match=r"valid: 0 .. training.seq_len - 1"):
         check_mtp(dataclasses.replace(args, mtp_depth=4), 1, 4)
+
+
+@pytest.mark.slow
+def test_memory_estimate_holds_the_mtp_parameters_and_activations() -> None:
+    from tests.helpers.deepseek import dstest_flavor
+    from titan.training.memory import estimate_memory
+
+    flags = ["--model.name", "deepseek_v3", "--model.flavor", "dstest", "--training.seq_len", "32"]
+    with dstest_flavor():
+        plain = estimate_memory(load_config(flags), 1)
+        mtp = estimate_memory(load_config([*flags, "--model.mtp_depth", "1"]), 1)
+    block = sum(p.numel() for p in _model(DSTEST).layers["2"].parameters())
+    assert mtp.params - plain.params == block + 2 * DSTEST.dim**2 + 3 * DSTEST.dim
+    assert mtp.activation_bytes > plain.activation_bytes  # a block and a second set of logits
