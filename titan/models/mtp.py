@@ -45,13 +45,13 @@ __all__ = [
     "MTPDepth",
     "MultiTokenPrediction",
     "mtp_depth",
-    "mtp_depth_from_shapes",
     "mtp_labels",
     "mtp_stage_modules",
     "mtp_tail",
     "mtp_tp_plan",
     "shift_left",
     "split_input",
+    "split_mtp_shapes",
 ]
 
 
@@ -175,6 +175,16 @@ def mtp_tp_plan(model: nn.Module, sequence_parallel: Callable[..., Any]) -> dict
     return plan
 
 
-def mtp_depth_from_shapes(shapes: dict[str, tuple[int, ...]]) -> int:
-    """How many MTP depths a state dict holds (its ``mtp.<k>.eh_proj.weight`` keys)."""
-    return sum(1 for k in shapes if k.startswith("mtp.") and k.endswith(".eh_proj.weight"))
+def split_mtp_shapes(shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[int, ...]], int]:
+    """A state dict's shapes without its MTP tensors (the fusion parts and the last blocks), and how
+    many MTP depths it holds: what a family's ``args_from_shapes`` reads the main model from."""
+    depth = sum(1 for k in shapes if k.startswith("mtp.") and k.endswith(".eh_proj.weight"))
+    if depth == 0:
+        return shapes, 0
+    n_layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("layers.")) - depth
+    main = {
+        k: v
+        for k, v in shapes.items()
+        if not k.startswith("mtp.") and not (k.startswith("layers.") and int(k.split(".")[1]) >= n_layers)
+    }
+    return main, depth

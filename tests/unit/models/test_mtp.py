@@ -1,5 +1,5 @@
-"""Multi-token prediction (titan/models/mtp.py) on DeepSeek-V3: transformers' own MTP module
-(``MtpModel``) from the same weights gives each depth's logits, the loss is the formula written out in
+"""Multi-token prediction (titan/models/mtp.py) on DeepSeek-V3 and Qwen3.5 / Qwen3-Next: transformers'
+own MTP module (``MtpModel``) from the same weights gives each depth's logits, the loss is the formula written out in
 plain torch (tests/helpers/mtp.py), the chunked loss matches the full one with its gradients, an HF
 folder with its MTP layers round-trips bitwise, and the counts, the window's end, documents and the
 refusals are as documented."""
@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from tests.helpers.deepseek import DSTEST
-from tests.helpers.mtp import deepseek_mtp_folder, reference_losses, transformers_logits
+from tests.helpers.mtp import deepseek_mtp_folder, qwen_mtp_folder, reference_losses, transformers_logits
 from titan.checkpointing.hf import load_hf, save_hf
 from titan.config import load_config
 from titan.errors import TitanError
@@ -25,6 +25,7 @@ from titan.models.deepseek_v3.args import deepseek_v3_configs, get_nparams_and_f
 from titan.models.deepseek_v3.model import DeepSeekV3Transformer
 from titan.models.documents import document_ids
 from titan.models.mtp import mtp_labels, shift_left
+from titan.models.qwen3_5 import Qwen35Transformer
 from titan.training.flops import mtp_output_flops_per_token
 from titan.training.loss import IGNORE_INDEX, TokenLoss, mtp_loss_of
 from titan.training.plan import check_mtp
@@ -193,3 +194,27 @@ def test_memory_estimate_holds_the_mtp_parameters_and_activations() -> None:
     block = sum(p.numel() for p in _model(DSTEST).layers["2"].parameters())
     assert mtp.params - plain.params == block + 2 * DSTEST.dim**2 + 3 * DSTEST.dim
     assert mtp.activation_bytes > plain.activation_bytes  # a block and a second set of logits
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
+def test_qwen_mtp_head_gives_transformers_logits_and_round_trips(model_type: str, tmp_path: Path) -> None:
+    """Qwen3.5 / Qwen3.5-MoE / Qwen3-Next: the releases' mtp.* head loads as depth 1 (a
+    full-attention block, dense or MoE as the model, and (1 + weight) norms) with transformers'
+    MtpModel's logits, and exports back bitwise with mtp_num_hidden_layers."""
+    hf, mtp = qwen_mtp_folder(tmp_path / "hf", model_type)
+    state, args = load_hf(tmp_path / "hf", torch.float32, mtp_depth=1)
+    model = Qwen35Transformer(args)
+    model.load_state_dict(state, strict=True)
+    model.init_buffers()
+    tokens = torch.randint(0, args.vocab_size, (2, 21), generator=torch.Generator().manual_seed(1))
+    want = transformers_logits(hf, mtp, tokens[:, :-1])
+    with torch.no_grad():
+        got = model(tokens[:, :-1])
+    for k, logits in enumerate(want):
+        torch.testing.assert_close(got[2 * k : 2 * (k + 1)], logits, atol=5e-5, rtol=1e-5)
+    save_hf(model.state_dict(), args, tmp_path / "out")
+    before, after = _files(tmp_path / "hf"), _files(tmp_path / "out")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert json.loads((tmp_path / "out/config.json").read_text())["mtp_num_hidden_layers"] == 1
+    with pytest.raises(TitanError, match="one fusion"):
+        save_hf(model.state_dict(), dataclasses.replace(args, mtp_depth=2), tmp_path / "two")

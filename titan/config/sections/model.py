@@ -67,8 +67,8 @@ class Model:
     token further ahead (depth k: token t + k + 1) from the previous depth's hidden state and the
     embedding of token t + k, through one block of the model's own kind and the shared output
     head; their loss is added with training.mtp_loss_weight. 0: off. Families with MTP modules:
-    deepseek_v3 (Hugging Face layer num_hidden_layers, ``num_nextn_predict_layers``). Not with
-    context parallelism. docs/deepseek_v3.md has the details."""
+    deepseek_v3 (Hugging Face layer num_hidden_layers, ``num_nextn_predict_layers``) and qwen3_5
+    (``mtp.*``, one depth). Not with context parallelism. docs/deepseek_v3.md has the details."""
 
     def validate(self) -> None:
         for key in SHAPE_OVERRIDES:

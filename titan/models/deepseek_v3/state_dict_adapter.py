@@ -37,7 +37,7 @@ from titan.models.llama.state_dict_adapter import (
     tied_from_shapes,
 )
 from titan.models.moe import MoEArgs
-from titan.models.mtp import mtp_depth_from_shapes
+from titan.models.mtp import split_mtp_shapes
 
 _LAYER_MAP = MappingProxyType(
     {
@@ -348,8 +348,8 @@ def args_from_shapes(shapes: dict[str, tuple[int, ...]], base: DeepSeekV3ModelAr
     vocab, dim = shapes["tok_embeddings.weight"]
     if dim != base.dim:
         raise TitanError(f"{where}: embedding width {dim} is not the flavor's dim {base.dim}; pick the right flavor")
-    depth = mtp_depth_from_shapes(shapes)  # its blocks are the last layers
-    n_layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("layers.")) - depth
+    shapes, depth = split_mtp_shapes(shapes)
+    n_layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("layers."))
     args = replace(
         base, vocab_size=vocab, n_layers=n_layers, mtp_depth=depth, tie_embeddings=tied_from_shapes(shapes, base)
     )
