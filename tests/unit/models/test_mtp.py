@@ -7,6 +7,7 @@ refusals are as documented."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -31,6 +32,7 @@ from titan.training.loss import IGNORE_INDEX, TokenLoss, mtp_loss_of
 from titan.training.plan import check_mtp
 
 DEPTH = 2
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _model(args, seed: int = 0) -> DeepSeekV3Transformer:
@@ -133,6 +135,14 @@ def test_release_folder_round_trips_bitwise_with_its_mtp_layers(release, tmp_pat
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)  # embed/head copies included
     assert json.loads((tmp_path / "out/config.json").read_text())["num_nextn_predict_layers"] == DEPTH
+    # scripts/convert_hf.py: the release -> a model-only DCP folder with its MTP layers -> the release again
+    spec = importlib.util.spec_from_file_location("convert_hf", REPO / "scripts/convert_hf.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)  # type: ignore[union-attr]
+    assert script.main(["from_hf", str(folder), str(tmp_path / "dcp"), "--mtp_depth", str(DEPTH)]) == 0
+    assert script.main(["to_hf", str(tmp_path / "dcp"), str(tmp_path / "again")]) == 0
+    again = _files(tmp_path / "again")
+    assert again.keys() == before.keys() and all(torch.equal(before[k], again[k]) for k in before)
     with caplog.at_level(logging.INFO, logger="titan"):
         state, args = load_hf(folder, mtp_depth=0)
     assert args.mtp_depth == 0 and not any(k.startswith("mtp.") or k.startswith("layers.2.") for k in state)
@@ -218,3 +228,27 @@ def test_qwen_mtp_head_gives_transformers_logits_and_round_trips(model_type: str
     assert json.loads((tmp_path / "out/config.json").read_text())["mtp_num_hidden_layers"] == 1
     with pytest.raises(TitanError, match="one fusion"):
         save_hf(model.state_dict(), dataclasses.replace(args, mtp_depth=2), tmp_path / "two")
+
+
+@pytest.mark.slow
+def test_continued_pretraining_from_the_release_starts_at_transformers_losses(release, tmp_path) -> None:
+    """checkpoint.initial_load_in_hf with model.mtp_depth: the first step's loss and MTP loss are
+    transformers' (its model and MtpModel) on the same batch, by the written-out formula."""
+    from titan.training.trainer import Trainer
+
+    folder, hf, mtp = release
+    flags = [
+        "--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", str(tmp_path),
+        "--model.name", "deepseek_v3", "--model.mtp_depth", str(DEPTH), "--training.seq_len", "16",
+        "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--checkpoint.enable",
+        "--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_in_hf",
+        "--checkpoint.config_mismatch", "use_checkpoint", "--metrics.enable_tensorboard", "false",
+    ]  # fmt: skip
+    trainer = Trainer(load_config(flags))  # loads the folder's weights, its MTP layers included
+    batch = trainer.next_microbatches()
+    assert batch is not None
+    result = trainer.train_step(batch)
+    inputs, labels = batch[0]
+    main, mtp_loss = reference_losses(transformers_logits(hf, mtp, inputs), labels)
+    assert abs(result.loss.item() - main.item()) < 1e-4
+    assert abs(result.extra["mtp_loss"].item() - mtp_loss.item()) < 1e-4
