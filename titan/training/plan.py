@@ -25,6 +25,7 @@ from titan.parallel.float8 import check_float8_grouped_mm
 from titan.parallel.fsdp import check_cpu_offload
 from titan.parallel.pp import FIRST_MODULES, LAST_MODULES, split_modules
 from titan.training.optim_in_backward import check_step_in_backward
+from titan.training.qk_clip import check_qk_clip
 from titan.training.validation import validate_job
 
 __all__ = ["ModelPlan", "RunPlan", "check_run", "grad_accumulation_steps", "plan_model", "plan_run", "run_model_args"]
@@ -144,6 +145,7 @@ def check_run(config: JobConfig, dims: ParallelDims, model_args: Any, device_typ
     if config.training.enable_cpu_offload:
         check_cpu_offload(dims.fsdp_enabled, config.float8, config.training.nonfinite, device_type)
     check_step_in_backward(config.optimizer, config.training, dims)
+    check_qk_clip(config, dims)
 
 
 def check_mtp(model_args: Any, cp: int, seq_len: int) -> None:

@@ -53,6 +53,8 @@ class Qwen35Attention(Qwen3Attention):
     multiplied by sigmoid(gate) before ``wo``. wq's rows are [q (head_dim), gate (head_dim)] per
     head (Hugging Face's order), so tensor parallelism splits whole heads with their gates."""
 
+    qk_norm_offset = 1.0  # QK-clip scales the norms' 1 + weight (qwen3's rescale of q_norm / k_norm)
+
     def __init__(self, args: Qwen35ModelArgs, flex_kernel: FlexKernel | None, layer_id: int) -> None:
         super().__init__(args, flex_kernel, layer_id)
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim * 2, bias=False)
