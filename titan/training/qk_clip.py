@@ -124,8 +124,10 @@ class QKClip:
         self.modules = attention_modules(parts)
         args = getattr(parts[0], "model_args", None)
         # SDPA under context parallelism is ring attention on sharded q/k/v: no logits to take
-        # (check_qk_clip refuses clipping there; the metric is left out).
-        self.enabled = bool(self.modules) and args is not None and not (dims.cp_enabled and attn_type != "flex")
+        # (check_qk_clip refuses clipping there; the metric is left out). A pipeline stage without
+        # attention (qwen3_5's DeltaNet layers) still joins every rank's reduction of the table.
+        has_attention = bool(self.modules) or dims.pp_enabled
+        self.enabled = has_attention and args is not None and not (dims.cp_enabled and attn_type != "flex")
         self._tracking = False
         self._table: torch.Tensor | None = None
         self._clipped = torch.zeros((), dtype=torch.int64, device=device)
