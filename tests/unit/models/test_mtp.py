@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -48,6 +49,15 @@ def _files(folder: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(f), framework="pt") as h:
             out.update({k: h.get_tensor(k) for k in h.keys()})
     return out
+
+
+def _convert_hf() -> Any:
+    """scripts/convert_hf.py as a module (its main(argv) returns the exit code)."""
+    spec = importlib.util.spec_from_file_location("convert_hf", REPO / "scripts/convert_hf.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +146,7 @@ def test_release_folder_round_trips_bitwise_with_its_mtp_layers(release, tmp_pat
     assert all(torch.equal(before[k], after[k]) for k in before)  # embed/head copies included
     assert json.loads((tmp_path / "out/config.json").read_text())["num_nextn_predict_layers"] == DEPTH
     # scripts/convert_hf.py: the release -> a model-only DCP folder with its MTP layers -> the release again
-    spec = importlib.util.spec_from_file_location("convert_hf", REPO / "scripts/convert_hf.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)  # type: ignore[union-attr]
+    script = _convert_hf()
     assert script.main(["from_hf", str(folder), str(tmp_path / "dcp"), "--mtp_depth", str(DEPTH)]) == 0
     assert script.main(["to_hf", str(tmp_path / "dcp"), str(tmp_path / "again")]) == 0
     again = _files(tmp_path / "again")
@@ -210,7 +218,8 @@ def test_memory_estimate_holds_the_mtp_parameters_and_activations() -> None:
 def test_qwen_mtp_head_gives_transformers_logits_and_round_trips(model_type: str, tmp_path: Path) -> None:
     """Qwen3.5 / Qwen3.5-MoE / Qwen3-Next: the releases' mtp.* head loads as depth 1 (a
     full-attention block, dense or MoE as the model, and (1 + weight) norms) with transformers'
-    MtpModel's logits, and exports back bitwise with mtp_num_hidden_layers."""
+    MtpModel's logits, and exports back bitwise with mtp_num_hidden_layers (Qwen3-Next also through
+    scripts/convert_hf.py's model-only DCP folder)."""
     hf, mtp = qwen_mtp_folder(tmp_path / "hf", model_type)
     state, args = load_hf(tmp_path / "hf", torch.float32, mtp_depth=1)
     model = Qwen35Transformer(args)
@@ -226,6 +235,12 @@ def test_qwen_mtp_head_gives_transformers_logits_and_round_trips(model_type: str
     before, after = _files(tmp_path / "hf"), _files(tmp_path / "out")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert json.loads((tmp_path / "out/config.json").read_text())["mtp_num_hidden_layers"] == 1
+    if model_type == "qwen3_next":  # scripts/convert_hf.py both ways, through a model-only DCP folder
+        script = _convert_hf()
+        assert script.main(["from_hf", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--mtp_depth", "1"]) == 0
+        assert script.main(["to_hf", str(tmp_path / "dcp"), str(tmp_path / "again")]) == 0
+        again = _files(tmp_path / "again")
+        assert again.keys() == before.keys() and all(torch.equal(before[k], again[k]) for k in before)
     with pytest.raises(TitanError, match="one fusion"):
         save_hf(model.state_dict(), dataclasses.replace(args, mtp_depth=2), tmp_path / "two")
 
