@@ -38,7 +38,7 @@ CONFIG_FILE = "config.json"
 # section -> keys compared (None: every key of the section) / keys never compared.
 _RELEVANT: Mapping[str, tuple[str, ...] | None] = MappingProxyType(
     {
-        "model": ("name", "flavor", "tokenizer_path", "vocab_size"),
+        "model": ("name", "flavor", "tokenizer_path", "vocab_size", "mtp_depth"),
         "optimizer": None,
         "lr_scheduler": None,
         "training": (
@@ -78,7 +78,14 @@ _FREE = MappingProxyType({"optimizer": ("implementation",)})
 POLICIES = choices(ConfigMismatch)
 # Read before the dump folder is even looked at (model flavor, batch shape): use_checkpoint names
 # the flag to pass instead of changing them under a half-built run.
-_SHAPE_KEYS = ("model.name", "model.flavor", "model.tokenizer_path", "training.local_batch_size", "training.seq_len")
+_SHAPE_KEYS = (
+    "model.name",
+    "model.flavor",
+    "model.tokenizer_path",
+    "model.mtp_depth",
+    "training.local_batch_size",
+    "training.seq_len",
+)
 
 
 def snapshot(config: Any, dp_degree: int) -> dict[str, Any]:

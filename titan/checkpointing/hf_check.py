@@ -50,9 +50,18 @@ def check_export_config(adapter: Any, args: Any, config: dict[str, Any]) -> None
     reader, describes the model being exported: the same tensor shapes and the same settings, each
     side as config.json states it (the adapter's ``hf_view``: settings without effect reset, derived
     ones made explicit)."""
-    back = adapter.hf_config_to_args(_through_transformers(config))
+    resolved = _through_transformers(config)
+    back = adapter.hf_config_to_args(resolved)
     if type(back) is not type(args):
         raise TitanError(f"HF export refused: config.json reads back as {type(back).__name__}")
+    if hasattr(args, "mtp_depth"):  # a load takes the MTP layers a run asks for, not config.json's count
+        written = adapter.hf_config_mtp_depth(resolved)
+        if written != args.mtp_depth:
+            raise TitanError(
+                f"HF export refused: config.json says {written} multi-token-prediction layer(s), the model has"
+                f" {args.mtp_depth}"
+            )
+        back = dataclasses.replace(back, mtp_depth=args.mtp_depth)
     back = _untold(args, back)
     if back == args:  # the same model (and so the same shapes)
         return

@@ -164,8 +164,9 @@ def _fake_forward_backward_peak(model_cls: type, model_args, config: JobConfig, 
     the forward under autocast: the bf16 copies of the weights, the fp32 residual stream and norm
     outputs, and the casts saved for backward all exist there too, so the fake run does the same.
     """
+    from titan.models.mtp import mtp_labels
     from titan.training.build import hand_over_hidden
-    from titan.training.loss import TokenLoss
+    from titan.training.loss import IGNORE_INDEX, token_loss
 
     t = config.training
     ac = config.activation_checkpoint
@@ -182,7 +183,7 @@ def _fake_forward_backward_peak(model_cls: type, model_args, config: JobConfig, 
             torch.set_default_dtype(previous)
         # The trainer's loss: the full logits, or the output projection + loss by chunks.
         hand_over_hidden(model, t.loss_chunk_tokens > 0, getattr(config.model, "name", ""))
-        loss_fn = TokenLoss(t.loss_chunk_tokens)
+        loss_fn = token_loss(config, model_args)  # with the MTP depths' rows, as the trainer's
         loss_fn.bind([model])
         # Activation checkpointing as the trainer applies it (each mode's recomputation is measured).
         apply_ac(model, ac.mode, ac.selective_ac_option)
@@ -202,8 +203,10 @@ def _fake_forward_backward_peak(model_cls: type, model_args, config: JobConfig, 
             if getattr(model_args, "attn_mask_type", "causal") == "block_causal"
             else {}
         )
+        if loss_fn.mtp_depth:
+            labels = mtp_labels(labels, loss_fn.mtp_depth, IGNORE_INDEX, docs.get("doc_ids"))
         tracker = LiveBytes()
-        tracker.ignore([*model.parameters(), *model.buffers(), tokens, *docs.values()])
+        tracker.ignore([*model.parameters(), *model.buffers(), tokens, labels, *docs.values()])
         with tracker:
             # The trainer's order (titan.training.forward): forward and loss under autocast (the
             # chunked loss runs each chunk's backward in it), the model's backward after.

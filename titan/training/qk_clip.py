@@ -29,6 +29,7 @@ from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.models.llama.model import Attention
 from titan.models.max_logits import RowScale
+from titan.models.mtp import mtp_depth
 from titan.parallel.dims import ParallelDims
 from titan.training.metrics import FILES_ONLY_PREFIXES
 
@@ -139,7 +140,7 @@ class QKClip:
         assert args is not None
         tp = dims.submesh("tp")
         tp_size, tp_rank = (1, 0) if tp is None else (tp.size(), tp.get_local_rank())
-        self.shape = (args.n_layers, args.n_heads)
+        self.shape = (args.n_layers + mtp_depth(args), args.n_heads)  # multi-token prediction's blocks last
         self.slots = []  # (layer, first column, module): this rank's heads in the table
         for m in self.modules:
             heads = m.n_heads // tp_size

@@ -6,7 +6,8 @@ MoE layout tests cover them. The tiny hybrid has three Gated DeltaNet blocks and
 block (2 key / 4 value DeltaNet heads: TP 2 splits both); the MoE one routes in every block with the
 gated shared expert (TP: the router and the shared expert's gate whole on every rank). Compile with the
 memory-budget AC runs in one process against eager (one block of each kind, 3 steps). Context
-parallelism is refused in one line."""
+parallelism is refused in one line. The MoE model with one multi-token-prediction depth under TP 2
+and PP 2 gives the one-process (loss, grad norm, MTP loss) for 3 steps (1e-5 relative)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.mtp import run_mtp
 from tests.helpers.parity import GLOBAL_BATCH, VOCAB, close, config, run
 from titan.errors import TitanError
 from titan.models import get_model_spec, register_flavor, register_model_spec
@@ -46,6 +48,7 @@ FLAVORS = {
 }
 SHARD = "--parallelism.data_parallel_shard_degree"
 BF16 = ("--training.mixed_precision_param", "bfloat16")
+MTP = ("--model.mtp_depth", "1", "--metrics.log_freq", "1")
 
 
 @contextlib.contextmanager
@@ -74,7 +77,10 @@ def on_two_ranks(rank: int, world: int, dump: str) -> dict:
     tp2 = ("--parallelism.tensor_parallel_degree", "2", SHARD, "1")
     ep2 = (SHARD, "2", "--parallelism.expert_parallel_degree", "2")
     pp2 = ("--parallelism.pipeline_parallel_degree", "2", SHARD, "1")
-    return _layouts(
+    with qwen3_5_flavors():  # multi-token prediction (one full-attention MoE block): (loss, grad norm, MTP loss)
+        mtp = {f"moe_mtp_{name}": run_mtp(_trainer(dump, "q35moetest", 1, *MTP, *flags)) for name, flags in (
+            ("tp2", tp2), ("pp2", pp2))}  # fmt: skip
+    return mtp | _layouts(
         dump,
         {
             "fsdp2": ("q35test", 2, (SHARD, "2")),
@@ -93,7 +99,8 @@ def references(tmp_path_factory) -> dict:
     """The one-process runs."""
     dump = str(tmp_path_factory.mktemp("q35ref"))
     with qwen3_5_flavors():
-        return {f: run(_trainer(dump, f, GLOBAL_BATCH), steps=3 if f == "q35short" else STEPS) for f in FLAVORS}
+        out = {f: run(_trainer(dump, f, GLOBAL_BATCH), steps=3 if f == "q35short" else STEPS) for f in FLAVORS}
+        return out | {"mtp": run_mtp(_trainer(dump, "q35moetest", GLOBAL_BATCH, *MTP))}
 
 
 def test_layouts_match_their_data_parallel_layout(tmp_path: Path, references: dict) -> None:
@@ -107,6 +114,9 @@ def test_layouts_match_their_data_parallel_layout(tmp_path: Path, references: di
         close(r["moe_ep2"], moe, "moe ep2 vs 1 process", 1e-4)
         close(r["moe_tp2"], moe, "moe tp2 (router and shared gate whole, gradients summed)", TOL)
         close(r["moe_ep2_bf16"], r["moe_ep2"], "ep2 bf16 vs fp32", BF16_TOL, relative=True)
+        for name in ("moe_mtp_tp2", "moe_mtp_pp2"):
+            close(r[name], references["mtp"], name, PP_RTOL, relative=True)
+            assert max(abs(a[2] - b[2]) / b[2] for a, b in zip(r[name], references["mtp"])) < PP_RTOL, name
 
 
 def test_compile_with_memory_budget_ac_matches_eager(tmp_path: Path, references: dict) -> None:

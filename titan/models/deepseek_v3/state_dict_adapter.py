@@ -17,6 +17,7 @@ function. Absent fields take transformers' defaults (TRANSFORMERS_DEFAULTS).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
@@ -36,6 +37,7 @@ from titan.models.llama.state_dict_adapter import (
     tied_from_shapes,
 )
 from titan.models.moe import MoEArgs
+from titan.models.mtp import split_mtp_shapes
 
 _LAYER_MAP = MappingProxyType(
     {
@@ -60,6 +62,16 @@ _LAYER_MAP = MappingProxyType(
     }
 )
 _LAYER_INV = MappingProxyType({v: k for k, v in _LAYER_MAP.items()})
+# Multi-token prediction: depth k's fusion parts (titan's mtp.<k>) sit in the release's layer
+# n_layers + k beside its block; that layer also stores copies of the shared embedding and head.
+_MTP_MAP = MappingProxyType(
+    {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+     "norm.weight": "shared_head.norm.weight"}
+)  # fmt: skip
+_MTP_INV = MappingProxyType({v: k for k, v in _MTP_MAP.items()})
+_MTP_SHARED = MappingProxyType(
+    {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
+)
 
 # transformers' DeepseekV3Config defaults: what an absent field means.
 TRANSFORMERS_DEFAULTS: MappingProxyType[str, Any] = MappingProxyType(
@@ -118,18 +130,64 @@ def to_hf(
             return {gate: _cast(value, dtype), f"model.layers.{layer}.{_LAYER_MAP['moe.expert_bias']}": bias}
         return mlp_experts_to_hf(state_dict, layer, rest, value, dtype)
 
-    return layers_to_hf(state_dict, model_args, dtype, "DeepSeek-V3", _LAYER_MAP, experts)
+    mtp = {k: v for k, v in state_dict.items() if k.startswith("mtp.")}
+    out = layers_to_hf(
+        {k: v for k, v in state_dict.items() if k not in mtp}, model_args, dtype, "DeepSeek-V3", _LAYER_MAP, experts
+    )
+    return out | _mtp_to_hf(state_dict, mtp, model_args, dtype)
+
+
+def _mtp_to_hf(
+    state_dict: dict[str, torch.Tensor],
+    mtp: dict[str, torch.Tensor],
+    args: DeepSeekV3ModelArgs,
+    dtype: torch.dtype | None,
+) -> dict[str, torch.Tensor]:
+    """The MTP fusion parts as the release's layer n_layers + k keys, and beside the embedding and
+    the head (in the same call, so in their file) the copies each MTP layer stores of them."""
+    out = {}
+    for key, value in mtp.items():
+        _, k, rest = key.split(".", 2)
+        if rest not in _MTP_MAP:
+            raise TitanError(f"state dict key {key!r} has no Hugging Face DeepSeek-V3 equivalent")
+        out[f"model.layers.{args.n_layers + int(k)}.{_MTP_MAP[rest]}"] = value if dtype is None else value.to(dtype)
+    shared = dict(_MTP_SHARED)
+    if args.tie_embeddings:  # the export holds the embedding only; the head copy is the same tensor
+        shared["shared_head.head.weight"] = "tok_embeddings.weight"
+    for hf, titan in shared.items():
+        if titan in state_dict:
+            value = state_dict[titan] if dtype is None else state_dict[titan].to(dtype)
+            # copies: safetensors stores no tensors that share memory
+            out |= {f"model.layers.{args.n_layers + k}.{hf}": value.clone() for k in range(args.mtp_depth)}
+    return out
 
 
 def skipped_hf_layer(layer: int, model_args: DeepSeekV3ModelArgs) -> str | None:
-    """Why Hugging Face layer ``layer`` is not imported (None: it is). The layers from
-    num_hidden_layers on hold the multi-token-prediction (MTP) modules of DeepSeek-V3 and Kimi K2
-    (their layer 61: embed/enorm/hnorm/eh_proj/shared_head and a decoder block); titan's
-    deepseek_v3 has no MTP module, so they are skipped (transformers skips them too). The one
-    place that decides: a model with MTP modules maps those layers here instead."""
-    if layer >= model_args.n_layers:
-        return "multi-token prediction, which titan's deepseek_v3 does not build"
+    """Why Hugging Face layer ``layer`` is not imported (None: it is), the one place that decides.
+    The layers from num_hidden_layers on hold the multi-token-prediction (MTP) modules of
+    DeepSeek-V3 and Kimi K2 (their layer 61: embed/enorm/hnorm/eh_proj/shared_head and a decoder
+    block); the model's mtp_depth (config key model.mtp_depth) first of them are imported, the
+    rest skipped (transformers' DeepseekV3ForCausalLM skips them all)."""
+    if layer >= model_args.n_layers + model_args.mtp_depth:
+        return f"multi-token prediction, beyond model.mtp_depth = {model_args.mtp_depth}"
     return None
+
+
+def hf_config_mtp_depth(config: dict[str, Any]) -> int:
+    """The MTP layers config.json announces (transformers' num_mtp_layers, stored as
+    num_nextn_predict_layers; 1 when absent). save_pretrained writes 1 without any MTP weights: a
+    load goes by the weights (hf_mtp_depth), an export's self-check by this."""
+    return int(config.get("num_nextn_predict_layers", config.get("num_mtp_layers", 1)) or 0)
+
+
+def hf_mtp_depth(keys: Iterable[str], model_args: DeepSeekV3ModelArgs) -> int:
+    """How many MTP layers the weights ``keys`` hold (those from num_hidden_layers on with an eh_proj)."""
+    layers = set()
+    for key in keys:
+        parts = key.split(".")
+        if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[3] == "eh_proj":
+            layers.add(int(parts[2]))
+    return len({i for i in layers if i >= model_args.n_layers})
 
 
 def from_hf(
@@ -140,6 +198,15 @@ def from_hf(
     def special(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         if skipped_hf_layer(int(layer), model_args) is not None:
             return {}
+        if int(layer) >= model_args.n_layers:  # an MTP layer: its fusion parts, the shared copies, a block
+            if rest in _MTP_INV:
+                return {
+                    f"mtp.{int(layer) - model_args.n_layers}.{_MTP_INV[rest]}": value
+                    if dtype is None
+                    else value.to(dtype)
+                }
+            if rest in _MTP_SHARED:
+                return {}  # the main model's embedding and head are used
         if rest == "mlp.gate.e_score_correction_bias":
             if model_args.moe_args.load_balance_coeff is None:
                 if not value.is_meta and bool(value.abs().max() > 0):
@@ -267,8 +334,7 @@ def args_to_hf_config(args: DeepSeekV3ModelArgs, dtype: torch.dtype = torch.floa
         "norm_topk_prob": moe.route_norm, "hidden_act": "silu", "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps, "tie_word_embeddings": args.tie_embeddings, "rope_parameters": rope,
         "rope_interleave": True, "attention_bias": False, "attention_dropout": 0.0,
-        # titan trains no multi-token-prediction modules, so the export holds none.
-        "num_nextn_predict_layers": 0, "torch_dtype": str(dtype).removeprefix("torch."),
+        "num_nextn_predict_layers": args.mtp_depth, "torch_dtype": str(dtype).removeprefix("torch."),
     }  # fmt: skip
 
 
@@ -284,14 +350,17 @@ def hf_view(args: DeepSeekV3ModelArgs) -> DeepSeekV3ModelArgs:
 
 
 def args_from_shapes(shapes: dict[str, tuple[int, ...]], base: DeepSeekV3ModelArgs, where: str) -> DeepSeekV3ModelArgs:
-    """``base`` (a flavor) with vocab_size, n_layers and tie_embeddings read off a checkpoint's shapes."""
+    """``base`` (a flavor) with vocab_size, n_layers, mtp_depth and tie_embeddings read off a checkpoint's shapes."""
     if "tok_embeddings.weight" not in shapes:
         raise TitanError(f"{where}: no tok_embeddings.weight; cannot infer the model shape")
     vocab, dim = shapes["tok_embeddings.weight"]
     if dim != base.dim:
         raise TitanError(f"{where}: embedding width {dim} is not the flavor's dim {base.dim}; pick the right flavor")
+    shapes, depth = split_mtp_shapes(shapes)
     n_layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("layers."))
-    args = replace(base, vocab_size=vocab, n_layers=n_layers, tie_embeddings=tied_from_shapes(shapes, base))
+    args = replace(
+        base, vocab_size=vocab, n_layers=n_layers, mtp_depth=depth, tie_embeddings=tied_from_shapes(shapes, base)
+    )
     args.validate()
     return args
 
@@ -311,6 +380,8 @@ class DeepSeekV3StateDictAdapter:
     hf_model_types = ("deepseek_v3", "kimi_k2")  # Kimi K2 / K2.x: DeepseekV3ForCausalLM with its own values
     hf_per_expert = True  # releases store one key per routed expert (written so on export)
     skipped_hf_layer = staticmethod(skipped_hf_layer)
+    hf_mtp_depth = staticmethod(hf_mtp_depth)
+    hf_config_mtp_depth = staticmethod(hf_config_mtp_depth)
     args_from_shapes = staticmethod(args_from_shapes)
     state_dict_shapes = staticmethod(state_dict_shapes)
     to_hf = staticmethod(to_hf)

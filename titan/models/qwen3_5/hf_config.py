@@ -218,6 +218,13 @@ def args_to_hf_config(args: Qwen35ModelArgs, dtype: torch.dtype = torch.float32)
         "linear_conv_kernel_dim": args.linear_conv_kernel_dim,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if args.mtp_depth > 1:
+        raise TitanError(
+            f"Hugging Face Qwen3.5 / Qwen3-Next multi-token prediction has one fusion (mtp.fc) for all its layers;"
+            f" titan's model.mtp_depth = {args.mtp_depth} has one per depth: export a model with mtp_depth <= 1"
+        )
+    if args.mtp_depth:
+        out["mtp_num_hidden_layers"] = args.mtp_depth  # the releases' field (transformers keeps it as read)
     if model_type != "qwen3_5_moe_text":
         out["intermediate_size"] = args.hidden_dim
     if not args.moe_enabled:
