@@ -232,7 +232,7 @@ QWEN3_5_EXPORTS = {
     "decoder_sparse_step": (2,), "mlp_only_layers": ([1],), "partial_rotary_factor": (1.0,),
     "layer_types": (["full_attention"] * 4,), "full_attention_interval": (2,), "linear_num_key_heads": (1,),
     "linear_num_value_heads": (4,), "linear_key_head_dim": (8,), "linear_value_head_dim": (8,),
-    "linear_conv_kernel_dim": (2,), "release": ("qwen3_next", "qwen3_5"),
+    "linear_conv_kernel_dim": (2,), "release": ("qwen3_next", "qwen3_5"), "mtp_depth": (1,),
 }  # fmt: skip
 # One export sweep per titan family (args class), from an MoE config where it has one: moe_enabled
 # false and release cover its other Hugging Face types.
@@ -245,7 +245,7 @@ EXPORTS: dict[str, dict[str, tuple[Any, ...]]] = {
                     "qk_nope_head_dim": (4,), "qk_rope_head_dim": (8,), "v_head_dim": (8,),
                     "latent_norm_eps": (None, 1e-5), "original_seq_len": (8, 64), "rope_factor": (2.0,),
                     "beta_fast": (8.0,), "beta_slow": (2.0,), "mscale": (0.5,), "use_yarn": (None, True),
-                    "rope_attention_factor": (1.2,)},
+                    "rope_attention_factor": (1.2,), "mtp_depth": (1,)},
     "gpt_oss": {**LLAMA_EXPORTS, **MOE_EXPORTS, "head_dim": (4,), "attention_bias": (False,),
                 "sliding_window_size": (None, 2), "layer_types": (["full_attention"] * 2,),
                 "rope_type": ("default",), "rope_factor": (2.0,), "original_seq_len": (16,), "ntk_alpha": (2.0,),
