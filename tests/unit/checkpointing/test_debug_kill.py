@@ -29,11 +29,12 @@ def test_debug_kill_hook():
 def test_debug_kill_at_one_attempt_only(monkeypatch):
     """``@attemptA``: only torchrun's restart A fails, so a restarted run can get past the point."""
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert DebugKill("error:step=3@attempt0").point is None
+    assert not DebugKill("error:step=3@attempt0").here()
+    DebugKill("error:step=3@attempt0")("step", 3)  # another attempt's point: nothing
     with pytest.raises(TitanError, match="injected failure after step 3"):
         DebugKill("error:step=3@attempt1")("step", 3)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")  # not under torchrun: the first attempt
-    assert DebugKill("step=3@rank0@attempt0").point == "step"
+    assert DebugKill("step=3@rank0@attempt0").here()
 
 
 def test_points_that_pause_or_interrupt():

@@ -1,0 +1,276 @@
+"""Warm restarts: ranks that start with torch and titan already imported.
+
+With ``--max-restarts N`` the launcher keeps one standby process per local rank: ``python -m
+titan.launch.standby``, which imports torch, torch.distributed and titan's trainer (seconds of CPU
+per process) and then waits for work on its standard input. When torchrun restarts the ranks, each
+new rank is a standby handed its assignment (the rank's command line after the interpreter, its
+environment, its output files) instead of a fresh interpreter: it pays neither the imports nor
+their CPU while the others wait. A new standby is started right away for the next restart; while
+it imports it runs at a lower priority (when it may take its priority back once assigned: root, or
+CAP_SYS_NICE / RLIMIT_NICE), so it takes little from the training ranks. The first attempt starts
+cold (the standbys start with it).
+
+torchrun keeps doing everything else (rendezvous, monitoring, stopping): the launcher hands its
+process context a handler holding the standby's process instead of a new one
+(``rank_process``), only for titan's own entry point (``train.py`` or ``-m titan.train``). Each
+rank's handler also notes when its process ended, so the next attempt's goodput record can tell
+detection from restart. ``TITAN_WARM_RESTARTS=0`` turns standbys off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+WARM_ENV = "TITAN_WARM_RESTARTS"
+STARTED_AT_ENV = "TITAN_PROCESS_STARTED_AT"  # a standby's start as a rank (epoch seconds)
+PRELOAD = ("torch", "torch.distributed", "titan.training.trainer", "titan.launch.entry")
+_NICE = 10
+_CAP_SYS_NICE = 23
+
+
+def titan_entry(args: tuple) -> bool:
+    """Whether a rank's arguments (after the interpreter) run titan's entry point."""
+    rest = [str(a) for a in args]
+    if rest and rest[0] == "-u":
+        rest = rest[1:]
+    if rest[:2] == ["-m", "titan.train"]:
+        return True
+    return bool(rest) and os.path.basename(rest[0]) == "train.py"
+
+
+class StandbyPool:
+    """This launcher's standby processes, one per local rank it has started."""
+
+    def __init__(self, preload: tuple[str, ...] = ()) -> None:
+        self.size, self.preload = 0, preload
+        self.ready: list[subprocess.Popen] = []
+
+    def fill(self) -> None:
+        self.ready = [p for p in self.ready if p.poll() is None]
+        while len(self.ready) < self.size:
+            self.ready.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "titan.launch.standby", *self.preload],
+                    stdin=subprocess.PIPE,
+                    start_new_session=True,  # as torchrun's own ranks: signalled by process group
+                )
+            )
+
+    def take(self) -> subprocess.Popen | None:
+        while self.ready:
+            proc = self.ready.pop(0)
+            if proc.poll() is None:
+                return proc
+        return None
+
+    def close(self) -> None:
+        for proc in self.ready:
+            try:
+                assert proc.stdin is not None
+                proc.stdin.close()  # EOF: the standby exits
+                proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+        self.ready = []
+
+
+def _watch_exit(handler: Any) -> None:
+    """Note when the handler's process ends (``titan_exited_at``), without reaping it (torchrun's
+    poll does)."""
+    handler.titan_exited_at = None
+    pid = handler.proc.pid
+
+    def wait() -> None:
+        try:
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            pass
+        handler.titan_exited_at = time.time()
+
+    threading.Thread(target=wait, name=f"titan-exit-{pid}", daemon=True).start()
+
+
+class StandbyHandler:
+    """What torchrun's SubprocessContext holds per rank (its SubprocessHandler's interface), around
+    a standby process that took the rank's assignment."""
+
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        args: tuple,
+        env: dict[str, str],
+        stdout: str | None,
+        stderr: str | None,
+        local_rank_id: int,
+    ) -> None:
+        self.proc, self.local_rank_id = proc, local_rank_id
+        self._stdout = self._stderr = None
+        job = {"argv": [str(a) for a in args], "env": {**os.environ, **env}, "stdout": stdout, "stderr": stderr}
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(json.dumps(job).encode())
+            proc.stdin.close()
+        except OSError:  # it died meanwhile: torchrun sees it failed and restarts
+            pass
+
+    def close(self, death_sig: signal.Signals | None = None) -> None:
+        try:
+            os.killpg(self.proc.pid, death_sig or signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def rank_process(pool: StandbyPool | None, original: Callable[..., Any]) -> Callable[..., Any]:
+    """torchrun's ``get_subprocess_handler``, taking a standby for titan's entry point."""
+
+    def handler(
+        entrypoint: str,
+        args: tuple,
+        env: dict[str, str],
+        stdout: str,
+        stderr: str,
+        local_rank_id: int,
+        numa_options: Any = None,
+    ) -> Any:
+        eligible = pool is not None and entrypoint == sys.executable and titan_entry(args) and numa_options is None
+        proc = pool.take() if pool is not None and eligible else None
+        if proc is None:
+            out = original(
+                entrypoint=entrypoint,
+                args=args,
+                env=env,
+                stdout=stdout,
+                stderr=stderr,
+                local_rank_id=local_rank_id,
+                numa_options=numa_options,
+            )
+        else:
+            out = StandbyHandler(proc, args, env, stdout, stderr, local_rank_id)
+        _watch_exit(out)
+        if pool is not None:
+            pool.size = max(pool.size, local_rank_id + 1)
+            pool.fill()
+        return out
+
+    return handler
+
+
+def warm_restarts_wanted(max_restarts: int) -> bool:
+    return max_restarts > 0 and os.environ.get(WARM_ENV, "1") != "0"
+
+
+# ---------------------------------------------------------------- the standby process itself
+def _may_restore_priority() -> bool:
+    """Whether this process may raise its priority back after lowering it."""
+    try:
+        with open("/proc/self/status") as f:
+            caps = next((line.split()[1] for line in f if line.startswith("CapEff:")), "0")
+        if int(caps, 16) >> _CAP_SYS_NICE & 1:
+            return True
+    except (OSError, ValueError):
+        pass
+    return resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+
+
+def _autogroup(nice: int) -> None:
+    try:
+        with open("/proc/self/autogroup", "w") as f:  # the session's share against other sessions
+            f.write(str(nice))
+    except OSError:
+        pass
+
+
+def _lower_priority() -> bool:
+    if not _may_restore_priority():
+        return False
+    os.setpriority(os.PRIO_PROCESS, 0, _NICE)
+    _autogroup(_NICE)
+    return True
+
+
+def _restore_priority(pid: int) -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, 0)  # the main thread, which imports and then trains
+    except OSError:
+        pass
+    _autogroup(0)
+
+
+def _redirect(path: str | None, fd: int, saved: int) -> None:
+    if path:
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    else:
+        os.dup2(saved, fd)
+
+
+def _run(argv: list[str]) -> None:
+    """Run the rank's command line (what follows the interpreter) in this process."""
+    import runpy
+
+    if argv and argv[0] == "-u":
+        argv = argv[1:]
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[attr-defined]
+    if argv[:1] == ["-m"]:
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def main(preload: list[str]) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: gone with the launcher
+    saved = (os.dup(1), os.dup(2))
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)  # an import's warnings would reach the console unprefixed, outside any rank's log
+    lowered = _lower_priority()
+    main_pid = os.getpid()
+    job: dict[str, Any] = {}
+    assigned = threading.Event()
+
+    def read() -> None:
+        data = sys.stdin.buffer.read()
+        if data:
+            job.update(json.loads(data))
+        if lowered:
+            _restore_priority(main_pid)
+        assigned.set()
+
+    threading.Thread(target=read, name="titan-standby", daemon=True).start()
+    import importlib
+
+    for name in (*PRELOAD, *preload):
+        try:
+            importlib.import_module(name)
+        except Exception:  # the rank imports it again and reports it
+            pass
+    assigned.wait()
+    if not job:
+        return 0  # the launcher closed its end: no more restarts
+    os.environ.clear()
+    os.environ.update(job["env"])
+    os.environ[STARTED_AT_ENV] = repr(time.time())
+    _redirect(job["stdout"], 1, saved[0])
+    _redirect(job["stderr"], 2, saved[1])
+    _run(job["argv"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
