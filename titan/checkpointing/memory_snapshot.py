@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,7 +98,6 @@ class MemorySnapshots:
         self.config = digest(json.dumps(config_diff.relevant(config_record), sort_keys=True).encode())
         self.interval = 0  # settled by start()
         self.summary = "off (checkpoint.memory_interval = 0)" if cfg.memory_interval == 0 else "off"
-        self._executor: ThreadPoolExecutor | None = None
         self._job: _Job | None = None
         self._hooks: list[Any] = []
         self.taken = self.skipped = 0
@@ -191,7 +190,6 @@ class MemorySnapshots:
             f"{peer}; {verdicts[self.rank][1]} of {verdicts[self.rank][2]} ({verdicts[self.rank][3]}) in {self.root}"
         )
         logger.info(f"in-memory snapshots: {self.summary}")
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-snapshot")
         self._hooks = [o.register_step_pre_hook(self._before_optimizer_step) for o in self._optimizers()]
 
     def _recover(self, disk_step: int) -> int | None:
@@ -303,8 +301,16 @@ class MemorySnapshots:
         if event is not None:
             event.record()
         copied = threading.Event()
-        assert self._executor is not None
-        future = self._executor.submit(self._write, step, state, copied, event)
+        future: Future = Future()
+
+        def work() -> None:
+            try:
+                future.set_result(self._write(step, state, copied, event))
+            except BaseException as e:  # reported by flags() at the next step
+                future.set_exception(e)
+
+        # a daemon thread: a ring copy stuck on a dead peer must not hold the process at exit
+        threading.Thread(target=work, name=f"titan-snapshot-{step}", daemon=True).start()
         self._job = _Job(step, copied, future, t0)
 
     def _write(self, step: int, state: dict[str, Any], copied: threading.Event, event: Any) -> None:
@@ -372,9 +378,6 @@ class MemorySnapshots:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
         if self.rank == 0 and (self.taken or self.skipped):
             mean = self.seconds / max(self.taken, 1)
             logger.info(

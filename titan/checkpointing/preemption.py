@@ -44,10 +44,11 @@ class PreemptionWatcher:
 
     def agree(self, *flags: int) -> tuple[int, ...]:
         """(stop, then the maximum over the ranks of each of ``flags``): one collective."""
-        t = torch.tensor([1 if self.received is not None else 0, *flags], dtype=torch.int32)
-        if self.group is not None:
+        out = (1 if self.received is not None else 0, *flags)
+        if self.group is not None:  # a CPU tensor on a gloo group: no device is waited for
+            t = torch.tensor(out, dtype=torch.int32)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        out = tuple(int(x) for x in t.tolist())
+            out = tuple(int(x) for x in t.tolist())
         if out[0]:
             name = signal.Signals(self.received).name if self.received else "a signal on another rank"
             then = "saving a checkpoint after this step" if self.saving else "stopping after this step without a save"

@@ -53,16 +53,18 @@ class _Access:
     """How a snapshot reads (``get``) and restores (``put``) one Stateful."""
 
     def __init__(self, stateful: Any) -> None:
-        self.get: Callable[[], Any] = stateful.state_dict
-        self.put: Callable[[Any], None] = stateful.load_state_dict
         parts = getattr(stateful, "parts", None)
         optimizers = getattr(stateful, "optimizers", None)
+        self.get: Callable[[], Any]
+        self.put: Callable[[Any], None]
         if isinstance(stateful, ModelParts) and parts is not None:
             self.get = lambda: [part.state_dict(keep_vars=True) for part in parts]
             self.put = lambda state: None  # its tensors are the modules' own, filled in place
         elif isinstance(optimizers, list) and optimizers and all(isinstance(o, Optimizer) for o in optimizers):
             self.get = lambda: [o.state_dict() for o in optimizers]
             self.put = lambda state: [o.load_state_dict(x) for o, x in zip(optimizers, state)] and None
+        else:
+            self.get, self.put = stateful.state_dict, stateful.load_state_dict
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

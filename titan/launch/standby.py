@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 WARM_ENV = "TITAN_WARM_RESTARTS"
+STANDBY_NAME = "titan-standby"  # an idle standby's process name (ps, /proc/<pid>/comm): not a rank yet
 STARTED_AT_ENV = "TITAN_PROCESS_STARTED_AT"  # a standby's start as a rank (epoch seconds)
 PRELOAD = ("torch", "torch.distributed", "titan.training.trainer", "titan.launch.entry")
 _NICE = 10
@@ -232,9 +233,19 @@ def _run(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
+def _set_name(name: str) -> None:
+    """The process's name (its main thread's, which ps and /proc/<pid>/stat show), from any thread."""
+    try:
+        with open(f"/proc/self/task/{os.getpid()}/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
+
+
 def main(preload: list[str]) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: gone with the launcher
+    _set_name(STANDBY_NAME)
     saved = (os.dup(1), os.dup(2))
     quiet = os.open(os.devnull, os.O_WRONLY)
     os.dup2(quiet, 1)
@@ -248,6 +259,7 @@ def main(preload: list[str]) -> int:
         data = sys.stdin.buffer.read()
         if data:
             job.update(json.loads(data))
+            _set_name(os.path.basename(sys.executable))  # a rank from now on, named as one started fresh
         if lowered:
             _restore_priority(main_pid)
         assigned.set()

@@ -44,6 +44,9 @@ ARGS = [
     "2",
     "--checkpoint.async_mode",
     "async",
+    # the disk checkpoints under test: a restart would take the newer in-memory snapshot
+    "--checkpoint.memory_interval",
+    "0",
 ]
 RESUMED = re.compile(r"resumed from (\S+): step (\d+)")
 

@@ -86,7 +86,9 @@ def _run(tmp: Path, name: str, folder: Path, memory: Path, kill_at: str = "") ->
     """Both ranks once: their exit codes and logs."""
     ctx, port = forkserver(), _free_port()
     logs = [tmp / f"{name}.rank{r}.log" for r in range(2)]
-    procs = [ctx.Process(target=_rank, args=(r, port, str(folder), str(memory), str(logs[r]), kill_at)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, port, str(folder), str(memory), str(logs[r]), kill_at)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
