@@ -302,7 +302,7 @@ class CheckpointManager:
                 self.save(step, blocking=True)
             logger.warning(f"checkpoint step {step} saved after a signal; stopping (exit 0)")
         elif snapshots is not None:
-            snapshots.after_step(step, busy, failed)
+            snapshots.after_step(step, bool(busy), bool(failed))
         return bool(stop)
 
     def finish(self, step: int, preempted: bool) -> None:

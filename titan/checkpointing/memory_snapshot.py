@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from titan.checkpointing import config_diff
 from titan.checkpointing.snapshot_budget import host_budget, node_need, ring_offset, size_text
-from titan.checkpointing.snapshot_state import capture, read, restore
+from titan.checkpointing.snapshot_restart import RankInfo, recover
+from titan.checkpointing.snapshot_state import capture, read
 from titan.checkpointing.snapshot_store import (
     SnapshotFolder,
     copy_dir,
@@ -48,7 +49,7 @@ from titan.checkpointing.snapshot_store import (
     own_dir,
     remove_job_folder,
 )
-from titan.checkpointing.snapshot_transfer import exchange, plan
+from titan.checkpointing.snapshot_transfer import exchange
 from titan.config.sections.checkpoint import Checkpoint as CheckpointConfig
 from titan.errors import TitanError
 from titan.log import logger
@@ -120,14 +121,14 @@ class MemorySnapshots:
     def _all_states(self) -> dict[str, Any]:
         return {**self.states, **self.rank_states}
 
-    def _measure(self, layout: bool = False) -> Any:
-        """This rank's snapshot size in bytes (or its layout digest), from its states as they are
-        (a fresh optimizer's state is created first, as a checkpoint load does)."""
+    def _measure(self) -> tuple[str, int]:
+        """This rank's snapshot layout digest and size in bytes, from its states as they are (a
+        fresh optimizer's state is created first, as a checkpoint load does)."""
         optimizer = self.states.get("optimizer")
         if optimizer is not None and not all(o.state for o in self._optimizers()):
             optimizer.state_dict()
         cap = capture(read(self._all_states(), frozenset(self._all_states())))
-        return cap.layout if layout else cap.nbytes + len(cap.meta)
+        return cap.layout, cap.nbytes + len(cap.meta)
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         container = self.states.get("optimizer")
@@ -136,126 +137,64 @@ class MemorySnapshots:
     # ------------------------------------------------------------ start: ring, restore, size
     def start(self, disk_step: int, usable: bool) -> int | None:
         """On every rank together, before training: the ring, the restore (the step restored from
-        memory, or None: load the disk checkpoint), the size check. ``disk_step``: the newest disk
-        checkpoint's step (-1: none); ``usable``: whether this start may resume from snapshots at
-        all (not for a chosen checkpoint.load_step or a fresh start with job.overwrite)."""
+        memory, or None: load the disk checkpoint), the size check; what every rank holds and
+        needs is gathered once. ``disk_step``: the newest disk checkpoint's step (-1: none);
+        ``usable``: whether this start may resume from snapshots at all (not for a chosen
+        checkpoint.load_step or a fresh start with job.overwrite)."""
         if self.cfg.memory_interval == 0:  # no rank of this job writes any: whatever an earlier run left goes
             shutil.rmtree(self.root, ignore_errors=True)
             return None
-        self.nodes = self._gather(node_id())
-        offset = ring_offset(self.nodes)
-        if offset:
-            self.peer_to, self.peer_from = (
-                (self.rank + offset) % self.world_size,
-                (self.rank - offset) % self.world_size,
-            )
-            self.held = SnapshotFolder(copy_dir(self.root, self.peer_from))
         # Reading a fresh optimizer's state dict creates its state (a step with zero gradients,
         # which counts as a step): a fresh start must not keep it.
         fresh = [o for o in self._optimizers() if not o.state]
-        restored = self._recover(disk_step) if usable else None
+        layout, nbytes = self._measure()
+        budget = host_budget(self.cfg.memory_limit_gib, self.cfg.memory_folder, self.root)
+        found = inventory(self.root) if usable else ([], [])
+        ranks = [RankInfo(*r) for r in self._gather((node_id(), *found, layout, nbytes, budget))]
+        self.nodes = [r.node for r in ranks]
+        offset = ring_offset(self.nodes)
+        if offset:
+            self.peer_to, self.peer_from = ((self.rank + d) % self.world_size for d in (offset, -offset))
+            self.held = SnapshotFolder(copy_dir(self.root, self.peer_from))
+        restored = recover(self, disk_step, ranks) if usable else None
         self._purge(restored)
-        sizes = self._measure()
         if restored is None:
             for o in fresh:
                 o.state.clear()
-        self._settle(sizes)
+        self._settle(ranks, offset)
         return restored
 
-    def _settle(self, nbytes: int) -> None:
-        sizes = self._gather(nbytes)
-        offset = (self.peer_to - self.rank) % self.world_size if self.peer_to is not None else 0
-        need = node_need(self.nodes, sizes, self.nodes[self.rank], offset)
-        budget = host_budget(self.cfg.memory_limit_gib, self.cfg.memory_folder, self.root)
-        verdicts = self._gather((need.total <= budget.nbytes, need.text(), size_text(budget.nbytes), budget.source))
-        short = next((v for v in verdicts if not v[0]), None)
-        if short is not None:
-            what = f"in-memory snapshots need {short[1]}, {short[2]} is available ({short[3]})"
-            if self.cfg.memory_interval > 0:
-                e = TitanError(
-                    f"checkpoint.memory_interval = {self.cfg.memory_interval}: {what}; valid: a"
-                    " checkpoint.memory_limit_gib (or memory_folder) that holds them, or memory_interval 0 (off)"
+    def _settle(self, ranks: list[RankInfo], offset: int) -> None:
+        """Snapshots on when every node's fit in its host memory (each rank's budget for its node)."""
+        for r in sorted({r.node: i for i, r in reversed(list(enumerate(ranks)))}.values()):
+            need = node_need(self.nodes, [x.nbytes for x in ranks], ranks[r].node, offset)
+            if need.total > ranks[r].budget.nbytes:
+                what = (
+                    f"in-memory snapshots need {need.text()}, {size_text(ranks[r].budget.nbytes)} is available"
+                    f" ({ranks[r].budget.source})"
                 )
-                e.same_on_all_ranks = True  # type: ignore[attr-defined]
-                raise e
-            self.summary = f"off: {what}"
-            logger.info(f"checkpoint.memory_interval = -1 (every step when they fit): {self.summary}")
-            return
-        self.nbytes = nbytes
+                if self.cfg.memory_interval > 0:
+                    e = TitanError(
+                        f"checkpoint.memory_interval = {self.cfg.memory_interval}: {what}; valid: a"
+                        " checkpoint.memory_limit_gib (or memory_folder) that holds them, or memory_interval 0 (off)"
+                    )
+                    e.same_on_all_ranks = True  # type: ignore[attr-defined]
+                    raise e
+                self.summary = f"off: {what}"
+                logger.info(f"checkpoint.memory_interval = -1 (every step when they fit): {self.summary}")
+                return
+        mine = ranks[self.rank]
+        need = node_need(self.nodes, [x.nbytes for x in ranks], mine.node, offset)
+        self.nbytes = mine.nbytes
         self.interval = max(self.cfg.memory_interval, 1)
         every = "every step" if self.cfg.memory_interval < 0 else f"every {self.interval} step(s)"
         peer = f", a copy on rank {self.peer_to} (node {self.nodes[self.peer_to]})" if self.peer_to is not None else ""
         self.summary = (
-            f"{every} (in the background; skipped while the last is still copying), {size_text(nbytes)} per rank"
-            f"{peer}; {verdicts[self.rank][1]} of {verdicts[self.rank][2]} ({verdicts[self.rank][3]}) in {self.root}"
+            f"{every} (in the background; skipped while the last is still copying), {size_text(mine.nbytes)} per"
+            f" rank{peer}; {need.text()} of {size_text(mine.budget.nbytes)} ({mine.budget.source}) in {self.root}"
         )
         logger.info(f"in-memory snapshots: {self.summary}")
         self._hooks = [o.register_step_pre_hook(self._before_optimizer_step) for o in self._optimizers()]
-
-    def _recover(self, disk_step: int) -> int | None:
-        t0 = time.perf_counter()
-        found = self._gather(inventory(self.root))
-        held = [items for items, _ in found]
-        torn = sorted({r for _, ranks in found for r in ranks})
-        if torn and self.rank == 0:
-            what = "were being written when they stopped (torn, no manifest): ignored"
-            logger.warning(f"in-memory snapshot(s) of rank(s) {torn} {what}")
-        if max((h.step for items in held for h in items), default=-1) < max(disk_step, 1):
-            return None
-        layouts = self._gather(self._measure(layout=True))
-        bad: set = set()
-        for _ in range(3):
-            chosen, why = plan(held, layouts, self.config, disk_step, frozenset(bad))
-            if chosen is None:
-                if self.rank == 0:
-                    disk = f"the disk checkpoint step-{disk_step}" if disk_step >= 0 else "scratch (no disk checkpoint)"
-                    logger.info(f"in-memory snapshots not used ({why}): starting from {disk}")
-                return None
-            loaded = self._fetch(chosen)
-            oks = self._gather(loaded is not None)
-            if all(oks):
-                break
-            bad |= {(chosen.sources[r][0], r, chosen.step) for r, ok in enumerate(oks) if not ok}
-        else:
-            return None
-        assert loaded is not None
-        restore(self._all_states(), *loaded)
-        moved = {r: h for r, (h, _) in chosen.sources.items() if h != r}
-        via = f"; from peer copies: {', '.join(f'rank {r} <- rank {h}' for r, h in moved.items())}" if moved else ""
-        logger.info(
-            f"resumed from the in-memory snapshot of step {chosen.step} in {time.perf_counter() - t0:.2f} s{via}"
-            + (f" (the disk checkpoint step-{disk_step} stays)" if disk_step >= 0 else "")
-        )
-        return chosen.step
-
-    def _fetch(self, chosen: Any) -> tuple[bytes, torch.Tensor] | None:
-        """This rank's state of the chosen step, checked against its checksums: read here, or
-        received from its holder (into this rank's own folder); None when damaged."""
-        sends = []
-        for r, (holder, h) in chosen.sources.items():
-            if holder == self.rank and r != self.rank:
-                slot = SnapshotFolder(h.folder).slots[h.slot]
-                sends.append((r, slot, slot.manifest()))
-        holder, h = chosen.sources[self.rank]
-        recvs = [(holder, self.own)] if holder != self.rank else []
-        got = exchange(sends, recvs, self.group) if self.group is not None and (sends or recvs) else []
-        if recvs and got[0] is None:
-            logger.warning(
-                f"in-memory snapshot of step {chosen.step}: rank {holder} could not send rank {self.rank}'s copy"
-            )
-            return None
-        slot, man = got[0] if recvs and got[0] is not None else (SnapshotFolder(h.folder).slots[h.slot], None)
-        man = man or slot.manifest()
-        try:
-            if man is None or man.step != chosen.step:
-                raise OSError("its manifest changed")
-            data = slot.read_buffer(man.data_bytes)
-            if slot.data_digest() != man.data_xxh:
-                raise OSError(f"{slot.data_path} does not match its checksum")
-            return slot.read_meta(man), data
-        except OSError as e:
-            logger.warning(f"in-memory snapshot of step {chosen.step} unusable on rank {self.rank}: {e}")
-            return None
 
     def _purge(self, keep: int | None) -> None:
         """After the start: only the restored step's slots stay (or none), and the folders that no

@@ -40,7 +40,7 @@ class PreemptionWatcher:
 
     def should_stop(self) -> bool:
         """True on every rank when any rank got a signal (a collective when distributed)."""
-        return self.agree()[0]
+        return bool(self.agree()[0])
 
     def agree(self, *flags: int) -> tuple[int, ...]:
         """(stop, then the maximum over the ranks of each of ``flags``): one collective."""

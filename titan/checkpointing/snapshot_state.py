@@ -62,9 +62,14 @@ class _Access:
             self.put = lambda state: None  # its tensors are the modules' own, filled in place
         elif isinstance(optimizers, list) and optimizers and all(isinstance(o, Optimizer) for o in optimizers):
             self.get = lambda: [o.state_dict() for o in optimizers]
-            self.put = lambda state: [o.load_state_dict(x) for o, x in zip(optimizers, state)] and None
+            self.put = lambda state: _load_each(optimizers, state)
         else:
             self.get, self.put = stateful.state_dict, stateful.load_state_dict
+
+
+def _load_each(optimizers: list[Optimizer], states: list[Any]) -> None:
+    for o, state in zip(optimizers, states):
+        o.load_state_dict(state)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -110,10 +110,25 @@ def _hidden_outputs(pcontext: object, failures: Failures) -> dict[int, str]:
     return out
 
 
+def _one_node(handler: object) -> bool:
+    """Whether torchrun's rendezvous can only ever hold this one node (``--nnodes 1``)."""
+    return getattr(getattr(handler, "_settings", None), "max_nodes", None) == 1
+
+
 def _agent_class(policy: RestartPolicy) -> type:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.utils.distributed import get_free_port
 
     class TitanAgent(LocalElasticAgent):
+        def _rendezvous(self, worker_group):  # type: ignore[override]
+            # A job of one node restarts with the same ranks: a new rendezvous round would only
+            # cost time (torchrun's polls its store once a second). The new ranks' process group
+            # gets a new port.
+            if policy.restarts and worker_group.workers and _one_node(worker_group.spec.rdzv_handler):
+                worker_group.master_port = get_free_port()
+                return None
+            return super()._rendezvous(worker_group)  # type: ignore[call-arg]
+
         def _monitor_workers(self, worker_group):  # type: ignore[override]  # torchrun's, wrapped by its @prof
             polled = time.time()  # torchrun polls first, then stops the other ranks of a failed attempt
             result = super()._monitor_workers(worker_group)  # type: ignore[call-arg]

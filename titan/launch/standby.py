@@ -5,16 +5,17 @@ titan.launch.standby``, which imports torch, torch.distributed and titan's train
 per process) and then waits for work on its standard input. When torchrun restarts the ranks, each
 new rank is a standby handed its assignment (the rank's command line after the interpreter, its
 environment, its output files) instead of a fresh interpreter: it pays neither the imports nor
-their CPU while the others wait. A new standby is started right away for the next restart; while
-it imports it runs at a lower priority (when it may take its priority back once assigned: root, or
-CAP_SYS_NICE / RLIMIT_NICE), so it takes little from the training ranks. The first attempt starts
-cold (the standbys start with it).
+their CPU while the others wait. New standbys start a few seconds after the ranks they replace,
+for the next restart, so that their imports do not slow the new ranks' own start-up. The first
+attempt starts cold (the first standbys start a few seconds after it).
 
 torchrun keeps doing everything else (rendezvous, monitoring, stopping): the launcher hands its
 process context a handler holding the standby's process instead of a new one
 (``rank_process``), only for titan's own entry point (``train.py`` or ``-m titan.train``). Each
 rank's handler also notes when its process ended, so the next attempt's goodput record can tell
-detection from restart. ``TITAN_WARM_RESTARTS=0`` turns standbys off.
+detection from restart. A standby names itself ``titan-standby`` while it waits and
+``titan-rank`` once it is a rank (ps shows them so; the launcher forwards signals to ranks only).
+``TITAN_WARM_RESTARTS=0`` turns standbys off.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -31,12 +31,27 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from titan.training.goodput import STARTED_AT_ENV
+
 WARM_ENV = "TITAN_WARM_RESTARTS"
-STANDBY_NAME = "titan-standby"  # an idle standby's process name (ps, /proc/<pid>/comm): not a rank yet
-STARTED_AT_ENV = "TITAN_PROCESS_STARTED_AT"  # a standby's start as a rank (epoch seconds)
+STANDBY_NAME = "titan-standby"  # a waiting standby's process name (ps, /proc/<pid>/comm) ...
+RANK_NAME = "titan-rank"  # ... and its name once it is a rank
+MODULE = "titan.launch.standby"
+REFILL_DELAY_S = 5.0
+STOP_GRACE_S = 1.0
 PRELOAD = ("torch", "torch.distributed", "titan.training.trainer", "titan.launch.entry")
-_NICE = 10
-_CAP_SYS_NICE = 23
+
+
+def is_rank(pid: int, comm: str) -> bool:
+    """Whether a child process of the launcher is a rank: not a standby, or a standby that took a
+    rank's assignment (it renames itself then; one just started has the interpreter's name)."""
+    if comm == RANK_NAME:
+        return True
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return MODULE.encode() not in f.read()
+    except OSError:
+        return False
 
 
 def titan_entry(args: tuple) -> bool:
@@ -50,39 +65,57 @@ def titan_entry(args: tuple) -> bool:
 
 
 class StandbyPool:
-    """This launcher's standby processes, one per local rank it has started."""
+    """This launcher's standby processes, one per local rank it has started. New ones start
+    ``delay`` seconds after the ranks they replace (the first ones after the first ranks): their
+    imports then do not compete with the new ranks' own start-up for the CPU."""
 
-    def __init__(self, preload: tuple[str, ...] = ()) -> None:
-        self.size, self.preload = 0, preload
+    def __init__(self, preload: tuple[str, ...] = (), delay: float = REFILL_DELAY_S) -> None:
+        self.size, self.preload, self.delay = 0, preload, delay
         self.ready: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._closed = False
 
     def fill(self) -> None:
-        self.ready = [p for p in self.ready if p.poll() is None]
-        while len(self.ready) < self.size:
-            self.ready.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "titan.launch.standby", *self.preload],
-                    stdin=subprocess.PIPE,
-                    start_new_session=True,  # as torchrun's own ranks: signalled by process group
+        with self._lock:
+            self.ready = [p for p in self.ready if p.poll() is None]
+            while len(self.ready) < self.size and not self._closed:
+                self.ready.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", MODULE, *self.preload],
+                        stdin=subprocess.PIPE,
+                        start_new_session=True,  # as torchrun's own ranks: signalled by process group
+                    )
                 )
-            )
+
+    def fill_later(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = threading.Timer(self.delay, self.fill)
+        self._timer.daemon = True
+        self._timer.start()
 
     def take(self) -> subprocess.Popen | None:
-        while self.ready:
-            proc = self.ready.pop(0)
-            if proc.poll() is None:
-                return proc
+        with self._lock:
+            while self.ready:
+                proc = self.ready.pop(0)
+                if proc.poll() is None:
+                    return proc
         return None
 
     def close(self) -> None:
-        for proc in self.ready:
-            try:
-                assert proc.stdin is not None
-                proc.stdin.close()  # EOF: the standby exits
-                proc.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
-                proc.kill()
-        self.ready = []
+        with self._lock:
+            self._closed = True
+            if self._timer is not None:
+                self._timer.cancel()
+            for proc in self.ready:
+                try:
+                    assert proc.stdin is not None
+                    proc.stdin.close()  # EOF: the standby exits
+                    proc.wait(timeout=5)
+                except (OSError, subprocess.TimeoutExpired):
+                    proc.kill()
+            self.ready = []
 
 
 def _watch_exit(handler: Any) -> None:
@@ -131,8 +164,33 @@ class StandbyHandler:
             pass
 
 
+def _kill_after_grace(handler: Any) -> None:
+    """torchrun stops the other ranks of a failed attempt with SIGTERM and waits for them (up to
+    its shutdown timeout): they only tear down a process group that lost a member. After
+    ``STOP_GRACE_S`` they are killed, so a slow teardown does not delay the restart."""
+    close = handler.close
+
+    def close_then_kill(death_sig: signal.Signals | None = None) -> None:
+        close(death_sig)
+        if death_sig in (None, signal.SIGTERM):
+
+            def kill() -> None:
+                if handler.proc.poll() is None:
+                    try:
+                        os.killpg(handler.proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+            timer = threading.Timer(STOP_GRACE_S, kill)
+            timer.daemon = True
+            timer.start()
+
+    handler.close = close_then_kill
+
+
 def rank_process(pool: StandbyPool | None, original: Callable[..., Any]) -> Callable[..., Any]:
-    """torchrun's ``get_subprocess_handler``, taking a standby for titan's entry point."""
+    """torchrun's ``get_subprocess_handler``, taking a standby for titan's entry point; with
+    restarts, the other ranks of a failed attempt get STOP_GRACE_S to end."""
 
     def handler(
         entrypoint: str,
@@ -159,8 +217,9 @@ def rank_process(pool: StandbyPool | None, original: Callable[..., Any]) -> Call
             out = StandbyHandler(proc, args, env, stdout, stderr, local_rank_id)
         _watch_exit(out)
         if pool is not None:
+            _kill_after_grace(out)
             pool.size = max(pool.size, local_rank_id + 1)
-            pool.fill()
+            pool.fill_later()
         return out
 
     return handler
@@ -171,42 +230,6 @@ def warm_restarts_wanted(max_restarts: int) -> bool:
 
 
 # ---------------------------------------------------------------- the standby process itself
-def _may_restore_priority() -> bool:
-    """Whether this process may raise its priority back after lowering it."""
-    try:
-        with open("/proc/self/status") as f:
-            caps = next((line.split()[1] for line in f if line.startswith("CapEff:")), "0")
-        if int(caps, 16) >> _CAP_SYS_NICE & 1:
-            return True
-    except (OSError, ValueError):
-        pass
-    return resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
-
-
-def _autogroup(nice: int) -> None:
-    try:
-        with open("/proc/self/autogroup", "w") as f:  # the session's share against other sessions
-            f.write(str(nice))
-    except OSError:
-        pass
-
-
-def _lower_priority() -> bool:
-    if not _may_restore_priority():
-        return False
-    os.setpriority(os.PRIO_PROCESS, 0, _NICE)
-    _autogroup(_NICE)
-    return True
-
-
-def _restore_priority(pid: int) -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, pid, 0)  # the main thread, which imports and then trains
-    except OSError:
-        pass
-    _autogroup(0)
-
-
 def _redirect(path: str | None, fd: int, saved: int) -> None:
     if path:
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -250,8 +273,6 @@ def main(preload: list[str]) -> int:
     quiet = os.open(os.devnull, os.O_WRONLY)
     os.dup2(quiet, 1)
     os.dup2(quiet, 2)  # an import's warnings would reach the console unprefixed, outside any rank's log
-    lowered = _lower_priority()
-    main_pid = os.getpid()
     job: dict[str, Any] = {}
     assigned = threading.Event()
 
@@ -259,9 +280,7 @@ def main(preload: list[str]) -> int:
         data = sys.stdin.buffer.read()
         if data:
             job.update(json.loads(data))
-            _set_name(os.path.basename(sys.executable))  # a rank from now on, named as one started fresh
-        if lowered:
-            _restore_priority(main_pid)
+            _set_name(RANK_NAME)  # a rank from now on
         assigned.set()
 
     threading.Thread(target=read, name="titan-standby", daemon=True).start()

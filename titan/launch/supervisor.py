@@ -36,7 +36,7 @@ from titan.launch.check import main as check_config
 from titan.launch.parent import LAUNCHER_PID_ENV
 from titan.launch.report import PEER_LOST_PHRASE, PEER_LOST_STATUS, USER_ERROR_STATUS
 from titan.launch.restarts import Failures, RestartPolicy, policy_installed
-from titan.launch.standby import STANDBY_NAME
+from titan.launch.standby import is_rank
 from titan.training.checks import CHECKED_ENV
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ FORWARD = MappingProxyType(
 
 def child_pids(pid: int) -> list[int]:
     """Live children of ``pid`` (the ranks: torchrun's agent runs in this process), without the
-    idle warm standbys (titan.launch.standby names itself so)."""
+    warm standbys that are no rank yet (titan.launch.standby.is_rank)."""
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -61,7 +61,7 @@ def child_pids(pid: int) -> list[int]:
             fields = rest.split()
         except (OSError, IndexError, ValueError):
             continue
-        if fields[0] != "Z" and int(fields[1]) == pid and comm != STANDBY_NAME:
+        if fields[0] != "Z" and int(fields[1]) == pid and is_rank(int(entry), comm):
             out.append(int(entry))
     return out
 

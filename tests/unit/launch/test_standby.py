@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from titan.launch.standby import STANDBY_NAME, StandbyHandler, StandbyPool, titan_entry
+from titan.launch.standby import RANK_NAME, STANDBY_NAME, StandbyHandler, StandbyPool, titan_entry
 from titan.launch.supervisor import child_pids
 
 pytestmark = pytest.mark.slow
@@ -37,6 +37,9 @@ def test_a_standby_runs_the_ranks_command_line_warm(tmp_path):
         assert proc.pid not in child_pids(os.getpid())  # an idle standby is no rank: signals skip it
         out, err = tmp_path / "out.log", tmp_path / "err.log"
         handler = StandbyHandler(proc, ("-u", str(script), "--x", "1"), {"RANK_ENV": "7"}, str(out), str(err), 0)
+        while proc.poll() is None and open(f"/proc/{proc.pid}/comm").read().strip() != RANK_NAME:
+            time.sleep(0.01)  # it renames itself as soon as it reads its assignment
+        assert proc.poll() is not None or proc.pid in child_pids(os.getpid())
         assert proc.wait(timeout=300) == 3
         assert out.read_text() == "argv ['--x', '1'] env 7 warm True\n"
         assert err.read_text() == "err\n"
