@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from titan.launch.report import USER_ERROR_STATUS
-from titan.launch.standby import StandbyPool, rank_process, warm_restarts_wanted
+from titan.launch.standby import StandbyPool, rank_process, standbys_per_rank
 from titan.training.goodput import DETECTED_AT_ENV, FAILED_AT_ENV, RESTART_CAUSE_ENV
 
 if TYPE_CHECKING:
@@ -87,7 +87,9 @@ class RestartPolicy:
         os.environ[RESTART_CAUSE_ENV] = line  # the next ranks' environment is a copy of ours
         now = time.time()
         os.environ[DETECTED_AT_ENV] = repr(detected_at or now)
-        os.environ[FAILED_AT_ENV] = repr(min(failed_at or now, detected_at or now))
+        # every failure so far (the last ones): a recovery may span restarts that failed again
+        failures = [t for t in os.environ.get(FAILED_AT_ENV, "").split(",") if t][-49:]
+        os.environ[FAILED_AT_ENV] = ",".join([*failures, repr(min(failed_at or now, detected_at or now))])
         return remaining
 
     def final_line(self, line: str) -> str:
@@ -156,7 +158,8 @@ def policy_installed(policy: RestartPolicy) -> Iterator[None]:
 
     original = getattr(api, "LocalElasticAgent")  # noqa: B009 - a name the module uses, not one it exports
     start = getattr(processes, "get_subprocess_handler")  # noqa: B009
-    pool = StandbyPool() if warm_restarts_wanted(policy.max_restarts) else None
+    per_rank = standbys_per_rank(policy.max_restarts)
+    pool = StandbyPool(per_rank=per_rank) if per_rank else None
     setattr(api, "LocalElasticAgent", _agent_class(policy))  # noqa: B010
     setattr(processes, "get_subprocess_handler", rank_process(pool, start))  # noqa: B010
     try:

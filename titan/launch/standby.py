@@ -1,8 +1,9 @@
 """Warm restarts: ranks that start with torch and titan already imported.
 
-With ``--max-restarts N`` the launcher keeps one standby process per local rank: ``python -m
-titan.launch.standby``, which imports torch, torch.distributed and titan's trainer (seconds of CPU
-per process) and then waits for work on its standard input. When torchrun restarts the ranks, each
+With ``--max-restarts N`` the launcher keeps two standby processes per local rank (a failure in
+the middle of a restart finds the second), each ``python -m titan.launch.standby``, which imports
+torch, torch.distributed and titan's trainer (seconds of CPU and ~300 MB of host memory per
+process) and then waits for work on its standard input. When torchrun restarts the ranks, each
 new rank is a standby handed its assignment (the rank's command line after the interpreter, its
 environment, its output files) instead of a fresh interpreter: it pays neither the imports nor
 their CPU while the others wait. New standbys start a few seconds after the ranks they replace,
@@ -15,7 +16,7 @@ process context a handler holding the standby's process instead of a new one
 rank's handler also notes when its process ended, so the next attempt's goodput record can tell
 detection from restart. A standby names itself ``titan-standby`` while it waits and
 ``titan-rank`` once it is a rank (ps shows them so; the launcher forwards signals to ranks only).
-``TITAN_WARM_RESTARTS=0`` turns standbys off.
+``TITAN_WARM_RESTARTS=N`` keeps N standbys per local rank (0: none, fresh interpreters).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ class StandbyPool:
     ``delay`` seconds after the ranks they replace (the first ones after the first ranks): their
     imports then do not compete with the new ranks' own start-up for the CPU."""
 
-    def __init__(self, preload: tuple[str, ...] = (), delay: float = REFILL_DELAY_S) -> None:
-        self.size, self.preload, self.delay = 0, preload, delay
+    def __init__(self, preload: tuple[str, ...] = (), delay: float = REFILL_DELAY_S, per_rank: int = 1) -> None:
+        self.size, self.preload, self.delay, self.per_rank = 0, preload, delay, per_rank
         self.ready: list[subprocess.Popen] = []
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
@@ -79,7 +80,7 @@ class StandbyPool:
     def fill(self) -> None:
         with self._lock:
             self.ready = [p for p in self.ready if p.poll() is None]
-            while len(self.ready) < self.size and not self._closed:
+            while len(self.ready) < self.size * self.per_rank and not self._closed:
                 self.ready.append(
                     subprocess.Popen(
                         [sys.executable, "-m", MODULE, *self.preload],
@@ -225,8 +226,10 @@ def rank_process(pool: StandbyPool | None, original: Callable[..., Any]) -> Call
     return handler
 
 
-def warm_restarts_wanted(max_restarts: int) -> bool:
-    return max_restarts > 0 and os.environ.get(WARM_ENV, "1") != "0"
+def standbys_per_rank(max_restarts: int) -> int:
+    """Standbys the launcher keeps per local rank: TITAN_WARM_RESTARTS (default 2), none without restarts."""
+    value = os.environ.get(WARM_ENV, "2")
+    return int(value) if max_restarts > 0 and value.isdigit() else 0
 
 
 # ---------------------------------------------------------------- the standby process itself

@@ -50,7 +50,7 @@ RECORD_FILE = "goodput.jsonl"
 FIGURES = ("productive", "restart", "startup", "recomputed", "checkpoint", "validation", "other")
 LOST = FIGURES[1:]
 RESTART_CAUSE_ENV = "TITAN_RESTART_CAUSE"  # set by titan.launch before it restarts the ranks
-FAILED_AT_ENV = "TITAN_FAILED_AT"  # ... with when the failed rank's process ended
+FAILED_AT_ENV = "TITAN_FAILED_AT"  # ... with when each failed attempt's first rank process ended
 DETECTED_AT_ENV = "TITAN_FAILURE_SEEN_AT"  # ... and when the launcher saw it (epoch seconds)
 STARTED_AT_ENV = "TITAN_PROCESS_STARTED_AT"  # a warm standby's start as a rank (titan.launch.standby)
 HEARTBEAT_FILE = "goodput.heartbeat"
@@ -106,6 +106,13 @@ def _env_time(name: str) -> float | None:
         return float(os.environ[name])
     except (KeyError, ValueError):
         return None
+
+
+def _env_times(name: str) -> list[float]:
+    try:
+        return sorted(float(t) for t in os.environ.get(name, "").split(",") if t)
+    except ValueError:
+        return []
 
 
 def recovery_text(parts: dict[str, float]) -> str:
@@ -185,14 +192,17 @@ class GoodputRecorder:
         self._beat: int | None = None
         self._recovered = False
         self.recovery: dict[str, float] | None = None
-        failed, seen = _env_time(FAILED_AT_ENV), _env_time(DETECTED_AT_ENV)
-        if continuing and earlier and failed is not None and seen is not None:
-            # from the failed attempt's last finished step to this process's start, cut by the launcher's times
-            since = last_step_at if last_step_at is not None else self.start
+        seen = _env_time(DETECTED_AT_ENV)
+        since = last_step_at if last_step_at is not None else self.start
+        failed = [t for t in _env_times(FAILED_AT_ENV) if t >= since]
+        if continuing and earlier and failed and seen is not None:
+            # From the last finished step to this process's start, cut by the launcher's times: the
+            # step in flight, then detection of the last failure, the rest restarts (with any
+            # restarted attempt that failed again before its first step).
             self.recovery = dict.fromkeys(RECOVERY, 0.0)
-            self.recovery["recompute"] = max(failed - since, 0.0)  # the step in flight
-            self.recovery["detect"] = max(seen - max(failed, since), 0.0)
-            self.recovery["restart"] = max(started - max(seen, failed, since), 0.0)
+            self.recovery["recompute"] = failed[0] - since
+            self.recovery["detect"] = max(seen - failed[-1], 0.0)
+            self.recovery["restart"] = max(started - since - self.recovery["recompute"] - self.recovery["detect"], 0.0)
         self._start_record = {
             "kind": "start",
             "time": self.start,
