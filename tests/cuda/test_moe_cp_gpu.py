@@ -18,7 +18,7 @@ from tests.helpers.moe_cp import DS, SEQ, VOCAB
 from tests.helpers.parity import close
 from titan.models.deepseek_v3.model import DeepSeekV3Transformer
 from titan.models.llama.parallelize import apply_llama_cp, cp_buffers
-from titan.models.llama4.parallelize import apply_moe_cp
+from titan.models.moe.parallelize import apply_moe_cp
 from titan.parallel.cp import cp_shard_batch
 from titan.training.loss import cross_entropy_sum
 

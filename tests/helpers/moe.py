@@ -1,8 +1,9 @@
-"""The tiny llama4 flavor the MoE layout tests share (expert parallel, Muon), registered for a test."""
+"""The tiny llama4 flavors the MoE layout tests share (expert parallel, Muon), registered for a test."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 from tests.helpers.parity import VOCAB
@@ -20,7 +21,10 @@ EPTEST = Llama4ModelArgs(
     multiple_of=32,
     moe_args=MoEArgs(num_experts=4, top_k=2, num_shared_experts=1, load_balance_coeff=1e-2),
 )
+# The same with the router's scores applied to the experts' outputs (Qwen3's and DeepSeek-V3's way).
+EPTEST_SAE = dataclasses.replace(EPTEST, moe_args=dataclasses.replace(EPTEST.moe_args, score_before_experts=False))
 LLAMA4 = ("--model.name", "llama4", "--model.flavor", "eptest")
+SAE = ("--model.flavor", "eptest_sae")
 
 
 @contextlib.contextmanager
@@ -28,6 +32,7 @@ def eptest_flavor() -> Iterator[None]:
     saved = get_model_spec("llama4")
     try:
         register_flavor("llama4", "eptest", EPTEST, replace=True)
+        register_flavor("llama4", "eptest_sae", EPTEST_SAE, replace=True)
         yield
     finally:
         register_model_spec(saved, replace=True)

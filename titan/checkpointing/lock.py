@@ -1,7 +1,8 @@
 """One writer per dump folder: ``<job.dump_folder>/.titan.lock``.
 
 Rank 0 creates the file with O_EXCL before anything of the run is written (metrics, TensorBoard,
-checkpoints) and removes it when the run ends. It records pid, host and the process start time
+checkpoints) and removes it when the run ends, with the dump folder if the lock made it and the
+run left it empty. It records pid, host and the process start time
 (from /proc, so a recycled pid is not mistaken for the old run). A lock left by a process that no
 longer exists on this host is stale: it is taken over with a warning. A lock from another host
 cannot be checked from here, so it is reported and the user decides.
@@ -45,6 +46,7 @@ class RunLock:
     def __init__(self, dump_folder: str) -> None:
         self.path = os.path.join(dump_folder, LOCK_NAME)
         self.mine: dict | None = None
+        self.made: list[str] = []  # the folders acquire created, deepest first
 
     def _read(self) -> dict | None:
         try:
@@ -67,6 +69,10 @@ class RunLock:
         return alive is None or (alive != "" and alive != info.get("start_ticks"))
 
     def acquire(self) -> None:
+        folder = os.path.abspath(os.path.dirname(self.path) or ".")
+        while not os.path.exists(folder):
+            self.made.append(folder)
+            folder = os.path.dirname(folder)
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         me = {
             "pid": os.getpid(),
@@ -110,7 +116,8 @@ class RunLock:
         raise TitanError(f"could not take the lock {self.path} (other runs keep creating it)")
 
     def release(self) -> None:
-        """Remove the lock if it is still ours (idempotent)."""
+        """Remove the lock if it is still ours (idempotent), and the folders acquire made if the run
+        left them empty (it stopped before writing anything: a refused launch leaves nothing)."""
         if self.mine is None:
             return
         if self._read() == self.mine:
@@ -119,3 +126,9 @@ class RunLock:
             except FileNotFoundError:
                 pass
         self.mine = None
+        for folder in self.made:
+            try:
+                os.rmdir(folder)
+            except OSError:  # written to (or gone): keep it and its parents
+                break
+        self.made = []

@@ -27,6 +27,7 @@ from titan.config.sections.model import Model
 from titan.config.sections.optimizer import Optimizer
 from titan.config.sections.parallelism import Parallelism
 from titan.config.sections.profiling import Profiling
+from titan.config.sections.simulate import Simulate
 from titan.config.sections.stability import Stability
 from titan.config.sections.training import Training
 from titan.config.sections.validation import Validation
@@ -50,6 +51,7 @@ __all__ = [
     "Float8",
     "Debug",
     "FaultTolerance",
+    "Simulate",
     "JobConfig",
 ]
 
@@ -79,6 +81,7 @@ class JobConfig:
     # (titan.config.dialects.log_translations). Not annotated: not an option.
     translations = tuple[str, ...]()
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+    simulate: Simulate = field(default_factory=Simulate)
 
     def validate(self) -> None:
         """Every section's own checks, then the rules between sections. Checks that need runtime

@@ -7,7 +7,8 @@ with ``init_timeout_seconds`` and switch to ``train_timeout_seconds`` once the f
 The flight recorder (NCCL only) keeps the last ``trace_buf_size`` collectives per rank and dumps
 them on a timeout, which tells which rank stopped calling which collective. Its settings are
 environment variables that NCCL process groups read when they are created, so
-``set_comm_env`` must run before ``init_process_group``. On gloo they are set but unused.
+``set_comm_env`` must run before ``init_process_group``. On gloo they are set but unused, and
+the dump folder is not made.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def set_comm_env(m: Comm, dump_folder: str, *, nccl: bool | None = None) -> dict
     }
     if m.trace_buf_size > 0:
         folder = os.path.join(dump_folder, m.save_traces_folder)
-        if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # single-process runs have no collectives to trace
+        # Made only where a dump can come: NCCL groups with collectives to trace. The dump opens its
+        # file there without creating the folder, and a hang may come as early as the first group.
+        if nccl and int(os.environ.get("WORLD_SIZE", 1)) > 1:
             os.makedirs(folder, exist_ok=True)
         env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
         env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(folder, "rank_")

@@ -23,7 +23,7 @@ def is_compiled(module: nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
-def _wait_async_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+def wait_async_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     # A TP embedding's output can be an AsyncCollectiveTensor (from to_local() before the
     # collective finished). Handed straight to a compiled block, its backward fails with
     # "'Tensor' object has no attribute '_local_tensor'" (torch 2.13, pytorch/pytorch#180614); waiting here first
@@ -45,7 +45,7 @@ def apply_compile(model: nn.Module, *, before_blocks: nn.Module | None = None, f
     for block in blocks.values():
         block.compile(fullgraph=fullgraph)
     if before_blocks is not None:
-        before_blocks.register_forward_hook(_wait_async_output)
+        before_blocks.register_forward_hook(wait_async_output)
     logger.info(f"compiled {len(blocks)} blocks (fullgraph={fullgraph})")
     return len(blocks)
 

@@ -10,7 +10,10 @@ expert's hidden dim over the ``etp`` mesh (the TP ranks), so that every TP rank 
 every local expert, like the dense feed-forward under TP.
 
 The all-to-all split sizes are the one device-to-host read of an MoE layer's forward (one
-``tolist`` of the send and receive sizes together); everything else stays on the device.
+``tolist`` of the send and receive sizes together); everything else stays on the device. Fake
+tensors (the scale simulator, scripts/simulate.py) hold no routing: there the split sizes are an
+assumption, balanced by default (``assumed_split``; the experts module's ``simulated_load``
+attribute, set by the simulator, scales what this rank receives).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -67,14 +71,22 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+def assumed_split(rows: int, ep: int, load: float) -> list[int]:
+    """Split sizes where the routing is unknown (fake tensors): this rank's ``rows`` spread evenly
+    over the ``ep`` ranks, and as many from each rank times ``load`` received (1: balanced)."""
+    send = [rows // ep + (j < rows % ep) for j in range(ep)]
+    return send + [round(load * rows / ep)] * ep
+
+
 def dispatch(
-    x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup, ep: int
+    x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup, ep: int, load: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, _Route]:
     """Send each token to the EP rank owning its expert.
 
     ``x`` [T, dim] sorted by global expert, ``counts`` [E] (E = ep x local experts) -> (the tokens
     this rank's experts process, sorted by local expert [T', dim], their counts [local experts], the
-    route back). Rank j's experts are j*L .. j*L+L-1, as Shard(0) of the expert weights lays them out."""
+    route back). Rank j's experts are j*L .. j*L+L-1, as Shard(0) of the expert weights lays them out.
+    ``load``: on fake tensors only, the assumed load of this rank's experts (see assumed_split)."""
     if counts.is_floating_point():
         # A mixed-precision cast would have rounded them (bf16: whole numbers exact only to 256).
         raise TypeError(f"EP dispatch needs integer token counts per expert, got {counts.dtype}")
@@ -87,6 +99,8 @@ def dispatch(
         sizes = torch.cat([counts.view(ep, local).sum(1), recv_counts.view(ep, local).sum(1)])
         # The layer's one host read: all_to_all needs its split sizes as Python ints.
         split = sizes.tolist()
+    if is_fake(sizes) and not torch.compiler.is_compiling():  # no values: the stated assumption
+        split = assumed_split(x.shape[0], ep, load)
     send, recv = split[:ep], split[ep:]
     received = all_to_all_single_autograd(x, recv, send, group)
     # Received rows come grouped by source rank, then local expert; the experts want them grouped
@@ -141,7 +155,8 @@ class ExpertParallel(ParallelStyle):
         if etp is not None:
             # Replicated over TP forward; summed over TP backward (each rank's grad is partial).
             x = DTensor.from_local(x, etp, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
-        local_x, local_counts, route = dispatch(x, counts, ep.get_group(), ep.size())
+        load = getattr(module, "simulated_load", 1.0)
+        local_x, local_counts, route = dispatch(x, counts, ep.get_group(), ep.size(), load)
         self._routes.append(route)
         # An expert's gradient sums the tokens of all EP ranks, and its FSDP (over efsdp = the
         # data-parallel ranks / EP) averages over ep times fewer ranks than the dense FSDP does:

@@ -9,7 +9,7 @@ different arguments (the device), so neither carries a branch for the other.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,14 +56,21 @@ def build_model(
     dims: ParallelDims,
     device: torch.device,
     pp_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    keep_layers: Sequence[int] | None = None,
 ) -> BuiltModel:
     """The planned model on meta, float8-converted, then split into the plan's pipeline stages or
     parallelized whole. ``dims``: the plan's layout with this rank's mesh. Nothing is allocated:
-    init_weights materializes the parts."""
+    init_weights materializes the parts. ``keep_layers``: build only these transformer blocks (by
+    layer id; the scale simulator's shorter depths, titan/tools/simulate), None: all."""
     t = config.training
     spec, model_args = plan.spec, plan.model_args
     with torch.device("meta"):
         model = spec.model_cls(model_args)
+    if keep_layers is not None:
+        # Blocks keep their layer ids (as in a pipeline split): layer types, AC and seeds follow the id.
+        keep = {str(i) for i in keep_layers}
+        for name in [n for n in model.layers.keys() if n not in keep]:
+            del model.layers[name]
     hand_over_hidden(model, t.loss_chunk_tokens > 0, spec.name)
     cast_params_for_optimizer(model, config.optimizer)
     num_params, flops_per_token = spec.get_nparams_and_flops(model, t.seq_len)

@@ -116,6 +116,11 @@ def check_run(config: JobConfig, dims: ParallelDims, model_args: Any, device_typ
             ' float16: set training.mixed_precision_param = "bfloat16", or use sdpa or flex with'
             ' attn_mask_type = "block_causal" in float32'
         )
+    if config.simulate.rank >= dims.world_size:  # the rank scripts/simulate.py plays
+        raise TitanError(
+            f"config key 'simulate.rank' got {config.simulate.rank}; valid: 0 .. {dims.world_size - 1}"
+            f" (the ranks of a {dims.world_size}-rank job)"
+        )
     compiled = config.compile.enable and "model" in config.compile.components
     check_layout(
         dims, config.parallelism, model_args, config.training.seq_len, device_type, config.model.attn_type, compiled

@@ -89,6 +89,22 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, caplog):
         RunLock(str(tmp_path)).acquire()
 
 
+def test_release_removes_the_folders_the_lock_made_only_if_the_run_left_them_empty(tmp_path):
+    refused = RunLock(str(tmp_path / "a" / "run"))
+    refused.acquire()
+    refused.release()  # a run that stopped before writing anything: nothing left behind
+    assert list(tmp_path.iterdir()) == []
+    ran = RunLock(str(tmp_path / "a" / "run"))
+    ran.acquire()
+    (tmp_path / "a" / "run" / "metrics.jsonl").write_text("{}")
+    ran.release()
+    assert [p.name for p in (tmp_path / "a" / "run").iterdir()] == ["metrics.jsonl"]
+    existing = RunLock(str(tmp_path))  # a folder that was there before is never removed
+    existing.acquire()
+    existing.release()
+    assert tmp_path.is_dir()
+
+
 def test_training_relevant_keys_by_section():
     base = load_config([])
     changed = load_config(

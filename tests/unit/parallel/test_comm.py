@@ -24,12 +24,21 @@ def clean_env(monkeypatch):
 def test_flight_recorder_env(tmp_path, clean_env, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     c = load_config(["--job.dump_folder", str(tmp_path), "--comm.trace_buf_size", "500"])
-    set_comm_env(c.comm, c.job.dump_folder)
+    set_comm_env(c.comm, c.job.dump_folder, nccl=True)
     # the name torch reads now; the deprecated one (a warning from every process group) is not set
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "500" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "comm_traces" / "rank_")
     assert (tmp_path / "comm_traces").is_dir()
+
+
+def test_no_trace_folder_where_nothing_dumps(tmp_path, clean_env, monkeypatch):
+    """gloo has no flight recorder: a CPU run (or one refused in its ranks) leaves no empty folder."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    c = load_config(["--job.dump_folder", str(tmp_path / "run"), "--comm.trace_buf_size", "500"])
+    set_comm_env(c.comm, c.job.dump_folder, nccl=False)
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "run" / "comm_traces" / "rank_")
+    assert not (tmp_path / "run").exists()
 
 
 def test_flight_recorder_off(tmp_path, clean_env):

@@ -11,7 +11,7 @@ from tests.helpers.tiny import build, train_losses
 from titan.config import load_config
 from titan.errors import TitanError
 from titan.models.llama.parallelize import parallelize_llama
-from titan.parallel.compile import _wait_async_output, build_loss_fn, is_compiled
+from titan.parallel.compile import build_loss_fn, is_compiled, wait_async_output
 from titan.parallel.dims import ParallelDims
 from titan.training.loss import cross_entropy_sum
 
@@ -65,12 +65,12 @@ class _AsyncOutput(torch.autograd.Function):
 
 def test_tp_embedding_output_is_waited_before_the_compiled_blocks():
     t = torch.randn(2, 3)
-    out = _wait_async_output(None, (), AsyncCollectiveTensor(t))
+    out = wait_async_output(None, (), AsyncCollectiveTensor(t))
     assert type(out) is torch.Tensor and torch.equal(out, t)
-    assert _wait_async_output(None, (), t) is t
+    assert wait_async_output(None, (), t) is t
     # The wait keeps the autograd edge: the embedding before the compiled blocks gets its gradient.
     x = torch.randn(2, 3, requires_grad=True)
-    waited = _wait_async_output(None, (), _AsyncOutput.apply(x))
+    waited = wait_async_output(None, (), _AsyncOutput.apply(x))
     assert type(waited) is torch.Tensor
     (waited * 2).sum().backward()
     assert x.grad is not None and torch.equal(x.grad, torch.full_like(x, 2.0))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.moe import LLAMA4, eptest_flavor
+from tests.helpers.moe import LLAMA4, SAE, eptest_flavor
 from tests.helpers.parity import GLOBAL_BATCH, batches, config
 from titan.models.moe import MoE, MoEArgs
 from titan.training.trainer import Trainer
@@ -31,6 +31,9 @@ PP_RTOL = 1e-5
 # of every logit, all the same way, moves the loss (~7.6) by <= 2u / 7.6 ~ 2^-10 relative. 5 steps
 # at lr 1e-4 add little drift. Measured: 0 (EP 2) and 5e-6 (PP 2) relative. Grad norms: 10x.
 BF16_RTOL = 2.0**-10
+# bf16 autocast (TP without FSDP) against one float32 process: by the argument above, each of the
+# about 8 matmuls on a logit's path rounds once, <= 2 * 8u / 7.6 ~ 2^-7 relative. Measured: 3e-5.
+BF16_FP32_RTOL = 2.0**-7
 BF16 = ("--training.mixed_precision_param", "bfloat16")
 BF16_STEPS = 5  # bf16 matmuls are slow on CPU: half the float32 layouts' steps
 # Per-op selective AC under EP: the recompute replays the experts' own FSDP unit inside each block.
@@ -39,6 +42,7 @@ SAC_STEPS = 3
 TITAN = Path(__file__).resolve().parents[3] / "titan"
 MOE_LAYERS = 2
 EP2 = ("--parallelism.expert_parallel_degree", "2")
+TP2 = ("--parallelism.tensor_parallel_degree", "2")
 SHARD = "--parallelism.data_parallel_shard_degree"
 USE_NEW = ("--checkpoint.config_mismatch", "use_new")  # 4 ranks: another local batch size
 
@@ -152,6 +156,9 @@ def on_two_ranks(rank: int, world: int, dump: str) -> dict:
                 "ep2_sac": (2, (SHARD, "2", *EP2, *SAC)),
                 "ep2_sac_bf16": (2, (SHARD, "2", *EP2, *SAC, *BF16)),
                 "pp2_bf16": (1, ("--parallelism.pipeline_parallel_degree", "2", SHARD, "1", *BF16)),
+                # The router's scores on the experts' TP-partial outputs: their gradient summed over TP.
+                "tp2_sae": (1, (*TP2, SHARD, "1", *SAE)),
+                "tp2_sae_bf16": (1, (*TP2, SHARD, "1", *SAE, *BF16)),
             },
             reads,
         )
@@ -168,7 +175,7 @@ def on_two_ranks(rank: int, world: int, dump: str) -> dict:
 
 def on_four_ranks(rank: int, world: int, dump: str) -> dict:
     with eptest_flavor():
-        tp2 = ("--parallelism.tensor_parallel_degree", "2", SHARD, "2")
+        tp2 = (*TP2, SHARD, "2")
         out = _layouts(
             f"{dump}/parity4",
             {
@@ -179,6 +186,7 @@ def on_four_ranks(rank: int, world: int, dump: str) -> dict:
                 "ep2_etp2": (2, (*tp2, *EP2, "--parallelism.expert_tensor_parallel_degree", "2")),
                 "tp2_bf16": (2, (*tp2, *BF16)),
                 "ep2_etp2_bf16": (2, (*tp2, *EP2, "--parallelism.expert_tensor_parallel_degree", "2", *BF16)),
+                "ep2_etp2_sae": (2, (*tp2, *EP2, "--parallelism.expert_tensor_parallel_degree", "2", *SAE)),
             },
         )
         # EP 1's step-10 checkpoint (saved by the two-rank group) loads at EP 4 and trains on.
@@ -252,6 +260,15 @@ def test_pp2_reproduces_the_one_rank_curve(two, tmp_path, dtype) -> None:
         print(f"{name} vs one process, worst relative loss difference:", worst)
 
 
+def test_tp2_with_scores_after_the_experts_reproduces_the_one_rank_curve(two, tmp_path) -> None:
+    with eptest_flavor():
+        reference = _curve(_trainer(str(tmp_path), GLOBAL_BATCH, *SAE))
+    for per_rank in two[0]:
+        _close(per_rank["tp2_sae"], reference, "tp2, scores after the experts")
+        worst = _close(per_rank["tp2_sae_bf16"], reference[:BF16_STEPS], "tp2 bf16 vs fp32", BF16_FP32_RTOL, True)
+        print("tp2 bf16 vs one fp32 process (scores after the experts), worst relative loss difference:", worst)
+
+
 def test_saved_at_ep2_resumed_at_ep1_continues_the_curve(two) -> None:
     results, _ = two
     for per_rank in results:
@@ -269,6 +286,8 @@ def test_four_rank_layouts_and_reshard_to_ep4(two) -> None:
         _close(per_rank["ep2_fsdp2_sac"], per_rank["ep2_fsdp2"][:SAC_STEPS], "ep2 x fsdp2 + per-op SAC")
         _close(per_rank["ep2_etp2"], per_rank["tp2"], "ep2 x tp2 (etp 2)")
         _close(per_rank["ep2_etp2_bf16"], per_rank["tp2_bf16"], "ep2 x tp2 (etp 2), bf16", BF16_RTOL, relative=True)
+        # Scores after the experts: against TP 2 alone on two ranks (the same global batch).
+        _close(per_rank["ep2_etp2_sae"], two[0][0]["tp2_sae"], "ep2 x tp2 (etp 2), scores after the experts")
         # Loaded EP 1's step 10 (nothing else to train from) and trained step 11.
         assert list(per_rank["ep4"]) == [11] and torch.isfinite(torch.tensor(per_rank["ep4"][11]))
 

@@ -24,8 +24,8 @@ from tests.helpers.distributed import run_distributed
 from tests.helpers.parity import GLOBAL_BATCH, VOCAB, close, config, run
 from titan.models import get_model_spec, register_flavor, register_model_spec
 from titan.models.gpt_oss.args import GptOssModelArgs, gpt_oss_moe
-from titan.models.llama4.parallelize import _moe_plan
 from titan.models.moe import MoE
+from titan.models.moe.parallelize import moe_tp_plan
 from titan.parallel.expert_parallel import ExpertTensorParallel
 from titan.training.trainer import Trainer
 
@@ -108,7 +108,7 @@ def router_grads(rank: int, world: int, sum_scores: bool = True) -> dict[str, to
     ref_out = whole(ref_x)
     (ref_out * weight).sum().backward()
     mesh = init_device_mesh("cpu", (world,))
-    plan = _moe_plan(block)
+    plan = moe_tp_plan(block)
     if not sum_scores:
         del plan["moe.router"]
     parallelize_module(block, mesh, plan)

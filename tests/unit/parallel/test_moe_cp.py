@@ -26,8 +26,8 @@ from titan.models.deepseek_v3.model import DeepSeekV3Transformer
 from titan.models.llama.parallelize import apply_llama_cp, cp_buffers
 from titan.models.llama4.args import Llama4ModelArgs
 from titan.models.llama4.model import Llama4Transformer
-from titan.models.llama4.parallelize import apply_moe_cp
 from titan.models.moe import MoE, MoEArgs, moe_layers, sequence_balance_loss
+from titan.models.moe.parallelize import apply_moe_cp
 from titan.models.qwen3.args import Qwen3ModelArgs
 from titan.models.qwen3.model import Qwen3Transformer
 from titan.parallel.cp import cp_shard_batch, cp_sum, cp_unshard

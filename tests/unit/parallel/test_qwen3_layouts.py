@@ -2,7 +2,9 @@
 layout without it, within 1e-5 for 10 steps in fp32 (1e-4 against the one-process run, as the dense
 layouts' test) and within bf16's tolerance with bf16 parameters. The dense tiny model has its own
 head width (24, not dim / heads = 16) so the q/k norms under TP act on local heads of another width;
-the MoE one keeps block 0 dense (mlp_only_layers). One 2-rank and one 4-rank spawn run every layout."""
+the MoE one keeps block 0 dense (mlp_only_layers) and applies the router's scores to the experts'
+outputs, as Qwen3 does (under TP their gradient is summed over the TP ranks). One 2-rank and one
+4-rank spawn run every layout."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import pytest
 
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parity import GLOBAL_BATCH, VOCAB, close, config, run
-from titan.errors import TitanError
 from titan.models import get_model_spec, register_flavor, register_model_spec
 from titan.models.moe import MoEArgs
 from titan.models.qwen3 import Qwen3ModelArgs
@@ -78,6 +79,9 @@ def on_two_ranks(rank: int, world: int, dump: str) -> dict:
             "moe_fsdp2_bf16": ("q3moetest", 2, (SHARD, "2", *BF16)),
             "moe_ep2_bf16": ("q3moetest", 2, (*ep2, *BF16)),
             "tp2_bf16": ("q3test", 1, (*tp2, *BF16)),
+            # The router's scores weight the experts' TP-partial outputs: their gradient summed over TP.
+            "moe_tp2": ("q3moetest", 1, tp2),
+            "moe_tp2_bf16": ("q3moetest", 1, (*tp2, *BF16)),
         },
     )  # fmt: skip
 
@@ -93,6 +97,9 @@ def on_four_ranks(rank: int, world: int, dump: str) -> dict:
             "moe_ep4": ("q3moetest", 4, (SHARD, "4", "--parallelism.expert_parallel_degree", "4")),
             "moe_ep2_pp2": ("q3moetest", 2, (SHARD, "2", "--parallelism.expert_parallel_degree", "2",
                                              "--parallelism.pipeline_parallel_degree", "2")),
+            "moe_ep2_etp2": ("q3moetest", 2, (SHARD, "2", "--parallelism.tensor_parallel_degree", "2",
+                                              "--parallelism.expert_parallel_degree", "2",
+                                              "--parallelism.expert_tensor_parallel_degree", "2")),
         },
     )  # fmt: skip
 
@@ -118,6 +125,8 @@ def test_two_rank_layouts_match_their_data_parallel_layout(tmp_path: Path, refer
         close(r["moe_ep2_bf16"], r["moe_fsdp2_bf16"], "ep2 bf16", BF16_TOL, relative=True)
         close(r["moe_ep2_bf16"], r["moe_ep2"], "ep2 bf16 vs fp32", BF16_TOL, relative=True)
         close(r["tp2_bf16"], dense, "tp2 bf16 vs fp32", BF16_TOL, relative=True)
+        close(r["moe_tp2"], moe, "moe tp2 (scores after the experts)")
+        close(r["moe_tp2_bf16"], moe, "moe tp2 bf16 vs fp32", BF16_TOL, relative=True)
     results4 = run_distributed(on_four_ranks, 4, str(tmp_path), timeout=600)
     for r4 in results4:
         close(r4["fsdp4"], dense, "fsdp4 vs 1 process", 1e-4)
@@ -125,15 +134,4 @@ def test_two_rank_layouts_match_their_data_parallel_layout(tmp_path: Path, refer
         close(r4["fsdp2"], results[0]["fsdp2"], "fsdp2 x tp2")
         close(r4["moe_ep4"], r4["moe_fsdp4"], "ep4")
         close(r4["moe_ep2_pp2"], results[0]["moe_fsdp2"], "ep2 x pp2", PP_RTOL, relative=True)
-
-
-def test_tp_on_moe_blocks_is_refused_in_one_line(tmp_path: Path) -> None:
-    from titan.models.qwen3.model import Qwen3Transformer
-    from titan.models.qwen3.parallelize import apply_tp
-
-    class _Mesh:
-        def size(self) -> int:
-            return 2
-
-    with pytest.raises(TitanError, match="tensor_parallel_degree 2 is not supported for qwen3's MoE flavors"):
-        apply_tp(Qwen3Transformer(FLAVORS["q3moetest"]), _Mesh(), loss_parallel=False)  # type: ignore[arg-type]
+        close(r4["moe_ep2_etp2"], results[0]["moe_tp2"], "ep2 x etp2 x fsdp2 vs tp2")

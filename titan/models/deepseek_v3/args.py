@@ -14,6 +14,7 @@ from torch import nn
 from titan.errors import TitanError
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.moe import MoEArgs
+from titan.models.moe.flops import active_matmul_params
 from titan.models.rope import YarnScaling, yarn_mscale
 
 
@@ -209,24 +210,33 @@ deepseek_v3_configs: Mapping[str, DeepSeekV3ModelArgs] = MappingProxyType(
             **_MLA,
             **_FLEX,
         ),
+        # Moonshot's Kimi K2 (model_type kimi_k2 in config.json, DeepseekV3ForCausalLM): 384 experts in
+        # one group, one dense block, 64 heads, YaRN x32 on theta 50000, its 163840-token vocabulary.
+        "kimi_k2": DeepSeekV3ModelArgs(
+            vocab_size=163840,
+            dim=7168,
+            inter_dim=18432,
+            moe_inter_dim=2048,
+            n_layers=61,
+            n_dense_layers=1,
+            n_heads=64,
+            q_lora_rank=1536,
+            norm_eps=1e-6,
+            latent_norm_eps=1e-6,
+            rope_theta=50000.0,
+            max_seq_len=131072,
+            original_seq_len=4096,
+            rope_factor=32.0,
+            beta_fast=1.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            use_yarn=True,
+            moe_args=_moe(384, 1, 8, score_func="sigmoid", route_norm=True, route_scale=2.827),
+            **_MLA,
+            **_FLEX,
+        ),
     }  # fmt: skip
 )
-
-
-def parameter_counts(model: nn.Module) -> dict[str, int]:
-    """Parameters by kind: embedding, routed experts (all of them), the rest of the MoE layers
-    (router, shared experts) and everything else (dense, latent attention included)."""
-    counts = {"embedding": 0, "experts": 0, "moe_other": 0, "dense": 0}
-    for name, p in model.named_parameters():
-        if "tok_embeddings" in name:
-            counts["embedding"] += p.numel()
-        elif ".moe.experts." in name:
-            counts["experts"] += p.numel()
-        elif ".moe." in name:
-            counts["moe_other"] += p.numel()
-        else:
-            counts["dense"] += p.numel()
-    return counts
 
 
 def get_nparams_and_flops(model: nn.Module, seq_len: int) -> tuple[int, int]:
@@ -235,15 +245,9 @@ def get_nparams_and_flops(model: nn.Module, seq_len: int) -> tuple[int, int]:
     experts * top_k / num_experts) + 6 * L * H * (qk_head_dim + v_head_dim) * T (q.k over the
     query-key width, the weighted sum over the value width; torchtitan's count)."""
     args: DeepSeekV3ModelArgs = model.model_args  # type: ignore[assignment]
-    c = parameter_counts(model)
-    emb = getattr(model, "tok_embeddings", None)
-    out = getattr(model, "output", None)
-    tied = emb is not None and out is not None and out.weight is emb.weight
-    active_experts = c["experts"] * args.moe_args.top_k // args.moe_args.num_experts
-    flop_params = c["dense"] + c["moe_other"] + active_experts + (c["embedding"] if tied else 0)
     n_layers = len(model.layers)  # type: ignore[arg-type]
     attn = 6 * n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
-    return sum(c.values()), 6 * flop_params + attn
+    return sum(p.numel() for p in model.parameters()), 6 * active_matmul_params(model) + attn
 
 
-__all__ = ["DeepSeekV3ModelArgs", "deepseek_v3_configs", "get_nparams_and_flops", "parameter_counts"]
+__all__ = ["DeepSeekV3ModelArgs", "deepseek_v3_configs", "get_nparams_and_flops"]

@@ -1,4 +1,4 @@
-"""Parallelize a deepseek_v3 model part with llama4's MoE driver (TP/SP -> EP/ETP -> CP -> AC ->
+"""Parallelize a deepseek_v3 model part with the shared MoE driver (TP/SP -> EP/ETP -> CP -> AC ->
 compile -> FSDP2 / HSDP / DDP; experts FSDP-sharded on their own mesh under EP): the blocks have llama4's
 shape, only the attention's TP plan is latent attention's.
 
@@ -19,16 +19,16 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from titan.config.job_config import JobConfig
 from titan.models.deepseek_v3.model import DeepSeekV3Transformer
-from titan.models.llama.parallelize import _block_plan, apply_llama_cp
-from titan.models.llama4.parallelize import apply_moe_family_tp, parallelize_moe_family
+from titan.models.llama.parallelize import apply_llama_cp, block_plan
+from titan.models.moe.parallelize import apply_moe_family_tp, parallelize_moe_family
 from titan.parallel.dims import ParallelDims
 from titan.parallel.expert_parallel import NoParallel
-from titan.parallel.tp import Plan, SumGradOverTP, check_tp_shapes
+from titan.parallel.tp import Plan, SumGradOverTP
 
 
 def _mla_plan(block: Any) -> Plan:
     """llama's block plan (norms, dense FFN) with latent attention's in place of llama's attention."""
-    plan = {k: v for k, v in _block_plan().items() if k != "attention" and not k.startswith("attention.")}
+    plan = {k: v for k, v in block_plan().items() if k != "attention" and not k.startswith("attention.")}
     # Plain tensors inside attention: every projection below converts its own input and output.
     plan["attention"] = PrepareModuleInput(
         input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
@@ -51,8 +51,7 @@ def apply_tp(
     model: DeepSeekV3Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False
 ) -> None:
     """TP/SP for latent attention, dense FFNs, router and shared experts; the routed experts are
-    llama4's apply_experts' (ETP or TP)."""
-    check_tp_shapes(model.model_args.n_heads, model.model_args.kv_heads, tp_mesh.size())
+    the MoE driver's apply_experts' (ETP or TP)."""
     apply_moe_family_tp(
         model, tp_mesh, _mla_plan, "deepseek_v3", loss_parallel=loss_parallel, enable_async_tp=enable_async_tp
     )

@@ -15,6 +15,7 @@ from torch import nn
 from titan.errors import TitanError
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.moe import MoEArgs
+from titan.models.moe.flops import active_matmul_params
 from titan.models.rope import YarnScaling
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -167,29 +168,17 @@ gpt_oss_configs: Mapping[str, GptOssModelArgs] = MappingProxyType(
 )
 
 
-def parameter_counts(model: nn.Module) -> dict[str, int]:
-    """Parameters by kind: embedding, routed experts (all of them), everything else (dense, router
-    and sinks included)."""
-    counts = {"embedding": 0, "experts": 0, "dense": 0}
-    for name, p in model.named_parameters():
-        kind = "embedding" if "tok_embeddings" in name else "experts" if ".moe.experts." in name else "dense"
-        counts[kind] += p.numel()
-    return counts
-
-
 def get_nparams_and_flops(model: nn.Module, seq_len: int) -> tuple[int, int]:
     """All parameters and training FLOPs per token on the ACTIVE ones: 6 * (dense non-embedding +
     experts * top_k / num_experts) + 12 * H * Dh * (keys a query sees) per layer: the whole window
     T on full-attention layers, min(window, T) on sliding-window ones (the causal half is not
     discounted, as for llama3)."""
     args: GptOssModelArgs = model.model_args  # type: ignore[assignment]
-    c = parameter_counts(model)
-    active_experts = c["experts"] * args.moe_args.top_k // args.moe_args.num_experts
     attn = 0
     for name in model.layers:  # type: ignore[attr-defined]  # a pipeline stage holds some layers
         keys = min(args.sliding_window_size, seq_len) if args.is_sliding(int(name)) else seq_len  # type: ignore[type-var]
         attn += 12 * args.n_heads * args.head_dim * keys
-    return sum(c.values()), 6 * (c["dense"] + active_experts) + attn
+    return sum(p.numel() for p in model.parameters()), 6 * active_matmul_params(model) + attn
 
 
-__all__ = ["GptOssModelArgs", "get_nparams_and_flops", "gpt_oss_configs", "gpt_oss_moe", "parameter_counts"]
+__all__ = ["GptOssModelArgs", "get_nparams_and_flops", "gpt_oss_configs", "gpt_oss_moe"]

@@ -1,7 +1,7 @@
-"""Parallelize a gpt_oss model part with llama4's MoE driver (TP/SP -> EP/ETP -> AC -> compile ->
+"""Parallelize a gpt_oss model part with the shared MoE driver (TP/SP -> EP/ETP -> AC -> compile ->
 FSDP2 / HSDP / DDP; experts FSDP-sharded on their own mesh under EP).
 
-The TP/SP plan is llama4's with gpt-oss's attention: the embedding row-wise (output sharded on the
+The TP/SP plan is llama's with gpt-oss's attention: the embedding row-wise (output sharded on the
 sequence), norms sequence-parallel, the output column-wise (loss parallel); wq/wk/wv column-wise
 with their biases and wo row-wise, whole heads per rank, and the learned sinks split on heads like
 wq's output, so each rank's heads keep their own sink (both attention kernels read the local
@@ -26,8 +26,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from titan.config.job_config import JobConfig
 from titan.log import logger
 from titan.models.gpt_oss.model import GptOssTransformer
-from titan.models.llama.parallelize import _block_plan, _root_plan
-from titan.models.llama4.parallelize import _DENSE_FFN, _blocks, _moe_plan, parallelize_moe_family
+from titan.models.llama.parallelize import block_plan, root_plan
+from titan.models.moe.parallelize import moe_blocks, parallelize_moe_family, with_moe_plan
 from titan.parallel.dims import ParallelDims
 from titan.parallel.tp import apply_tp_plan
 
@@ -36,12 +36,11 @@ def apply_tp(
     model: GptOssTransformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False
 ) -> None:
     """TP/SP for attention (sinks with their heads), norms, embedding, output and the MoE blocks'
-    router; the routed experts are llama4's apply_experts' (TP or ETP). The shapes were checked by
+    router; the routed experts are the MoE driver's apply_experts' (TP or ETP). The shapes were checked by
     GptOssModelArgs.check_parallelism."""
-    apply_tp_plan(model, tp_mesh, _root_plan(model, loss_parallel), [], {}, enable_async_tp=enable_async_tp)
-    for _, block in _blocks(model):
-        plan = {k: v for k, v in _block_plan().items() if k not in _DENSE_FFN} | _moe_plan(block)
-        parallelize_module(block, tp_mesh, plan)
+    apply_tp_plan(model, tp_mesh, root_plan(model, loss_parallel), [], {}, enable_async_tp=enable_async_tp)
+    for _, block in moe_blocks(model):
+        parallelize_module(block, tp_mesh, with_moe_plan(block_plan(), block))
         attention: Any = block.attention
         # Heads are contiguous in wq's output: Shard(0) of the sinks gives each rank its heads' sinks.
         attention.sinks = nn.Parameter(distribute_tensor(attention.sinks, tp_mesh, [Shard(0)]))

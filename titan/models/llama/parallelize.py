@@ -31,7 +31,7 @@ from titan.parallel.fsdp import apply_ddp, apply_fsdp
 from titan.parallel.tp import Plan, apply_tp_plan, check_tp_shapes
 
 
-def _root_plan(model: nn.Module, loss_parallel: bool) -> Plan:
+def root_plan(model: nn.Module, loss_parallel: bool) -> Plan:
     """Plan for the modules a pipeline stage may lack (embedding, final norm, output)."""
     plan: Plan = {}
     if getattr(model, "tok_embeddings", None) is not None:
@@ -49,7 +49,7 @@ def _root_plan(model: nn.Module, loss_parallel: bool) -> Plan:
     return plan
 
 
-def _block_plan() -> Plan:
+def block_plan() -> Plan:
     # Built per call: ParallelStyle objects are not shared between models.
     return {
         "attention_norm": SequenceParallel(),
@@ -88,9 +88,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, en
     apply_tp_plan(
         model,
         tp_mesh,
-        _root_plan(model, loss_parallel),
+        root_plan(model, loss_parallel),
         model.layers.values(),
-        _block_plan(),
+        block_plan(),
         enable_async_tp=enable_async_tp,
     )
     # Sequence parallel: blocks see 1/tp of the sequence, attention the gathered whole (the flex

@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from torch import nn
-
 from titan.errors import TitanError
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.moe import MoEArgs
+from titan.models.moe.flops import get_nparams_and_flops
 
 
 @dataclass
@@ -173,40 +172,4 @@ llama4_configs: Mapping[str, Llama4ModelArgs] = MappingProxyType(
 )
 
 
-def parameter_counts(model: nn.Module) -> dict[str, int]:
-    """Parameters by kind: embedding, routed experts (all of them), the rest of the MoE layers
-    (router, shared experts) and everything else (dense)."""
-    counts = {"embedding": 0, "experts": 0, "moe_other": 0, "dense": 0}
-    for name, p in model.named_parameters():
-        kind = (
-            "embedding"
-            if "tok_embeddings" in name
-            else "experts"
-            if ".moe.experts." in name
-            else "moe_other"
-            if ".moe." in name
-            else "dense"
-        )
-        counts[kind] += p.numel()
-    return counts
-
-
-def get_nparams_and_flops(model: nn.Module, seq_len: int) -> tuple[int, int]:
-    """All parameters (every expert: what is stored) and training FLOPs per token counted on the
-    ACTIVE parameters: each token runs top_k of the num_experts routed experts (plus the router
-    and shared experts), so FLOPs/token = 6 * (dense non-embedding + router + shared + experts *
-    top_k / num_experts) + 12 * L * H * Dh * T (attention scores, as for llama3; NoPE and
-    fixed-block layers are counted over the whole window, as torchtitan does)."""
-    args: Llama4ModelArgs = model.model_args  # type: ignore[assignment]
-    c = parameter_counts(model)
-    emb = getattr(model, "tok_embeddings", None)
-    out = getattr(model, "output", None)
-    tied = emb is not None and out is not None and out.weight is emb.weight
-    active_experts = c["experts"] * args.moe_args.top_k // args.moe_args.num_experts
-    flop_params = c["dense"] + c["moe_other"] + active_experts + (c["embedding"] if tied else 0)
-    n_layers = len(model.layers)  # type: ignore[arg-type]
-    attn = 12 * n_layers * args.n_heads * args.head_dim * seq_len
-    return sum(c.values()), 6 * flop_params + attn
-
-
-__all__ = ["Llama4ModelArgs", "get_nparams_and_flops", "llama4_configs", "parameter_counts"]
+__all__ = ["Llama4ModelArgs", "get_nparams_and_flops", "llama4_configs"]

@@ -15,8 +15,8 @@ from typing import Any
 
 from titan.errors import TitanError
 from titan.models.llama.args import TransformerModelArgs
-from titan.models.llama4.args import get_nparams_and_flops
 from titan.models.moe import MoEArgs
+from titan.models.moe.flops import get_nparams_and_flops
 
 
 @dataclass

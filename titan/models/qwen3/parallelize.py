@@ -1,6 +1,6 @@
 """Parallelize a qwen3 model part: llama's order and pieces for the dense flavors (TP/SP -> CP -> AC
--> compile -> FSDP/HSDP/DDP), llama4's for the MoE ones (TP/SP -> EP/ETP -> CP -> AC -> compile
--> experts' and dense FSDP), each with qwen3's TP plan.
+-> compile -> FSDP/HSDP/DDP), the shared MoE driver's for the MoE ones (titan/models/moe/parallelize.py:
+TP/SP -> EP/ETP -> CP -> AC -> compile -> experts' and dense FSDP), each with qwen3's TP plan.
 
 The plan differs from llama's in the q/k norms: they act per head on the output of the column-wise
 wq / wk, so each TP rank runs them on its own heads. Their weights become replicated DTensors and
@@ -10,20 +10,16 @@ weights' gradients, partial per rank, are then summed over TP like the other nor
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import SequenceParallel
 
 from titan.config.job_config import JobConfig
-from titan.errors import TitanError
-from titan.log import logger
-from titan.models.llama.parallelize import _block_plan, _root_plan, apply_llama_cp, parallelize_llama
-from titan.models.llama4.parallelize import _DENSE_FFN, _moe_plan, parallelize_moe_family
+from titan.models.llama.parallelize import apply_llama_cp, block_plan, parallelize_llama
+from titan.models.moe.parallelize import apply_moe_family_tp, parallelize_moe_family
 from titan.models.qwen3.model import Qwen3Block, Qwen3Transformer
 from titan.parallel.dims import ParallelDims
-from titan.parallel.tp import Plan, apply_tp_plan, check_tp_shapes
+from titan.parallel.tp import Plan
 
 
 def _qk_norm_plan() -> Plan:
@@ -33,35 +29,22 @@ def _qk_norm_plan() -> Plan:
     }
 
 
+def _block_plan(block: Qwen3Block) -> Plan:
+    return block_plan() | _qk_norm_plan()
+
+
 def apply_tp(
     model: Qwen3Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False
 ) -> None:
     """TP/SP for attention (q/k norms on the local heads), dense feed-forwards and the MoE blocks'
-    router; the routed experts are llama4's apply_experts' (ETP or TP)."""
-    tp = tp_mesh.size()
-    args = model.model_args
-    check_tp_shapes(args.n_heads, args.kv_heads, tp)
-    if args.moe_enabled and not args.moe_args.score_before_experts:
-        # The router's scores would multiply TP-partial expert outputs: their gradient would be partial
-        # on each TP rank while the router's weights are replicated.
-        raise TitanError(
-            f"parallelism.tensor_parallel_degree {tp} is not supported for qwen3's MoE flavors (Qwen3 applies the"
-            " router scores to the experts' outputs); use expert, data or pipeline parallelism"
-        )
-    apply_tp_plan(model, tp_mesh, _root_plan(model, loss_parallel), [], {}, enable_async_tp=enable_async_tp)
-    for wrapper in model.layers.values():
-        block = cast(Qwen3Block, getattr(wrapper, "_checkpoint_wrapped_module", wrapper))
-        plan = _block_plan() | _qk_norm_plan()
-        if block.moe_enabled:
-            plan = {k: v for k, v in plan.items() if k not in _DENSE_FFN} | _moe_plan(block)
-        parallelize_module(block, tp_mesh, plan)
-    model.seq_shards = tp
-    logger.info(f"applied tensor + sequence parallel to qwen3 (degree {tp}, loss parallel {loss_parallel})")
+    router; the routed experts are the MoE driver's apply_experts' (ETP or TP). Qwen3 weights the
+    experts' outputs by the router scores: the MoE plan sums the scores' gradient over TP."""
+    apply_moe_family_tp(
+        model, tp_mesh, _block_plan, "qwen3", loss_parallel=loss_parallel, enable_async_tp=enable_async_tp
+    )
 
 
 def parallelize_qwen3(model: Qwen3Transformer, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
     if model.model_args.moe_enabled:
-        # llama4's MoE layout (EP/ETP, the experts' own FSDP mesh, the MoE blocks compiled but the
-        # routed experts) works on any block with attention / moe / norms named as llama4's.
         return parallelize_moe_family(model, parallel_dims, job_config, apply_tp, "qwen3", cp_fn=apply_llama_cp)
     return parallelize_llama(model, parallel_dims, job_config, tp_fn=apply_tp)
