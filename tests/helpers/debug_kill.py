@@ -146,7 +146,6 @@ def install(kill: DebugKill | None = None) -> None:
         tokenize._encode_shard = encode_then_interrupt
         return
     from titan.checkpointing.manager import CheckpointManager
-
     from titan.checkpointing.memory_snapshot import MemorySnapshots
 
     after_step, commit = CheckpointManager.after_step, CheckpointManager._commit
