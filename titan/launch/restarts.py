@@ -88,8 +88,8 @@ class RestartPolicy:
         now = time.time()
         os.environ[DETECTED_AT_ENV] = repr(detected_at or now)
         # every failure so far (the last ones): a recovery may span restarts that failed again
-        failures = [t for t in os.environ.get(FAILED_AT_ENV, "").split(",") if t][-49:]
-        os.environ[FAILED_AT_ENV] = ",".join([*failures, repr(min(failed_at or now, detected_at or now))])
+        ended = [t for t in os.environ.get(FAILED_AT_ENV, "").split(",") if t][-49:]
+        os.environ[FAILED_AT_ENV] = ",".join([*ended, repr(min(failed_at or now, detected_at or now))])
         return remaining
 
     def final_line(self, line: str) -> str:
