@@ -38,7 +38,7 @@ import torch.distributed as dist
 from titan.checkpointing import config_diff
 from titan.checkpointing.snapshot_budget import host_budget, node_need, ring_offset, size_text
 from titan.checkpointing.snapshot_restart import RankInfo, recover
-from titan.checkpointing.snapshot_state import capture, read
+from titan.checkpointing.snapshot_state import capture, create_optimizer_state, read
 from titan.checkpointing.snapshot_store import (
     SnapshotFolder,
     copy_dir,
@@ -124,9 +124,7 @@ class MemorySnapshots:
     def _measure(self) -> tuple[str, int]:
         """This rank's snapshot layout digest and size in bytes, from its states as they are (a
         fresh optimizer's state is created first, as a checkpoint load does)."""
-        optimizer = self.states.get("optimizer")
-        if optimizer is not None and not all(o.state for o in self._optimizers()):
-            optimizer.state_dict()
+        create_optimizer_state(self._optimizers())
         cap = capture(read(self._all_states(), frozenset(self._all_states())))
         return cap.layout, cap.nbytes + len(cap.meta)
 

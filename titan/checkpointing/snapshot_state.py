@@ -67,6 +67,25 @@ class _Access:
             self.get, self.put = stateful.state_dict, stateful.load_state_dict
 
 
+def create_optimizer_state(optimizers: list[Optimizer]) -> None:
+    """Give each optimizer without state its state, as a checkpoint load does first (one step with
+    zero gradients at learning rate 0: the weights do not move), without torch.distributed.
+    checkpoint's FQN-keyed dicts around it."""
+    for o in optimizers:
+        params = [p for g in o.param_groups for p in g["params"] if p.requires_grad]
+        if o.state or any(p.grad is not None for p in params):
+            continue
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        lrs = [g["lr"] for g in o.param_groups]
+        for g in o.param_groups:
+            g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        o.step()
+        for g, lr in zip(o.param_groups, lrs):
+            g["lr"] = lr
+        o.zero_grad(set_to_none=True)
+
+
 def _load_each(optimizers: list[Optimizer], states: list[Any]) -> None:
     for o, state in zip(optimizers, states):
         o.load_state_dict(state)
