@@ -70,8 +70,10 @@ class StandbyPool:
     ``delay`` seconds after the ranks they replace (the first ones after the first ranks): their
     imports then do not compete with the new ranks' own start-up for the CPU."""
 
-    def __init__(self, preload: tuple[str, ...] = (), delay: float = REFILL_DELAY_S, per_rank: int = 1) -> None:
-        self.size, self.preload, self.delay, self.per_rank = 0, preload, delay, per_rank
+    def __init__(self, delay: float = REFILL_DELAY_S, per_rank: int = 1) -> None:
+        self.size, self.delay, self.per_rank = 0, delay, per_rank
+        self.args: tuple = ()  # the ranks' command line (after the interpreter): standbys warm up on it
+        self.world_size = ""  # ... for this many ranks
         self.ready: list[subprocess.Popen] = []
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
@@ -83,8 +85,9 @@ class StandbyPool:
             while len(self.ready) < self.size * self.per_rank and not self._closed:
                 self.ready.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", MODULE, *self.preload],
+                        [sys.executable, "-m", MODULE, *self.args],
                         stdin=subprocess.PIPE,
+                        env={**os.environ, "WORLD_SIZE": self.world_size} if self.world_size else None,
                         start_new_session=True,  # as torchrun's own ranks: signalled by process group
                     )
                 )
@@ -220,6 +223,8 @@ def rank_process(pool: StandbyPool | None, original: Callable[..., Any]) -> Call
         if pool is not None:
             _kill_after_grace(out)
             pool.size = max(pool.size, local_rank_id + 1)
+            pool.args = tuple(str(a) for a in args) if titan_entry(args) else ()
+            pool.world_size = env.get("WORLD_SIZE", "")
             pool.fill_later()
         return out
 
@@ -268,7 +273,29 @@ def _set_name(name: str) -> None:
         pass
 
 
-def main(preload: list[str]) -> int:
+def _warm(argv: list[str]) -> None:
+    """The read-only start of a rank of this command line, once: its config, its checks (files
+    read, nothing written), its model on the meta device. What they import and read is then in
+    place when the standby becomes a rank. Nothing here touches a GPU (a rank may see other ones)."""
+    import warnings
+
+    import torch
+
+    from titan.config import load_config
+    from titan.training.checks import check_job
+
+    args = argv[1:] if argv[:1] == ["-u"] else argv
+    args = args[2:] if args[:1] == ["-m"] else args[1:]
+    with warnings.catch_warnings():  # a rank's own warnings show again in its log
+        warnings.simplefilter("ignore")
+        world = os.environ.get("WORLD_SIZE", "")
+        plan = check_job(load_config(args), int(world) if world.isdigit() else None, "cpu", once=True)
+        if plan is not None:
+            with torch.device("meta"):
+                plan.spec.model_cls(plan.model_args)
+
+
+def main(argv: list[str]) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: gone with the launcher
     _set_name(STANDBY_NAME)
@@ -289,11 +316,13 @@ def main(preload: list[str]) -> int:
     threading.Thread(target=read, name="titan-standby", daemon=True).start()
     import importlib
 
-    for name in (*PRELOAD, *preload):
-        try:
+    try:
+        for name in PRELOAD:
             importlib.import_module(name)
-        except Exception:  # the rank imports it again and reports it
-            pass
+        if argv and not assigned.is_set():
+            _warm(argv)
+    except Exception:  # the rank does it again and reports it
+        pass
     assigned.wait()
     if not job:
         return 0  # the launcher closed its end: no more restarts
