@@ -178,8 +178,7 @@ class MemorySnapshots:
                     )
                     e.same_on_all_ranks = True  # type: ignore[attr-defined]
                     raise e
-                self.summary = f"off: {what}"
-                logger.info(f"checkpoint.memory_interval = -1 (every step when they fit): {self.summary}")
+                self.summary = f"off (checkpoint.memory_interval = -1: every step when they fit): {what}"
                 return
         mine = ranks[self.rank]
         need = node_need(self.nodes, [x.nbytes for x in ranks], mine.node, offset)
@@ -191,7 +190,6 @@ class MemorySnapshots:
             f"{every} (in the background; skipped while the last is still copying), {size_text(mine.nbytes)} per"
             f" rank{peer}; {need.text()} of {size_text(mine.budget.nbytes)} ({mine.budget.source}) in {self.root}"
         )
-        logger.info(f"in-memory snapshots: {self.summary}")
         self._hooks = [o.register_step_pre_hook(self._before_optimizer_step) for o in self._optimizers()]
 
     def _purge(self, keep: int | None) -> None:
@@ -290,8 +288,6 @@ class MemorySnapshots:
         if job is not None and job.future.done() and job.future.exception() is None:
             self.taken += 1
             self.seconds += time.perf_counter() - job.t0
-            if self.taken == 1 and self.rank == 0:
-                logger.info(f"in-memory snapshot of step {job.step} taken ({size_text(self.nbytes)} per rank)")
 
     def _disable(self) -> None:
         job = self._job

@@ -70,8 +70,8 @@ class Checkpoint:
     """In-memory snapshots (with checkpoint.enable): every N steps each rank copies its state to host
     memory that outlives the process (memory_folder), in the background, and with more than one node
     a copy to a rank of another node; a restarted run resumes from the newest of them and the disk
-    checkpoints. -1: every step whose previous snapshot is done (said in the log; off when they do
-    not fit the host memory); 0: off; N: every N steps (refused when they do not fit)."""
+    checkpoints. -1: every step whose previous snapshot is done (off when they do not fit the host
+    memory; the start-up table says which); 0: off; N: every N steps (refused when they do not fit)."""
     memory_folder: str = "/dev/shm"
     """Node-local memory that outlives the processes (a tmpfs) where in-memory snapshots live, in a
     folder per job (titan-<dump folder name>-<hash>), removed when the run ends as it should."""
