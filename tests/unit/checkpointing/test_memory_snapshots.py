@@ -14,32 +14,22 @@ Kill points (tests/helpers/debug_kill.py), never timers. The ranks are forked fr
 that has imported torch and train.py (tests/helpers/distributed.py).
 """
 
-import logging
-import os
 import re
 import shutil
 import signal
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.distributed import _free_port, forkserver
-from tests.helpers.runs import STEP_RE, TINY_CKPT
+from tests.helpers.runs import SMALL_MODEL, STEP_RE, TINY_CKPT, train_in_child
 
 pytestmark = pytest.mark.slow
 STEPS = 10
 ARGS = [
     *TINY_CKPT,
-    "--model.dim",
-    "64",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
+    *SMALL_MODEL,
     "--training.steps",
     str(STEPS),
     "--checkpoint.interval",
@@ -50,36 +40,11 @@ ARGS = [
 
 
 def _rank(rank: int, port: int, folder: str, memory: str, log: str, kill_at: str) -> None:
-    code = 1
-    try:
-        out = open(log, "a", buffering=1)
-        sys.stdout = sys.stderr = out
-        for h in logging.getLogger("titan").handlers:
-            if isinstance(h, logging.StreamHandler):
-                h.setStream(out)
-        os.environ.pop("TITAN_DEBUG_KILL_AT", None)
-        # rank r alone on node r, as torchrun numbers them
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK="0",
-            LOCAL_WORLD_SIZE="1",
-            GROUP_RANK=str(rank),
-        )
-        import train
-        from tests.helpers.debug_kill import DebugKill, install
-
-        install(DebugKill(kill_at))
-        code = train.main([*ARGS, "--job.dump_folder", folder, "--checkpoint.memory_folder", f"{memory}/node{rank}"])
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        os._exit(code)
+    # rank r alone on node r, as torchrun numbers them
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
+    argv = [*ARGS, "--job.dump_folder", folder, "--checkpoint.memory_folder", f"{memory}/node{rank}"]
+    train_in_child(argv, log, kill_at, env)
 
 
 def _run(tmp: Path, name: str, folder: Path, memory: Path, kill_at: str = "") -> tuple[list, list[str]]:

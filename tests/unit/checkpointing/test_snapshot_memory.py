@@ -4,11 +4,10 @@ them off and says so (the start-up table too)."""
 
 import pytest
 
-from tests.helpers.runs import trainer
+from tests.helpers.runs import SMALL_MODEL, trainer
 from titan.errors import TitanError
 
-SMALL = ["--checkpoint.enable", "--model.dim", "64", "--model.n_layers", "1"]
-SMALL += ["--model.n_heads", "4", "--model.n_kv_heads", "2"]
+SMALL = ["--checkpoint.enable", *SMALL_MODEL]
 TOO_LITTLE = ["--checkpoint.memory_limit_gib", "0.0001"]  # 0.1 MiB: less than one snapshot
 
 
