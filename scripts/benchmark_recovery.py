@@ -2,7 +2,7 @@
 one rank SIGKILLed at random times, against the same run uninterrupted.
 
     python scripts/benchmark_recovery.py --seconds 300 --mtbf 60 --seed 0 [--interval 50] [--out DIR]
-    python scripts/benchmark_recovery.py --seconds 120 --mtbf 40 --seed 0 --lose_memory
+    python scripts/benchmark_recovery.py --seconds 120 --mtbf 40 --seed 0 --lose_memory --interval 10
     python scripts/benchmark_recovery.py --replica_groups 2 --seconds 300 --mtbf 60 --seed 0
 (--lose_memory: each failure kills every rank and removes the job's in-memory snapshots, as when
 the nodes are lost: the restart resumes from the disk checkpoint. --replica_groups: the same

@@ -16,7 +16,10 @@ goes on to the next interval. Process groups: groups.py.
 
 Async: ``async`` copies the state to the host, then writes it in a thread; ``async_with_pinned_mem``
 also copies in the background (staging.py; the trainer calls ``wait_for_staging`` before its next
-optimizer step). Only one save is in flight, so reused buffers are never overwritten."""
+optimizer step). Only one save is in flight, so reused buffers are never overwritten.
+
+In-memory snapshots (memory_snapshot.py): ``after_step`` takes one after each step, ``load``
+resumes from them when they are as new as the newest checkpoint, ``finish`` removes them."""
 
 from __future__ import annotations
 
