@@ -34,9 +34,12 @@ from titan.progress import progress
 DEFAULT_SHARD_BYTES = 5 * 1024**3  # what transformers' save_pretrained uses
 
 
-def _plan_shards(nbytes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+def _plan_shards(
+    nbytes: dict[str, int], max_shard_bytes: int, unit_of: Callable[[str], str] | None = None
+) -> list[list[str]]:
     """Greedy in layer order, so a layer's tensors mostly land in one file; a module's tensors always
-    do (an adapter may fuse them: Llama 4's experts.w1 and w3 become one gate_up_proj)."""
+    do (an adapter may fuse them: Llama 4's experts.w1 and w3 become one gate_up_proj), and so do the
+    keys an adapter's ``export_unit`` puts together (modules it fuses)."""
 
     def order(key: str) -> tuple[int, str]:
         parts = key.split(".")
@@ -44,7 +47,7 @@ def _plan_shards(nbytes: dict[str, int], max_shard_bytes: int) -> list[list[str]
 
     modules: dict[str, list[str]] = {}
     for key in sorted(nbytes, key=order):
-        modules.setdefault(key.rsplit(".", 1)[0], []).append(key)
+        modules.setdefault(unit_of(key) if unit_of is not None else key.rsplit(".", 1)[0], []).append(key)
     shards: list[list[str]] = [[]]
     size = 0
     for keys in modules.values():
@@ -246,7 +249,7 @@ def save_hf(
     keys = [k for k in state_dict if not (args.tie_embeddings and k == "output.weight")]
     nbytes = {k: state_dict[k].numel() * state_dict[k].element_size() for k in keys}
     saved = next((state_dict[k].dtype for k in keys if state_dict[k].is_floating_point()), torch.float32)
-    groups = _plan_shards(nbytes, max_shard_bytes)
+    groups = _plan_shards(nbytes, max_shard_bytes, getattr(_adapter(args), "export_unit", None))
     _write(out_dir, args, groups, dtype, lambda ks: {k: state_dict[k] for k in ks}, saved, drop_routing_bias)
 
 
@@ -277,7 +280,7 @@ def export_dcp_to_hf(
                 " export with the args the run trained (its model_args.json or config.json)"
             )
     saved = next((m.properties.dtype for m in meta.values() if m.properties.dtype.is_floating_point), torch.float32)
-    groups = _plan_shards(nbytes, max_shard_bytes)
+    groups = _plan_shards(nbytes, max_shard_bytes, getattr(_adapter(args), "export_unit", None))
     _write(out_dir, args, groups, dtype, lambda ks: dcp_io.read_model_tensors(dcp_dir, ks), saved, drop_routing_bias)
 
 

@@ -58,7 +58,13 @@ class HFPlan:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._cache: OrderedDict[tuple[str, tuple[int, int] | None], dict[str, torch.Tensor]] = OrderedDict()
         skipped: dict[str, set[int]] = {}
+        dropped: dict[str, int] = {}  # whole tensors an adapter leaves out (skipped_hf_key), by reason
+        skip_key = getattr(self.adapter, "skipped_hf_key", None)
         for key in folder.keys():
+            why = skip_key(key, self.args) if skip_key is not None else None
+            if why is not None:
+                dropped[why] = dropped.get(why, 0) + 1
+                continue
             reason = self._skipped(key)
             if reason is not None:
                 skipped.setdefault(reason, set()).add(int(_LAYER.search(key)[1]))  # type: ignore[index]
@@ -70,6 +76,8 @@ class HFPlan:
                 self.source[name], self.shapes[name] = key, tuple(value.shape)
         for reason, layers in skipped.items():
             logger.info(f"{folder.path}: not loading Hugging Face layer(s) {sorted(layers)}: {reason}")
+        for reason, n in dropped.items():
+            logger.info(f"{folder.path}: not loading {n} Hugging Face tensor(s): {reason}")
         self._check()
 
     def _skipped(self, key: str) -> str | None:
