@@ -10,8 +10,9 @@ last, every loss compared with the uninterrupted run's:
 4. both memory folders are removed: the disk checkpoint step-8, then training to the end removes
    the snapshots.
 
-Kill points (tests/helpers/debug_kill.py), never timers. The ranks are forked from the fork server
-that has imported torch and train.py (tests/helpers/distributed.py).
+Kill points (tests/helpers/debug_kill.py), never timers; each snapshot is waited for before the
+next step, so none is skipped for still copying (which a loaded machine would decide). The ranks
+are forked from the fork server that has imported torch and train.py (tests/helpers/distributed.py).
 """
 
 import re
@@ -39,11 +40,26 @@ ARGS = [
 ]
 
 
+def _whole_snapshots() -> None:
+    """In this forked rank: every snapshot is done (or failed) before the next step begins."""
+    from titan.checkpointing.memory_snapshot import MemorySnapshots
+
+    original = MemorySnapshots.after_step
+
+    def after_step(self, step: int, busy: bool, failed: bool) -> None:
+        original(self, step, busy, failed)
+        if self._job is not None:
+            self._job.future.exception()  # blocks until the background copy ends
+
+    MemorySnapshots.after_step = after_step
+
+
 def _rank(rank: int, port: int, folder: str, memory: str, log: str, kill_at: str) -> None:
     # rank r alone on node r, as torchrun numbers them
     env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
     argv = [*ARGS, "--job.dump_folder", folder, "--checkpoint.memory_folder", f"{memory}/node{rank}"]
+    _whole_snapshots()
     train_in_child(argv, log, kill_at, env)
 
 
