@@ -129,6 +129,9 @@ class QKClip:
         self._table: torch.Tensor | None = None
         self._clipped = torch.zeros((), dtype=torch.int64, device=device)
         self._rows: dict[int, torch.Tensor | None] = {}  # id(parameter) -> its local_rows
+        # The job's world, not the default group's: a job may run on fewer processes than a group
+        # that is already up (a one-process run inside a test's or a tool's larger group).
+        self._world = dims.world_size
         if not self.enabled:
             return
         assert args is not None
@@ -162,7 +165,7 @@ class QKClip:
             kernel = m.inner_attention
             table[layer, col : col + kernel.max_logits.numel()] = kernel.max_logits
             kernel.reset_max_logits()
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if self._world > 1:
             dist.all_reduce(table, op=dist.ReduceOp.MAX)
         self._table = table
         if self.threshold is None:
