@@ -473,6 +473,7 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_uninterrupted_loss
         str(tmp_path / "run"),
         NGPU="2",
         MAX_RESTARTS="2",
+        TITAN_WARM_RESTARTS="1",  # the restarted ranks are warm standbys
         **kill_env("step=5@rank1@attempt0"),
     )
     out = proc.communicate(timeout=400)[0]
