@@ -196,6 +196,8 @@ def describe_stage(names: list[str]) -> str:
         pieces.append("output+loss")
     elif "norm" in names:
         pieces.append("norm")
+    if "mtp" in names:
+        pieces.append("multi-token prediction")
     return " + ".join(pieces)
 
 

@@ -166,8 +166,9 @@ def _fake_forward_backward_peak(model_cls: type, model_args, config: JobConfig, 
     the forward under autocast: the bf16 copies of the weights, the fp32 residual stream and norm
     outputs, and the casts saved for backward all exist there too, so the fake run does the same.
     """
+    from titan.models.mtp import mtp_labels
     from titan.training.build import hand_over_hidden
-    from titan.training.loss import TokenLoss
+    from titan.training.loss import IGNORE_INDEX, token_loss
 
     t = config.training
     ac = config.activation_checkpoint
@@ -184,7 +185,7 @@ def _fake_forward_backward_peak(model_cls: type, model_args, config: JobConfig, 
             torch.set_default_dtype(previous)
         # The trainer's loss: the full logits, or the output projection + loss by chunks.
         hand_over_hidden(model, t.loss_chunk_tokens > 0, getattr(config.model, "name", ""))
-        loss_fn = TokenLoss(t.loss_chunk_tokens)
+        loss_fn = token_loss(config, model_args)  # with the MTP depths' rows, as the trainer's
         loss_fn.bind([model])
         # Activation checkpointing as the trainer applies it (each mode's recomputation is measured).
         apply_ac(model, ac.mode, ac.selective_ac_option)
@@ -204,8 +205,10 @@ def _fake_forward_backward_peak(model_cls: type, model_args, config: JobConfig, 
             if getattr(model_args, "attn_mask_type", "causal") == "block_causal"
             else {}
         )
+        if loss_fn.mtp_depth:
+            labels = mtp_labels(labels, loss_fn.mtp_depth, IGNORE_INDEX, docs.get("doc_ids"))
         tracker = LiveBytes()
-        tracker.ignore([*model.parameters(), *model.buffers(), tokens, *docs.values()])
+        tracker.ignore([*model.parameters(), *model.buffers(), tokens, labels, *docs.values()])
         with tracker:
             # The trainer's order (titan.training.forward): forward and loss under autocast (the
             # chunked loss runs each chunk's backward in it), the model's backward after.
@@ -220,22 +223,18 @@ def _optimizer_step_bytes(model: nn.Module, shards: int, config: JobConfig) -> i
 
     AdamW, foreach: torch._foreach_sqrt(exp_avg_sqs) makes one fp32 copy of a whole param group
     (groups step one after another); for-loop: exp_avg_sq.sqrt() / bias_correction holds two
-    copies of the largest parameter at once; fused: none (one kernel updates in place). Muon's
-    matrices step one after another: the largest one's update shard (fp32), its bf16 copies sent
-    and received, and on its owner the whole bf16 matrix through Newton-Schulz (the iterate, the
-    next one and two min(A, B)^2 Gram matrices); its AdamW part steps after it.
+    copies of the largest parameter at once; fused: none (one kernel updates in place). Muon: its
+    step's buffers as titan.training.muon.muon_memory plans them (the pieces sent, the matrices
+    owned, stacks and Newton-Schulz buffers, bounded by the shard); its AdamW part steps after it.
     """
-    from titan.training.muon import split_muon_params
+    from titan.training.muon import muon_memory, split_muon_params
     from titan.training.optim import param_groups, resolve_implementation
 
     params = [p for p in model.parameters() if p.requires_grad]
     muon = 0
     if config.optimizer.name.lower() == "muon":
-        matrices, params = split_muon_params(model)
-        for p in matrices:
-            a, b = p.shape[-2:]
-            local = _shard_numel(p, shards)
-            muon = max(muon, local * (_FP32 + 2 * 2) + 2 * (3 * a * b + 2 * min(a, b) ** 2))
+        muon = muon_memory(model, shards, config.optimizer.ns_steps, config.optimizer.muon_router_gate)["optimizer_aux"]
+        params = split_muon_params(model, config.optimizer.muon_router_gate)[1]
     if not params:
         return muon
     impl = resolve_implementation(config.optimizer)
@@ -249,16 +248,14 @@ def _optimizer_step_bytes(model: nn.Module, shards: int, config: JobConfig) -> i
 
 def _optimizer_states(model: nn.Module, shards: int, config: JobConfig) -> tuple[int, str]:
     """(state bytes per rank, description): AdamW / Adam keep two fp32 moments per element; Muon one
-    momentum buffer per matrix element and AdamW's two for the rest."""
-    from titan.training.muon import split_muon_params
+    momentum buffer per matrix element and AdamW's two for the rest (titan.training.muon.muon_memory)."""
+    from titan.training.muon import muon_memory
 
     if config.optimizer.name.lower() != "muon":
         local = sum(_shard_numel(p, shards) for p in model.parameters())
         return local * _FP32 * _ADAM_STATES, "AdamW, 2 x fp32"
-    matrices, others = split_muon_params(model)
-    muon = sum(_shard_numel(p, shards) for p in matrices)
-    adamw = sum(_shard_numel(p, shards) for p in others)
-    return (muon + _ADAM_STATES * adamw) * _FP32, "Muon 1 x fp32 on matrices, AdamW 2 x fp32 on the rest"
+    state = muon_memory(model, shards, config.optimizer.ns_steps, config.optimizer.muon_router_gate)["optimizer_state"]
+    return state, "Muon 1 x fp32 on matrices, AdamW 2 x fp32 on the rest"
 
 
 def _check_supported(config: JobConfig) -> None:
