@@ -8,6 +8,9 @@ import torch
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+# No warm standbys in launched jobs with restarts: each imports torch and titan (seconds of CPU)
+# while the test's ranks start. The tests of warm restarts ask for them (TITAN_WARM_RESTARTS=1).
+os.environ.setdefault("TITAN_WARM_RESTARTS", "0")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

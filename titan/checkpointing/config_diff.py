@@ -132,6 +132,17 @@ def differences(
     return out
 
 
+def relevant(tree: dict[str, Any]) -> dict[str, Any]:
+    """'section.key' -> value of every training-relevant key of a config tree (what a resume compares)."""
+    out = {}
+    for section, keys in _RELEVANT.items():
+        values = tree.get(section, {})
+        for key in keys if keys is not None else sorted(values):
+            if key not in _FREE.get(section, ()):
+                out[f"{section}.{key}"] = _norm(values.get(key))
+    return out
+
+
 def _norm(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))  # tuples vs lists, as JSON stores them
 

@@ -40,6 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from titan.checkpointing.snapshot_budget import snapshot_host_bytes
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.parallel.ac import apply_ac
@@ -142,6 +143,7 @@ class MemoryEstimate:
             ("optimizer step temporaries", self.optimizer_step_bytes),
             ("optimizer step above the forward/backward peak", self.step_extra_bytes),
             (f"total (peak in {self.peak_phase})", self.total_bytes),
+            ("host, not in total: memory snapshots", snapshot_host_bytes(self.param_bytes + self.optimizer_bytes)),
         ]
 
 
