@@ -12,10 +12,7 @@ stages are built one at a time, as the first rank of each stage.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -29,6 +26,7 @@ from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.log import init_logger
 from titan.parallel.dims import ParallelDims
+from titan.parallel.fake_world import fake_world
 from titan.training.build import BuiltModel, build_model
 from titan.training.checks import check_job
 from titan.training.loss import cross_entropy_sum
@@ -95,27 +93,6 @@ class DryRunReport:
     @property
     def ok(self) -> bool:
         return self.distinct_shard_params == self.model_params
-
-
-@contextlib.contextmanager
-def fake_world(rank: int, world_size: int) -> Iterator[None]:
-    """A fake process group as `rank` of `world_size`, with the torchrun env the Trainer reads."""
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise TitanError("job.dry_run must run in a plain process, not under torchrun (use python train.py)")
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size))
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _describe_stage(parts: list[nn.Module]) -> str:
