@@ -119,7 +119,7 @@ def _profile(config: JobConfig, plan, rank: RankModel) -> Profile:
     """The micro-batch's windows at this rank's tokens (the sequence over CP)."""
     dims, t = plan.parallel_dims, config.training
     batch = config.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size
-    keep = sorted(set(rank.kind.values()))
+    keep = sorted(set(rank.windows().values()))
 
     def run(c: JobConfig) -> Profile:
         return profile_step(

@@ -85,6 +85,18 @@ class RankModel:
     def blocks(self) -> list[int]:
         return [i for ids in self.stages.values() for i in ids]
 
+    def windows(self) -> dict[int, int]:
+        """Layer id -> the block whose measured windows stand for it (titan/training/memory/profile.py):
+        the model's first and last block stand for themselves (their neighbours are the embedding and
+        the head), every other block for the first of its kind that is neither."""
+        blocks = self.blocks
+        ends = {blocks[0] if self.has_first else None, blocks[-1] if self.has_last else None}
+        inner: dict[int, int] = {}
+        for i in blocks:
+            if i not in ends:
+                inner.setdefault(self.kind[i], i)
+        return {i: i if i in ends else inner[self.kind[i]] for i in blocks}
+
     def count(self, built: int) -> int:
         """How many of this rank's blocks the built block ``built`` stands for."""
         return sum(1 for i in self.blocks if self.kind[i] == built)

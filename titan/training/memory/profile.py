@@ -279,6 +279,22 @@ class _Windows:
         self.tail = self.tracker.close()
 
 
+def _loss_region(tracker: _Tracker) -> Callable:
+    """``loss`` from the output projection's forward until the gradient reaches its input (the
+    simulator's loss region, titan/tools/simulate/attach.py)."""
+
+    def end(grad: torch.Tensor) -> None:
+        tracker.base("block")
+
+    def start(module: nn.Module, args: tuple) -> None:
+        tracker.base("loss")
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            x.register_hook(end)
+
+    return start
+
+
 def _fake_model(model_cls: type, model_args: Any, config: JobConfig, fsdp: bool, keep: Sequence[int]) -> nn.Module:
     """The model with blocks ``keep`` only (layer ids kept), in the dtype the trainer computes in."""
     from titan.training.build import hand_over_hidden
@@ -366,7 +382,7 @@ def _profile(  # noqa: PLR0913 - profile_step's arguments
         output = getattr(model, "output", None)
         context: contextlib.AbstractContextManager = contextlib.nullcontext()
         if output is not None:  # the loss label from the output projection on
-            output.register_forward_pre_hook(lambda m, a: tracker.base("loss"))
+            output.register_forward_pre_hook(_loss_region(tracker))
             if vocab_sharded:
                 context = _vocab_sharded(output, mesh)
         with tracker, context:

@@ -88,8 +88,12 @@ class _Walk:
         self.expert_tp = dims.tp if dims.tp > 1 and (dims.ep == 1 or dims.etp > 1) else 1
         self.loss_tp = dims.tp if dims.loss_parallel_enabled else 1
         self.fsdp = dims.fsdp_enabled
+        self.window = rank.windows()
         grads = {k: sum(u.grad for u in us) for k, us in rank.units.items()}
-        self.grad_scale = {k: grads.get(k, 0) / b if b else 0.0 for k, b in profile.grad_bytes.items()}
+        measured = profile.grad_bytes
+        self.grad_scale = {
+            i: grads.get(rank.kind[i], 0) / measured[w] if measured[w] else 0.0 for i, w in self.window.items()
+        }
         self.root_grad_scale = grads.get(ROOT, 0) / profile.root_grad_bytes if profile.root_grad_bytes else 0.0
         self.gathered = {k: _sum(us, "gathered") for k, us in rank.units.items()}
         self.reduce = {k: _sum(us, "reduce") for k, us in rank.units.items()}
@@ -106,20 +110,20 @@ class _Walk:
         self.accumulated = 0.0  # PP x FSDP: unsharded gradients accumulated over the micro-batches
 
     # ------------------------------------------------------------ labels -> categories
-    def _categories(self, labels: dict[str, int], built: int) -> dict[str, float]:
+    def _categories(self, labels: dict[str, int], block: int) -> dict[str, float]:
         out = dict.fromkeys(CATEGORIES, 0.0)
         out["activations"] += labels["block"] / self.tp + labels["router"] + labels["moe"] + labels["rowwise"]
         out["activations"] += labels["experts"] / self.expert_tp + labels["gathered"]
         # Under TP the embedding's output is its reduce-scatter's (over the sequence).
         out["communication" if self.tp > 1 else "activations"] += labels["embed"] / self.tp
         held = "activations" if self.fsdp else "gradients"
-        out[held] += labels["grads"] * self.grad_scale.get(built, 0.0) + labels["root_grads"] * self.root_grad_scale
+        out[held] += labels["grads"] * self.grad_scale.get(block, 0.0) + labels["root_grads"] * self.root_grad_scale
         out["loss"] += labels["loss"] / self.loss_tp
         return out
 
-    def _moment(self, name: str, window: Window, built: int, comm: float) -> None:
+    def _moment(self, name: str, window: Window, block: int, comm: float) -> None:
         labels = {k: self.running[k] + window.peak[k] for k in LABELS}
-        cats = self._categories(labels, built)
+        cats = self._categories(labels, block)
         m = Moment(name)
         for k in CATEGORIES:
             m.bytes[k] = max(0.0, cats[k]) + self.static.get(k, 0.0)
@@ -162,7 +166,7 @@ class _Walk:
                 + self._kept_gathered(ids, n)
                 + (self.gathered[k] if self.step.reshard_after_forward else 0)
             )
-            self._moment(f"forward {i}", p.forward[k], k, comm)
+            self._moment(f"forward {i}", p.forward[self.window[i]], i, comm)
         if stage == max(self.rank.stages) and self.rank.has_last:
             self._moment("loss", p.head, ROOT, self._root() + self._kept_gathered(ids, len(ids)))
 
@@ -177,7 +181,7 @@ class _Walk:
                 comm = self._kept_gathered(ids, len(ids))
             if not pp and n + 1 < len(ids):
                 comm += self.reduce[kind[ids[n + 1]]]  # the later block's reduce-scatter input
-            self._moment(f"backward {i}", p.backward[k], k, self._root() + comm)
+            self._moment(f"backward {i}", p.backward[self.window[i]], i, self._root() + comm)
             if (stage, i) not in self.done:
                 self.done.add((stage, i))
                 if pp and self.fsdp:
