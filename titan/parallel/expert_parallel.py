@@ -221,6 +221,8 @@ class NoParallel(ParallelStyle):
         return output.to_local() if isinstance(output, DTensor) else output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # Said on the module for the memory estimate: its activations are whole on every TP rank.
+        module.computed_whole_over_tp = True  # pyright: ignore[reportAttributeAccessIssue]
         return distribute_module(
             module,
             device_mesh,

@@ -131,6 +131,7 @@ def _profile(config: JobConfig, plan, rank: RankModel) -> Profile:
             batch=batch,
             seq=t.seq_len // dims.cp,
             loss_parallel=dims.loss_parallel_enabled,
+            whole=rank.whole,
         )
 
     ac = config.activation_checkpoint
@@ -170,6 +171,10 @@ def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
     batch = config.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size
     # one micro-batch's hidden states on this rank: a stage's input, a sequence-sharded TP output
     hidden = batch * t.seq_len // (dims.cp * dims.tp) * plan.model_args.dim * DTYPES[t.mixed_precision_param].itemsize
+    moe_args = getattr(plan.model_args, "moe_args", None)
+    top_k = moe_args.top_k if moe_args is not None else 0
+    # the routed copies of one micro-batch's tokens (gathered over TP for the MoE layer)
+    routed = batch * t.seq_len // dims.cp * top_k * plan.model_args.dim * DTYPES[t.mixed_precision_param].itemsize
     ac = config.activation_checkpoint
     per_op = ac.mode == "selective" and ac.selective_ac_option == "op"
     step = Step(
@@ -182,6 +187,10 @@ def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
         recv_bytes=hidden if dims.pp > 1 else 0,
         # per-op SAC keeps every reduce-scatter's output: TP's two per block (attention, feed-forward)
         kept_comm=2 * hidden if per_op and dims.tp > 1 else 0,
+        # and EP's dispatching all-to-all per MoE block (every routed copy of the micro-batch's tokens;
+        # the combining one's output the experts' own, labelled routed_out)
+        kept_comm_moe=routed if per_op and dims.ep > 1 else 0,
+        expert_load=config.simulate.moe_imbalance,
     )
     moments = walk(rank, profile, step)
     peak = _at(moments)

@@ -80,6 +80,8 @@ class RankModel:
     has_last: bool
     order: list[tuple[str, int, int]] | None  # pipeline actions (type, stage, micro-batch); None without PP
     parts: list[nn.Module] = field(default_factory=list)
+    moe: set[int] = field(default_factory=set)  # layer ids of the MoE blocks
+    whole: set[str] = field(default_factory=set)  # modules (by name in a block) computed whole on every TP rank
 
     @property
     def blocks(self) -> list[int]:
@@ -136,9 +138,9 @@ def rank_stages(config: JobConfig, plan: RunPlan, rank: int) -> dict[int, list[i
     return {s: [int(n.split(".", 1)[1]) for n in stages[s] if n.startswith("layers.")] for s in ids}
 
 
-def block_kinds(config: JobConfig, plan: RunPlan, stages: dict[int, list[int]]) -> dict[int, int]:
+def block_kinds(config: JobConfig, plan: RunPlan, stages: dict[int, list[int]]) -> tuple[dict[int, int], set[int]]:
     """Layer id -> the first block of its stage with the same signature (and, with AC on every N-th
-    block, the same checkpointing)."""
+    block, the same checkpointing); and the layer ids of the MoE blocks."""
     with torch.device("meta"):
         model = plan.spec.model_cls(plan.model_args)
     ac = config.activation_checkpoint
@@ -149,7 +151,7 @@ def block_kinds(config: JobConfig, plan: RunPlan, stages: dict[int, list[int]]) 
         for i in ids:
             key = (block_signature(model.layers[str(i)]), i % every == 0 if isinstance(every, int) else None)
             kind[i] = seen.setdefault(key, i)
-    return kind
+    return kind, {i for i in kind if getattr(model.layers[str(i)], "moe_enabled", False)}
 
 
 @contextlib.contextmanager
@@ -232,6 +234,18 @@ def _units(parts: list[nn.Module]) -> tuple[dict[int, list[Unit]], dict[int, int
     return units, buffers
 
 
+def _whole_over_tp(parts: list[nn.Module]) -> set[str]:
+    """Names, inside a block, of the modules TP runs whole on every rank (NoParallel: a router's gate,
+    latent attention's down-projections and their norms)."""
+    out = set()
+    for part in parts:
+        for name, module in part.named_modules():
+            if getattr(module, "computed_whole_over_tp", False) and name.startswith("layers."):
+                inner = name.split(".", 2)[2].replace("_checkpoint_wrapped_module.", "")
+                out.add(inner)
+    return out
+
+
 def _order(schedule: Any, pp_rank: int) -> list[tuple[str, int, int]] | None:
     order = getattr(schedule, "pipeline_order", None)
     if not order:
@@ -250,7 +264,7 @@ def build_rank(config: JobConfig, plan: RunPlan, rank: int) -> RankModel:
     from titan.training.loss import cross_entropy_sum
 
     stages = rank_stages(config, plan, rank)
-    kind = block_kinds(config, plan, stages)
+    kind, moe = block_kinds(config, plan, stages)
     keep = sorted(set(kind.values()))
     dims = plan.parallel_dims
     with fake_world(rank, dims.world_size), _quiet():
@@ -258,6 +272,8 @@ def build_rank(config: JobConfig, plan: RunPlan, rank: int) -> RankModel:
         built_dims.build_mesh("cpu")
         built = build_model(config, plan, built_dims, torch.device("cpu"), cross_entropy_sum, keep_layers=keep)
         units, buffers = _units(built.parts)
+        whole = _whole_over_tp(built.parts)
         pp_rank = rank // (dims.world_size // dims.pp)
         order = _order(built.pp_schedule, pp_rank) if built.pp_schedule is not None else None
-    return RankModel(stages, kind, units, buffers, built.pp_has_first, built.pp_has_last, order, built.parts)
+    has = (built.pp_has_first, built.pp_has_last)
+    return RankModel(stages, kind, units, buffers, *has, order, built.parts, moe, whole)

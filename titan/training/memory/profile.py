@@ -46,12 +46,17 @@ from titan.parallel.fsdp import DTYPES
 
 __all__ = ["LABELS", "Profile", "Window", "profile_step"]
 
-LABELS = ("block", "gathered", "rowwise", "router", "moe", "experts", "grads", "root_grads", "embed", "loss")
+LABELS = (
+    *("block", "gathered", "rowwise", "whole", "router", "moe", "experts", "routed_out"),
+    *("grads", "root_grads", "embed", "loss"),
+)
 """Where a storage was made: ``block`` (a block's own work: attention, dense FFN, shared expert,
 residuals), ``gathered`` (a sub-layer's normed input: the tensor tensor parallelism all-gathers
 over the sequence), ``rowwise`` (what the output projections of attention and feed-forward make:
-under TP a partial sum over the whole sequence, reduce-scattered after), ``router`` / ``moe`` /
-``experts`` (an MoE layer's router, its routing glue and its routed experts), ``grads`` /
+under TP a partial sum over the whole sequence, reduce-scattered after), ``whole`` (modules TP
+runs whole on every rank, ``whole`` of profile_step), ``router`` / ``moe`` /
+``experts`` (an MoE layer's router, its routing glue and its routed experts), ``routed_out`` (the
+routed experts' output: under EP what the combining all-to-all returns), ``grads`` /
 ``root_grads`` (unsharded gradients of a block's parameters, and of the embedding, final norm and
 output), ``embed`` (the embedding's output and backward), ``loss`` (output projection and loss)."""
 
@@ -161,7 +166,7 @@ class _Tracker(TorchDispatchMode):
         return out
 
 
-def _label_modules(model: nn.Module, tracker: _Tracker) -> None:
+def _label_modules(model: nn.Module, tracker: _Tracker, whole: set[str]) -> None:
     """Storages made inside a module get its label; a sub-layer's norm output is ``gathered``. The
     label is pushed and popped around the module's forward itself, not by hooks: a checkpointed
     block's recompute stops early (an exception out of the forward) once it has what backward needs."""
@@ -178,21 +183,30 @@ def _label_modules(model: nn.Module, tracker: _Tracker) -> None:
 
         module.forward = run  # pyright: ignore[reportAttributeAccessIssue]
 
-    def gathered(m: nn.Module, args: Any, out: Any) -> None:
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                tracker.relabel(t, "gathered")
+    def relabel(label: str) -> Callable:
+        def hook(m: nn.Module, args: Any, out: Any) -> None:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    tracker.relabel(t, label)
+
+        return hook
+
+    gathered = relabel("gathered")
 
     for block in model.layers.values():
         for name, module in block.named_modules():
             leaf = name.rsplit(".", 1)[-1]
             label = _BY_NAME.get(leaf)
+            if label is None and name.replace("_checkpoint_wrapped_module.", "") in whole:
+                label = "whole"
             if label == "gathered":
                 module.register_forward_hook(gathered)
             elif label == "rowwise" and not isinstance(module, nn.Linear):
                 continue
             elif label is not None or leaf in ("moe", "shared_experts"):
                 labelled(module, label or ("moe" if leaf == "moe" else "block"))
+            if label == "experts":
+                module.register_forward_hook(relabel("routed_out"))
         labelled(block, "block")
     norm = getattr(model, "norm", None)
     if norm is not None:
@@ -337,11 +351,13 @@ def profile_step(
     batch: int,
     seq: int,
     loss_parallel: bool = False,
+    whole: set[str] | None = None,
 ) -> Profile:
     """Windows of one micro-batch of ``batch`` x ``seq`` tokens through blocks ``keep``;
-    ``loss_parallel``: the loss as TP's loss parallel computes it (in a 1-rank fake world)."""
+    ``loss_parallel``: the loss as TP's loss parallel computes it (in a 1-rank fake world);
+    ``whole``: names of modules inside a block that TP runs whole (labelled ``whole``)."""
     with fake_world(0, 1) if loss_parallel else contextlib.nullcontext():
-        return _profile(model_cls, model_args, config, fsdp, keep, batch, seq, loss_parallel)
+        return _profile(model_cls, model_args, config, fsdp, keep, batch, seq, loss_parallel, whole or set())
 
 
 def _profile(  # noqa: PLR0913 - profile_step's arguments
@@ -353,6 +369,7 @@ def _profile(  # noqa: PLR0913 - profile_step's arguments
     batch: int,
     seq: int,
     vocab_sharded: bool,
+    whole: set[str],
 ) -> Profile:
     from titan.training.loss import TokenLoss
 
@@ -377,7 +394,7 @@ def _profile(  # noqa: PLR0913 - profile_step's arguments
         )
         tracker = _Tracker()
         tracker.ignore([*model.parameters(), *model.buffers(), tokens, *docs.values()])
-        _label_modules(model, tracker)
+        _label_modules(model, tracker, whole)
         windows = _Windows(model, tracker)
         output = getattr(model, "output", None)
         context: contextlib.AbstractContextManager = contextlib.nullcontext()

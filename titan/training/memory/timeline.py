@@ -74,6 +74,8 @@ class Step:
     optimizer_aux: int
     recv_bytes: int = 0  # one PP receive buffer (a micro-batch's stage input), 0 without PP
     kept_comm: int = 0  # collective outputs a block keeps for its backward (TP's reduce-scatters under per-op SAC)
+    kept_comm_moe: int = 0  # what an MoE block keeps on top (EP's dispatching all-to-all under per-op SAC)
+    expert_load: float = 1.0  # under EP: the tokens this rank's experts receive over the balanced share
 
 
 def _sum(units: list, what: str) -> int:
@@ -88,6 +90,8 @@ class _Walk:
         self.expert_tp = dims.tp if dims.tp > 1 and (dims.ep == 1 or dims.etp > 1) else 1
         self.loss_tp = dims.tp if dims.loss_parallel_enabled else 1
         self.fsdp = dims.fsdp_enabled
+        self.ep = dims.ep
+        self.expert_load = step.expert_load if dims.ep > 1 else 1.0
         self.window = rank.windows()
         grads = {k: sum(u.grad for u in us) for k, us in rank.units.items()}
         measured = profile.grad_bytes
@@ -97,6 +101,10 @@ class _Walk:
         self.root_grad_scale = grads.get(ROOT, 0) / profile.root_grad_bytes if profile.root_grad_bytes else 0.0
         self.gathered = {k: _sum(us, "gathered") for k, us in rank.units.items()}
         self.reduce = {k: _sum(us, "reduce") for k, us in rank.units.items()}
+        # A block's own FSDP unit (its first; units nested in it, EP's experts, follow): the
+        # backward prefetch and the held reduce-scatter are the neighbouring blocks' own units.
+        self.outer_gathered = {k: _sum(us[:1], "gathered") for k, us in rank.units.items()}
+        self.outer_reduce = {k: _sum(us[:1], "reduce") for k, us in rank.units.items()}
         self.sharded = {k: sum(u.held for u in us) for k, us in rank.units.items()}  # gradients like parameters
         params = rank.total("held") + sum(
             rank.buffers.get(k, 0) * (1 if k == ROOT else rank.count(k)) for k in rank.buffers
@@ -112,8 +120,12 @@ class _Walk:
     # ------------------------------------------------------------ labels -> categories
     def _categories(self, labels: dict[str, int], block: int) -> dict[str, float]:
         out = dict.fromkeys(CATEGORIES, 0.0)
-        out["activations"] += labels["block"] / self.tp + labels["router"] + labels["moe"] + labels["rowwise"]
-        out["activations"] += labels["experts"] / self.expert_tp + labels["gathered"]
+        out["activations"] += labels["block"] / self.tp + labels["rowwise"] + labels["whole"]
+        out["activations"] += labels["router"] + labels["moe"]
+        out["activations"] += labels["experts"] * self.expert_load / self.expert_tp + labels["gathered"]
+        # The experts' output: under EP the combining all-to-all's (this rank's tokens, whole over
+        # TP: partial sums before the layer's reduce-scatter).
+        out["communication" if self.ep > 1 else "activations"] += labels["routed_out"]
         # Under TP the embedding's output is its reduce-scatter's (over the sequence).
         out["communication" if self.tp > 1 else "activations"] += labels["embed"] / self.tp
         held = "activations" if self.fsdp else "gradients"
@@ -132,10 +144,11 @@ class _Walk:
         self.moments.append(m)
         for k in LABELS:
             self.running[k] += window.kept[k]
+        kept = self.step.kept_comm + (self.step.kept_comm_moe if block in self.rank.moe else 0)
         if name.startswith("forward "):
-            self.kept_comm += self.step.kept_comm
+            self.kept_comm += kept
         elif name.startswith("backward "):
-            self.kept_comm -= self.step.kept_comm
+            self.kept_comm -= kept
 
     def _recv(self) -> float:
         stages = len(self.rank.stages)
@@ -176,11 +189,11 @@ class _Walk:
         for n in range(len(ids) - 1, -1, -1):
             i, k = ids[n], kind[ids[n]]
             if self.step.reshard_after_forward:
-                comm = self.gathered[k] + (self.gathered[kind[ids[n - 1]]] if n > 0 else 0)
+                comm = self.gathered[k] + (self.outer_gathered[kind[ids[n - 1]]] if n > 0 else 0)
             else:
                 comm = self._kept_gathered(ids, len(ids))
             if not pp and n + 1 < len(ids):
-                comm += self.reduce[kind[ids[n + 1]]]  # the later block's reduce-scatter input
+                comm += self.outer_reduce[kind[ids[n + 1]]]  # the later block's reduce-scatter input
             self._moment(f"backward {i}", p.backward[self.window[i]], i, self._root() + comm)
             if (stage, i) not in self.done:
                 self.done.add((stage, i))
