@@ -201,8 +201,9 @@ def _label_modules(model: nn.Module, tracker: _Tracker, whole: set[str]) -> None
                 label = "whole"
             if label == "gathered":
                 module.register_forward_hook(gathered)
-            elif label == "rowwise" and not isinstance(module, nn.Linear):
-                continue
+            elif label == "rowwise":  # its output only: what it makes inside is sharded like its weight
+                if isinstance(module, nn.Linear):
+                    module.register_forward_hook(relabel("rowwise"))
             elif label is not None or leaf in ("moe", "shared_experts"):
                 labelled(module, label or ("moe" if leaf == "moe" else "block"))
             if label == "experts":
@@ -325,7 +326,10 @@ def _fake_model(model_cls: type, model_args: Any, config: JobConfig, fsdp: bool,
         del model.layers[name]
     hand_over_hidden(model, t.loss_chunk_tokens > 0, config.model.name)
     if config.float8.enable_float8_linear:
-        convert_to_float8(model, config.float8, fsdp_enabled=fsdp)
+        # Weights cast in each forward (FSDP's float8 all-gather, where on, hands them over cast:
+        # the layout counts them gathered in fp8, here the casts are a transient of the block).
+        cfg = replace(config.float8, enable_fsdp_float8_all_gather=False, precompute_float8_dynamic_scale_for_fsdp=False)
+        convert_to_float8(model, cfg, fsdp_enabled=False)
     apply_ac(model, config.activation_checkpoint, compiled=False)
     return model
 
