@@ -11,6 +11,7 @@
     python scripts/benchmark.py --preset deepseek_v3_16b_4layers  # DeepSeek-V3 16B, 4 layers: EP 1 vs EP = GPUs
     python scripts/benchmark.py --preset llama4_debug             # Llama 4's debug shape, bf16: EP 1 vs EP = GPUs
     python scripts/benchmark.py --preset families_bf16            # every registered family, bf16, 20 steps
+    python scripts/benchmark.py --preset qwen3_5_gdn              # Gated DeltaNet: fla kernels vs the torch path
     python scripts/benchmark.py --steps 20 --warmup 5 --nproc 8 --job.config_file train_configs/llama3_8b.toml \\
         --variant "eager=" --variant "compile+fp8=--compile.enable --float8.enable_float8_linear"
 
@@ -217,6 +218,19 @@ PRESETS["llama4_debug"] = {
     "args": [*_LLAMA4_DEBUG.split(), "--training.mixed_precision_param", "bfloat16"],
     "variants": [("ep1", ""), ("ep-gpus", "--parallelism.expert_parallel_degree {nproc}")],
 }
+
+
+# The GPU check's linear-attention rows: the Gated DeltaNet's fla kernels against its exact torch path
+# on qwen3_5's debug model in bf16 at a length where the chunked recurrence matters (seq 2048): the
+# same loss within bf16's tolerance, and the tokens/s of each.
+PRESETS["qwen3_5_gdn"] = {
+    "warmup": 5,
+    "steps": 10,
+    "args": ["--job.config_file", str(REPO / "train_configs/qwen3_5_debug.toml"), "--training.seq_len", "2048",
+             "--training.local_batch_size", "4", "--training.mixed_precision_param", "bfloat16",
+             "--metrics.enable_tensorboard", "false"],
+    "variants": [("torch", "--model.linear_attn_backend torch"), ("fla", "--model.linear_attn_backend fla")],
+}  # fmt: skip
 
 
 def family_variants() -> list[tuple[str, str]]:

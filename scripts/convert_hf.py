@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         if a.cmd == "to_hf":
-            spec = hf_io.checkpoint_family(a.dcp_dir, a.model)
-            args = hf_io.training_checkpoint_args(a.dcp_dir, spec, a.flavor)
+            args = hf_io.dcp_model_args(a.dcp_dir, a.model, a.flavor)
             dtype = DTYPES[a.dtype] if a.dtype else None
             hf_io.export_dcp_to_hf(a.dcp_dir, a.hf_dir, args, int(a.max_shard_gb * 1024**3), dtype, a.drop_routing_bias)
             print(f"wrote {a.hf_dir} (config.json, safetensors shards, {hf_io.INDEX_FILE})")

@@ -1,7 +1,7 @@
 """Generate text from a titan DCP checkpoint or a Hugging Face folder.
 
     python scripts/generate.py --checkpoint hf_out --prompt "The capital of France is"
-    python scripts/generate.py --checkpoint outputs/checkpoint/step-1000 --flavor debugmodel \
+    python scripts/generate.py --checkpoint outputs/checkpoint/step-1000 \
         --temperature 0.8 --top_k 50 --max_new_tokens 64
     # tensor parallel over 2 ranks (the training TP plan; gloo on CPU, nccl on GPUs)
     torchrun --nproc_per_node 2 scripts/generate.py --checkpoint hf_out --prompt "Hello"
@@ -32,9 +32,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="DCP folder (titan) or Hugging Face folder (config.json)")
     p.add_argument(
-        "--model", default="llama3", help="model family of a DCP folder (an HF folder's config.json says it)"
+        "--model",
+        default=None,
+        help="model family, only for a DCP folder that records none (an HF folder's"
+        " config.json, a converted folder's model_args.json and a step folder's run config say it)",
     )
-    p.add_argument("--flavor", default=None, help="model flavor, for DCP folders without model_args.json")
+    p.add_argument(
+        "--flavor", default=None, help="model flavor, only for a DCP folder with no model_args.json or run config"
+    )
     p.add_argument("--tokenizer", default="", help="tokenizer file (default: titan's shipped tokenizer)")
     p.add_argument("--prompt", default="", help="prompt text (encoded with a BOS token)")
     p.add_argument("--prompt_ids", default="", help="comma-separated token ids instead of --prompt")

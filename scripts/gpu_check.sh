@@ -33,6 +33,10 @@
 #               to 2 layers (one GPU's memory), scripts/benchmark.py --preset deepseek_v3_16b_4layers /
 #               gpt_oss_20b_4layers; the CPU rehearsal skips them (the shapes do not fit a CPU run:
 #               smoke-F ran both families)                                                60 each
+#   5 gdn       the Gated DeltaNet's fla kernels vs its exact torch path on qwen3_5's debug model
+#               in bf16, seq 2048 (scripts/benchmark.py --preset qwen3_5_gdn): tokens/s of each and
+#               the same last loss within 2% (bf16); the CPU rehearsal runs the torch row and
+#               skips the fla one with its reason                                            90
 #   6 optim     AdamW vs Muon step time on the 8B shape cut to 2 layers (skipped, saying so,
 #               while optimizer.name Muon is not registered)                                 60
 #   7 profile   scripts/profile_step.py: the compile row, 3 warm-up + 2 recorded steps, top 15
@@ -191,6 +195,33 @@ moe_shape() {
     fi
     bench_row --preset "$1" --only "EP 1" --model.n_layers 2
 }
+# Gated DeltaNet: fla's kernels and the torch path, the same loss within bf16's tolerance.
+gdn_rows() {
+    local table rc
+    if [ "$DRY" = 1 ]; then
+        bench_row --preset qwen3_5_gdn --only torch || return $?
+        echo "skipped: fla's kernels need CUDA (CPU rehearsal: the torch row ran)"
+        return 77
+    fi
+    table=$(mktemp)
+    bench_row --preset qwen3_5_gdn | tee "$table"
+    rc=${PIPESTATUS[0]}
+    if [ "$rc" -eq 0 ]; then
+        "$PY" - "$table" <<'EOF'
+import re
+import sys
+
+text = open(sys.argv[1]).read()
+rows = {m[1]: float(m[2]) for m in re.finditer(r"^\| (torch|fla) .*\| ([0-9.]+) +\|$", text, re.M)}
+diff = abs(rows["fla"] - rows["torch"]) / rows["torch"]
+print(f"last loss: torch {rows['torch']}, fla {rows['fla']} (relative difference {diff:.2e}, bf16 tolerance 2e-2)")
+raise SystemExit(0 if diff < 2e-2 else 1)
+EOF
+        rc=$?
+    fi
+    rm -f "$table"
+    return "$rc"
+}
 SITE=/tmp/site
 LIMIT_SCALE=1
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
@@ -212,7 +243,7 @@ case ",$ROWS," in *,compile,*) PROFILE_ROW=compile ;; *) PROFILE_ROW=${ROWS%%,*}
 MOE_ROWS=ep1
 [ "$GPUS" -gt 1 ] && MOE_ROWS=ep1,ep-gpus
 
-export -f install_wheels versions bench_row optim_rows moe_shape
+export -f install_wheels versions bench_row optim_rows moe_shape gdn_rows
 export DRY SITE PY DRY_ARGS
 T0=$(date +%s)
 step install 20 install_wheels
@@ -230,6 +261,7 @@ step moe 60 bench_row --preset llama4_debug --only "$MOE_ROWS"
 for preset in deepseek_v3_16b_4layers gpt_oss_20b_4layers; do
     step "moe-${preset%%_[0-9]*}" 60 moe_shape "$preset"
 done
+step gdn 90 gdn_rows
 step optim 60 optim_rows "${ROW_ARGS[@]}" --model.n_layers 2
 step profile 60 "$PY" scripts/profile_step.py --row "$PROFILE_ROW" --top 15 "${PROFILE[@]}"
 echo "total: $(($(date +%s) - T0))s" | tee -a "$SUMMARY"

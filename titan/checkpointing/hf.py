@@ -1,8 +1,10 @@
 """Hugging Face folders: config.json + model-0000x-of-0000y.safetensors + model.safetensors.index.json.
 
 Export streams: shards are planned from the DCP metadata and each is read, remapped and written
-on its own, so peak memory is about one shard (max_shard_bytes), not the whole model.
-Import reads the safetensors files one at a time but holds the full model before writing DCP.
+on its own, so peak memory is about one shard (max_shard_bytes), not the whole model. It writes
+the layout the family's releases use: one key per routed expert where the adapter says
+``hf_per_expert`` (DeepSeek-V3, Kimi K2, Qwen3-MoE), fused experts otherwise (gpt-oss, Llama 4).
+Import (titan.checkpointing.hf_load) reads the release's own layout, streaming.
 The model family's state-dict adapter (ModelSpec.state_dict_adapter) does the key/layout and
 config mapping: found from the args being written, or from config.json's model_type when reading.
 """
@@ -17,25 +19,27 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan.checkpointing import model_dcp as dcp_io
 from titan.checkpointing.hf_check import check_export_config, refuse_dropped_bias
-from titan.errors import TitanError, read_user_json
-from titan.models import get_flavor, get_model_spec, spec_for_args, spec_for_hf_model_type
+from titan.checkpointing.hf_folder import INDEX_FILE, split_experts
+from titan.checkpointing.hf_load import import_hf_to_dcp, load_hf, load_hf_into_model, read_hf_config
+from titan.errors import TitanError
+from titan.models import get_flavor, get_model_spec, spec_for_args
 from titan.progress import progress
 
-INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 1024**3  # what transformers' save_pretrained uses
 
 
-def _plan_shards(nbytes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+def _plan_shards(
+    nbytes: dict[str, int], max_shard_bytes: int, unit_of: Callable[[str], str] | None = None
+) -> list[list[str]]:
     """Greedy in layer order, so a layer's tensors mostly land in one file; a module's tensors always
-    do (an adapter may fuse them: Llama 4's experts.w1 and w3 become one gate_up_proj)."""
+    do (an adapter may fuse them: Llama 4's experts.w1 and w3 become one gate_up_proj), and so do the
+    keys an adapter's ``export_unit`` puts together (modules it fuses)."""
 
     def order(key: str) -> tuple[int, str]:
         parts = key.split(".")
@@ -43,7 +47,7 @@ def _plan_shards(nbytes: dict[str, int], max_shard_bytes: int) -> list[list[str]
 
     modules: dict[str, list[str]] = {}
     for key in sorted(nbytes, key=order):
-        modules.setdefault(key.rsplit(".", 1)[0], []).append(key)
+        modules.setdefault(unit_of(key) if unit_of is not None else key.rsplit(".", 1)[0], []).append(key)
     shards: list[list[str]] = [[]]
     size = 0
     for keys in modules.values():
@@ -169,6 +173,14 @@ def training_checkpoint_args(dcp_dir: str | Path, spec: Any, flavor: str | None)
     return export_args(args, record, flavor_max=args.max_seq_len)
 
 
+def dcp_model_args(dcp_dir: str | Path, model: str | None = None, flavor: str | None = None) -> Any:
+    """The model a DCP folder holds, read the one way scripts/convert_hf.py to_hf and
+    scripts/generate.py both read it: the family from the folder (checkpoint_family), the shape
+    from its model_args.json or the run's saved config (training_checkpoint_args); ``model`` and
+    ``flavor`` only where the folder records none (and never against what it records)."""
+    return training_checkpoint_args(dcp_dir, checkpoint_family(dcp_dir, model), flavor)
+
+
 def _adapter(args: Any) -> Any:
     spec = spec_for_args(args)
     if spec.state_dict_adapter is None:
@@ -210,6 +222,8 @@ def _write_files(
     for i, keys in enumerate(progress(groups, desc="writing safetensors", unit="file")):
         name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         hf = adapter.to_hf(load(keys), args, dtype)
+        if getattr(adapter, "hf_per_expert", False):
+            hf = split_experts(hf)
         if not hf:
             continue
         # safetensors refuses views into shared storage; contiguous copies where needed.
@@ -235,7 +249,7 @@ def save_hf(
     keys = [k for k in state_dict if not (args.tie_embeddings and k == "output.weight")]
     nbytes = {k: state_dict[k].numel() * state_dict[k].element_size() for k in keys}
     saved = next((state_dict[k].dtype for k in keys if state_dict[k].is_floating_point()), torch.float32)
-    groups = _plan_shards(nbytes, max_shard_bytes)
+    groups = _plan_shards(nbytes, max_shard_bytes, getattr(_adapter(args), "export_unit", None))
     _write(out_dir, args, groups, dtype, lambda ks: {k: state_dict[k] for k in ks}, saved, drop_routing_bias)
 
 
@@ -266,77 +280,13 @@ def export_dcp_to_hf(
                 " export with the args the run trained (its model_args.json or config.json)"
             )
     saved = next((m.properties.dtype for m in meta.values() if m.properties.dtype.is_floating_point), torch.float32)
-    groups = _plan_shards(nbytes, max_shard_bytes)
+    groups = _plan_shards(nbytes, max_shard_bytes, getattr(_adapter(args), "export_unit", None))
     _write(out_dir, args, groups, dtype, lambda ks: dcp_io.read_model_tensors(dcp_dir, ks), saved, drop_routing_bias)
 
 
 def _expected_keys(args: Any) -> list[str]:
     shapes = _adapter(args).state_dict_shapes(args)
     return [k for k in shapes if not (args.tie_embeddings and k == "output.weight")]
-
-
-def read_hf_config(hf_dir: str | Path) -> Any:
-    """The model args a Hugging Face folder's config.json describes (its family's args class)."""
-    f = Path(hf_dir) / "config.json"
-    config = read_user_json(f, f"{hf_dir} is not a Hugging Face model folder: no config.json")
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise TitanError(f"{f} has no 'model_type'; is this a transformers model folder?")
-    return spec_for_hf_model_type(config["model_type"]).state_dict_adapter.hf_config_to_args(config)
-
-
-def _weight_files(hf_dir: Path) -> list[Path]:
-    index = hf_dir / INDEX_FILE
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [f for f in files if not (hf_dir / f).is_file()]
-        if missing:
-            raise TitanError(f"{hf_dir}: {INDEX_FILE} names {missing[0]}, which is missing")
-        return [hf_dir / f for f in files]
-    single = hf_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise TitanError(f"{hf_dir}: no model.safetensors or {INDEX_FILE} (only safetensors weights are supported)")
-
-
-def load_hf(hf_dir: str | Path, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], Any]:
-    """HF folder -> (titan state dict, model args)."""
-    hf_dir = Path(hf_dir)
-    args = read_hf_config(hf_dir)
-    hf: dict[str, torch.Tensor] = {}
-    files = _weight_files(hf_dir)
-    for f in progress(files, desc="reading safetensors", unit="file"):
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                hf[k] = fh.get_tensor(k)
-    if args.tie_embeddings:
-        hf.pop("lm_head.weight", None)  # some exports store the tied copy too
-    state = _adapter(args).from_hf(hf, args, dtype)
-    expected = set(_expected_keys(args)) | ({"output.weight"} if args.tie_embeddings else set())
-    if set(state) != expected:
-        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise TitanError(f"{hf_dir}: weights do not match config.json; missing {missing[:3]}, unexpected {extra[:3]}")
-    return state, args
-
-
-def load_hf_into_model(model_parts: list[nn.Module], hf_dir: str | Path) -> Any:
-    """Fill a built model (plain, FSDP, TP; pipeline parts take their own keys) from an HF folder:
-    the hook for `[checkpoint] initial_load_in_hf`. Every rank reads the files and keeps its shard."""
-    state, args = load_hf(hf_dir)
-    with torch.no_grad():
-        for part in model_parts:
-            for name, target in dcp_io.model_tensors(part).items():
-                if name not in state:
-                    raise TitanError(f"{hf_dir}: no weight for model parameter {name!r}; wrong model folder?")
-                src = state[name]
-                if tuple(src.shape) != tuple(target.shape):
-                    raise TitanError(
-                        f"{hf_dir}: {name!r} has shape {tuple(src.shape)}, the model expects {tuple(target.shape)}"
-                    )
-                src = src.to(device=target.device, dtype=target.dtype)
-                if isinstance(target, DTensor):
-                    src = distribute_tensor(src, target.device_mesh, target.placements)
-                target.copy_(src)
-    return args
 
 
 def save_model_hf(
@@ -372,7 +322,14 @@ def save_model_hf(
     save_hf(state, args, out_dir, max_shard_bytes, dtype, drop_routing_bias)
 
 
-def import_hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Any:
-    state, args = load_hf(hf_dir, dtype)
-    dcp_io.save_model_dcp(state, args, out_dir)
-    return args
+__all__ = [
+    "INDEX_FILE",
+    "dcp_model_args",
+    "export_dcp_to_hf",
+    "import_hf_to_dcp",
+    "load_hf",
+    "load_hf_into_model",
+    "read_hf_config",
+    "save_hf",
+    "save_model_hf",
+]

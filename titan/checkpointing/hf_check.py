@@ -13,7 +13,7 @@ import torch
 from titan.errors import TitanError
 from titan.models import spec_for_args
 
-_PER_RUN = ("max_seq_len", "attn_type", "attn_mask_type", "depth_init")
+_PER_RUN = ("max_seq_len", "attn_type", "attn_mask_type", "depth_init", "linear_attn_backend")
 
 
 def _through_transformers(config: dict[str, Any]) -> dict[str, Any]:

@@ -100,7 +100,12 @@ def save_model_dcp(state_dict: dict[str, torch.Tensor], model_args: Any, out_dir
     with atomic_folder(out_dir) as out:
         # Tied weights are one tensor under two names; DCP writes each name, readers get both back.
         dcp_call(dcp_save, {k: v.contiguous() for k, v in state_dict.items()}, checkpoint_id=str(out))
-        (out / MODEL_ARGS_FILE).write_text(json.dumps(dataclasses.asdict(model_args), indent=2) + "\n")
+        write_model_args(out, model_args)
+
+
+def write_model_args(out: Path, model_args: Any) -> None:
+    """model_args.json beside a converted folder's tensors: the folder describes itself."""
+    (out / MODEL_ARGS_FILE).write_text(json.dumps(dataclasses.asdict(model_args), indent=2) + "\n")
 
 
 def read_model_args(path: str | Path, args_cls: type) -> Any | None:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 AttnType = Literal["sdpa", "flex", "varlen"]
 AttnMaskType = Literal["causal", "block_causal"]
+LinearAttnBackend = Literal["auto", "torch", "fla"]
 OptimizerImplementation = Literal["auto", "for-loop", "foreach", "fused"]
 MuonAdjustLR = Literal["match_rms_adamw", "original"]
 WeightDecayExclude = Literal["norms", "embeddings"]

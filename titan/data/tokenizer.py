@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from titan.data.tiktoken_folder import RANKS_FILE, TikTokenFolder, read_tiktoken_folder
 from titan.errors import TitanError
 
 __all__ = [
@@ -168,25 +169,33 @@ def _load_tiktoken_ranks(path: str) -> dict[bytes, int]:
 
 
 class TikTokenizer(Tokenizer):
-    """Llama 3 tokenizer: a tiktoken BPE ranks file, Llama 3's split regex and its 256 special
-    tokens right after the ranks (BOS = <|begin_of_text|>, EOS = <|end_of_text|>)."""
+    """A tiktoken BPE ranks file with Llama 3's split regex and its 256 special tokens right after
+    the ranks (BOS = <|begin_of_text|>, EOS = <|end_of_text|>), or with the pattern and special
+    tokens a Kimi-style tokenizer folder states (``folder``: titan.data.tiktoken_folder)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, folder: TikTokenFolder | None = None):
         import tiktoken
 
         path = str(path)
         ranks = _load_tiktoken_ranks(path)
         n = len(ranks)
-        self.special_tokens = {tok: n + i for i, tok in enumerate(llama3_special_tokens())}
+        if folder is None:
+            self.special_tokens = {tok: n + i for i, tok in enumerate(llama3_special_tokens())}
+            pattern, bos, eos = LLAMA3_PAT_STR, "<|begin_of_text|>", "<|end_of_text|>"
+        else:
+            self.special_tokens = folder.special_tokens(n)
+            pattern, bos, eos = folder.pattern, folder.bos, folder.eos
+            for token in (bos, eos):
+                if token not in self.special_tokens:
+                    raise TitanError(f"{path}: tokenizer_config.json names {token!r}, which is no special token")
         self.model = tiktoken.Encoding(
-            name=path.rsplit("/", 1)[-1], pat_str=LLAMA3_PAT_STR, mergeable_ranks=ranks,
-            special_tokens=self.special_tokens,
-        )  # fmt: skip
+            name=path.rsplit("/", 1)[-1], pat_str=pattern, mergeable_ranks=ranks, special_tokens=self.special_tokens
+        )
         self.path = path
         self.num_base_tokens = n
-        self.vocab_size = n + len(self.special_tokens)
-        self.bos_id = self.special_tokens["<|begin_of_text|>"]
-        self.eos_id = self.special_tokens["<|end_of_text|>"]
+        self.vocab_size = max(self.special_tokens.values(), default=n - 1) + 1
+        self.bos_id = self.special_tokens[bos]
+        self.eos_id = self.special_tokens[eos]
         self.pad_id = -1
 
     def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
@@ -315,12 +324,15 @@ def build_tokenizer(path: str | Path = "") -> Tokenizer:
     p = Path(path).expanduser()
     if p.is_dir():
         # A Hugging Face snapshot (torchtitan's model.hf_assets_path), or Meta's `original/` folder
-        # inside one or on its own.
+        # inside one or on its own; Kimi K2's ships tiktoken ranks beside its tokenizer class.
+        if (p / RANKS_FILE).is_file():
+            return TikTokenizer(p / RANKS_FILE, read_tiktoken_folder(p))
         for name in ("tokenizer.json", "tokenizer.model", "original/tokenizer.model"):
             if (p / name).is_file():
                 return build_tokenizer(p / name)
         raise TitanError(
-            f"tokenizer folder {p} has no tokenizer.json, tokenizer.model or original/tokenizer.model; {_DOWNLOAD_HINT}"
+            f"tokenizer folder {p} has no tokenizer.json, tokenizer.model, original/tokenizer.model or"
+            f" tiktoken.model; {_DOWNLOAD_HINT}"
         )
     if not p.is_file():
         raise TitanError(f"tokenizer file {p} not found; {_DOWNLOAD_HINT}")

@@ -182,10 +182,37 @@ def _qwen3() -> ModelSpec:
     )
 
 
+def _qwen3_5() -> ModelSpec:
+    from titan.models.llama.pipeline import pipeline_llama
+    from titan.models.qwen3_5 import args as qwen3_5_args
+    from titan.models.qwen3_5.model import Qwen35Transformer
+    from titan.models.qwen3_5.parallelize import parallelize_qwen3_5
+    from titan.models.qwen3_5.state_dict_adapter import Qwen35StateDictAdapter
+
+    # No tensor_parallel_fn: generation runs on one rank (a recurrent state cannot take TP's padding).
+    return ModelSpec(
+        "qwen3_5",
+        Qwen35Transformer,
+        qwen3_5_args.Qwen35ModelArgs,
+        qwen3_5_args.qwen3_5_configs,
+        parallelize_qwen3_5,
+        qwen3_5_args.get_nparams_and_flops,
+        pipeline_llama,
+        state_dict_adapter=Qwen35StateDictAdapter,
+    )
+
+
 # The one table that changes at run time: the registry that users and tests add to.
 _REGISTRY = _Registry(
     MappingProxyType(
-        {"llama3": _llama3, "llama4": _llama4, "qwen3": _qwen3, "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss}
+        {
+            "llama3": _llama3,
+            "llama4": _llama4,
+            "qwen3": _qwen3,
+            "qwen3_5": _qwen3_5,
+            "deepseek_v3": _deepseek_v3,
+            "gpt_oss": _gpt_oss,
+        }
     )
 )
 

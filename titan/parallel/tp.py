@@ -104,3 +104,22 @@ def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> None:
     import torch._inductor.config as inductor_config
 
     inductor_config._micro_pipeline_tp = True
+
+
+class ShardParameters(ParallelStyle):
+    """A module's own parameters (``names``; None: all it holds directly) split on dim 0 over the
+    mesh: per-head or per-channel parameters that follow a column-wise projection's heads (a
+    convolution's channels, per-head decays). The module reads its local shards itself."""
+
+    def __init__(self, names: tuple[str, ...] | None = None) -> None:
+        super().__init__()
+        self.names = names
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        for name, param in list(module.named_parameters(recurse=False)):
+            if self.names is None or name in self.names:
+                sharded = nn.Parameter(distribute_tensor(param.data, device_mesh, [Shard(0)]), param.requires_grad)
+                module.register_parameter(name, sharded)
+        return module

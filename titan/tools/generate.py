@@ -26,17 +26,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan.checkpointing import hf as hf_io
 from titan.checkpointing import model_dcp as dcp_io
 from titan.errors import TitanError
-from titan.models import ModelSpec, get_model_spec, spec_for_args
+from titan.models import ModelSpec, spec_for_args
 from titan.models.kv_cache import KVCache
 
 
-def checkpoint_args(path: str | Path, flavor: str | None = None, model: str = "llama3") -> tuple[str, Any]:
-    """("hf" or "dcp", model args) of a checkpoint folder; `model` names the family of a DCP
-    folder (an HF folder says it in config.json)."""
+def checkpoint_args(path: str | Path, flavor: str | None = None, model: str | None = None) -> tuple[str, Any]:
+    """("hf" or "dcp", model args) of a checkpoint folder. A DCP folder says its family and shape
+    as scripts/convert_hf.py to_hf reads them (hf.dcp_model_args: model_args.json or the run's saved
+    config); ``model`` / ``flavor`` only where it records none. An HF folder says it in config.json."""
     path = Path(path)
     # A training step folder holds DCP's .metadata and the run's config.json: DCP decides.
     if (path / ".metadata").is_file():
-        return "dcp", dcp_io.model_args_for(path, get_model_spec(model), flavor)
+        return "dcp", hf_io.dcp_model_args(path, model, flavor)
     if (path / "config.json").is_file():
         return "hf", hf_io.read_hf_config(path)
     raise TitanError(f"{path} is neither a Hugging Face folder (config.json) nor a DCP checkpoint (.metadata)")
@@ -56,7 +57,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     flavor: str | None = None,
     tp_mesh: DeviceMesh | None = None,
-    model: str = "llama3",
+    model: str | None = None,
 ) -> nn.Module:
     kind, args = checkpoint_args(path, flavor, model)
     spec: ModelSpec = spec_for_args(args)

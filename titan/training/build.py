@@ -29,6 +29,7 @@ from titan.training.moe import register_moe_balancing
 from titan.training.optim import OptimizersContainer, build_optimizers, cast_params_for_optimizer
 from titan.training.optim_in_backward import OptimizersInBackward
 from titan.training.plan import grad_accumulation_steps
+from titan.training.qk_clip import QKClip
 
 if TYPE_CHECKING:
     from titan.training.plan import RunPlan
@@ -111,15 +112,21 @@ def init_weights(parts: list[nn.Module], seed: int, device: torch.device, cpu_of
         part.train()
 
 
-def build_optimizers_and_schedulers(config: JobConfig, parts: list[nn.Module], dims: ParallelDims):
-    """Optimizers over the parts (with float8's scale precompute and MoE load balancing after each
-    step when configured) and their LR schedulers."""
+def build_optimizers_and_schedulers(
+    config: JobConfig, parts: list[nn.Module], dims: ParallelDims, device: torch.device
+) -> tuple[OptimizersContainer, Any, QKClip]:
+    """Optimizers over the parts, their LR schedulers and the attention logits' tracker. After each
+    step: QK-clip (when configured; first, so float8's scale precompute sees the clipped weights),
+    float8's scale precompute and MoE load balancing."""
     container = OptimizersInBackward if config.optimizer.early_step_in_backward else OptimizersContainer
     optimizers: OptimizersContainer = build_optimizers(parts, config.optimizer, container)
+    tau, attn_type = config.optimizer.qk_clip_threshold, config.model.attn_type
+    qk_clip = QKClip(tau, parts, dims, device, attn_type, metric_freq=config.metrics.max_logit_freq)
+    optimizers.register_step_post_hook(qk_clip.after_step)
     register_float8_precompute(optimizers, parts, config.float8, dims.fsdp_enabled)
     register_moe_balancing(optimizers, parts, dims)
     schedulers = build_lr_schedulers(optimizers, config.lr_scheduler, config.training.steps, config.sources)
-    return optimizers, schedulers
+    return optimizers, schedulers, qk_clip
 
 
 def build_loader(

@@ -42,8 +42,9 @@ from titan.training.flops import get_float8_peak_flops, get_peak_flops, mfu
 __all__ = ["MetricsProcessor", "Color", "strip_color"]
 
 _GIB = 1024**3
-FILES_ONLY_PREFIX = "moe_layers/"
-"""``extra`` keys with this prefix (per-layer MoE statistics) are written to the files only."""
+FILES_ONLY_PREFIXES = ("moe_layers/", "attention_layers/")
+"""``extra`` keys with one of these prefixes (per-layer MoE and attention statistics) are written to
+the files only."""
 
 
 class Color:
@@ -278,7 +279,7 @@ class MetricsProcessor:
             if self._checkpoint_time >= 0.005:  # a save happened in this window (not the per-step polls)
                 line += f"  {c.white}checkpoint: {self._checkpoint_time:.2f}s (not in tps)"
             for key, value in (extra or {}).items():
-                if not key.startswith(FILES_ONLY_PREFIX):  # per-layer detail: files only
+                if not key.startswith(FILES_ONLY_PREFIXES):  # per-layer detail: files only
                     line += f"  {c.white}{key}: {float(value):.4g}"
             logger.info(line + c.reset)
 

@@ -21,11 +21,11 @@ import torch.nn as nn
 from titan.log import logger
 from titan.models.moe import moe_layers, update_expert_bias
 from titan.parallel.dims import ParallelDims
-from titan.training.metrics import FILES_ONLY_PREFIX
+from titan.training.metrics import FILES_ONLY_PREFIXES
 
 STARVED_LOG_STEPS = 5
 """Consecutive log steps with an expert that got no token before a layer is warned about."""
-PER_LAYER_PREFIX = FILES_ONLY_PREFIX
+PER_LAYER_PREFIX = FILES_ONLY_PREFIXES[0]
 """Per-layer scalars go to TensorBoard/W&B/JSONL, not to the console line."""
 
 

@@ -24,6 +24,7 @@ from titan.parallel.float8 import check_float8_grouped_mm
 from titan.parallel.fsdp import check_cpu_offload
 from titan.parallel.pp import FIRST_MODULES, LAST_MODULES, split_modules
 from titan.training.optim_in_backward import check_step_in_backward
+from titan.training.qk_clip import check_qk_clip
 from titan.training.validation import validate_job
 
 __all__ = ["ModelPlan", "RunPlan", "check_run", "grad_accumulation_steps", "plan_model", "plan_run", "run_model_args"]
@@ -126,6 +127,10 @@ def check_run(config: JobConfig, dims: ParallelDims, model_args: Any, device_typ
         dims, config.parallelism, model_args, config.training.seq_len, device_type, config.model.attn_type, compiled
     )
     check_float8_grouped_mm(config.float8, device_type, dims.pp, dims.cp)
+    if hasattr(model_args, "linear_attn_backend"):
+        from titan.models.linear_attention.kernels import check_backend
+
+        check_backend(model_args.linear_attn_backend, device_type)
     family_check = getattr(model_args, "check_parallelism", None)
     if family_check is not None:  # the layouts a family cannot run, said by its args (before any process group)
         family_check(dims.tp, dims.cp)
@@ -138,6 +143,7 @@ def check_run(config: JobConfig, dims: ParallelDims, model_args: Any, device_typ
     if config.training.enable_cpu_offload:
         check_cpu_offload(dims.fsdp_enabled, config.float8, config.training.nonfinite, device_type)
     check_step_in_backward(config.optimizer, config.training, dims)
+    check_qk_clip(config, dims)
 
 
 def grad_accumulation_steps(config: JobConfig, dp_degree: int) -> int:
@@ -173,6 +179,13 @@ def run_model_args(config: JobConfig, model_args: Any, vocab_size: int | None) -
     model_args.attn_type = config.model.attn_type
     model_args.attn_mask_type = config.model.attn_mask_type
     model_args.depth_init = config.model.depth_init
+    if hasattr(model_args, "linear_attn_backend"):  # families with linear-attention layers
+        model_args.linear_attn_backend = config.model.linear_attn_backend
+    elif config.model.linear_attn_backend != "auto":
+        raise TitanError(
+            f"config key 'model.linear_attn_backend' got {config.model.linear_attn_backend!r}; valid: auto"
+            f" (model {config.model.name} {config.model.flavor} has no linear-attention layers)"
+        )
     moe_args = getattr(model_args, "moe_args", None)  # families with MoE layers
     if moe_args is not None:
         moe_args.force_load_balance = config.debug.moe_force_load_balance

@@ -91,9 +91,8 @@ class Trainer:
         self.loss_fn = TokenLoss(t.loss_chunk_tokens, ce)  # full logits, or output + loss by chunks
         pp_loss = ScaledLoss(self.loss_fn)
         built = build_model(config, plan, self.parallel_dims, self.device, pp_loss)
-        self.model_parts, self.pp_schedule = built.parts, built.pp_schedule
+        self.model_parts, self.pp_schedule, self.float8_fqns = built.parts, built.pp_schedule, built.float8_fqns
         self.num_params, self.flops_per_token = built.num_params, built.flops_per_token
-        self.float8_fqns = built.float8_fqns
         init_weights(self.model_parts, seed, self.device, cpu_offload=t.enable_cpu_offload)
         # Position-indexed buffers (the RoPE table) that CP shards with each batch: fixed per run.
         cp_buffers_fn = plan.spec.cp_buffers_fn
@@ -114,8 +113,8 @@ class Trainer:
             pp_group=self._pp_group,
         )
 
-        self.optimizers, self.lr_schedulers = build_optimizers_and_schedulers(
-            config, self.model_parts, self.parallel_dims
+        self.optimizers, self.lr_schedulers, self.qk_clip = build_optimizers_and_schedulers(
+            config, self.model_parts, self.parallel_dims, self.device
         )
         # Before any optimizer state exists (the checkpoint load below creates it).
         self.update_mask = UpdateMask(self.optimizers, self.device, enabled=t.nonfinite == "skip_step")
@@ -268,6 +267,7 @@ class Trainer:
             (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in microbatches
         ]
         self.optimizers.zero_grad()
+        self.qk_clip.track(self.step, logs := self.metrics.should_log(self.step))  # largest logits: clip or log
         self.replicas.start_step()
         global_tokens = self._global_token_count(microbatches)
         # Data-parallel wrappers average gradients over dp (x cp) ranks; scaling by that turns it
@@ -290,10 +290,10 @@ class Trainer:
         with self.update_mask(apply):
             self.optimizers.step()
         self.lr_schedulers.step()
-        extra.update(self.moe_monitor.log_tensors() if self.metrics.should_log(self.step) else {})
+        extra.update(self.moe_monitor.log_tensors() | self.qk_clip.log_tensors() if logs else {})
         # CP ranks hold the loss of their sequence shard: the total sums over dp x cp (logged steps only).
         dp_cp = self.parallel_dims.submesh("dp_cp")
-        if dp_cp is not None and self.metrics.should_log(self.step):
+        if dp_cp is not None and logs:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dp_cp.get_group())
         return StepResult(loss_sum, grad_norm, extra)
 

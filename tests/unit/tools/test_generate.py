@@ -101,3 +101,18 @@ def test_tensor_parallel_2_ranks_gives_the_tp1_tokens(hf_folder, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tokens/s (tp 2" in proc.stdout
     assert json.loads(out.read_text())["tokens"] == expected
+
+
+def test_a_step_folder_is_read_as_to_hf_reads_it_without_flavor():
+    """A training step folder names its model in the run's saved config: generation reads it the way
+    scripts/convert_hf.py to_hf does (one function), with no --flavor, and refuses a contradicting one."""
+    from titan.checkpointing.hf import dcp_model_args
+    from titan.tools.generate import checkpoint_args
+
+    step = REPO / "tests/fixtures/legacy_checkpoint/step-4"
+    kind, args = checkpoint_args(step)
+    assert kind == "dcp" and args == dcp_model_args(step) and (args.dim, args.n_layers) == (4, 1)
+    with pytest.raises(TitanError, match="--flavor 8B disagrees"):
+        checkpoint_args(step, flavor="8B")
+    model = load_model(step, max_seq_len=8, device=torch.device("cpu"))
+    assert model.model_args.dim == 4

@@ -30,13 +30,16 @@ def test_dry_rehearsal_runs_every_step_and_passes(tmp_path):
     steps = [line.split(":")[0] for line in summary]
     smoke = [f"smoke-{f}" for f in _families()]
     assert steps == ["install", "versions", *smoke, "pytest", "bench-eager", "bench-flex", "moe", "moe-deepseek_v3",
-                     "moe-gpt_oss", "optim", "profile", "total"], summary  # fmt: skip
+                     "moe-gpt_oss", "gdn", "optim", "profile", "total"], summary  # fmt: skip
     status = dict(line.split(": ", 1) for line in summary)
     for name in ["install", "versions", *smoke, "pytest", "bench-eager", "moe", "profile"]:
         assert re.fullmatch(r"ok \(\d+s\)", status[name]), summary  # each part says how long it took
     assert re.fullmatch(
         r"skipped: flex attention has no backward on CPU \(CPU rehearsal\) \(\d+s\)", status["bench-flex"]
     )
+    gdn = r"skipped: fla's kernels need CUDA \(CPU rehearsal: the torch row ran\) \(\d+s\)"
+    assert re.fullmatch(gdn, status["gdn"]), summary
+    assert re.search(r"^\| torch .*\| [0-9.]+ +\|$", (tmp_path / "gdn.log").read_text(), re.M)
     for family in ("deepseek_v3", "gpt_oss"):  # their GPU shapes: said, not run, on CPU
         assert re.fullmatch(r"skipped: the \w+ shape does not fit a CPU rehearsal .*\(0s\)", status[f"moe-{family}"])
     from titan.training.optim import OPTIMIZERS

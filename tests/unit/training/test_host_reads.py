@@ -73,10 +73,14 @@ def _record_before_steps(monkeypatch) -> dict[int, dict[str, torch.Tensor]]:
 
 # A tiny llama4: its MoE block routes, counts tokens and moves its balancing bias on the device every
 # step; its routing statistics join the log step's one read.
-MOE = ("--model.name", "llama4", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4")
+SMALL = ("--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4")
+MOE = ("--model.name", "llama4", *SMALL)
+# QK-clip tracks every head's largest logit every step and rescales on the device (a tiny threshold:
+# every head is clipped); its statistics join the log step's one read.
+QK_CLIP = (*SMALL, "--model.n_kv_heads", "2", "--optimizer.qk_clip_threshold", "0.01")
 
 
-@pytest.mark.parametrize("model", [(), MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("model", [(), MOE, QK_CLIP], ids=["dense", "moe", "qk_clip"])
 def test_no_host_read_on_steps_that_log_nothing(tmp_path, monkeypatch, model):
     trainer = tiny_trainer(tmp_path, "--training.steps", "11", "--metrics.log_freq", "5", *model)
     reads = HostReads(monkeypatch, trainer)

@@ -15,6 +15,12 @@ class Metrics:
     """Add param_norm (total L2 norm of the weights entering the step) to the log of step 1 and of
     every log step that is a multiple of N. It reads every weight once, so log_freq = 1 runs pay for
     it only every N steps. 0: never."""
+    max_logit_freq: int = 10
+    """Add max_logit (the largest pre-softmax attention logit of the step, over layers and heads;
+    each layer's to the files) to the log of step 1 and of every log step that is a multiple of N.
+    Measuring it costs one more q.k^T per layer on that step with sdpa/varlen attention (nothing with
+    flex on CUDA or gpt-oss), so log_freq = 1 runs pay for it only every N steps. 0: never. With
+    optimizer.qk_clip_threshold it is measured every step and logged on every log step."""
     enable_tensorboard: bool = False
     """Write TensorBoard event files."""
     save_tb_folder: str = "tb"
@@ -43,3 +49,4 @@ class Metrics:
         require(
             self.param_norm_freq >= 0, "metrics.param_norm_freq", self.param_norm_freq, "an integer >= 0 (0: never)"
         )
+        require(self.max_logit_freq >= 0, "metrics.max_logit_freq", self.max_logit_freq, "an integer >= 0 (0: never)")

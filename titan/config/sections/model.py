@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan.config.choices import AttnMaskType, AttnType
+from titan.config.choices import AttnMaskType, AttnType, LinearAttnBackend
 from titan.errors import require
 
 # Model-shape keys that override the flavor's value when set.
@@ -14,10 +14,12 @@ SHAPE_OVERRIDES = ("n_layers", "dim", "n_heads", "n_kv_heads")
 @dataclass
 class Model:
     name: str = "llama3"
-    """Model family from the registry in titan/models (currently: llama3, llama4, qwen3, deepseek_v3, gpt_oss)."""
+    """Model family from the registry in titan/models (currently: llama3, llama4, qwen3, qwen3_5, deepseek_v3,
+    gpt_oss)."""
     flavor: str = "debugmodel"
     """Model size: llama3 debugmodel, 8B, 70B, 405B; llama4 debugmodel, 17bx16e, 17bx128e and their
     _irope variants; qwen3 debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B, debugmodel_moe, 30B-A3B, 235B-A22B;
+    qwen3_5 debugmodel, debugmodel_moe, 0.8B, 2B, 4B, 9B, 27B, 35B-A3B, 122B-A10B, 397B-A17B;
     deepseek_v3 debugmodel, debugmodel_flex_attn, 16B, 236B, 671B; gpt_oss debugmodel, 20b, 120b."""
     tokenizer_path: str = ""
     """Tokenizer file (tiktoken `tokenizer.model`, sentencepiece `.model` or HF `tokenizer.json`).
@@ -31,6 +33,10 @@ class Model:
     """causal: every token attends to all earlier tokens of its packed window. block_causal: only to
     the earlier tokens of its own document (documents end at the tokenizer's EOS token), as if each
     document were run alone. Not with context parallelism."""
+    linear_attn_backend: LinearAttnBackend = "auto"
+    """Models with linear-attention layers (qwen3_5's Gated DeltaNet): torch (the exact chunked
+    path, every device), fla (flash-linear-attention's kernels: CUDA with the linear_attention
+    extra installed) or auto (fla where it can run, torch elsewhere; the choice is logged)."""
     n_layers: int | None = None
     """Override the flavor's number of transformer blocks (unset: the flavor's value), e.g. the 8B
     shape cut to 8 layers to fit one GPU for benchmarking and debugging."""

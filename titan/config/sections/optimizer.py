@@ -42,6 +42,11 @@ class Optimizer:
     the whole model never exist together. Not with grad clipping (training.max_norm > 0), gradient
     accumulation, pipeline parallel, DDP or training.nonfinite = skip_step, which need every
     gradient before the first update."""
+    qk_clip_threshold: float | None = None
+    """QK-clip (MuonClip with Muon; the same rescale with any optimizer): after each optimizer step,
+    every attention head whose largest pre-softmax logit in the step exceeded this threshold tau
+    (Kimi K2: 100) gets its query/key weights scaled so that logit would be tau. Unset: off (the
+    largest logit is still logged, measured on log steps only). See docs/optimizers.md."""
 
     momentum: float = 0.95
     """Muon: momentum of the matrices' updates."""
@@ -73,6 +78,9 @@ class Optimizer:
             self.weight_decay,
             "a number >= 0",
         )
+        if self.qk_clip_threshold is not None:
+            tau = self.qk_clip_threshold
+            require(math.isfinite(tau) and tau > 0, "optimizer.qk_clip_threshold", tau, "a number > 0, or unset")
         if self.adamw_lr is not None or self.adamw_weight_decay is not None:
             key = "optimizer.adamw_lr" if self.adamw_lr is not None else "optimizer.adamw_weight_decay"
             require(self.name.lower() == "muon", "optimizer.name", self.name, f"Muon with {key} (AdamW's own keys)")

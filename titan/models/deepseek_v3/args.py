@@ -210,6 +210,31 @@ deepseek_v3_configs: Mapping[str, DeepSeekV3ModelArgs] = MappingProxyType(
             **_MLA,
             **_FLEX,
         ),
+        # Moonshot's Kimi K2 (model_type kimi_k2 in config.json, DeepseekV3ForCausalLM): 384 experts in
+        # one group, one dense block, 64 heads, YaRN x32 on theta 50000, its 163840-token vocabulary.
+        "kimi_k2": DeepSeekV3ModelArgs(
+            vocab_size=163840,
+            dim=7168,
+            inter_dim=18432,
+            moe_inter_dim=2048,
+            n_layers=61,
+            n_dense_layers=1,
+            n_heads=64,
+            q_lora_rank=1536,
+            norm_eps=1e-6,
+            latent_norm_eps=1e-6,
+            rope_theta=50000.0,
+            max_seq_len=131072,
+            original_seq_len=4096,
+            rope_factor=32.0,
+            beta_fast=1.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            use_yarn=True,
+            moe_args=_moe(384, 1, 8, score_func="sigmoid", route_norm=True, route_scale=2.827),
+            **_MLA,
+            **_FLEX,
+        ),
     }  # fmt: skip
 )
 

@@ -19,14 +19,9 @@ from torch import nn
 
 from titan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from titan.models.llama.flex import FlexKernel
-from titan.models.llama.masks import VarlenAttention
-from titan.models.llama.model import (
-    Attention,
-    FlexAttention,
-    RMSNorm,
-    SDPAttention,
-    apply_rotary_emb,
-)
+from titan.models.llama.kernels import attention_kernel
+from titan.models.llama.model import Attention, RMSNorm, apply_rotary_emb
+from titan.models.max_logits import RowScale
 from titan.models.moe.block import MoEBlock, MoETransformer
 from titan.models.rope import default_inv_freq, yarn_inv_freq
 
@@ -75,8 +70,7 @@ class MLAttention(Attention):
         # The kernels scale q.k by head_dim ** -0.5; YaRN's softmax scale differs from it, so the
         # queries carry the ratio (1 without YaRN: nothing is multiplied).
         self.q_scale = args.softmax_scale * math.sqrt(self.head_dim)
-        kernels = {"flex": lambda: FlexAttention(flex_kernel), "varlen": VarlenAttention}
-        self.inner_attention = kernels.get(args.attn_type, SDPAttention)()
+        self.inner_attention = attention_kernel(args.attn_type, flex_kernel)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         bs, seqlen, _ = x.shape
@@ -99,6 +93,18 @@ class MLAttention(Attention):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         return q, torch.cat([xk[..., :n], k_rope], dim=-1)
+
+    def qk_clip_scales(self, gamma: torch.Tensor) -> list[RowScale]:
+        """QK-clip as Kimi K2 applies it to MLA: head h's logit q_nope . k_nope + q_rope . k_rope
+        scales by ``gamma[h]`` when its query's nope rows and key's nope rows (in wkv_b) take
+        sqrt(gamma) and its query's rope rows take gamma; the rotary key every head shares
+        (wkv_a's last rows) and the values stay. The query rows are wq's, or wq_b's with low-rank
+        queries (wq_a and q_norm are shared by all heads)."""
+        root = gamma.sqrt()[:, None]
+        q_rows = torch.cat([root.expand(-1, self.nope_dim), gamma[:, None].expand(-1, self.rope_dim)], 1)
+        kv_rows = torch.cat([root.expand(-1, self.nope_dim), torch.ones_like(root).expand(-1, self.v_head_dim)], 1)
+        wq = self.wq if self.q_lora_rank == 0 else self.wq_b
+        return [RowScale(wq.weight, q_rows.flatten()), RowScale(self.wkv_b.weight, kv_rows.flatten())]
 
     def init_weights(self, out_std: float) -> None:
         for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b"):

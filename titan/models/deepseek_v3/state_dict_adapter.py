@@ -28,10 +28,12 @@ from titan.errors import TitanError
 from titan.log import logger
 from titan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from titan.models.llama.state_dict_adapter import (
-    _cast,
     hf_rope,
     layers_from_hf,
     layers_to_hf,
+    mlp_experts_from_hf,
+    mlp_experts_to_hf,
+    tied_from_shapes,
 )
 from titan.models.moe import MoEArgs
 
@@ -110,47 +112,42 @@ def to_hf(
     """titan state dict (full tensors; a layer's experts.w1 and w3 together) -> HF keys."""
 
     def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        prefix = f"model.layers.{layer}.mlp.experts"
         if rest == "moe.expert_bias":  # transformers keeps it fp32 whatever the weights' dtype
             return {f"model.layers.{layer}.{_LAYER_MAP[rest]}": value.float()}
-        if rest == "moe.experts.w2":
-            return {f"{prefix}.down_proj": _cast(value, dtype)}
-        if rest == "moe.experts.w1":
-            w3 = state_dict.get(f"layers.{layer}.moe.experts.w3")
-            if w3 is None:
-                raise TitanError(f"layers.{layer}.moe.experts.w1 needs its w3 in the same call (HF fuses them)")
-            return {f"{prefix}.gate_up_proj": _cast(torch.cat([value, w3], dim=1), dtype)}
-        return {} if rest == "moe.experts.w3" else None
+        return mlp_experts_to_hf(state_dict, layer, rest, value, dtype)
 
     return layers_to_hf(state_dict, model_args, dtype, "DeepSeek-V3", _LAYER_MAP, experts)
+
+
+def skipped_hf_layer(layer: int, model_args: DeepSeekV3ModelArgs) -> str | None:
+    """Why Hugging Face layer ``layer`` is not imported (None: it is). The layers from
+    num_hidden_layers on hold the multi-token-prediction (MTP) modules of DeepSeek-V3 and Kimi K2
+    (their layer 61: embed/enorm/hnorm/eh_proj/shared_head and a decoder block); titan's
+    deepseek_v3 has no MTP module, so they are skipped (transformers skips them too). The one
+    place that decides: a model with MTP modules maps those layers here instead."""
+    if layer >= model_args.n_layers:
+        return "multi-token prediction, which titan's deepseek_v3 does not build"
+    return None
 
 
 def from_hf(
     hf_state_dict: dict[str, torch.Tensor], model_args: DeepSeekV3ModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """HF DeepseekV3ForCausalLM state dict -> titan keys."""
+    """HF DeepseekV3ForCausalLM state dict (transformers' in-memory layout) -> titan keys."""
 
     def special(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        if int(layer) >= model_args.n_layers:
-            return {}  # multi-token-prediction layers past num_hidden_layers (transformers skips them too)
+        if skipped_hf_layer(int(layer), model_args) is not None:
+            return {}
         if rest == "mlp.gate.e_score_correction_bias":
             if model_args.moe_args.load_balance_coeff is None:
-                if bool(value.abs().max() > 0):
+                if not value.is_meta and bool(value.abs().max() > 0):
                     raise TitanError(
                         f"model.layers.{layer}.{rest} is not zero but moe_args.load_balance_coeff is None (the"
                         " model would have no routing bias)"
                     )
                 return {}
             return {f"layers.{layer}.moe.expert_bias": value.float()}
-        if rest == "mlp.experts.gate_up_proj":
-            gate, up = value.chunk(2, dim=1)
-            return {
-                f"layers.{layer}.moe.experts.w1": _cast(gate.contiguous(), dtype),
-                f"layers.{layer}.moe.experts.w3": _cast(up.contiguous(), dtype),
-            }
-        if rest == "mlp.experts.down_proj":
-            return {f"layers.{layer}.moe.experts.w2": _cast(value, dtype)}
-        return None
+        return mlp_experts_from_hf(layer, rest, value, dtype)
 
     return layers_from_hf(hf_state_dict, model_args, dtype, "DeepSeek-V3", _LAYER_INV, special)
 
@@ -286,7 +283,7 @@ def args_from_shapes(shapes: dict[str, tuple[int, ...]], base: DeepSeekV3ModelAr
     if dim != base.dim:
         raise TitanError(f"{where}: embedding width {dim} is not the flavor's dim {base.dim}; pick the right flavor")
     n_layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("layers."))
-    args = replace(base, vocab_size=vocab, n_layers=n_layers, tie_embeddings="output.weight" not in shapes)
+    args = replace(base, vocab_size=vocab, n_layers=n_layers, tie_embeddings=tied_from_shapes(shapes, base))
     args.validate()
     return args
 
@@ -303,7 +300,9 @@ def state_dict_shapes(args: DeepSeekV3ModelArgs) -> dict[str, tuple[int, ...]]:
 class DeepSeekV3StateDictAdapter:
     """The registry's handle on this module (ModelSpec.state_dict_adapter)."""
 
-    hf_model_types = ("deepseek_v3",)
+    hf_model_types = ("deepseek_v3", "kimi_k2")  # Kimi K2 / K2.x: DeepseekV3ForCausalLM with its own values
+    hf_per_expert = True  # releases store one key per routed expert (written so on export)
+    skipped_hf_layer = staticmethod(skipped_hf_layer)
     args_from_shapes = staticmethod(args_from_shapes)
     state_dict_shapes = staticmethod(state_dict_shapes)
     to_hf = staticmethod(to_hf)

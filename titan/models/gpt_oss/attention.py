@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
+
+from titan.models.max_logits import LogitKernel
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,10 @@ def block_masks(
     return GptOssMasks(full_mask, sliding_mask)
 
 
-def sink_attention(
+def sink_scores_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q [B, H, S, Dh], k/v [B, KVH, Sk, Dh], sinks [H], mask bool [B or 1, S, Sk] -> [B, H, S, Dh].
-    Query head h reads kv head h // (H / KVH), in place (no copy of k/v per query head)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sink_attention's output and its masked fp32 logits [B, KVH, H / KVH, S, Sk] (masked: -inf)."""
     bs, n_heads, seqlen, head_dim = q.shape
     kv_heads = k.shape[1]
     rep = n_heads // kv_heads
@@ -73,7 +74,15 @@ def sink_attention(
     sink = sinks.float().view(1, kv_heads, rep, 1, 1).expand(bs, kv_heads, rep, seqlen, 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     out = torch.matmul(probs.to(v.dtype), v.unsqueeze(2))
-    return out.reshape(bs, n_heads, seqlen, head_dim)
+    return out.reshape(bs, n_heads, seqlen, head_dim), scores
+
+
+def sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [B, H, S, Dh], k/v [B, KVH, Sk, Dh], sinks [H], mask bool [B or 1, S, Sk] -> [B, H, S, Dh].
+    Query head h reads kv head h // (H / KVH), in place (no copy of k/v per query head)."""
+    return sink_scores_attention(q, k, v, sinks, mask, scale)[0]
 
 
 def flex_sink_attention(
@@ -84,13 +93,43 @@ def flex_sink_attention(
     block_mask: BlockMask,
     scale: float,
     kernel: Any = None,
-) -> torch.Tensor:
+    max_scores: bool = False,
+) -> Any:
     """sink_attention's numbers from flex_attention's output and log-sum-exp (``kernel``: a
-    compiled flex_attention; eager flex materialises the scores, as sink_attention does)."""
+    compiled flex_attention; eager flex materialises the scores, as sink_attention does). With
+    ``max_scores``: (output, the largest logit of each query row [B, H, S])."""
     kernel = kernel or flex_attention
-    out, lse = kernel(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
-    weight = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1)).unsqueeze(-1)
-    return (out.float() * weight).to(q.dtype)
+    request = AuxRequest(lse=True, max_scores=max_scores)
+    gqa = q.shape[1] != k.shape[1]
+    out, aux = kernel(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=request)
+    weight = torch.sigmoid(aux.lse.float() - sinks.float().view(1, -1, 1)).unsqueeze(-1)
+    out = (out.float() * weight).to(q.dtype)
+    return (out, aux.max_scores) if max_scores else out
+
+
+class SinkAttention(LogitKernel):
+    """The kernel module of gpt-oss's attention (sinks, masks): flex on CUDA with a flex kernel,
+    sink_attention otherwise. Tracking (titan.models.max_logits) takes the largest logit from the
+    scores sink_attention materialises, or from flex's per-row maximum: free either way."""
+
+    def __init__(self, scale: float, flex: FlexSinkKernel | None) -> None:
+        super().__init__()
+        self.scale = scale
+        self.flex = flex
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, mask: Any) -> Any:
+        track = self.tracking()
+        if self.flex is not None and q.device.type == "cuda":
+            if not track:
+                return flex_sink_attention(q, k, v, sinks, mask, self.scale, self.flex)
+            out, row_max = flex_sink_attention(q, k, v, sinks, mask, self.scale, self.flex, max_scores=True)
+            self.record(row_max.amax(dim=(0, 2)))
+            return out
+        if not track:
+            return sink_attention(q, k, v, sinks, mask, self.scale)
+        out, scores = sink_scores_attention(q, k, v, sinks, mask, self.scale)
+        self.record(scores.detach().amax(dim=(0, 3, 4)).flatten())
+        return out
 
 
 class FlexSinkKernel:

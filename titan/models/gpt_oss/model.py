@@ -21,9 +21,9 @@ from titan.models.gpt_oss.args import GptOssModelArgs
 from titan.models.gpt_oss.attention import (
     FlexSinkKernel,
     GptOssMasks,
+    SinkAttention,
     block_masks,
     dense_masks,
-    flex_sink_attention,
     sink_attention,
 )
 from titan.models.kv_cache import KVCache
@@ -68,7 +68,7 @@ class GptOssAttention(Attention):
         self.sliding = args.is_sliding(layer_id)
         self.window = args.sliding_window_size
         self.scale = self.head_dim**-0.5
-        self.flex = flex
+        self.inner_attention = SinkAttention(self.scale, flex)
 
     def position(
         self, xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor, start: int
@@ -82,10 +82,7 @@ class GptOssAttention(Attention):
         if not isinstance(attn_mask, GptOssMasks):
             raise TitanError("gpt_oss attention needs the masks built by GptOssTransformer.forward")
         mask = attn_mask.sliding if self.sliding else attn_mask.full
-        sinks = self.local_sinks()
-        if self.flex is not None and q.device.type == "cuda":
-            return flex_sink_attention(q, k, v, sinks, mask, self.scale, self.flex)
-        return sink_attention(q, k, v, sinks, mask, self.scale)
+        return self.inner_attention(q, k, v, self.local_sinks(), mask)
 
     def _cached_attention(
         self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, kv_cache: KVCache

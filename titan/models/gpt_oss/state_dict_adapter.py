@@ -29,6 +29,7 @@ from titan.models.llama.state_dict_adapter import (
     _cast,
     layers_from_hf,
     layers_to_hf,
+    tied_from_shapes,
     unmapped_routing_bias,
     zero_routing_bias,
 )
@@ -283,7 +284,11 @@ def args_from_shapes(shapes: dict[str, tuple[int, ...]], base: GptOssModelArgs, 
     n_layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("layers."))
     layer_types = None if base.layer_types is None else base.layer_types[:n_layers]
     args = replace(
-        base, vocab_size=vocab, n_layers=n_layers, tie_embeddings="output.weight" not in shapes, layer_types=layer_types
+        base,
+        vocab_size=vocab,
+        n_layers=n_layers,
+        tie_embeddings=tied_from_shapes(shapes, base),
+        layer_types=layer_types,
     )
     args.validate()
     return args

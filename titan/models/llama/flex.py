@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -78,7 +78,10 @@ class FlexKernel:
     def __init__(self) -> None:
         self._compiled: Callable | None = None
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, return_aux: Any = None
+    ) -> Any:
+        """The attention output, or (output, AuxOutput) with ``return_aux`` (an AuxRequest)."""
         # Deterministic mode: the Triton backend's backward has no atomics; the FLASH backend's
         # deterministic backward needs SM100 and extra mask metadata.
         deterministic = torch.are_deterministic_algorithms_enabled()
@@ -89,7 +92,9 @@ class FlexKernel:
             # on transposed views (torch 2.13); a dense copy avoids that and is cheap on CPU.
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if q.device.type == "cpu" or torch.compiler.is_compiling():
-            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
-        if self._compiled is None:
-            self._compiled = torch.compile(flex_attention, dynamic=False)
-        return self._compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
+            kernel = flex_attention
+        else:
+            if self._compiled is None:
+                self._compiled = torch.compile(flex_attention, dynamic=False)
+            kernel = self._compiled
+        return kernel(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options, return_aux=return_aux)

@@ -1,4 +1,4 @@
-"""Block-causal (document-masked) attention for the Llama model: the masks and the varlen kernel.
+"""Block-causal (document-masked) attention for the Llama model: the masks (the varlen kernel is in kernels.py).
 
 With ``attn_mask_type = "block_causal"`` a token attends to the earlier tokens of its own document
 only, never to the previous document of the packed window. ``Transformer.forward`` gets the
@@ -18,17 +18,13 @@ builder).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from titan.models.sdpa import sdpa
-
-__all__ = ["DocumentMasks", "VarlenAttention", "VarlenMask", "block_causal_dense"]
+__all__ = ["DocumentMasks", "VarlenMask", "block_causal_dense"]
 
 
 @dataclass(frozen=True)
@@ -86,37 +82,3 @@ class DocumentMasks:
         if self.attn_type == "varlen" and doc_ids.device.type == "cuda":
             return varlen_mask(doc_ids)
         return block_causal_dense(doc_ids)
-
-
-def _varlen_takes_gqa() -> bool:
-    """Whether this torch's varlen_attn reads grouped k/v heads itself (its enable_gqa argument)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    return "enable_gqa" in inspect.signature(varlen_attn).parameters
-
-
-class VarlenAttention(nn.Module):
-    """Per-document causal attention, q [B, H, S, Dh] and k/v [B, KVH, S, Dh]: torch's flash varlen
-    kernel on CUDA; on CPU (mask given as the dense boolean mask) SDPA with that mask."""
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: VarlenMask | torch.Tensor
-    ) -> torch.Tensor:
-        if not isinstance(attn_mask, VarlenMask):
-            return sdpa(q, k, v, attn_mask=attn_mask)
-        from torch.nn.attention.varlen import varlen_attn
-
-        b, h, s, d = q.shape
-        gqa = k.shape[1] != h
-        if gqa and not _varlen_takes_gqa():
-            # A torch without grouped-query varlen: k/v repeated to the query heads (a copy).
-            k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
-            gqa = False
-        q, k, v = (t.transpose(1, 2).reshape(b * s, -1, d) for t in (q, k, v))
-        cu, n = attn_mask.cu_seqlens, attn_mask.max_len
-        if gqa:  # (-1, 0): causal
-            out = varlen_attn(q, k, v, cu, cu, n, n, window_size=(-1, 0), enable_gqa=True)
-        else:
-            out = varlen_attn(q, k, v, cu, cu, n, n, window_size=(-1, 0))
-        assert isinstance(out, torch.Tensor)  # no return_aux: the output alone
-        return out.view(b, s, h, d).transpose(1, 2)

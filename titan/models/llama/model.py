@@ -21,7 +21,9 @@ from titan.errors import TitanError
 from titan.models.kv_cache import KVCache
 from titan.models.llama.args import TransformerModelArgs
 from titan.models.llama.flex import BlockMaskCache, FlexKernel
-from titan.models.llama.masks import DocumentMasks, VarlenAttention, VarlenMask
+from titan.models.llama.kernels import attention_kernel
+from titan.models.llama.masks import DocumentMasks, VarlenMask
+from titan.models.max_logits import RowScale
 from titan.models.sdpa import sdpa
 
 AttnMask = BlockMask | VarlenMask | torch.Tensor | None
@@ -88,32 +90,6 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-class SDPAttention(nn.Module):
-    """Causal SDPA as a parameter-free module: context parallelism hooks its inputs/outputs.
-    With a boolean ``attn_mask`` (block-causal) that mask replaces the plain causal one. k/v keep
-    their own (fewer) heads: titan.models.sdpa reads them in place."""
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        if attn_mask is None:
-            return sdpa(q, k, v, is_causal=True)
-        return sdpa(q, k, v, attn_mask=attn_mask)
-
-
-class FlexAttention(nn.Module):
-    """flex_attention as a parameter-free module (context parallelism gathers k/v in a hook).
-
-    ``kernel`` is the model's shared FlexKernel (one compiled flex_attention per model)."""
-
-    def __init__(self, kernel: FlexKernel | None = None) -> None:
-        super().__init__()
-        self.kernel = kernel if kernel is not None else FlexKernel()
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
-        return self.kernel(q, k, v, block_mask)
-
-
 class Attention(nn.Module):
     def __init__(
         self,
@@ -133,8 +109,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        kernels = {"flex": lambda: FlexAttention(flex_kernel), "varlen": VarlenAttention}
-        self.inner_attention = kernels.get(args.attn_type, SDPAttention)()
+        self.inner_attention = attention_kernel(args.attn_type, flex_kernel)
 
     def forward(
         self,
@@ -186,6 +161,19 @@ class Attention(nn.Module):
             return self.inner_attention(q, k, v, block_mask=attn_mask)
         # Context parallelism hooks the kernel's (q, k, v) call: the mask goes only where there is one.
         return self.inner_attention(q, k, v) if attn_mask is None else self.inner_attention(q, k, v, attn_mask)
+
+    def qk_clip_scales(self, gamma: torch.Tensor) -> list[RowScale]:
+        """QK-clip: scale the logits of query head h by at most ``gamma[h]`` (<= 1; [n_heads], every
+        head of the layer). Queries and keys each take the square root, by rows of wq and wk (and
+        their biases). Grouped-query heads share a key head, so each group takes its smallest
+        gamma (its largest logit), as Megatron-LM does: its other heads shrink a little more
+        instead of some query weights growing."""
+        rep = self.n_heads // self.n_kv_heads
+        root = gamma.view(self.n_kv_heads, rep).amin(dim=1).sqrt()
+        q_rows, k_rows = root.repeat_interleave(rep * self.head_dim), root.repeat_interleave(self.head_dim)
+        pairs = ((self.wq, q_rows), (self.wk, k_rows))
+        biases = [RowScale(lin.bias, rows) for lin, rows in pairs if lin.bias is not None]
+        return [RowScale(lin.weight, rows) for lin, rows in pairs] + biases
 
     def _cached_attention(
         self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, kv_cache: KVCache

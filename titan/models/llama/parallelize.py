@@ -141,7 +141,9 @@ def parallelize_llama(
         dump_folder=job_config.job.dump_folder,
     )
     if compiled:
-        apply_compile(model, before_blocks=model.tok_embeddings)  # None on later pipeline stages
+        # A model whose blocks call kernels outside torch.compile (fla's) says so: graph breaks there.
+        fullgraph = getattr(model, "compile_fullgraph", True)
+        apply_compile(model, before_blocks=model.tok_embeddings, fullgraph=fullgraph)  # None on later PP stages
     if parallel_dims.fsdp_enabled:
         # HSDP: replicate across the outer dim, shard inside; plain FSDP: one shard dim.
         apply_fsdp(

@@ -59,10 +59,16 @@ def _to_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, hd // 2, 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
 
 
-def _from_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def _from_hf_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``_to_hf_rows`` backwards, on any whole heads' rows (a rank's shard reads only its own)."""
     rows, cols = w.shape
-    hd = rows // n_heads
-    return w.view(n_heads, 2, hd // 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
+    return w.view(rows // head_dim, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
+
+
+def hf_row_block(key: str, model_args: TransformerModelArgs) -> int:
+    """Rows of an HF tensor that convert together: a head's for q/k (their rows are reordered
+    inside each head), one row otherwise."""
+    return model_args.head_dim if key.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")) else 1
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -151,6 +157,39 @@ def layers_from_hf(
     return out
 
 
+def mlp_experts_to_hf(
+    state_dict: dict[str, torch.Tensor], layer: str, rest: str, value: torch.Tensor, dtype: torch.dtype | None
+) -> dict[str, torch.Tensor] | None:
+    """titan's routed experts (w1 / w3 [E, hidden, dim], w2 [E, dim, hidden]; a layer's w1 and w3
+    in the same call) as transformers holds DeepSeek-V3's and Qwen3-MoE's: ``mlp.experts.gate_up_proj``
+    [E, 2 * hidden, dim] (gate rows first) and ``mlp.experts.down_proj`` [E, dim, hidden]; None for a
+    key that is no expert weight. Row slices and a concat: a round trip is bitwise lossless."""
+    prefix = f"model.layers.{layer}.mlp.experts"
+    if rest == "moe.experts.w2":
+        return {f"{prefix}.down_proj": _cast(value, dtype)}
+    if rest == "moe.experts.w1":
+        w3 = state_dict.get(f"layers.{layer}.moe.experts.w3")
+        if w3 is None:
+            raise TitanError(f"layers.{layer}.moe.experts.w1 needs its w3 in the same call (HF fuses them)")
+        return {f"{prefix}.gate_up_proj": _cast(torch.cat([value, w3], dim=1), dtype)}
+    return {} if rest == "moe.experts.w3" else None
+
+
+def mlp_experts_from_hf(
+    layer: str, rest: str, value: torch.Tensor, dtype: torch.dtype | None
+) -> dict[str, torch.Tensor] | None:
+    """``mlp_experts_to_hf`` backwards (any rows of experts: a rank's shard); None for other keys."""
+    if rest == "mlp.experts.gate_up_proj":
+        gate, up = value.chunk(2, dim=1)
+        return {
+            f"layers.{layer}.moe.experts.w1": _cast(gate.contiguous(), dtype),
+            f"layers.{layer}.moe.experts.w3": _cast(up.contiguous(), dtype),
+        }
+    if rest == "mlp.experts.down_proj":
+        return {f"layers.{layer}.moe.experts.w2": _cast(value.contiguous(), dtype)}
+    return None
+
+
 def zero_routing_bias(out: dict[str, torch.Tensor], moe_args: Any) -> None:
     """Add titan's balancing bias, at zero, to each MoE block of an imported state dict whose HF
     family has none (nothing when balancing is off)."""
@@ -193,10 +232,8 @@ def from_hf(
                 " (expected model.embed_tokens, model.layers.N.{self_attn,mlp,*_layernorm}, model.norm, lm_head)"
             )
         layer, rest = m.groups()
-        if rest == "self_attn.q_proj.weight":
-            value = _from_hf_rows(value, model_args.n_heads)
-        elif rest == "self_attn.k_proj.weight":
-            value = _from_hf_rows(value, model_args.kv_heads)
+        if rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+            value = _from_hf_rows(value, model_args.head_dim)
         out[f"layers.{layer}.{_LAYER_MAP_INV[rest]}"] = _cast(value, dtype)
     if model_args.tie_embeddings and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]
@@ -330,9 +367,16 @@ def args_from_shapes(
             f"{where}: embedding width {dim} does not match the flavor's dim {base.dim}; pick the right flavor"
         )
     n_layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("layers."))
-    args = replace(base, vocab_size=vocab, n_layers=n_layers, tie_embeddings="output.weight" not in shapes)
+    args = replace(base, vocab_size=vocab, n_layers=n_layers, tie_embeddings=tied_from_shapes(shapes, base))
     args.validate()
     return args
+
+
+def tied_from_shapes(shapes: dict[str, tuple[int, ...]], base: Any) -> bool:
+    """Whether a checkpoint's model ties its output to its embedding: no output.weight, or a tied
+    ``base`` (a tied model's state dict, and so its DCP checkpoint, holds the one tensor under both
+    names: the tensors alone cannot tell it from an untied one)."""
+    return "output.weight" not in shapes or bool(base.tie_embeddings)
 
 
 def state_dict_shapes(args: TransformerModelArgs) -> dict[str, tuple[int, ...]]:
@@ -347,6 +391,7 @@ class LlamaStateDictAdapter:
 
     hf_model_types = ("llama",)
     """config.json "model_type" values this adapter reads."""
+    hf_row_block = staticmethod(hf_row_block)
     args_from_shapes = staticmethod(args_from_shapes)
     state_dict_shapes = staticmethod(state_dict_shapes)
     to_hf = staticmethod(to_hf)

@@ -22,6 +22,7 @@ from titan.models.kv_cache import KVCache
 from titan.models.llama.flex import FlexKernel
 from titan.models.llama.model import Attention, ffn_hidden_dim
 from titan.models.llama4.args import Llama4ModelArgs
+from titan.models.max_logits import RowScale
 from titan.models.moe.block import MoEBlock, MoETransformer
 
 
@@ -78,6 +79,11 @@ class Llama4Attention(Attention):
             scale = torch.log1p(torch.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0
             xq = (xq * scale.view(1, -1, 1, 1)).to(xq.dtype)
         return xq, xk
+
+    def qk_clip_scales(self, gamma: torch.Tensor) -> list[RowScale]:
+        """QK-clip: llama's rescale, except on blocks whose q and k are normalised without a weight
+        (``use_qk_norm``): no parameter scales their logits, which stay below sqrt(head_dim)."""
+        return [] if self.qk_norm_eps is not None else super().qk_clip_scales(gamma)
 
 
 class Llama4Block(MoEBlock):

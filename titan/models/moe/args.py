@@ -17,6 +17,12 @@ class MoEArgs:
     num_experts: int = 8
     num_shared_experts: int = 1
     """Dense experts every token goes through, as one FeedForward num_shared_experts times wider."""
+    shared_hidden_dim: int | None = None
+    """The shared experts' FeedForward width; None: hidden_dim x num_shared_experts."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(a linear map of the token to one
+    value) (Qwen3-Next / Qwen3.5: ``shared_expert_gate``). Under TP the gate runs whole on every
+    rank, its gradient summed over TP (titan.models.moe.parallelize)."""
     top_k: int = 1
     score_func: str = "sigmoid"
     """Router score per expert: sigmoid (independent) or softmax (over the experts), in fp32."""
@@ -73,8 +79,12 @@ class MoEArgs:
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             raise bad("swiglu_limit", self.swiglu_limit, "a number > 0, or None for the plain SwiGLU")
         self._validate_groups(bad)
-        if self.hidden_dim is not None and (not isinstance(self.hidden_dim, int) or self.hidden_dim <= 0):
-            raise bad("hidden_dim", self.hidden_dim, "a positive integer or None")
+        for name in ("hidden_dim", "shared_hidden_dim"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise bad(name, value, "a positive integer or None")
+        if self.shared_expert_gate and not self.num_shared_experts:
+            raise bad("shared_expert_gate", True, "false when num_shared_experts is 0 (there is nothing to gate)")
 
     def _validate_groups(self, bad) -> None:
         groups, limited = self.num_expert_groups, self.num_limited_groups

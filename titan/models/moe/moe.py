@@ -113,7 +113,10 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(
             dim, hidden, args.num_experts, args.use_grouped_mm, args.experts_bias, args.swiglu_limit, args.swiglu_alpha
         )
-        self.shared_experts = FeedForward(dim, hidden * args.num_shared_experts) if args.num_shared_experts else None
+        shared = args.shared_hidden_dim if args.shared_hidden_dim is not None else hidden * args.num_shared_experts
+        self.shared_experts = FeedForward(dim, shared) if args.num_shared_experts else None
+        # Qwen3-Next / Qwen3.5: the shared experts' output scaled by a per-token sigmoid gate.
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if args.shared_expert_gate else None
         self.score_before_experts = args.score_before_experts
         self.load_balance_coeff = args.load_balance_coeff
         self.aux_loss_coeff = args.aux_loss_coeff
@@ -154,6 +157,8 @@ class MoE(nn.Module):
                     _count(self.padded_since_log, ((counts + align - 1) // align * align - counts).sum())
         out_sorted = self.experts(routed, counts)
         out = self.shared_experts(flat) if self.shared_experts is not None else None
+        if out is not None and self.shared_gate is not None:
+            out = torch.sigmoid(self.shared_gate(flat)) * out
         unsorted = out_sorted.new_zeros(out_sorted.shape).index_copy(0, order, out_sorted).view(-1, self.top_k, dim)
         if self.score_before_experts:
             routed_out = unsorted.sum(dim=1)
@@ -180,6 +185,8 @@ class MoE(nn.Module):
             nn.init.trunc_normal_(self.shared_experts.w1.weight, mean=0.0, std=0.02)
             nn.init.trunc_normal_(self.shared_experts.w2.weight, mean=0.0, std=init_std)
             nn.init.trunc_normal_(self.shared_experts.w3.weight, mean=0.0, std=init_std)
+        if self.shared_gate is not None:
+            nn.init.trunc_normal_(self.shared_gate.weight, mean=0.0, std=init_std)
         self.reset_counters(buffer_device)
         if self.expert_bias is not None:
             self.expert_bias = torch.zeros(self.num_experts, device=self.tokens_per_expert.device)

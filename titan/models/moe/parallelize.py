@@ -78,6 +78,10 @@ def moe_tp_plan(block: Any) -> Plan:
         # The scores then weight the experts' TP-partial outputs: each rank's gradient of them is
         # partial, summed over TP before it reaches the replicated router.
         plan["moe.router"] = SumGradOverTP(output_index=0)
+    if getattr(block.moe, "shared_gate", None) is not None:
+        # The gate scales the shared expert's TP-partial output: computed whole on every rank, its
+        # gradient summed over TP (apply_moe_family_tp adds the sum).
+        plan["moe.shared_gate"] = NoParallel()
     if block.moe.shared_experts is not None:
         plan["moe.shared_experts.w1"] = ColwiseParallel()
         plan["moe.shared_experts.w2"] = RowwiseParallel(output_layouts=Partial())
@@ -109,6 +113,8 @@ def apply_moe_family_tp(
     apply_tp_plan(model, tp_mesh, root_plan(model, loss_parallel), [], {}, enable_async_tp=enable_async_tp)
     for _, block in moe_blocks(model):
         parallelize_module(block, tp_mesh, with_moe_plan(block_plan(block), block))
+        if block.moe_enabled and getattr(block.moe, "shared_gate", None) is not None:
+            parallelize_module(block.moe.shared_gate, tp_mesh, SumGradOverTP())
     model.seq_shards = tp_mesh.size()
     logger.info(
         f"applied tensor + sequence parallel to {family} (degree {tp_mesh.size()}, loss parallel {loss_parallel})"
@@ -140,16 +146,18 @@ def compile_moe_blocks(model: Any) -> None:
     expert, leaving the routing glue and the routed experts eager (token counts decide shapes, and
     EP's all-to-all needs its split sizes on the host)."""
     compiled = 0
+    # A model whose blocks call kernels outside torch.compile (fla's) says so: graph breaks there.
+    fullgraph = getattr(model, "compile_fullgraph", True)
     for wrapper in blocks_of(model).values():
         block: Any = getattr(wrapper, "_checkpoint_wrapped_module", wrapper)
         if not block.moe_enabled:
-            wrapper.compile(fullgraph=True)  # the AC wrapper, if any, with its block
+            wrapper.compile(fullgraph=fullgraph)  # the AC wrapper, if any, with its block
             compiled += 1
             continue
         for child in (block.attention, block.attention_norm, block.ffn_norm, block.moe.router):
-            child.compile(fullgraph=True)
+            child.compile(fullgraph=fullgraph)
         if block.moe.shared_experts is not None:
-            block.moe.shared_experts.compile(fullgraph=True)
+            block.moe.shared_experts.compile(fullgraph=fullgraph)
     if model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(wait_async_output)
     logger.info(f"compiled {compiled} dense blocks whole and the MoE blocks' parts but the routed experts")

@@ -15,6 +15,7 @@ from torch import nn
 
 from titan.models.llama.flex import FlexKernel
 from titan.models.llama.model import Attention, RMSNorm
+from titan.models.max_logits import RowScale
 from titan.models.moe.block import MoEBlock, MoETransformer
 from titan.models.qwen3.args import Qwen3ModelArgs
 
@@ -49,6 +50,17 @@ class Qwen3Attention(Attention):
         self, xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor, start: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rotary_emb_half(xq, xk, freqs_cis)
+
+    qk_norm_offset = 0.0
+    """What q_norm/k_norm add to their stored weight (a family whose norms scale by 1 + weight: 1)."""
+
+    def qk_clip_scales(self, gamma: torch.Tensor) -> list[RowScale]:
+        """QK-clip under per-head q/k RMSNorm: the logits no longer depend on wq/wk's scale, only on
+        the norm weights, which every head of the layer shares. So the whole layer takes its
+        smallest gamma (its largest logit): q_norm's and k_norm's weights each sqrt of it."""
+        root = gamma.amin().sqrt().expand(self.head_dim)
+        offset = self.qk_norm_offset
+        return [RowScale(self.q_norm.weight, root, offset), RowScale(self.k_norm.weight, root, offset)]
 
 
 class Qwen3Block(MoEBlock):

@@ -22,7 +22,8 @@ from titan.parallel.dims import ParallelDims
 from titan.parallel.tp import Plan
 
 
-def _qk_norm_plan() -> Plan:
+def qk_norm_plan() -> Plan:
+    """Per-head q/k norms on the rank's local heads (a family with qwen3's attention reuses it)."""
     return {
         "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
@@ -30,7 +31,7 @@ def _qk_norm_plan() -> Plan:
 
 
 def _block_plan(block: Qwen3Block) -> Plan:
-    return block_plan() | _qk_norm_plan()
+    return block_plan() | qk_norm_plan()
 
 
 def apply_tp(

@@ -4,9 +4,9 @@ titan's qwen3 rotates with Hugging Face's half-split pairing, so q/k projections
 their feature order: tensors map one to one, except the routed experts. Hugging Face checkpoints
 store each expert apart (``mlp.experts.{e}.gate_proj.weight`` [hidden, dim], as save_pretrained
 writes them); transformers' model in memory fuses them (``mlp.experts.gate_up_proj`` [E, 2 * hidden,
-dim], gate first, and ``down_proj`` [E, dim, hidden]). titan stacks them: w1 / w3 [E, hidden, dim],
-w2 [E, dim, hidden]. Both HF forms load; exports write the per-expert one. A layer's experts must
-be converted together (a stack needs all of them).
+dim], gate first, and ``down_proj`` [E, dim, hidden]), and so does titan's folder reader
+(titan.checkpointing.hf_folder) before this adapter sees the keys. titan stacks them: w1 / w3
+[E, hidden, dim], w2 [E, dim, hidden]. Exports write the per-expert layout (``hf_per_expert``).
 
 Configs: every field of Qwen3Config and Qwen3MoeConfig is mapped exactly or refused in one line that
 names it; a field absent from config.json takes transformers' default (``QWEN3_DEFAULTS``,
@@ -15,7 +15,6 @@ names it; a field absent from config.json takes transformers' default (``QWEN3_D
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
@@ -24,11 +23,12 @@ import torch
 
 from titan.errors import TitanError
 from titan.models.llama.state_dict_adapter import (
-    _cast,
     args_from_shapes,
     hf_rope_scaling,
     layers_from_hf,
     layers_to_hf,
+    mlp_experts_from_hf,
+    mlp_experts_to_hf,
     unmapped_routing_bias,
     with_hf_rope_scaling,
     zero_routing_bias,
@@ -53,8 +53,6 @@ _LAYER_MAP = MappingProxyType(
     }
 )
 _LAYER_INV = MappingProxyType({v: k for k, v in _LAYER_MAP.items()})
-_EXPERT_NAMES = MappingProxyType({"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})
-_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 # transformers 5.24's defaults for a field config.json leaves out (tests compare them with the classes).
 QWEN3_DEFAULTS: Any = MappingProxyType(
@@ -108,16 +106,13 @@ _ROPE_THETA_DEFAULT = 10000.0  # transformers' rope_parameters default for both 
 def to_hf(
     state_dict: dict[str, torch.Tensor], model_args: Qwen3ModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """titan state dict (full tensors; a layer's experts together) -> HF checkpoint keys."""
+    """titan state dict (full tensors; a layer's w1 and w3 together) -> HF keys, experts fused as
+    transformers holds them."""
 
     def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         if rest == "moe.expert_bias":
             return unmapped_routing_bias(layer, value, "Qwen3-MoE", "router scores")
-        name = _EXPERT_NAMES.get(rest.removeprefix("moe.experts.")) if rest.startswith("moe.experts.") else None
-        if name is None:
-            return None
-        prefix = f"model.layers.{layer}.mlp.experts"
-        return {f"{prefix}.{e}.{name}.weight": _cast(value[e].contiguous(), dtype) for e in range(value.shape[0])}
+        return mlp_experts_to_hf(state_dict, layer, rest, value, dtype)
 
     return layers_to_hf(state_dict, model_args, dtype, "Qwen3", _LAYER_MAP, experts)
 
@@ -125,35 +120,12 @@ def to_hf(
 def from_hf(
     hf_state_dict: dict[str, torch.Tensor], model_args: Qwen3ModelArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """HF Qwen3 / Qwen3-MoE state dict (checkpoint or in-memory form) -> titan keys."""
-    per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    """HF Qwen3 / Qwen3-MoE state dict (transformers' in-memory layout) -> titan keys."""
 
     def experts(layer: str, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        e = _HF_EXPERT.match(rest)
-        if e is not None:  # the checkpoint form, one tensor per expert: stacked below
-            per_expert.setdefault((layer, e.group(2)), {})[int(e.group(1))] = value
-            return {}
-        if rest == "mlp.experts.gate_up_proj":
-            gate, up = value.chunk(2, dim=1)
-            return {
-                f"layers.{layer}.moe.experts.w1": _cast(gate.contiguous(), dtype),
-                f"layers.{layer}.moe.experts.w3": _cast(up.contiguous(), dtype),
-            }
-        if rest == "mlp.experts.down_proj":
-            return {f"layers.{layer}.moe.experts.w2": _cast(value.contiguous(), dtype)}
-        return None
+        return mlp_experts_from_hf(layer, rest, value, dtype)
 
     out = layers_from_hf(hf_state_dict, model_args, dtype, "Qwen3", _LAYER_INV, experts)
-    inv = {v: k for k, v in _EXPERT_NAMES.items()}
-    n = model_args.moe_args.num_experts
-    for (layer, name), given in per_expert.items():
-        if sorted(given) != list(range(n)):
-            missing = sorted(set(range(n)) - set(given))[:5]
-            raise TitanError(
-                f"layer {layer} mlp.experts.*.{name}: {len(given)} of {n} experts given (missing e.g. {missing});"
-                " a layer's experts convert together"
-            )
-        out[f"layers.{layer}.moe.experts.{inv[name]}"] = _cast(torch.stack([given[i] for i in range(n)]), dtype)
     if model_args.moe_enabled:
         zero_routing_bias(out, model_args.moe_args)
     return out
@@ -306,6 +278,7 @@ class Qwen3StateDictAdapter:
 
     drops_routing_bias = True  # its HF format has none: an export drops titan's only when told to
     hf_model_types = ("qwen3", "qwen3_moe")
+    hf_per_expert = True  # releases store one key per routed expert (written so on export)
     args_from_shapes = staticmethod(args_from_shapes)
     state_dict_shapes = staticmethod(state_dict_shapes)
     to_hf = staticmethod(to_hf)

@@ -98,8 +98,8 @@ class SimulatedRank(Trainer):
             pp_has_last=built.pp_has_last,
             pp_group=self._pp_group,
         )
-        self.optimizers, self.lr_schedulers = build_optimizers_and_schedulers(
-            self.config, self.model_parts, self.parallel_dims
+        self.optimizers, self.lr_schedulers, self.qk_clip = build_optimizers_and_schedulers(
+            self.config, self.model_parts, self.parallel_dims, self.device
         )
         self.update_mask = UpdateMask(
             self.optimizers, self.device, enabled=self.config.training.nonfinite == "skip_step"

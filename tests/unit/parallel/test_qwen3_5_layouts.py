@@ -1,0 +1,146 @@
+"""qwen3_5's layouts on gloo ranks: every layout's (loss, grad norm) per step against the same data-
+parallel layout without it, within 1e-5 for 10 steps in fp32 (1e-4 against the one-process run, as the
+dense layouts' test) and within bf16's tolerance with bf16 parameters. The tiny hybrid has three Gated
+DeltaNet blocks and one gated attention block (2 key / 4 value DeltaNet heads: TP 2 splits both); the
+MoE one routes in every block with the gated shared expert (TP: the router and the shared expert's
+gate whole on every rank; ETP with EP). Compile with the memory-budget AC runs
+in one process against eager (one block of each kind, 3 steps). Context parallelism is refused in one line."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import GLOBAL_BATCH, VOCAB, close, config, run
+from titan.errors import TitanError
+from titan.models import get_model_spec, register_flavor, register_model_spec
+from titan.models.moe import MoEArgs
+from titan.models.qwen3_5 import Qwen35ModelArgs
+from titan.training.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+TOL = 1e-5
+PP_RTOL = 1e-5  # pipeline micro-batches sum in another order: a few ulps of the loss, so relative
+BF16_TOL = 2e-2  # bf16 parameters: 8 mantissa bits, about 4e-3 per rounding; two layouts round apart
+SHAPE = dict(
+    dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=VOCAB, hidden_dim=96, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, max_seq_len=64,
+)  # fmt: skip
+MOE = MoEArgs(
+    num_experts=4, top_k=2, num_shared_experts=1, shared_hidden_dim=32, shared_expert_gate=True, score_func="softmax",
+    route_norm=True, score_before_experts=False, hidden_dim=48, load_balance_coeff=1e-2,
+)  # fmt: skip
+FLAVORS = {
+    "q35test": Qwen35ModelArgs(**SHAPE),
+    # One block of each kind: what compile sees (each kind compiles once, whatever the depth).
+    "q35short": Qwen35ModelArgs(**{**SHAPE, "n_layers": 2}, layer_types=["linear_attention", "full_attention"]),
+    "q35moetest": Qwen35ModelArgs(**SHAPE, moe_enabled=True, moe_args=MOE),
+}
+SHARD = "--parallelism.data_parallel_shard_degree"
+BF16 = ("--training.mixed_precision_param", "bfloat16")
+
+
+@contextlib.contextmanager
+def qwen3_5_flavors() -> Iterator[None]:
+    saved = get_model_spec("qwen3_5")
+    try:
+        for name, args in FLAVORS.items():
+            register_flavor("qwen3_5", name, args, replace=True)
+        yield
+    finally:
+        register_model_spec(saved, replace=True)
+
+
+def _trainer(dump: str, flavor: str, dp: int, *flags: str) -> Trainer:
+    batch = ("--training.local_batch_size", str(GLOBAL_BATCH // dp), "--training.global_batch_size", str(GLOBAL_BATCH))
+    model = ("--model.name", "qwen3_5", "--model.flavor", flavor)
+    return Trainer(config(dump, *model, *batch, "--metrics.log_freq", "5", "--optimizer.lr", "1e-3", *flags))
+
+
+def _layouts(dump: str, layouts: dict[str, tuple[str, int, tuple[str, ...]]]) -> dict:
+    with qwen3_5_flavors():
+        return {name: run(_trainer(dump, flavor, dp, *flags)) for name, (flavor, dp, flags) in layouts.items()}
+
+
+def on_two_ranks(rank: int, world: int, dump: str) -> dict:
+    tp2 = ("--parallelism.tensor_parallel_degree", "2", SHARD, "1")
+    ep2 = (SHARD, "2", "--parallelism.expert_parallel_degree", "2")
+    pp2 = ("--parallelism.pipeline_parallel_degree", "2", SHARD, "1")
+    return _layouts(
+        dump,
+        {
+            "fsdp2": ("q35test", 2, (SHARD, "2")),
+            "fsdp2_ac_full": ("q35test", 2, (SHARD, "2", "--activation_checkpoint.mode", "full")),
+            "fsdp2_ac_op": ("q35test", 2, (SHARD, "2", "--activation_checkpoint.mode", "selective")),
+            "tp2": ("q35test", 1, tp2),
+            "pp2": ("q35test", 1, pp2),
+            "moe_fsdp2": ("q35moetest", 2, (SHARD, "2")),
+            "moe_ep2": ("q35moetest", 2, ep2),
+            "moe_pp2": ("q35moetest", 1, pp2),
+            "moe_tp2": ("q35moetest", 1, tp2),
+            "tp2_bf16": ("q35test", 1, (*tp2, *BF16)),
+            "moe_ep2_bf16": ("q35moetest", 2, (*ep2, *BF16)),
+        },
+    )  # fmt: skip
+
+
+def on_four_ranks(rank: int, world: int, dump: str) -> dict:
+    return _layouts(
+        dump,
+        {
+            "hsdp2x2": ("q35test", 4, (SHARD, "2", "--parallelism.data_parallel_replicate_degree", "2")),
+            "fsdp2_tp2": ("q35test", 2, (SHARD, "2", "--parallelism.tensor_parallel_degree", "2")),
+            "moe_ep2_etp2": ("q35moetest", 2, (SHARD, "2", "--parallelism.tensor_parallel_degree", "2",
+                                               "--parallelism.expert_parallel_degree", "2",
+                                               "--parallelism.expert_tensor_parallel_degree", "2")),
+        },
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict:
+    """The one-process runs."""
+    dump = str(tmp_path_factory.mktemp("q35ref"))
+    with qwen3_5_flavors():
+        return {f: run(_trainer(dump, f, GLOBAL_BATCH), steps=3 if f == "q35short" else None) for f in FLAVORS}
+
+
+def test_layouts_match_their_data_parallel_layout(tmp_path: Path, references: dict) -> None:
+    results = run_distributed(on_two_ranks, 2, str(tmp_path), timeout=900)
+    dense, moe = references["q35test"], references["q35moetest"]
+    for r in results:
+        close(r["fsdp2"], dense, "fsdp2 vs 1 process", 1e-4)
+        close(r["moe_fsdp2"], moe, "moe fsdp2 vs 1 process", 1e-4)
+        for ac in ("fsdp2_ac_full", "fsdp2_ac_op"):
+            close(r[ac], r["fsdp2"], ac, TOL)
+        close(r["tp2"], dense, "tp2 (DeltaNet heads split)", TOL)
+        close(r["pp2"], dense, "pp2", PP_RTOL, relative=True)
+        close(r["moe_ep2"], r["moe_fsdp2"], "ep2", TOL)
+        close(r["moe_pp2"], moe, "moe pp2", PP_RTOL, relative=True)
+        close(r["moe_tp2"], moe, "moe tp2 (router and shared gate whole, gradients summed)", TOL)
+        close(r["tp2_bf16"], dense, "tp2 bf16 vs fp32", BF16_TOL, relative=True)
+        close(r["moe_ep2_bf16"], r["moe_ep2"], "ep2 bf16 vs fp32", BF16_TOL, relative=True)
+    for r4 in run_distributed(on_four_ranks, 4, str(tmp_path), timeout=900):
+        close(r4["hsdp2x2"], dense, "hsdp 2x2 vs 1 process", 1e-4)
+        close(r4["fsdp2_tp2"], results[0]["fsdp2"], "fsdp2 x tp2", TOL)
+        close(r4["moe_ep2_etp2"], results[0]["moe_fsdp2"], "ep2 x etp2", TOL)
+
+
+def test_compile_with_memory_budget_ac_matches_eager(tmp_path: Path, references: dict) -> None:
+    flags = ("--compile.enable", "--activation_checkpoint.mode", "memory_budget")
+    with qwen3_5_flavors():  # 3 steps: the compile is the cost, and the subject
+        compiled = run(_trainer(str(tmp_path), "q35short", GLOBAL_BATCH, *flags), steps=3)
+    close(compiled, references["q35short"], "compile + memory-budget AC", TOL)
+
+
+def test_context_parallel_is_refused_in_one_line() -> None:
+    with pytest.raises(TitanError, match="context_parallel_degree = 2 is not supported for qwen3_5") as e:
+        FLAVORS["q35test"].check_parallelism(1, 2)
+    assert "\n" not in str(e.value)
+    with pytest.raises(TitanError, match="tensor_parallel_degree 4 must divide model.linear_num_key_heads"):
+        FLAVORS["q35test"].check_parallelism(4, 1)
