@@ -211,6 +211,7 @@ def _units(parts: list[nn.Module]) -> tuple[dict[int, list[Unit]], dict[int, int
                 if unit is not None:
                     units.setdefault(_owner(name), []).append(unit)
                     group = module._get_fsdp_state()._fsdp_param_group
+                    assert group is not None  # _fsdp_unit found it
                     managed.update(id(fp.sharded_param) for fp in group.fsdp_params)
     buffers: dict[int, int] = {}
     for part in parts:

@@ -43,6 +43,7 @@ from titan.parallel.ac import apply_ac
 from titan.parallel.fake_world import fake_world
 from titan.parallel.float8 import convert_to_float8
 from titan.parallel.fsdp import DTYPES
+from titan.parallel.utils import blocks_of
 
 __all__ = ["LABELS", "Profile", "Window", "profile_step"]
 
@@ -193,7 +194,7 @@ def _label_modules(model: nn.Module, tracker: _Tracker, whole: set[str]) -> None
 
     gathered = relabel("gathered")
 
-    for block in model.layers.values():
+    for block in blocks_of(model).values():
         for name, module in block.named_modules():
             leaf = name.rsplit(".", 1)[-1]
             label = _BY_NAME.get(leaf)
@@ -224,9 +225,9 @@ class _Windows:
         self.embed = self.head = self.tail = Window()
         self.pending: dict[int, list[torch.Tensor]] = defaultdict(list)  # gradients to drop at a window's end
         self._block: int | None = None
-        ids = [int(i) for i in model.layers.keys()]
+        ids = [int(i) for i in blocks_of(model).keys()]
         self.first, self.last = ids[0], ids[-1]
-        for i, block in zip(ids, model.layers.values()):
+        for i, block in zip(ids, blocks_of(model).values()):
             block.register_forward_pre_hook(self._pre(i))
             block.register_forward_hook(self._post(i))
             for p in block.parameters():
@@ -322,14 +323,15 @@ def _fake_model(model_cls: type, model_args: Any, config: JobConfig, fsdp: bool,
     finally:
         torch.set_default_dtype(previous)
     kept = {str(i) for i in keep}
-    for name in [n for n in model.layers.keys() if n not in kept]:
-        del model.layers[name]
+    blocks = blocks_of(model)
+    for name in [n for n in blocks.keys() if n not in kept]:
+        del blocks[name]
     hand_over_hidden(model, t.loss_chunk_tokens > 0, config.model.name)
     if config.float8.enable_float8_linear:
         # Weights cast in each forward (FSDP's float8 all-gather, where on, hands them over cast:
         # the layout counts them gathered in fp8, here the casts are a transient of the block).
-        cfg = replace(config.float8, enable_fsdp_float8_all_gather=False, precompute_float8_dynamic_scale_for_fsdp=False)
-        convert_to_float8(model, cfg, fsdp_enabled=False)
+        off = {"enable_fsdp_float8_all_gather": False, "precompute_float8_dynamic_scale_for_fsdp": False}
+        convert_to_float8(model, replace(config.float8, **off), fsdp_enabled=False)
     apply_ac(model, config.activation_checkpoint, compiled=False)
     return model
 
@@ -385,7 +387,7 @@ def _profile(  # noqa: PLR0913 - profile_step's arguments
     mesh = init_device_mesh("cpu", (1,)) if vocab_sharded else None
     with FakeTensorMode():
         model = _fake_model(model_cls, args, config, fsdp, keep)
-        for block in model.layers.values():
+        for block in blocks_of(model).values():
             for p in block.parameters():
                 p._titan_block_grad = True  # pyright: ignore[reportAttributeAccessIssue]
         loss_fn = TokenLoss(t.loss_chunk_tokens)
@@ -404,7 +406,7 @@ def _profile(  # noqa: PLR0913 - profile_step's arguments
         context: contextlib.AbstractContextManager = contextlib.nullcontext()
         if output is not None:  # the loss label from the output projection on
             output.register_forward_pre_hook(_loss_region(tracker))
-            if vocab_sharded:
+            if mesh is not None:
                 context = _vocab_sharded(output, mesh)
         with tracker, context:
             tracker.open()
@@ -414,7 +416,7 @@ def _profile(  # noqa: PLR0913 - profile_step's arguments
             windows.finish()
     grads = {
         int(i): sum(p.numel() * p.element_size() for p in b.parameters() if p.requires_grad)
-        for i, b in model.layers.items()
+        for i, b in blocks_of(model).items()
     }
     root = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) - sum(grads.values())
     return Profile(
