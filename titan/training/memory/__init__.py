@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.parallel.fsdp import DTYPES, reshard_policy
+from titan.training.memory.labels import LabelMap, label_map
 from titan.training.memory.layout import RankModel, build_rank
 from titan.training.memory.live import LiveBytes, measure_peak
 from titan.training.memory.optimizer import optimizer_bytes
@@ -84,7 +85,12 @@ class MemoryEstimate:
 
 
 def _check_supported(config: JobConfig) -> None:
-    """The estimate models device-resident states with a whole-model gradient: refuse the rest."""
+    """The estimate models device-resident fp32 states with a whole-model gradient: refuse the rest."""
+    if config.optimizer.bf16_stochastic_round:
+        raise TitanError(
+            "the memory estimator models fp32 parameters and optimizer states, not"
+            " optimizer.bf16_stochastic_round (bf16 parameters); set it to false to estimate"
+        )
     for key, on in (
         ("training.enable_cpu_offload", config.training.enable_cpu_offload),
         ("optimizer.early_step_in_backward", config.optimizer.early_step_in_backward),
@@ -115,7 +121,7 @@ def _blend(a: Profile, b: Profile, w: float) -> Profile:
     )
 
 
-def _profile(config: JobConfig, plan, rank: RankModel) -> Profile:
+def _profile(config: JobConfig, plan, rank: RankModel, labels: LabelMap) -> Profile:
     """The micro-batch's windows at this rank's tokens (the sequence over CP)."""
     dims, t = plan.parallel_dims, config.training
     batch = config.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size
@@ -132,6 +138,7 @@ def _profile(config: JobConfig, plan, rank: RankModel) -> Profile:
             seq=t.seq_len // dims.cp,
             loss_parallel=dims.loss_parallel_enabled,
             whole=rank.whole,
+            weights=labels.weights,
         )
 
     ac = config.activation_checkpoint
@@ -165,7 +172,9 @@ def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
     plan = plan_run(config, world_size, "cuda", data_here=False)
     dims, t = plan.parallel_dims, config.training
     rank = build_rank(config, plan, config.simulate.rank)
-    profile = _profile(config, plan, rank)
+    compute = DTYPES[t.mixed_precision_param] if dims.fsdp_enabled else DTYPES["float32"]
+    labels = label_map(rank, dims, compute.itemsize, config.simulate.moe_imbalance)
+    profile = _profile(config, plan, rank, labels)
     state, aux, what = optimizer_bytes(rank, config)
     pp_micro = t.local_batch_size // config.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else 1
     batch = config.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size
@@ -190,9 +199,8 @@ def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
         # and EP's dispatching all-to-all per MoE block (every routed copy of the micro-batch's tokens;
         # the combining one's output the experts' own, labelled routed_out)
         kept_comm_moe=routed if per_op and dims.ep > 1 else 0,
-        expert_load=config.simulate.moe_imbalance,
     )
-    moments = walk(rank, profile, step)
+    moments = walk(rank, profile, step, labels)
     peak = _at(moments)
     fb = _at(moments, {m.name for m in moments if m.name not in _PHASES})
     phases = {"forward/backward": int(fb.total)} | {_PHASES[m.name]: int(m.total) for m in moments if m.name in _PHASES}

@@ -82,6 +82,7 @@ class RankModel:
     parts: list[nn.Module] = field(default_factory=list)
     moe: set[int] = field(default_factory=set)  # layer ids of the MoE blocks
     whole: set[str] = field(default_factory=set)  # modules (by name in a block) computed whole on every TP rank
+    numel: dict[int, int] = field(default_factory=dict)  # trainable elements of each whole block, and ROOT's
 
     @property
     def blocks(self) -> list[int]:
@@ -138,9 +139,12 @@ def rank_stages(config: JobConfig, plan: RunPlan, rank: int) -> dict[int, list[i
     return {s: [int(n.split(".", 1)[1]) for n in stages[s] if n.startswith("layers.")] for s in ids}
 
 
-def block_kinds(config: JobConfig, plan: RunPlan, stages: dict[int, list[int]]) -> tuple[dict[int, int], set[int]]:
+def block_kinds(
+    config: JobConfig, plan: RunPlan, stages: dict[int, list[int]]
+) -> tuple[dict[int, int], set[int], dict[int, int]]:
     """Layer id -> the first block of its stage with the same signature (and, with AC on every N-th
-    block, the same checkpointing); and the layer ids of the MoE blocks."""
+    block, the same checkpointing); the layer ids of the MoE blocks; each block's trainable
+    elements (whole) and, under ROOT, the rest of the model's."""
     with torch.device("meta"):
         model = plan.spec.model_cls(plan.model_args)
     ac = config.activation_checkpoint
@@ -151,7 +155,12 @@ def block_kinds(config: JobConfig, plan: RunPlan, stages: dict[int, list[int]]) 
         for i in ids:
             key = (block_signature(model.layers[str(i)]), i % every == 0 if isinstance(every, int) else None)
             kind[i] = seen.setdefault(key, i)
-    return kind, {i for i in kind if getattr(model.layers[str(i)], "moe_enabled", False)}
+    moe = {i for i in kind if getattr(model.layers[str(i)], "moe_enabled", False)}
+    numel = {i: sum(p.numel() for p in model.layers[str(i)].parameters() if p.requires_grad) for i in kind}
+    numel[ROOT] = sum(p.numel() for p in model.parameters() if p.requires_grad) - sum(
+        sum(p.numel() for p in b.parameters() if p.requires_grad) for b in model.layers.values()
+    )
+    return kind, moe, numel
 
 
 @contextlib.contextmanager
@@ -265,7 +274,7 @@ def build_rank(config: JobConfig, plan: RunPlan, rank: int) -> RankModel:
     from titan.training.loss import cross_entropy_sum
 
     stages = rank_stages(config, plan, rank)
-    kind, moe = block_kinds(config, plan, stages)
+    kind, moe, numel = block_kinds(config, plan, stages)
     keep = sorted(set(kind.values()))
     dims = plan.parallel_dims
     with fake_world(rank, dims.world_size), _quiet():
@@ -277,4 +286,4 @@ def build_rank(config: JobConfig, plan: RunPlan, rank: int) -> RankModel:
         pp_rank = rank // (dims.world_size // dims.pp)
         order = _order(built.pp_schedule, pp_rank) if built.pp_schedule is not None else None
     has = (built.pp_has_first, built.pp_has_last)
-    return RankModel(stages, kind, units, buffers, *has, order, built.parts, moe, whole)
+    return RankModel(stages, kind, units, buffers, *has, order, built.parts, moe, whole, numel)

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,7 +34,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from titan.config.job_config import JobConfig
@@ -44,22 +42,12 @@ from titan.parallel.fake_world import fake_world
 from titan.parallel.float8 import convert_to_float8
 from titan.parallel.fsdp import DTYPES
 from titan.parallel.utils import blocks_of
+from titan.training.memory.tracker import LABELS, Tracker, Window
 
-__all__ = ["LABELS", "Profile", "Window", "profile_step"]
+__all__ = ["LABELS", "Profile", "Weights", "Window", "profile_step"]
 
-LABELS = (
-    *("block", "gathered", "rowwise", "whole", "router", "moe", "experts", "routed_out"),
-    *("grads", "root_grads", "embed", "loss"),
-)
-"""Where a storage was made: ``block`` (a block's own work: attention, dense FFN, shared expert,
-residuals), ``gathered`` (a sub-layer's normed input: the tensor tensor parallelism all-gathers
-over the sequence), ``rowwise`` (what the output projections of attention and feed-forward make:
-under TP a partial sum over the whole sequence, reduce-scattered after), ``whole`` (modules TP
-runs whole on every rank, ``whole`` of profile_step), ``router`` / ``moe`` /
-``experts`` (an MoE layer's router, its routing glue and its routed experts), ``routed_out`` (the
-routed experts' output: under EP what the combining all-to-all returns), ``grads`` /
-``root_grads`` (unsharded gradients of a block's parameters, and of the embedding, final norm and
-output), ``embed`` (the embedding's output and backward), ``loss`` (output projection and loss)."""
+Weights = Callable[[int | None], dict[str, float]]
+"""A window's label weights by its block (None: embedding, head, tail; titan/training/memory/labels.py)."""
 
 _BY_NAME = {
     "attention_norm": "gathered",
@@ -71,20 +59,6 @@ _BY_NAME = {
 }
 
 
-def _zero() -> dict[str, int]:
-    return dict.fromkeys(LABELS, 0)
-
-
-@dataclass
-class Window:
-    """A piece of the step: ``kept`` (bytes by label it leaves live at its end, above what was live
-    when it opened; negative where it frees what earlier windows made) and ``peak`` (the same at its
-    highest moment)."""
-
-    kept: dict[str, int] = field(default_factory=_zero)
-    peak: dict[str, int] = field(default_factory=_zero)
-
-
 @dataclass
 class Profile:
     tokens: int  # tokens of the micro-batch measured
@@ -93,81 +67,9 @@ class Profile:
     head: Window
     backward: dict[int, Window]  # layer id -> its block's backward
     tail: Window
-    grad_bytes: dict[int, int]  # layer id -> bytes of its parameters' gradients (unsharded, as measured)
-    root_grad_bytes: int
 
 
-class _Tracker(TorchDispatchMode):
-    """Live bytes by label, and the open window's highest moment."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = _zero()
-        self.labels: list[str] = ["embed"]
-        self._entries: dict[int, list] = {}
-        self._start: dict[str, int] = _zero()
-        self._peak_total = -1
-        self._peak: dict[str, int] = _zero()
-
-    # ------------------------------------------------------------ windows
-    def open(self) -> None:
-        self._start = dict(self.bytes)
-        self._peak_total, self._peak = 0, _zero()
-
-    def close(self) -> Window:
-        kept = {k: self.bytes[k] - self._start[k] for k in LABELS}
-        return Window(kept, dict(self._peak))
-
-    def _update(self) -> None:
-        delta = {k: self.bytes[k] - self._start[k] for k in LABELS}
-        total = sum(delta.values())
-        if total > self._peak_total:
-            self._peak_total, self._peak = total, delta
-
-    # ------------------------------------------------------------ storages
-    def add(self, t: torch.Tensor, label: str) -> None:
-        storage = t.untyped_storage()
-        key = id(storage)
-        if key in self._entries:
-            return
-        nbytes = storage.nbytes()
-        self._entries[key] = [nbytes, label]
-        self.bytes[label] += nbytes
-        weakref.finalize(storage, self._free, key)
-        self._update()
-
-    def _free(self, key: int) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self.bytes[entry[1]] -= entry[0]
-
-    def relabel(self, t: torch.Tensor, label: str) -> None:
-        entry = self._entries.get(id(t.untyped_storage()))
-        if entry is not None and entry[1] != label:
-            self.bytes[entry[1]] -= entry[0]
-            self.bytes[label] += entry[0]
-            entry[1] = label
-
-    def base(self, label: str) -> None:
-        """The label of storages made outside every labelled module from now on."""
-        self.labels[0] = label
-
-    def ignore(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Storages that exist before the step (parameters, inputs): views of them allocate nothing."""
-        for t in tensors:
-            self._entries[id(t.untyped_storage())] = [0, "embed"]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # DTensor turns it into ops on local tensors, which come back here
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.add(t, self.labels[-1])
-        return out
-
-
-def _label_modules(model: nn.Module, tracker: _Tracker, whole: set[str]) -> None:
+def _label_modules(model: nn.Module, tracker: Tracker, whole: set[str]) -> None:
     """Storages made inside a module get its label; a sub-layer's norm output is ``gathered``. The
     label is pushed and popped around the module's forward itself, not by hooks: a checkpointed
     block's recompute stops early (an exception out of the forward) once it has what backward needs."""
@@ -192,7 +94,40 @@ def _label_modules(model: nn.Module, tracker: _Tracker, whole: set[str]) -> None
 
         return hook
 
-    gathered = relabel("gathered")
+    def gathered(m: nn.Module, args: Any, out: Any) -> None:
+        """A sub-layer's normed input, and the gradient backward hands it (under TP, before that
+        gradient's reduce-scatter: a partial sum over the whole sequence)."""
+        relabel("gathered")(m, args, out)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda g: tracker.relabel(g, "gathered"))
+
+    def reads_gathered(linear: nn.Module) -> None:
+        """Under TP a column-wise layer reads the gathered input: float8's casts of it are whole."""
+        forward = linear.forward
+
+        def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            saved = tracker.whole
+            tracker.whole = {id(x.untyped_storage())} if tracker.label_of(x) == "gathered" else set()
+            try:
+                return forward(x, *args, **kwargs)
+            finally:
+                tracker.whole = saved
+
+        linear.forward = run  # pyright: ignore[reportAttributeAccessIssue]
+
+    def whole_gradient(linear: nn.Module) -> None:
+        """Under TP a row-wise layer's output gradient comes all-gathered over the sequence (the
+        backward of its reduce-scatter): float8's casts of it in its backward are whole."""
+
+        def pre(m: nn.Module, grad_out: Any) -> None:
+            g = grad_out[0]
+            tracker.whole = {id(g.untyped_storage())} if isinstance(g, torch.Tensor) else set()
+
+        def post(m: nn.Module, grad_in: Any, grad_out: Any) -> None:
+            tracker.whole = set()
+
+        linear.register_full_backward_pre_hook(pre)
+        linear.register_full_backward_hook(post)
 
     for block in blocks_of(model).values():
         for name, module in block.named_modules():
@@ -205,28 +140,32 @@ def _label_modules(model: nn.Module, tracker: _Tracker, whole: set[str]) -> None
             elif label == "rowwise":  # its output only: what it makes inside is sharded like its weight
                 if isinstance(module, nn.Linear):
                     module.register_forward_hook(relabel("rowwise"))
+                    whole_gradient(module)
+            elif isinstance(module, nn.Linear):
+                reads_gathered(module)
             elif label is not None or leaf in ("moe", "shared_experts"):
                 labelled(module, label or ("moe" if leaf == "moe" else "block"))
             if label == "experts":
                 module.register_forward_hook(relabel("routed_out"))
         labelled(block, "block")
     norm = getattr(model, "norm", None)
-    if norm is not None:
-        norm.register_forward_hook(gathered)
+    if norm is not None:  # the output projection's input (its gradient is the loss region's)
+        norm.register_forward_hook(relabel("gathered"))
 
 
 class _Windows:
     """Opens and closes the windows with hooks on the blocks, the head and the embedding output."""
 
-    def __init__(self, model: nn.Module, tracker: _Tracker) -> None:
-        self.tracker = tracker
+    def __init__(self, model: nn.Module, tracker: Tracker, weights: Weights) -> None:
+        self.tracker, self.weights = tracker, weights
         self.forward: dict[int, Window] = {}
         self.backward: dict[int, Window] = {}
         self.embed = self.head = self.tail = Window()
         self.pending: dict[int, list[torch.Tensor]] = defaultdict(list)  # gradients to drop at a window's end
-        self._block: int | None = None
         ids = [int(i) for i in blocks_of(model).keys()]
         self.first, self.last = ids[0], ids[-1]
+        self._next = dict(zip(ids, ids[1:]))
+        self._previous = dict(zip(ids[1:], ids))
         for i, block in zip(ids, blocks_of(model).values()):
             block.register_forward_pre_hook(self._pre(i))
             block.register_forward_hook(self._post(i))
@@ -242,8 +181,11 @@ class _Windows:
 
         def hook(p: torch.Tensor) -> None:
             assert p.grad is not None
-            self.tracker.add(p.grad, label)
-            self.tracker.relabel(p.grad, label)
+            if self.tracker.labels[0] == "loss":  # the output projection's, made in the loss region
+                self.tracker.add(p.grad, "loss")
+            else:
+                self.tracker.add(p.grad, label)
+                self.tracker.relabel(p.grad, label)
             self.pending[i].append(p)
 
         return hook
@@ -257,7 +199,7 @@ class _Windows:
             if i == self.first:
                 self.embed = self.tracker.close()
                 self.tracker.base("block")
-            self.tracker.open()
+            self.tracker.open(self.weights(i))
             x = args[0]
             x.register_hook(self._backward_end(i))
 
@@ -266,7 +208,7 @@ class _Windows:
     def _post(self, i: int) -> Callable:
         def hook(module: nn.Module, args: tuple, out: Any) -> None:
             self.forward[i] = self.tracker.close()
-            self.tracker.open()  # the next block's forward, or the head
+            self.tracker.open(self.weights(self._next.get(i)))  # the next block's forward, or the head
             if i == self.last:  # the gradient reaching the last block's output ends the head
                 first = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)][0]
                 first.register_hook(self._head_end)
@@ -275,7 +217,7 @@ class _Windows:
 
     def _head_end(self, grad: torch.Tensor) -> None:
         self.head = self.tracker.close()
-        self.tracker.open()
+        self.tracker.open(self.weights(self.last))
         self.tracker.base("block")
 
     def _backward_end(self, i: int) -> Callable:
@@ -284,9 +226,9 @@ class _Windows:
             # which sees the gradient its backward hands on, so at the window's end).
             self._drop(i)
             self.backward[i] = self.tracker.close()
-            self.tracker.open()  # the previous block's backward, or the tail
-            if i == self.first:
-                self.tracker.base("embed")
+            self.tracker.open(self.weights(self._previous.get(i)))  # the previous block's backward, or the tail
+            if i == self.first:  # the embedding's backward: its weight's gradient
+                self.tracker.base("root_grads")
 
         return hook
 
@@ -295,7 +237,7 @@ class _Windows:
         self.tail = self.tracker.close()
 
 
-def _loss_region(tracker: _Tracker) -> Callable:
+def _loss_region(tracker: Tracker) -> Callable:
     """``loss`` from the output projection's forward until the gradient reaches its input (the
     simulator's loss region, titan/tools/simulate/attach.py)."""
 
@@ -358,12 +300,14 @@ def profile_step(
     seq: int,
     loss_parallel: bool = False,
     whole: set[str] | None = None,
+    weights: Weights | None = None,
 ) -> Profile:
     """Windows of one micro-batch of ``batch`` x ``seq`` tokens through blocks ``keep``;
     ``loss_parallel``: the loss as TP's loss parallel computes it (in a 1-rank fake world);
     ``whole``: names of modules inside a block that TP runs whole (labelled ``whole``)."""
     with fake_world(0, 1) if loss_parallel else contextlib.nullcontext():
-        return _profile(model_cls, model_args, config, fsdp, keep, batch, seq, loss_parallel, whole or set())
+        w = weights or (lambda block: dict.fromkeys(LABELS, 1.0))
+        return _profile(model_cls, model_args, config, fsdp, keep, batch, seq, loss_parallel, whole or set(), w)
 
 
 def _profile(  # noqa: PLR0913 - profile_step's arguments
@@ -376,6 +320,7 @@ def _profile(  # noqa: PLR0913 - profile_step's arguments
     seq: int,
     vocab_sharded: bool,
     whole: set[str],
+    weights: Weights,
 ) -> Profile:
     from titan.training.loss import TokenLoss
 
@@ -398,10 +343,10 @@ def _profile(  # noqa: PLR0913 - profile_step's arguments
             if getattr(args, "attn_mask_type", "causal") == "block_causal"
             else {}
         )
-        tracker = _Tracker()
+        tracker = Tracker()
         tracker.ignore([*model.parameters(), *model.buffers(), tokens, *docs.values()])
         _label_modules(model, tracker, whole)
-        windows = _Windows(model, tracker)
+        windows = _Windows(model, tracker, weights)
         output = getattr(model, "output", None)
         context: contextlib.AbstractContextManager = contextlib.nullcontext()
         if output is not None:  # the loss label from the output projection on
@@ -409,16 +354,9 @@ def _profile(  # noqa: PLR0913 - profile_step's arguments
             if mesh is not None:
                 context = _vocab_sharded(output, mesh)
         with tracker, context:
-            tracker.open()
+            tracker.open(weights(None))
             with torch.autocast("cpu", dtype=compute, enabled=autocast):
                 loss = loss_fn(model(tokens, **docs), tokens, torch.ones(()))
             loss.backward()
             windows.finish()
-    grads = {
-        int(i): sum(p.numel() * p.element_size() for p in b.parameters() if p.requires_grad)
-        for i, b in blocks_of(model).items()
-    }
-    root = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) - sum(grads.values())
-    return Profile(
-        batch * seq, windows.embed, windows.forward, windows.head, windows.backward, windows.tail, grads, root
-    )
+    return Profile(batch * seq, windows.embed, windows.forward, windows.head, windows.backward, windows.tail)

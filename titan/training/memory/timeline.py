@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titan.parallel.dims import ParallelDims
+from titan.training.memory.labels import LabelMap
 from titan.training.memory.layout import ROOT, RankModel
 from titan.training.memory.profile import LABELS, Profile, Window
 
@@ -75,7 +76,6 @@ class Step:
     recv_bytes: int = 0  # one PP receive buffer (a micro-batch's stage input), 0 without PP
     kept_comm: int = 0  # collective outputs a block keeps for its backward (TP's reduce-scatters under per-op SAC)
     kept_comm_moe: int = 0  # what an MoE block keeps on top (EP's dispatching all-to-all under per-op SAC)
-    expert_load: float = 1.0  # under EP: the tokens this rank's experts receive over the balanced share
 
 
 def _sum(units: list, what: str) -> int:
@@ -83,22 +83,12 @@ def _sum(units: list, what: str) -> int:
 
 
 class _Walk:
-    def __init__(self, rank: RankModel, profile: Profile, step: Step) -> None:
-        self.rank, self.profile, self.step = rank, profile, step
+    def __init__(self, rank: RankModel, profile: Profile, step: Step, labels: LabelMap) -> None:
+        self.rank, self.profile, self.step, self.labels = rank, profile, step, labels
         dims = step.dims
-        self.tp = dims.tp
-        self.expert_tp = dims.tp if dims.tp > 1 and (dims.ep == 1 or dims.etp > 1) else 1
-        self.loss_tp = dims.tp if dims.loss_parallel_enabled else 1
-        self.fsdp = dims.fsdp_enabled
-        self.ep = dims.ep
-        self.expert_load = step.expert_load if dims.ep > 1 else 1.0
+        self.tp, self.fsdp = dims.tp, dims.fsdp_enabled
         self.window = rank.windows()
-        grads = {k: sum(u.grad for u in us) for k, us in rank.units.items()}
-        measured = profile.grad_bytes
-        self.grad_scale = {
-            i: grads.get(rank.kind[i], 0) / measured[w] if measured[w] else 0.0 for i, w in self.window.items()
-        }
-        self.root_grad_scale = grads.get(ROOT, 0) / profile.root_grad_bytes if profile.root_grad_bytes else 0.0
+        self.root_grads = sum(u.grad for u in rank.units.get(ROOT, []))
         self.gathered = {k: _sum(us, "gathered") for k, us in rank.units.items()}
         self.reduce = {k: _sum(us, "reduce") for k, us in rank.units.items()}
         # A block's own FSDP unit (its first; units nested in it, EP's experts, follow): the
@@ -118,24 +108,9 @@ class _Walk:
         self.accumulated = 0.0  # PP x FSDP: unsharded gradients accumulated over the micro-batches
 
     # ------------------------------------------------------------ labels -> categories
-    def _categories(self, labels: dict[str, int], block: int) -> dict[str, float]:
-        out = dict.fromkeys(CATEGORIES, 0.0)
-        out["activations"] += labels["block"] / self.tp + labels["rowwise"] + labels["whole"]
-        out["activations"] += labels["router"] + labels["moe"]
-        out["activations"] += labels["experts"] * self.expert_load / self.expert_tp + labels["gathered"]
-        # The experts' output: under EP the combining all-to-all's (this rank's tokens, whole over
-        # TP: partial sums before the layer's reduce-scatter).
-        out["communication" if self.ep > 1 else "activations"] += labels["routed_out"]
-        # Under TP the embedding's output is its reduce-scatter's (over the sequence).
-        out["communication" if self.tp > 1 else "activations"] += labels["embed"] / self.tp
-        held = "activations" if self.fsdp else "gradients"
-        out[held] += labels["grads"] * self.grad_scale.get(block, 0.0) + labels["root_grads"] * self.root_grad_scale
-        out["loss"] += labels["loss"] / self.loss_tp
-        return out
-
     def _moment(self, name: str, window: Window, block: int, comm: float) -> None:
         labels = {k: self.running[k] + window.peak[k] for k in LABELS}
-        cats = self._categories(labels, block)
+        cats = self.labels.categories(labels, None if block == ROOT else block, CATEGORIES)
         m = Moment(name)
         for k in CATEGORIES:
             m.bytes[k] = max(0.0, cats[k]) + self.static.get(k, 0.0)
@@ -202,8 +177,16 @@ class _Walk:
                 else:
                     self.grads += self.sharded[k]
         if stage == min(self.rank.stages) and self.rank.has_first:
-            rs = 0 if pp else self.reduce.get(ROOT, 0) + (self.reduce[kind[ids[0]]] if ids else 0)
-            self._moment("embedding backward", p.tail, ROOT, self._root() + rs)
+            held = self.outer_reduce[kind[ids[0]]] if ids and not pp else 0
+            # under TP the whole-vocabulary gradient's reduce-scatter to this rank's rows
+            rows = p.tail.peak["root_grads"] * self.labels.root_share if self.tp > 1 else 0
+            self._moment("embedding backward", p.tail, ROOT, self._root() + held + rows)
+            if self.fsdp and not pp:  # the root unit's reduce-scatter: its unsharded gradients, in and out
+                m = Moment("root reduce-scatter", {**self.moments[-1].bytes})
+                m.bytes["activations"] = float(self.root_grads)
+                m.bytes["loss"] = 0.0
+                m.bytes["communication"] = self._root() + self.reduce.get(ROOT, 0) + self._recv()
+                self.moments.append(m)
         if (stage, ROOT) not in self.done and stage == min(self.rank.stages):
             self.done.add((stage, ROOT))
             self.grads += self.sharded.get(ROOT, 0)
@@ -219,10 +202,10 @@ class _Walk:
             self.moments.append(m)
 
 
-def walk(rank: RankModel, profile: Profile, step: Step) -> list[Moment]:
+def walk(rank: RankModel, profile: Profile, step: Step, labels: LabelMap) -> list[Moment]:
     """The moments of one optimizer step of ``rank`` (two micro-batches stand for all: the second
     holds the first's gradients, as every later one does)."""
-    w = _Walk(rank, profile, step)
+    w = _Walk(rank, profile, step, labels)
     if rank.order is None:
         for _ in range(min(step.micro_batches, 2)):
             w.forward(0)
