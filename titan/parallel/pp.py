@@ -6,10 +6,13 @@ this file knows only layer counts, ranks and torch.distributed.pipelining.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
@@ -240,5 +243,62 @@ def build_schedule(stages: list[PipelineStage], n_microbatches: int, loss_fn: Ca
     return schedule
 
 
-def make_stages(parts: list[nn.Module], stage_ids: list[int], stages: int, device, group) -> list[PipelineStage]:
-    return [PipelineStage(m, sid, stages, device, group=group) for m, sid in zip(parts, stage_ids)]
+@contextlib.contextmanager
+def buffers_kept(module: nn.Module) -> Iterator[None]:
+    """Whatever the block writes into the buffers of ``module`` (routing counts, largest logits, ...)
+    is undone at its end: each buffer it modified gets its old value back, in place, and a buffer
+    it replaced is put back. Buffers the block left alone are not written (the autograd graph of
+    the block may have saved them, e.g. the RoPE table)."""
+    saved: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+    slots = []
+    for owner in module.modules():
+        for name, buf in owner._buffers.items():
+            if buf is not None:
+                slots.append((owner, name, buf))
+                if id(buf) not in saved:
+                    saved[id(buf)] = (buf, buf._version, buf.detach().clone())
+    try:
+        yield
+    finally:
+        for owner, name, buf in slots:
+            if owner._buffers.get(name) is not buf:
+                owner._buffers[name] = buf
+        with torch.no_grad():
+            for buf, version, value in saved.values():
+                if buf._version != version:
+                    buf.copy_(value)
+
+
+class Stage(PipelineStage):
+    """torch's PipelineStage, whose shape inference leaves no trace in the model part.
+
+    Given no example inputs/outputs, torch 2.13's PipelineStage learns its shapes when the schedule
+    first runs (``step`` or ``eval``) and again at every switch between the two (validation, then
+    training): before the real micro-batches, every stage of the pipeline runs its part once more,
+    the first stage on a copy of micro-batch 0 and every other one on uninitialised tensors
+    (torch.empty) of the shapes its predecessor sends, in the part's current mode (training under
+    ``step``) and under a forked RNG; under ``step`` with grad enabled, followed by
+    ``torch.autograd.grad`` towards the stage's inputs only (the last stage through the loss
+    function), which leaves the parameters' gradients alone. What forwards accumulate in buffers
+    would take that pass in (the MoE layers' routing counts, QK-clip's largest logits): both
+    halves run inside ``buffers_kept``.
+
+    titan does not hand the stages their shapes instead (which would skip the pass): a boundary's
+    dtype follows mixed precision (FSDP's param dtype, autocast), its shape TP's sequence sharding
+    and CP, validation's batch may be another size, and the last stage's output can be a DTensor
+    (loss parallel), for which torch then wants the gradients' layouts as well. Restating all that
+    is where an error would hide; the pass costs one micro-batch's forward and input backward per
+    stage at each switch.
+    """
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with buffers_kept(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with buffers_kept(self.submod):
+            return super()._backward_metadata_inference(*args, **kwargs)
+
+
+def make_stages(parts: Sequence[nn.Module], stage_ids: list[int], stages: int, device, group) -> list[PipelineStage]:
+    return [Stage(m, sid, stages, device, group=group) for m, sid in zip(parts, stage_ids)]

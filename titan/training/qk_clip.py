@@ -104,24 +104,6 @@ def rescale_(part: RowScale, rows: torch.Tensor | None = None) -> None:
         local.mul_(scale)
 
 
-def _inside(module: nn.Module, part: nn.Module) -> bool:
-    return any(m is module for m in part.modules())
-
-
-def _drop_shape_inference(part: nn.Module, modules: list[Attention]) -> None:
-    """torch's pipeline stage learns its shapes in its first training step by running the stage once
-    more, on uninitialised inputs (all but the first stage): whatever that first training-mode
-    forward of the part recorded is dropped."""
-
-    def after_forward(module: nn.Module, args: object, output: object) -> None:
-        if module.training:
-            for m in modules:
-                m.inner_attention.reset_max_logits()
-            handle.remove()
-
-    handle = part.register_forward_hook(after_forward)
-
-
 class QKClip:
     """The trainer's handle: ``track(step, log_step)`` before each step's forward, ``after_step``
     after each optimizer step (registered by the build), ``log_tensors()`` on log steps.
@@ -147,6 +129,9 @@ class QKClip:
         self._table: torch.Tensor | None = None
         self._clipped = torch.zeros((), dtype=torch.int64, device=device)
         self._rows: dict[int, torch.Tensor | None] = {}  # id(parameter) -> its local_rows
+        # The job's world, not the default group's: a job may run on fewer processes than a group
+        # that is already up (a one-process run inside a test's or a tool's larger group).
+        self._world = dims.world_size
         if not self.enabled:
             return
         assert args is not None
@@ -158,9 +143,6 @@ class QKClip:
             heads = m.n_heads // tp_size
             m.inner_attention.start_tracking(heads, device)
             self.slots.append((m.layer_id, tp_rank * heads, m))
-        if dims.pp_enabled:
-            for part in parts:
-                _drop_shape_inference(part, [m for m in self.modules if _inside(m, part)])
         # The per-layer metrics: this rank's attention layers (a pipeline stage's own, as the MoE
         # statistics), their rows of the reduced table. Known without reading any tensor, so the
         # build also runs on fake tensors.
@@ -183,7 +165,7 @@ class QKClip:
             kernel = m.inner_attention
             table[layer, col : col + kernel.max_logits.numel()] = kernel.max_logits
             kernel.reset_max_logits()
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if self._world > 1:
             dist.all_reduce(table, op=dist.ReduceOp.MAX)
         self._table = table
         if self.threshold is None:

@@ -186,6 +186,14 @@ def test_activation_checkpoint_recompute_does_not_count_tokens_twice():
     assert m.tokens_per_expert.sum().item() == 2 * 6 * 2
 
 
+def test_evaluation_counts_no_tokens():
+    """Validation's forwards (eval mode) leave the counts that the next step's bias update reads."""
+    m = _moe().eval()
+    with torch.no_grad():
+        m(torch.randn(2, 6, DIM))
+    assert m.tokens_per_expert.sum().item() == 0 and m.padded_since_log.item() == 0
+
+
 def test_bad_args_name_the_field():
     with pytest.raises(TitanError, match=r"model.moe_args.top_k got 5; valid: an integer from 1 to num_experts \(4\)"):
         MoEArgs(num_experts=4, top_k=5).validate()

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.moe import LLAMA4, SAE, eptest_flavor
-from tests.helpers.parity import GLOBAL_BATCH, batches, config
-from titan.models.moe import MoE, MoEArgs
+from tests.helpers.moe import EPTEST, LLAMA4, SAE, eptest_flavor
+from tests.helpers.parity import GLOBAL_BATCH, SEQ, batches, config
+from titan.models.moe import MoE, MoEArgs, moe_layers
 from titan.training.trainer import Trainer
 
 TOL = 1e-5
@@ -110,6 +110,39 @@ def _train_loop(dump: str, world: int, steps: int, *flags: str) -> dict[int, flo
     return t.train()
 
 
+PP2 = ("--parallelism.pipeline_parallel_degree", "2", SHARD, "1")
+COUNT_STEPS = 2
+
+
+def _routing(trainer: Trainer, evaluate_after: int = 0) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Per step, each of this rank's MoE layers' (routed token counts, expert bias) after the bias
+    update (log_freq 1: the counts since the last log are the step's); with ``evaluate_after``, a
+    validation forward of the next batch after that step, as titan's Validator runs it."""
+    per_step: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+    layers = moe_layers(trainer.model_parts)
+
+    def read() -> None:
+        step = {}
+        for name, m in layers:
+            assert m.expert_bias is not None  # the flavor balances
+            step[name] = (m.tokens_since_log.clone(), m.expert_bias.clone())
+        per_step.append(step)
+
+    trainer.optimizers.register_step_post_hook(read)  # after the balancing hook, before the log zeroes the counts
+    for step, (inputs, labels) in enumerate(batches()[:COUNT_STEPS], start=1):
+        n = trainer.grad_accum_steps
+        trainer.train_step(list(zip(inputs.chunk(n), labels.chunk(n))))
+        if step == evaluate_after:
+            x, y = batches()[step]
+            for m in trainer.model_parts:
+                m.eval()
+            with torch.no_grad():
+                trainer.forward.eval_loss_sum(x, y)
+            for m in trainer.model_parts:
+                m.train()
+    return per_step
+
+
 def _bf16_routing_counts(rank: int) -> tuple[torch.Tensor, torch.Tensor, list]:
     """An MoE layer (4 experts, EP 2) whose experts have their own FSDP with a bf16 policy, as
     llama4's plan builds it, over 1030 tokens per rank routed round robin: 258, 258, 257, 257 per
@@ -150,18 +183,21 @@ def on_two_ranks(rank: int, world: int, dump: str) -> dict:
             {
                 "fsdp2": (2, (SHARD, "2")),
                 "ep2": (2, (SHARD, "2", *EP2)),
-                "pp2": (1, ("--parallelism.pipeline_parallel_degree", "2", SHARD, "1")),
+                "pp2": (1, PP2),
                 "fsdp2_bf16": (2, (SHARD, "2", *BF16)),
                 "ep2_bf16": (2, (SHARD, "2", *EP2, *BF16)),
                 "ep2_sac": (2, (SHARD, "2", *EP2, *SAC)),
                 "ep2_sac_bf16": (2, (SHARD, "2", *EP2, *SAC, *BF16)),
-                "pp2_bf16": (1, ("--parallelism.pipeline_parallel_degree", "2", SHARD, "1", *BF16)),
+                "pp2_bf16": (1, (*PP2, *BF16)),
                 # The router's scores on the experts' TP-partial outputs: their gradient summed over TP.
                 "tp2_sae": (1, (*TP2, SHARD, "1", *SAE)),
                 "tp2_sae_bf16": (1, (*TP2, SHARD, "1", *SAE, *BF16)),
             },
             reads,
         )
+        # Balancing at step 1, a validation (the schedule switches to eval and back), step 2.
+        pp = _trainer(f"{dump}/pp_counts", 1, *PP2, "--metrics.log_freq", "1")
+        out["pp2_routing"] = _routing(pp, evaluate_after=1)
         out["bf16_counts"] = _bf16_routing_counts(rank)
         out["reads"] = reads
         # Save at EP 2 (steps 5 and 10); resume step 5 at EP 1, which saves step 10 again at EP 1.
@@ -258,6 +294,25 @@ def test_pp2_reproduces_the_one_rank_curve(two, tmp_path, dtype) -> None:
         name = "pp2_bf16" if bf16 else "pp2"
         worst = _close(per_rank[name], reference, name, BF16_RTOL if bf16 else PP_RTOL, relative=True)
         print(f"{name} vs one process, worst relative loss difference:", worst)
+
+
+def test_pp2_routing_counts_and_biases_are_the_one_rank_run_s(two, tmp_path) -> None:
+    """Each stage's MoE layer counts the step's tokens only, as one process does (torch's pipeline runs
+    every stage once more before the real micro-batches of its first step and after every switch from
+    eval: the first stage on micro-batch 0 again, the others on uninitialised inputs), and validation
+    counts nothing: per step the counts and the biases they move are exactly the one-process run's."""
+    with eptest_flavor():
+        # One sequence per forward, as the pipeline's micro-batches: the same routing decisions.
+        reference = _routing(_trainer(str(tmp_path), GLOBAL_BATCH, "--metrics.log_freq", "1"))
+    tokens = GLOBAL_BATCH * SEQ * EPTEST.moe_args.top_k
+    for rank, per_rank in enumerate(two[0]):
+        got = per_rank["pp2_routing"]
+        assert [list(step) for step in got] == [[f"layers.{2 * rank + 1}.moe"]] * COUNT_STEPS  # a stage's own layer
+        for step, (pp, one) in enumerate(zip(got, reference, strict=True), start=1):
+            for name, (counts, bias) in pp.items():
+                assert counts.sum() == tokens, (step, name, counts)
+                assert torch.equal(counts, one[name][0]), (step, name, counts, one[name][0])
+                assert torch.equal(bias, one[name][1]), (step, name, bias, one[name][1])
 
 
 def test_tp2_with_scores_after_the_experts_reproduces_the_one_rank_curve(two, tmp_path) -> None:

@@ -51,7 +51,7 @@ LAYOUTS = {  # name -> (data-parallel degree, flags)
     "llama3_fsdp2": (2, (*LLAMA, SHARD, "2")),
     "llama3_tp2": (1, (*LLAMA, *TP2)),
     "llama3_fsdp2_bf16": (2, (*LLAMA, SHARD, "2", *BF16)),
-    # each stage its own layers; torch's shape inference runs the later stage on uninitialised inputs first
+    # each stage its own layers; torch's shape inference first runs the later one on uninitialised inputs
     "llama3_pp2": (1, (*LLAMA, "--parallelism.pipeline_parallel_degree", "2", SHARD, "1")),
     "deepseek_v3_ep2": (2, (*DEEPSEEK, SHARD, "2", *EP2)),
     "deepseek_v3_tp2": (1, (*DEEPSEEK, *TP2)),

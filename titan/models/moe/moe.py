@@ -132,7 +132,8 @@ class MoE(nn.Module):
             self.expert_bias = None
         # The step's routed token counts (summed over micro-batches; update_expert_bias reads and
         # zeroes them after the step) and, for the logs, the counts and grouped-GEMM padding rows
-        # since the last log step. Not checkpointed: they are zero at every step boundary but the log's.
+        # since the last log step; training-mode forwards only. Not checkpointed: they are zero at
+        # every step boundary but the log's.
         # Integers (int64), like the router's counts: a float32 sum is exact only up to 2^24 tokens.
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("tokens_since_log", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
@@ -143,8 +144,9 @@ class MoE(nn.Module):
         bs, slen, dim = x.shape
         flat = x.reshape(-1, dim)
         top, experts, counts, scores = self.router(flat, self.expert_bias)
-        with torch.no_grad():
-            _count(self.tokens_per_expert, counts)
+        if self.training:  # validation's tokens must not move the biases of the next training step
+            with torch.no_grad():
+                _count(self.tokens_per_expert, counts)
         # A stable sort keeps each expert's tokens in token order (deterministic sums).
         order = torch.argsort(experts.view(-1), stable=True)
         routed = flat[order // self.top_k]
@@ -152,7 +154,7 @@ class MoE(nn.Module):
             routed = (routed.float() * top.view(-1)[order].unsqueeze(-1)).to(x.dtype)
         if self.experts.uses_grouped_mm(routed):
             align = self.experts.group_align(routed)
-            if align > 1:
+            if align > 1 and self.training:
                 with torch.no_grad():
                     _count(self.padded_since_log, ((counts + align - 1) // align * align - counts).sum())
         out_sorted = self.experts(routed, counts)
