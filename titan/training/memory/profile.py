@@ -42,6 +42,7 @@ from titan.parallel.fake_world import fake_world
 from titan.parallel.float8 import convert_to_float8
 from titan.parallel.fsdp import DTYPES
 from titan.parallel.utils import blocks_of
+from titan.training.memory.attention import cuda_attention
 from titan.training.memory.tracker import LABELS, Tracker, Window
 
 __all__ = ["LABELS", "Profile", "Weights", "Window", "profile_step"]
@@ -353,7 +354,7 @@ def _profile(  # noqa: PLR0913 - profile_step's arguments
             output.register_forward_pre_hook(_loss_region(tracker))
             if mesh is not None:
                 context = _vocab_sharded(output, mesh)
-        with tracker, context:
+        with tracker, context, cuda_attention():
             tracker.open(weights(None))
             with torch.autocast("cpu", dtype=compute, enabled=autocast):
                 loss = loss_fn(model(tokens, **docs), tokens, torch.ones(()))
