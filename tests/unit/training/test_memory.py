@@ -267,3 +267,22 @@ def test_estimate_matches_cuda_peak(tmp_path, monkeypatch, mode):
     )
     assert est.total_bytes == pytest.approx(measured, rel=0.10), (est.rows(), measured)
     assert est.total_bytes <= reserved * 1.10
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("--parallelism.tensor_parallel_degree", "2"),
+        ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
+        ("--parallelism.context_parallel_degree", "2"),
+    ],
+    ids=["tp", "pp interleaved", "cp"],
+)
+def test_every_layout_is_estimated_in_the_categories(layout):
+    """TP, PP (a schedule with two stages per rank) and CP layouts walk the rank's step: the peak is
+    a forward/backward moment holding activations, and each rank holds its shard of the model."""
+    one = estimate_memory(_debug("none", "--training.seq_len", "64"), 1)
+    est = estimate_memory(_debug("none", "--training.seq_len", "64", *layout), 4)
+    assert est.peak_phase == "forward/backward" and est.categories["activations"] > 0
+    assert all(v >= 0 for v in est.categories.values())
+    assert est.categories["optimizer_state"] < one.categories["optimizer_state"] / 1.5

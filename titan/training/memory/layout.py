@@ -256,12 +256,17 @@ def _whole_over_tp(parts: list[nn.Module]) -> set[str]:
     return out
 
 
+_ACTIONS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+
+
 def _order(schedule: Any, pp_rank: int) -> list[tuple[str, int, int]] | None:
+    """The rank's pipeline actions as (F | B | I | W | other, stage, micro-batch). By the enum's
+    name: its str() is "F" in some torch versions and "_ComputationType.FORWARD" in others."""
     order = getattr(schedule, "pipeline_order", None)
     if not order:
         return None
     return [
-        (str(a.computation_type), a.stage_index, a.microbatch_index or 0)
+        (_ACTIONS.get(a.computation_type.name, a.computation_type.name), a.stage_index, a.microbatch_index or 0)
         for a in order.get(pp_rank, [])
         if a is not None
     ]
