@@ -266,7 +266,11 @@ def _order(schedule: Any, pp_rank: int) -> list[tuple[str, int, int]] | None:
     if not order:
         return None
     return [
-        (_ACTIONS.get(a.computation_type.name, a.computation_type.name), a.stage_index, a.microbatch_index or 0)
+        (
+            _ACTIONS.get(str(a.computation_type.name), str(a.computation_type.name)),
+            a.stage_index,
+            a.microbatch_index or 0,
+        )
         for a in order.get(pp_rank, [])
         if a is not None
     ]

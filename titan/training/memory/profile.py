@@ -107,8 +107,7 @@ def _label_modules(model: nn.Module, tracker: Tracker, whole: set[str]) -> None:
         forward = linear.forward
 
         def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            saved = tracker.whole
-            tracker.whole = {id(x.untyped_storage())} if tracker.label_of(x) == "gathered" else set()
+            saved = tracker.set_whole([x] if tracker.label_of(x) == "gathered" else [])
             try:
                 return forward(x, *args, **kwargs)
             finally:
@@ -122,10 +121,10 @@ def _label_modules(model: nn.Module, tracker: Tracker, whole: set[str]) -> None:
 
         def pre(m: nn.Module, grad_out: Any) -> None:
             g = grad_out[0]
-            tracker.whole = {id(g.untyped_storage())} if isinstance(g, torch.Tensor) else set()
+            tracker.set_whole([g] if isinstance(g, torch.Tensor) else [])
 
         def post(m: nn.Module, grad_in: Any, grad_out: Any) -> None:
-            tracker.whole = set()
+            tracker.set_whole([])
 
         linear.register_full_backward_pre_hook(pre)
         linear.register_full_backward_hook(post)

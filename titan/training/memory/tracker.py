@@ -62,8 +62,9 @@ class Tracker(TorchDispatchMode):
         self._peak_total = -1.0
         self._peak: dict[str, int] = _zero()
         self.weights = dict.fromkeys(LABELS, 1.0)
-        # storages of tensors whole over the sequence that the running linear layer casts (float8)
-        self.whole: set[int] = set()
+        # storages of tensors whole over the sequence that the running linear layer casts (float8),
+        # by id and weakly (an id alone matches whatever storage later reuses the address)
+        self.whole: dict[int, weakref.ref] = {}
 
     # ------------------------------------------------------------ windows
     def open(self, weights: dict[str, float] | None = None) -> None:
@@ -124,9 +125,24 @@ class Tracker(TorchDispatchMode):
         if not self.whole or func in _MATMULS:
             return False
         return any(
-            isinstance(a, torch.Tensor) and id(a.untyped_storage()) in self.whole and a.shape == out.shape
-            for a in tree_flatten(args)[0]
+            isinstance(a, torch.Tensor) and self.is_whole(a) and a.shape == out.shape for a in tree_flatten(args)[0]
         )
+
+    def is_whole(self, t: torch.Tensor) -> bool:
+        storage = t.untyped_storage()
+        ref = self.whole.get(id(storage))
+        return ref is not None and ref() is storage
+
+    def set_whole(self, tensors: Sequence[torch.Tensor]) -> dict[int, weakref.ref]:
+        """Marks ``tensors`` (only) as whole over the sequence; returns the marks it replaced."""
+        saved, self.whole = self.whole, {}
+        for t in tensors:
+            self.mark_whole(t)
+        return saved
+
+    def mark_whole(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        self.whole[id(storage)] = weakref.ref(storage)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
@@ -137,5 +153,5 @@ class Tracker(TorchDispatchMode):
                 whole = self._copies_whole(func, args, t)
                 self.add(t, "gathered" if whole else self.labels[-1])
                 if whole:
-                    self.whole.add(id(t.untyped_storage()))
+                    self.mark_whole(t)
         return out
