@@ -38,7 +38,7 @@ CONFIG_FILE = "config.json"
 # section -> keys compared (None: every key of the section) / keys never compared.
 _RELEVANT: Mapping[str, tuple[str, ...] | None] = MappingProxyType(
     {
-        "model": ("name", "flavor", "tokenizer_path", "vocab_size"),
+        "model": ("name", "flavor", "tokenizer_path", "vocab_size", "mtp_depth"),
         "optimizer": None,
         "lr_scheduler": None,
         "training": (
@@ -78,7 +78,14 @@ _FREE = MappingProxyType({"optimizer": ("implementation",)})
 POLICIES = choices(ConfigMismatch)
 # Read before the dump folder is even looked at (model flavor, batch shape): use_checkpoint names
 # the flag to pass instead of changing them under a half-built run.
-_SHAPE_KEYS = ("model.name", "model.flavor", "model.tokenizer_path", "training.local_batch_size", "training.seq_len")
+_SHAPE_KEYS = (
+    "model.name",
+    "model.flavor",
+    "model.tokenizer_path",
+    "model.mtp_depth",
+    "training.local_batch_size",
+    "training.seq_len",
+)
 
 
 def snapshot(config: Any, dp_degree: int) -> dict[str, Any]:
@@ -140,6 +147,16 @@ def resolve(
     if not diff:
         return {}
     listing = ", ".join(f"{k} = {old!r} there, {new!r} now" for k, (old, new) in diff.items())
+    names = diff.get("optimizer.name")
+    if names is not None and "muon" in {str(n).lower() for n in names} and policy != "use_checkpoint":
+        # Muon keeps one momentum per matrix, Adam(W) two moments: no state carries over, whatever
+        # the policy says about the other keys.
+        others = [k for k in diff if k != "optimizer.name"]
+        rest = f" (and --checkpoint.config_mismatch for {', '.join(others)})" if others and policy == "error" else ""
+        raise TitanError(
+            f"resuming from {folder}: its optimizer state is {names[0]}'s, this run's optimizer is"
+            f" {names[1]}; start the optimizer afresh with --checkpoint.exclude_from_loading optimizer{rest}"
+        )
     if policy == "error":
         raise TitanError(
             f"resuming from {folder}, whose run config differs in training-relevant keys: {listing}; say which"
@@ -157,13 +174,6 @@ def resolve(
             )
         logger.warning(f"checkpoint.config_mismatch=use_checkpoint: continuing with the checkpoint's values: {listing}")
     else:
-        names = diff.get("optimizer.name")
-        if names is not None and "muon" in {str(n).lower() for n in names}:
-            # Muon keeps one momentum per matrix, Adam(W) two moments: no state carries over.
-            raise TitanError(
-                f"resuming from {folder}: its optimizer state is {names[0]}'s, this run's optimizer is"
-                f" {names[1]}; start the optimizer afresh with --checkpoint.exclude_from_loading optimizer"
-            )
         logger.warning(f"checkpoint.config_mismatch=use_new: this run uses today's values: {listing}")
     return diff
 

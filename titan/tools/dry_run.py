@@ -100,7 +100,7 @@ def _describe_stage(parts: list[nn.Module]) -> str:
     pieces = []
     for part in parts:
         layers = list(getattr(part, "layers", {}).keys())
-        ends = [n for n in ("tok_embeddings", "norm", "output") if getattr(part, n, None) is not None]
+        ends = [n for n in ("tok_embeddings", "norm", "output", "mtp") if getattr(part, n, None) is not None]
         span = f"layers {layers[0]}-{layers[-1]} ({len(layers)})" if len(layers) > 1 else "no layers"
         if len(layers) == 1:
             span = f"layer {layers[0]} (1)"

@@ -203,7 +203,9 @@ def build_optimizers(
             "nesterov": cfg.nesterov,
             "ns_steps": cfg.ns_steps,
             "adjust_lr_fn": cfg.adjust_lr_fn,
+            "balance": {},  # one per container: the owners of every part's matrices balance together
         }
+        kwargs["router_gate"] = cfg.muon_router_gate
         kwargs["adamw"] = {
             "lr": cfg.lr if cfg.adamw_lr is None else cfg.adamw_lr,
             "weight_decay": cfg.weight_decay if cfg.adamw_weight_decay is None else cfg.adamw_weight_decay,
@@ -216,8 +218,8 @@ def _muon_and_adamw(
 ) -> list[torch.optim.Optimizer]:
     """One optimizer: Muon over the part's hidden matrices, torch's AdamW (inside it) over the rest;
     a pipeline stage without matrices gets the AdamW alone."""
-    matrices, others = split_muon_params(part)
-    adamw_kwargs = {k: v for k, v in kwargs.items() if k not in ("muon", "adamw")} | kwargs["adamw"]
+    matrices, others = split_muon_params(part, kwargs["router_gate"])
+    adamw_kwargs = {k: v for k, v in kwargs.items() if k not in ("muon", "adamw", "router_gate")} | kwargs["adamw"]
     adamw_groups = param_groups(part, weight_decay_exclude, others) if others else None
     if not matrices:
         return [torch.optim.AdamW(adamw_groups or [], **adamw_kwargs)]

@@ -85,9 +85,11 @@ def _loss_text(config: JobConfig, model_parts: list[nn.Module]) -> str:
     weight = getattr(output, "weight", None)
     vocab = f"{weight.shape[0]:,} vocabulary rows" if weight is not None else "output on another pipeline stage"
     tokens = t.local_batch_size * t.seq_len
+    depth = config.model.mtp_depth
+    mtp = f"; + multi-token prediction, {depth} depth(s) at weight {t.mtp_loss_weight}" if depth else ""
     if t.loss_chunk_tokens > 0:
-        return f"output + cross entropy by chunks of {t.loss_chunk_tokens:,} tokens ({vocab})"
-    return f"full logits, {tokens:,} tokens per micro-batch ({vocab})"
+        return f"output + cross entropy by chunks of {t.loss_chunk_tokens:,} tokens ({vocab}){mtp}"
+    return f"full logits, {tokens:,} tokens per micro-batch ({vocab}){mtp}"
 
 
 def summary_rows(

@@ -32,7 +32,7 @@ from titan.training.determinism import DeterministicMode
 from titan.training.forward import ModelForward
 from titan.training.gc_handler import GarbageCollection
 from titan.training.goodput import GoodputRecorder
-from titan.training.loss import IGNORE_INDEX, ScaledLoss, TokenLoss, cross_entropy_sum
+from titan.training.loss import IGNORE_INDEX, ScaledLoss, cross_entropy_sum, token_loss
 from titan.training.metrics import MetricsProcessor
 from titan.training.moe import MoEMonitor
 from titan.training.nonfinite import UpdateMask
@@ -88,7 +88,7 @@ class Trainer:
         ):
             check_run(config, self.parallel_dims, plan.model_args, self.device.type)
         ce = build_loss_fn(cross_entropy_sum, config.compile.enable and "loss" in config.compile.components)
-        self.loss_fn = TokenLoss(t.loss_chunk_tokens, ce)  # full logits, or output + loss by chunks
+        self.loss_fn = token_loss(config, plan.model_args, ce)  # full logits or by chunks; MTP depths
         pp_loss = ScaledLoss(self.loss_fn)
         built = build_model(config, plan, self.parallel_dims, self.device, pp_loss)
         self.model_parts, self.pp_schedule, self.float8_fqns = built.parts, built.pp_schedule, built.float8_fqns
@@ -291,6 +291,7 @@ class Trainer:
             self.optimizers.step()
         self.lr_schedulers.step()
         extra.update(self.moe_monitor.log_tensors() | self.qk_clip.log_tensors() if logs else {})
+        extra.update(self.forward.mtp_log_tensors(logs, self.parallel_dims))
         # CP ranks hold the loss of their sequence shard: the total sums over dp x cp (logged steps only).
         dp_cp = self.parallel_dims.submesh("dp_cp")
         if dp_cp is not None and logs:

@@ -56,6 +56,25 @@ def test_hidden_matrices_go_to_muon_the_rest_to_adamw() -> None:
     assert "layers.1.moe.experts.w1" in muon and "layers.1.moe.shared_experts.w1.weight" in muon
     assert not any("router" in n or "embeddings" in n or "norm" in n or n.startswith("output") for n in muon)
     assert any("router.gate" in n for n in _names(moe, split_muon_params(moe)[1]))
+    on_muon = _names(moe, split_muon_params(moe, router_gate=True)[0])  # optimizer.muon_router_gate
+    assert on_muon - muon == {"layers.1.moe.router.gate.weight"}, on_muon - muon
+
+
+def test_biases_of_any_shape_go_to_adamw() -> None:
+    """gpt-oss's routed experts carry per-expert biases [E, width]: 2-D, yet vectors, not matrices."""
+    from titan.models.gpt_oss.args import GptOssModelArgs, gpt_oss_moe
+    from titan.models.gpt_oss.model import GptOssTransformer
+
+    moe = dataclasses.replace(gpt_oss_moe(4), hidden_dim=16)
+    args = GptOssModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, vocab_size=32, moe_args=moe)
+    with torch.device("meta"):
+        model = GptOssTransformer(args)
+    matrices, others = split_muon_params(model)
+    adamw = _names(model, others)
+    assert {f"layers.0.moe.experts.b{i}" for i in (1, 2, 3)} <= adamw, adamw
+    assert {"layers.0.attention.wq.bias", "layers.0.moe.router.gate.bias"} <= adamw, adamw
+    assert all(p.ndim == 3 or "bias" not in n for n, p in model.named_parameters() if id(p) in map(id, matrices))
+    assert {f"layers.0.moe.experts.w{i}" for i in (1, 2, 3)} <= _names(model, matrices)
 
 
 def test_tied_output_stays_with_adamw() -> None:
@@ -120,6 +139,7 @@ def test_build_muon_with_adamw_and_its_own_keys() -> None:
         ({"adamw_lr": -1.0}, "'optimizer.adamw_lr' got -1.0; valid: a number > 0"),
         ({"bf16_stochastic_round": True}, "'optimizer.name' got 'Muon'; valid: AdamW with optimizer.bf16_"),
         ({"name": "AdamW", "adamw_lr": 1e-3}, "'optimizer.name' got 'AdamW'; valid: Muon with optimizer.adamw_lr"),
+        ({"name": "AdamW", "muon_router_gate": True}, "'optimizer.name' got 'AdamW'; valid: Muon with optimizer.muon_"),
     ],
 )
 def test_refusals_are_one_line(override: dict, message: str) -> None:
@@ -202,11 +222,13 @@ def test_an_adamw_checkpoint_resumes_with_muon_only_without_its_optimizer_state(
 
     write_config(str(tmp_path), snapshot(load_config([]), 1))
     muon = snapshot(load_config(["--optimizer.name", "Muon"]), 1)
-    with pytest.raises(TitanError, match=r"optimizer.name = 'AdamW' there, 'Muon' now.*config_mismatch") as info:
-        resolve(str(tmp_path), muon, "error")
-    assert "\n" not in str(info.value)
-    with pytest.raises(TitanError, match="optimizer state is AdamW's.*exclude_from_loading optimizer"):
-        resolve(str(tmp_path), muon, "use_new")  # the moments cannot become momentum buffers
+    for policy in ("error", "use_new"):  # the moments cannot become momentum buffers: say what works
+        with pytest.raises(TitanError, match="optimizer state is AdamW's.*exclude_from_loading optimizer$") as info:
+            resolve(str(tmp_path), muon, policy)
+        assert "\n" not in str(info.value) and "use_new" not in str(info.value)
+    other = snapshot(load_config(["--optimizer.name", "Muon", "--training.seq_len", "4096"]), 1)
+    with pytest.raises(TitanError, match=r"exclude_from_loading optimizer \(and --checkpoint.config_mismatch for"):
+        resolve(str(tmp_path), other, "error")
     assert resolve(str(tmp_path), muon, "error", excluded=["optimizer"]) == {}
 
 

@@ -64,6 +64,9 @@ class Optimizer:
     adamw_weight_decay: float | None = None
     """Muon: weight decay of the AdamW part; unset: optimizer.weight_decay. Its betas and eps are
     beta1, beta2 and eps."""
+    muon_router_gate: bool = False
+    """Muon: orthogonalise the MoE router's gate with Muon (Moonlight's and Kimi K2's choice)
+    instead of stepping it with AdamW (docs/optimizers.md compares the two)."""
 
     def validate(self) -> None:
         """The ranges; the name is matched against the optimizer table by titan.training.optim."""
@@ -84,6 +87,8 @@ class Optimizer:
         if self.adamw_lr is not None or self.adamw_weight_decay is not None:
             key = "optimizer.adamw_lr" if self.adamw_lr is not None else "optimizer.adamw_weight_decay"
             require(self.name.lower() == "muon", "optimizer.name", self.name, f"Muon with {key} (AdamW's own keys)")
+        if self.muon_router_gate:
+            require(self.name.lower() == "muon", "optimizer.name", self.name, "Muon with optimizer.muon_router_gate")
         if self.adamw_lr is not None:
             ok = math.isfinite(self.adamw_lr) and self.adamw_lr > 0
             require(ok, "optimizer.adamw_lr", self.adamw_lr, "a number > 0")

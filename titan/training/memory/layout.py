@@ -83,6 +83,7 @@ class RankModel:
     moe: set[int] = field(default_factory=set)  # layer ids of the MoE blocks
     whole: set[str] = field(default_factory=set)  # modules (by name in a block) computed whole on every TP rank
     numel: dict[int, int] = field(default_factory=dict)  # trainable elements of each whole block, and ROOT's
+    muon_step: int = 0  # Muon's step buffers (titan/training/memory/optimizer.py)
 
     @property
     def blocks(self) -> list[int]:
@@ -294,5 +295,16 @@ def build_rank(config: JobConfig, plan: RunPlan, rank: int) -> RankModel:
         whole = _whole_over_tp(built.parts)
         pp_rank = rank // (dims.world_size // dims.pp)
         order = _order(built.pp_schedule, pp_rank) if built.pp_schedule is not None else None
+        muon = _muon_step(config, built.parts)  # Muon's plan reads the meshes: inside the fake world
     has = (built.pp_has_first, built.pp_has_last)
-    return RankModel(stages, kind, units, buffers, *has, order, built.parts, moe, whole, numel)
+    return RankModel(stages, kind, units, buffers, *has, order, built.parts, moe, whole, numel, muon)
+
+
+def _muon_step(config: JobConfig, parts: list[nn.Module]) -> int:
+    """Muon's step buffers on this rank as titan.training.muon.muon_memory plans them (0: AdamW)."""
+    from titan.training.muon import muon_memory
+
+    o = config.optimizer
+    if o.name.lower() != "muon":
+        return 0
+    return max(muon_memory(part, None, o.ns_steps, o.muon_router_gate)["optimizer_aux"] for part in parts)

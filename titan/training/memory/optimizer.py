@@ -9,9 +9,9 @@ one fp32 copy of a whole parameter group (``_foreach_sqrt`` of the second moment
 after another), for-loop two copies of the largest parameter, fused none.
 
 Muon: one momentum buffer per matrix element and AdamW's two moments for the rest; its step's
-buffers are the largest matrix's: its update shard (fp32), the bf16 copies sent and received, and
-on its owner the whole bf16 matrix through Newton-Schulz (the iterate, the next one and two
-min(A, B)^2 Gram matrices); its AdamW part steps after it.
+buffers as titan.training.muon.muon_memory plans them for the built parts (the pieces sent, the
+matrices owned, stacks and Newton-Schulz buffers; one block of each kind stands for its kind, so
+the plan is the built blocks'); its AdamW part steps after it.
 """
 
 from __future__ import annotations
@@ -76,15 +76,12 @@ def optimizer_bytes(rank: RankModel, config: JobConfig) -> tuple[int, int, str]:
     if config.optimizer.name.lower() != "muon":
         state = sum(2 * _FP32 * _local_numel(p) * n for _, p, n in _counted(rank))
         return state, _adamw_step(rank, config, set()), "AdamW, 2 x fp32"
+    router_gate = config.optimizer.muon_router_gate
     matrices: set[int] = set()
-    step = 0
+    step = rank.muon_step  # planned while the rank was built (titan/training/memory/layout.py)
     for part in rank.parts:
-        found, _ = split_muon_params(part)
+        found, _ = split_muon_params(part, router_gate)
         matrices.update(id(p) for p in found)
-        for p in found:
-            a, b = p.shape[-2:]
-            local = _local_numel(p)
-            step = max(step, local * (_FP32 + 2 * 2) + 2 * (3 * a * b + 2 * min(a, b) ** 2))
     state = sum((1 if id(p) in matrices else 2) * _FP32 * _local_numel(p) * n for _, p, n in _counted(rank))
     step = max(step, _adamw_step(rank, config, matrices))
     return state, step, "Muon 1 x fp32 on matrices, AdamW 2 x fp32 on the rest"

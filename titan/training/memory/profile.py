@@ -322,7 +322,8 @@ def _profile(  # noqa: PLR0913 - profile_step's arguments
     whole: set[str],
     weights: Weights,
 ) -> Profile:
-    from titan.training.loss import TokenLoss
+    from titan.models.mtp import mtp_labels
+    from titan.training.loss import IGNORE_INDEX, token_loss
 
     t = config.training
     compute = DTYPES[t.mixed_precision_param]
@@ -335,7 +336,7 @@ def _profile(  # noqa: PLR0913 - profile_step's arguments
         for block in blocks_of(model).values():
             for p in block.parameters():
                 p._titan_block_grad = True  # pyright: ignore[reportAttributeAccessIssue]
-        loss_fn = TokenLoss(t.loss_chunk_tokens)
+        loss_fn = token_loss(config, model_args)  # with the MTP depths' rows, as the trainer's
         loss_fn.bind([model])
         tokens = torch.randint(0, args.vocab_size, (batch, seq))
         docs = (
@@ -343,8 +344,11 @@ def _profile(  # noqa: PLR0913 - profile_step's arguments
             if getattr(args, "attn_mask_type", "causal") == "block_causal"
             else {}
         )
+        labels = tokens
+        if loss_fn.mtp_depth:  # the MTP depths' targets, as the trainer builds them
+            labels = mtp_labels(tokens, loss_fn.mtp_depth, IGNORE_INDEX, docs.get("doc_ids"))
         tracker = Tracker()
-        tracker.ignore([*model.parameters(), *model.buffers(), tokens, *docs.values()])
+        tracker.ignore([*model.parameters(), *model.buffers(), tokens, labels, *docs.values()])
         _label_modules(model, tracker, whole)
         windows = _Windows(model, tracker, weights)
         output = getattr(model, "output", None)
@@ -356,7 +360,7 @@ def _profile(  # noqa: PLR0913 - profile_step's arguments
         with tracker, context, cuda_attention():
             tracker.open(weights(None))
             with torch.autocast("cpu", dtype=compute, enabled=autocast):
-                loss = loss_fn(model(tokens, **docs), tokens, torch.ones(()))
+                loss = loss_fn(model(tokens, **docs), labels, torch.ones(()))
             loss.backward()
             windows.finish()
     return Profile(batch * seq, windows.embed, windows.forward, windows.head, windows.backward, windows.tail)
