@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from titan.config.job_config import JobConfig
 from titan.checkpointing.snapshot_budget import snapshot_host_bytes
+from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.parallel.fsdp import DTYPES, reshard_policy
 from titan.training.memory.labels import LabelMap, label_map
