@@ -1,41 +1,51 @@
 """Fault injection: a 2-rank CPU run of the debug model through run_train.sh with restarts on,
 one rank SIGKILLed at random times, against the same run uninterrupted.
 
-    python scripts/benchmark_recovery.py --seconds 240 --mtbf 60 --seed 0 [--interval 10] [--out DIR]
+    python scripts/benchmark_recovery.py --seconds 300 --mtbf 60 --seed 0 [--interval 50] [--out DIR]
+    python scripts/benchmark_recovery.py --seconds 120 --mtbf 40 --seed 0 --lose_memory --interval 10
     python scripts/benchmark_recovery.py --replica_groups 2 --seconds 300 --mtbf 60 --seed 0
-(--replica_groups: the same failure injection on N torchft replica groups of one rank each;
-scripts/benchmark_replica_groups.py says what it measures.)
+(--lose_memory: each failure kills every rank and removes the job's in-memory snapshots, as when
+the nodes are lost: the restart resumes from the disk checkpoint. --replica_groups: the same
+failure injection on N torchft replica groups of one rank each; scripts/benchmark_replica_groups.py
+says what it measures.)
 
 1. The reference: ``./run_train.sh`` (NGPU=2) of ``train_configs/debug_model.toml`` with no
    failures, stopped by SIGTERM after ``--seconds`` (it saves and exits 0); the step it reached
    is the length of both runs. The LR schedule is warmup then constant
    (``--lr_scheduler.decay_ratio 0``), so a run cut short and a run configured for that many steps
    take the same steps.
-2. The faulty run: the same command with ``MAX_RESTARTS`` high, a checkpoint every ``--interval``
-   steps and ``--training.steps`` set to the reference's last step. Failures arrive with
-   exponential inter-arrival times of mean ``--mtbf`` seconds (seeded); each SIGKILLs a random
-   rank of the current attempt (a failure due while the ranks are being restarted hits the next
-   ones as soon as they exist). The launcher restarts the ranks; they resume from the newest
-   intact checkpoint.
+2. The faulty run: the same command with ``MAX_RESTARTS`` high, a disk checkpoint every
+   ``--interval`` steps (written in the background: ``checkpoint.async_mode async``), in-memory
+   snapshots every step (the default) and ``--training.steps`` set to the reference's last step.
+   Failures arrive with exponential inter-arrival times of mean ``--mtbf`` seconds (seeded); each
+   SIGKILLs a random rank of the current attempt (a failure due while the ranks are being restarted
+   hits the next ones as soon as they exist). The launcher restarts the ranks (warm standbys:
+   titan/launch/standby.py); they resume from the newest state: their in-memory snapshots, else the
+   newest intact checkpoint.
 
 The last line is JSON:
 
     {"failures": ..., "restarts": ..., "steps": ..., "losses_identical": true, "recover_s": [...],
-     "goodput": ..., "wall_s": ..., "lost_s": {"restart": ..., "startup": ..., ...}, "reference_s": ...}
+     "recovery": [{"detect": ..., "restart": ..., "rejoin": ..., "reload": ..., "recompute": ...}, ...],
+     "goodput": ..., "wall_s": ..., "lost_s": {"restart": ..., "startup": ..., ...}, "reference_s": ...,
+     "load": [...]}
 
 losses_identical: every loss the faulty run logged (the metrics JSONL of every attempt, full
-precision, recomputed steps included) equals the reference's at that step. recover_s: per
-failure, the time from the kill to the next step line after the launcher's restart. goodput and
-lost_s: titan's own record of the faulty run (``<dump_folder>/goodput.jsonl``, all attempts).
+precision, recomputed steps included) equals the reference's at that step. recover_s and
+recovery: per failure, titan's own measure of the recovery (the restarted attempt's goodput record:
+from the failed attempt's last finished step to the first new step, in its parts);
+kill_to_step_s: per failure, from the kill to the next step line after the launcher's restart.
+goodput and lost_s: titan's own record of the faulty run (``<dump_folder>/goodput.jsonl``, all
+attempts). load: the machine's 1-minute load average at the start and the end (other work on the
+machine slows both runs and the recoveries).
 
-Target: with --mtbf 60 and a checkpoint every 10 steps, every loss identical and goodput >= 80%
-on a 2-core machine. What is lost per failure is roughly: the restart (failure detection, stopping
-the survivor, a new rendezvous: ~1-4 s), the start-up of the new ranks (imports, process group,
-model, checkpoint load: ~8-20 s here, most of it fixed per attempt and independent of the
-interval), and the steps after the last checkpoint (on average interval/2 steps). Start-up does
-not grow with the run but with the model and the world size (checkpoint load, process group);
-the recomputed steps grow with the interval and the step time, so a longer run with the same
-mtbf loses the same fraction, and a larger job (lower mtbf per job) needs a shorter start-up.
+Targets: with --mtbf 60, every loss identical, goodput >= 0.95 and each recovery < 3 s on a
+2-core machine. What is lost per failure: detection (the launcher polls every 0.1 s), the
+restart (stopping the survivor, a rendezvous, handing each rank to a warm standby), the rejoin
+(config, process group, model build), the reload (the in-memory snapshot: a copy from /dev/shm),
+and the recompute (the step in flight, plus a step whose snapshot was still being copied). None of
+it grows with the checkpoint interval; with --lose_memory the steps since the last disk checkpoint
+come back (on average interval/2 steps).
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,7 +68,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from titan.launch.supervisor import child_pids  # noqa: E402
-from titan.training.goodput import FIGURES, LOST, read_attempts  # noqa: E402
+from titan.training.goodput import FIGURES, LOST, RECOVERY, read_attempts  # noqa: E402
 
 STEP_RE = re.compile(r"step:\s*(\d+)\s+loss")
 LOSS_KEY = "loss_metrics/global_avg_loss"
@@ -65,6 +76,8 @@ LOSS_KEY = "loss_metrics/global_avg_loss"
 
 def _args(dump: Path, interval: int, steps: int) -> list[str]:
     return [
+        "--checkpoint.async_mode",
+        "async",
         "--job.dump_folder",
         str(dump),
         "--training.steps",
@@ -158,7 +171,14 @@ def reference(out: Path, seconds: float, interval: int) -> tuple[dict[int, float
     return losses, max(losses), time.time() - t0
 
 
-def faulty(out: Path, steps: int, interval: int, mtbf: float, seed: int) -> dict:
+def _memory_folders(dump: Path) -> list[Path]:
+    """The job's in-memory snapshot folder(s) (titan/checkpointing/snapshot_store.py job_folder)."""
+    from titan.checkpointing.snapshot_store import job_folder
+
+    return [Path(job_folder("/dev/shm", str(dump / "checkpoint")))]
+
+
+def faulty(out: Path, steps: int, interval: int, mtbf: float, seed: int, lose_memory: bool = False) -> dict:
     rng = random.Random(seed)
     run = Launch(_args(out / "faulty", interval, steps), out / "faulty.log", MAX_RESTARTS="1000")
     t0 = time.time()
@@ -173,11 +193,16 @@ def faulty(out: Path, steps: int, interval: int, mtbf: float, seed: int) -> dict
             continue
         victim = rng.choice(ranks)
         try:
-            os.kill(victim, signal.SIGKILL)
+            for pid in ranks if lose_memory else [victim]:
+                os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             continue
+        if lose_memory:  # the nodes' memory is gone with them
+            for folder in _memory_folders(out / "faulty"):
+                shutil.rmtree(folder, ignore_errors=True)
         kills.append(time.time())
-        print(f"benchmark: {time.time() - t0:7.1f} s: SIGKILL to rank pid {victim}", file=sys.stderr, flush=True)
+        what = "every rank and their memory" if lose_memory else f"rank pid {victim}"
+        print(f"benchmark: {time.time() - t0:7.1f} s: SIGKILL to {what}", file=sys.stderr, flush=True)
         due = time.time() + rng.expovariate(1 / mtbf)
     rc = run.wait()
     wall = time.time() - t0
@@ -203,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=240, help="training time of the reference run")
     p.add_argument("--mtbf", type=float, default=60, help="mean seconds between failures")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--interval", type=int, default=10, help="checkpoint.interval (steps)")
+    p.add_argument("--interval", type=int, default=50, help="checkpoint.interval (steps) of the disk checkpoints")
+    p.add_argument(
+        "--lose_memory", action="store_true", help="each failure: every rank killed and its snapshots removed"
+    )
     p.add_argument("--out", default=None, help="folder for both runs and their logs (default: a temporary one)")
     p.add_argument("--replica_groups", type=int, default=0, help="N replica groups of 1 rank (torchft) instead")
     a = p.parse_args(argv)
@@ -215,25 +243,31 @@ def main(argv: list[str] | None = None) -> int:
 
         return groups_main(a, out, Launch, _args, _ranks)
 
+    load = [round(os.getloadavg()[0], 1)]
     ref, steps, ref_s = reference(out, a.seconds, a.interval)
     print(f"benchmark: reference reached step {steps} in {ref_s:.0f} s", file=sys.stderr, flush=True)
-    run = faulty(out, steps, a.interval, a.mtbf, a.seed)
+    run = faulty(out, steps, a.interval, a.mtbf, a.seed, a.lose_memory)
+    load.append(round(os.getloadavg()[0], 1))
     if run["rc"] != 0:
         print(f"benchmark: the faulty run ended with status {run['rc']}: see {out / 'faulty.log'}", file=sys.stderr)
     logged = _losses(out / "faulty")
     attempts = [x for x in read_attempts(str(out / "faulty" / "goodput.jsonl")) if x["run"] == 1]
     total = {k: sum(x.get(k, 0.0) for x in attempts) for k in ("wall", *FIGURES)}
+    recovery = [{k: round(x["recovery"][k], 2) for k in RECOVERY} for x in attempts if x.get("recovery")]
     result = {
         "failures": len(run["kills"]),
         "restarts": run["restarts"],
         "steps": max((s for s, _ in logged), default=0),
         "losses_identical": bool(logged) and all(ref.get(s) == v for s, v in logged),
-        "recover_s": run["recover_s"],
+        "recover_s": [round(sum(r.values()), 2) for r in recovery],
+        "recovery": recovery,
+        "kill_to_step_s": run["recover_s"],
         "goodput": round(total["productive"] / total["wall"], 4) if total["wall"] else 0.0,
         "wall_s": round(total["wall"], 1),
         "lost_s": {k: round(total[k], 1) for k in LOST},
         "attempts": len(attempts),
         "reference_s": round(ref_s, 1),
+        "load": load,
         "status": run["rc"],
     }
     print(json.dumps(result))

@@ -12,14 +12,17 @@ its own launcher), against the same groups uninterrupted.
    speed drifts between runs.
 
 The last line is JSON: failures, restarts, steps, committed_group_steps, discarded_steps, heals,
-heal_s (per failure: the kill to its group's healed step), goodput = committed group-steps /
-(groups x the steps the wall time holds at full strength), heals_bitwise_equal (every group's
-final weights and optimizer state equal, bitwise: a healed group took its peer's state exactly),
+heal_s (per failure: the kill to its group's healed step), recovery and recover_s (per restart,
+titan's own record of it in the group's goodput.jsonl: detect, restart, rejoin, reload,
+recompute, from the failed attempt's last finished step to the group's first new step),
+goodput = committed group-steps / (groups x the steps the wall time holds at full strength),
+heals_bitwise_equal (every group's final weights and optimizer state equal, bitwise: a healed
+group took its peer's state exactly),
 final_loss and final_loss_uninterrupted: the final weights' loss on the same held-out text (the
 pydoc_validation topics, which pydoc_train, the runs' data, leaves out; 128-token windows): the
 groups' last training batches differ between the runs (a restarted group reads on from its own
-data position); and train_loss_last50 of both runs (mean and spread over both groups' last 50
-steps).
+data position); train_loss_last50 of both runs (mean and spread over both groups' last 50
+steps); and load, the machine's 1-minute load average at the start and the end.
 """
 
 from __future__ import annotations
@@ -131,8 +134,17 @@ def _equal(a: Any, b: Any) -> bool:
     return a == b
 
 
+def _recovery(folder: Path) -> list[dict[str, float]]:
+    """The recovery parts of every restarted attempt of one group (its goodput record)."""
+    from titan.training.goodput import RECOVERY, read_attempts
+
+    attempts = read_attempts(str(folder / "goodput.jsonl"))
+    return [{k: round(x["recovery"][k], 2) for k in RECOVERY} for x in attempts if x.get("recovery")]
+
+
 def main(a: Any, out: Path, launch: Any, run_args: Any, ranks: Any) -> int:
     groups = a.replica_groups
+    load = [round(os.getloadavg()[0], 1)]
     # 1. reference
     ref = launch(run_args(out / "reference", a.interval, 1_000_000), out / "reference.log", **_env(groups))
     while len({g for _, g, _, _ in _steps(ref)}) < groups and ref.proc.poll() is None:
@@ -191,6 +203,8 @@ def main(a: Any, out: Path, launch: Any, run_args: Any, ranks: Any) -> int:
     step_s = full_strength_step_s(lines, windows)
     wall = end - min(t for t, *_ in lines) + step_s  # the first step's own time included
     states = [_state(out / "faulty" / f"replica_{i}", steps) for i in range(groups)]
+    recovery = [r for i in range(groups) for r in _recovery(out / "faulty" / f"replica_{i}")]
+    load.append(round(os.getloadavg()[0], 1))
     result = {
         "failures": len(kills),
         "restarts": sum("restarting the ranks" in line for _, line in text),
@@ -199,6 +213,8 @@ def main(a: Any, out: Path, launch: Any, run_args: Any, ranks: Any) -> int:
         "discarded_steps": len({line.split("step ")[1].split(" ")[0] for _, line in discarded}),
         "heals": len(healed),
         "heal_s": heal_s,
+        "recover_s": [round(sum(r.values()), 2) for r in recovery],
+        "recovery": recovery,
         "goodput": round(committed / (groups * wall / step_s), 4),
         "heals_bitwise_equal": all(_equal(states[0], s) for s in states[1:]),
         "final_loss": _heldout_loss(out / "faulty" / "replica_0" / "checkpoint" / f"step-{steps}"),
@@ -207,6 +223,7 @@ def main(a: Any, out: Path, launch: Any, run_args: Any, ranks: Any) -> int:
         "train_loss_last50_uninterrupted": _last_steps_loss(ref),
         "wall_s": round(wall, 1),
         "step_s_full_strength": round(step_s, 3),
+        "load": load,
         "status": rc,
     }
     print(json.dumps(result))

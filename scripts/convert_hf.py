@@ -55,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     from_hf.add_argument("hf_dir")
     from_hf.add_argument("dcp_dir")
     from_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast (default: keep the saved dtype)")
+    from_hf.add_argument(
+        "--mtp_depth",
+        type=int,
+        default=0,
+        help="multi-token-prediction layers to convert (DeepSeek-V3's layer num_hidden_layers on), for a"
+        " run with model.mtp_depth this large; default 0: skipped",
+    )
     to_torch = sub.add_parser("dcp_to_torch", help="DCP folder -> one torch.save file")
     to_torch.add_argument("dcp_dir")
     to_torch.add_argument("torch_file")
@@ -74,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             hf_io.export_dcp_to_hf(a.dcp_dir, a.hf_dir, args, int(a.max_shard_gb * 1024**3), dtype, a.drop_routing_bias)
             print(f"wrote {a.hf_dir} (config.json, safetensors shards, {hf_io.INDEX_FILE})")
         elif a.cmd == "from_hf":
-            args = hf_io.import_hf_to_dcp(a.hf_dir, a.dcp_dir, DTYPES[a.dtype] if a.dtype else None)
+            args = hf_io.import_hf_to_dcp(a.hf_dir, a.dcp_dir, DTYPES[a.dtype] if a.dtype else None, a.mtp_depth)
             print(f"wrote {a.dcp_dir}: {args.n_layers} layers, dim {args.dim}")
         elif a.cmd == "dcp_to_torch":
             dcp_io.dcp_to_torch_file(a.dcp_dir, a.torch_file, model_only=not a.all_state)

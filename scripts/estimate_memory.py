@@ -7,8 +7,8 @@ Any config override works (e.g. --activation_checkpoint.mode full, --training.lo
 --measure_steps N also trains the config for N steps on random tokens in this process (one rank,
 CPU or one GPU) and prints the measured peak next to the estimate: on CUDA the allocator's
 max_memory_allocated, elsewhere the parameters plus the peak of every tensor storage allocated
-during the steps (titan.training.memory.measure_peak). Tensor / pipeline / context parallel layouts
-are refused (the dry run, --job.dry_run, counts their per-rank parameters exactly).
+during the steps (titan.training.memory.measure_peak). Every layout is estimated (FSDP, HSDP, DDP,
+TP, PP, CP, EP and their combinations); --simulate.rank picks the rank (default 0).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> None:
     est = estimate_memory(config, world_size)
     t = config.training
     print(
-        f"{config.model.name} {config.model.flavor}: world size {world_size}, FSDP shard {est.dp_shard},"
+        f"{config.model.name} {config.model.flavor}: world size {world_size} ({est.layout}), rank {est.rank},"
         f" local batch {t.local_batch_size} x seq {t.seq_len}, activation checkpointing"
         f" {config.activation_checkpoint.mode}, compute dtype {t.mixed_precision_param};"
         f" {est.params:,} parameters on this rank"
@@ -68,15 +68,8 @@ def main(argv: list[str]) -> None:
             rows, headers=["per rank", "MiB"], tablefmt="github", colalign=("left", "right"), disable_numparse=True
         )
     )
-    skipped = [
-        name
-        for name, on in (("torch.compile", config.compile.enable), ("float8", config.float8.enable_float8_linear))
-        if on
-    ]
-    if skipped:
-        print(
-            f"note: {' and '.join(skipped)} not modelled (eager bf16 activations counted; compile usually needs less)"
-        )
+    if config.compile.enable:
+        print("note: torch.compile not modelled (eager activations counted; compile usually needs less)")
     if measure_steps:
         if world_size != 1:
             raise TitanError("--measure_steps runs one process; use --world_size 1")

@@ -1,4 +1,5 @@
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,9 @@ import torch
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+# No warm standbys in launched jobs with restarts: each imports torch and titan (seconds of CPU)
+# while the test's ranks start. The tests of warm restarts ask for them (TITAN_WARM_RESTARTS=1).
+os.environ.setdefault("TITAN_WARM_RESTARTS", "0")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,6 +22,26 @@ GPU_COUNT = torch.cuda.device_count() if CUDA_AVAILABLE else 0
 _REAL_CUDA_VISIBLE = os.environ.get("CUDA_VISIBLE_DEVICES")
 _REAL_CUDA_IS_AVAILABLE = torch.cuda.is_available
 _REAL_ACCELERATOR_IS_AVAILABLE = torch.accelerator.is_available
+
+
+_SHM = Path("/dev/shm")
+_SHM_BEFORE: set[str] = set()
+
+
+def pytest_sessionstart(session):
+    if _SHM.is_dir():
+        _SHM_BEFORE.update(p.name for p in _SHM.glob("titan-*"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Runs the tests killed leave their in-memory snapshot folders in /dev/shm (they outlive the
+    processes by design, for the restart): the session takes away the ones it made. Only where the
+    session ends (not in a pytest-xdist worker, whose peers may still be running)."""
+    if hasattr(session.config, "workerinput") or not _SHM.is_dir():
+        return
+    for p in _SHM.glob("titan-*"):
+        if p.name not in _SHM_BEFORE and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,9 +1,11 @@
 """Fault injection for tests: SIGKILL (or fail, or pause) a process at a chosen moment, so a test
 acts on an event of the run instead of racing a timer against it.
 
-``TITAN_DEBUG_KILL_AT`` names the moment: ``step=K`` (right after training step K, before its
-save) or ``save:step=K`` (during the save of step K: every rank's files and DCP's ``.metadata``
-are written, the ``COMPLETE`` marker is not). Every rank that reaches the point kills itself,
+``TITAN_DEBUG_KILL_AT`` names the moment: ``step=K`` (right after training step K: its interval
+save and its line done, before the ranks agree on a signal and its in-memory snapshot) or
+``save:step=K`` (during the save of step K: every rank's files and DCP's ``.metadata``
+are written, the ``COMPLETE`` marker is not) or ``snapshot:step=K`` (during the in-memory snapshot
+of step K: its data is copied, its manifest not written). Every rank that reaches the point kills itself,
 exactly like ``kill -9``; ``@rankR`` limits it to global rank R, ``@attemptA`` to torchrun's
 restart A (``TORCHELASTIC_RESTART_COUNT``, 0 for the first). ``error:step=K`` raises a TitanError
 after step K instead (a rank failing while the others wait in a collective). ``sync:step=K``
@@ -17,7 +19,7 @@ holds a group before its step K until that file exists. A peer's (re)start is so
 the group's steps by an event, not by a timer.
 
 Points that pause instead of killing, for a test that must act while the run is at a known place:
-``hold:step=K`` waits after step K (its line logged, before its save) until the run's preemption
+``hold:step=K`` waits after step K (its line logged, before the save a signal asks for) until the run's preemption
 handler got a signal (SIGTERM, SIGUSR1: checkpointing on), so a run the test signals there cannot
 have finished first; ``stop:committed=K`` stops the process (SIGSTOP) right after the save of step K is committed; the
 test sees it stopped (``wait_stopped``), acts, and continues it with SIGCONT.
@@ -25,7 +27,9 @@ test sees it stopped (``wait_stopped``), acts, and continues it with SIGCONT.
 tokenizing process gets SIGINT, as from Ctrl-C (from whichever process wrote the shard).
 
 titan itself knows nothing of this: ``install()`` wraps the checkpoint manager's step hook and
-commit (or the tokenizer's shard writer) from the outside. A subprocess (train.py, torchrun, Slurm,
+commit, the snapshots' data hook (or the tokenizer's shard writer) from the outside. The rank and
+attempt filters are read when the point is reached, not at install: a warm standby
+(titan/launch/standby.py) installs it before it knows its rank. A subprocess (train.py, torchrun, Slurm,
 tokenize_dataset.py and its worker processes) gets it through ``kill_env``, which puts
 ``tests/helpers/kill_site`` (a ``sitecustomize`` that calls ``install()``) on its PYTHONPATH.
 """
@@ -48,9 +52,10 @@ READY_ENV, WAIT_ENV = "TITAN_DEBUG_READY_FILE", "TITAN_DEBUG_WAIT_AT"
 GATE_TIMEOUT_S = 240.0
 SITE = Path(__file__).resolve().parent / "kill_site"
 _SPEC = re.compile(
-    r"(?:(?:(save|error|hold|sync):)?step=(\d+)|stop:committed=(\d+)|interrupt:shard=(\d+))(?:@rank(\d+))?(?:@attempt(\d+))?"
+    r"(?:(?:(save|error|hold|sync|snapshot):)?step=(\d+)|stop:committed=(\d+)|interrupt:shard=(\d+))"
+    r"(?:@rank(\d+))?(?:@attempt(\d+))?"
 )
-VALID = "[save:|error:|hold:|sync:]step=K, stop:committed=K or interrupt:shard=K, then [@rankR][@attemptA]"
+VALID = "[save:|error:|hold:|sync:|snapshot:]step=K, stop:committed=K or interrupt:shard=K, then [@rankR][@attemptA]"
 
 
 class DebugKill:
@@ -60,14 +65,14 @@ class DebugKill:
         spec = os.environ.get(ENV, "") if spec is None else spec
         self.point: str | None = None
         self.step, self.error = -1, False
+        self.rank = self.attempt = None
         if spec:
             m = _SPEC.fullmatch(spec.strip())
             if not m:
                 raise TitanError(f"{ENV}={spec!r}; valid: {VALID}")
-            if m[5] is not None and int(os.environ.get("RANK", "0")) != int(m[5]):
-                return  # another rank is the one that fails
-            if m[6] is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != int(m[6]):
-                return  # another attempt is the one that fails
+            # another rank / attempt is the one that fails: decided when the point is reached
+            self.rank = int(m[5]) if m[5] is not None else None
+            self.attempt = int(m[6]) if m[6] is not None else None
             if m[3] is not None:
                 self.point, self.step = "committed", int(m[3])
             elif m[4] is not None:
@@ -76,8 +81,14 @@ class DebugKill:
                 self.error = m[1] == "error"
                 self.point, self.step = ("step" if m[1] in (None, "error") else m[1]), int(m[2])
 
+    def here(self) -> bool:
+        """Whether this process (its rank, its attempt) is the one the spec names."""
+        if self.rank is not None and int(os.environ.get("RANK", "0")) != self.rank:
+            return False
+        return self.attempt is None or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == self.attempt
+
     def __call__(self, point: str, step: int) -> None:
-        if self.point != point or self.step != step:
+        if self.point != point or self.step != step or not self.here():
             return
         if self.error:
             raise TitanError(f"{ENV}: injected failure after step {step}")
@@ -135,14 +146,20 @@ def install(kill: DebugKill | None = None) -> None:
         tokenize._encode_shard = encode_then_interrupt
         return
     from titan.checkpointing.manager import CheckpointManager
+    from titan.checkpointing.memory_snapshot import MemorySnapshots
 
     after_step, commit = CheckpointManager.after_step, CheckpointManager._commit
+    data_written = MemorySnapshots.data_written
 
     def after_step_then_kill(self: CheckpointManager, step: int) -> bool:
         kill("step", step)
-        if kill.point == "hold" and kill.step == step:
+        if kill.point == "hold" and kill.step == step and kill.here():
             _hold(self, step)
         return after_step(self, step)
+
+    def data_written_then_kill(self: MemorySnapshots, step: int) -> None:
+        data_written(self, step)
+        kill("snapshot", step)
 
     def commit_then_kill(self: CheckpointManager, step: int, path: str, model_only: bool, t0: float) -> None:
         kill("save", step)
@@ -151,6 +168,7 @@ def install(kill: DebugKill | None = None) -> None:
 
     CheckpointManager.after_step = after_step_then_kill  # type: ignore[method-assign]
     CheckpointManager._commit = commit_then_kill  # type: ignore[method-assign]
+    MemorySnapshots.data_written = data_written_then_kill  # type: ignore[method-assign]
 
 
 def _hold(manager: Any, step: int) -> None:
@@ -191,12 +209,13 @@ def install_replica_gates(kill: DebugKill) -> None:
         return
 
     start_step, sync_gradients = ReplicaGroups.start_step, ReplicaGroups.sync_gradients
-    ready = os.environ.get(READY_ENV, "")
-    waits = {int(k): f for k, f in re.findall(r"step=(\d+):([^,]+)", os.environ.get(WAIT_ENV, ""))}
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     first = [True]
 
     def start_step_gated(self: ReplicaGroups) -> None:
+        # read here, not at install: a warm standby learns its environment after it
+        ready = os.environ.get(READY_ENV, "")
+        waits = {int(k): f for k, f in re.findall(r"step=(\d+):([^,]+)", os.environ.get(WAIT_ENV, ""))}
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         if ready and first[0]:
             Path(f"{ready}.{attempt}").touch()
             first[0] = False

@@ -49,6 +49,40 @@ TINY = [
 ]
 
 
+# a 2-layer, dim-64 debug model: small checkpoints, fast steps
+SMALL_MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2"]
+
+
+def train_in_child(argv: list[str], log: str, kill_at: str = "", env: dict[str, str] | None = None) -> None:
+    """``train.main(argv)`` in this (forked, fresh) child process with its output in ``log``, the
+    kill point ``kill_at`` installed (tests/helpers/debug_kill.py) and ``env`` set; exits with
+    train's status, without Python's teardown."""
+    import logging
+    import os
+
+    code = 1
+    try:
+        out = open(log, "a", buffering=1)  # noqa: SIM115 - the child's stdout until it exits
+        sys.stdout = sys.stderr = out
+        for h in logging.getLogger("titan").handlers:
+            if isinstance(h, logging.StreamHandler):
+                h.setStream(out)
+        os.environ.pop(ENV, None)
+        os.environ.update(env or {})
+        import train
+        from tests.helpers.debug_kill import DebugKill, install
+
+        install(DebugKill(kill_at))  # in this child only
+        code = train.main(argv)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        os._exit(code)
+
+
 def run_args(tmp_path, *extra):
     return [*TINY, "--job.dump_folder", str(tmp_path), *extra]
 

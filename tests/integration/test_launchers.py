@@ -483,6 +483,7 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_uninterrupted_loss
         str(tmp_path / "run"),
         NGPU="2",
         MAX_RESTARTS="2",
+        TITAN_WARM_RESTARTS="1",  # the restarted ranks are warm standbys
         **kill_env("step=5@rank1@attempt0"),
     )
     out = proc.communicate(timeout=400)[0]
@@ -503,6 +504,13 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_uninterrupted_loss
     assert second["recomputed"] > 0 and second["restart"] > 0 and second["startup"] > 0, second
     assert _adds_up(first) and _adds_up(second), (first, second)
     assert "goodput: run so far (2 attempts)" in out, out[-3000:]
+    # the ranks came back from warm standbys and resumed from step 4 (their in-memory snapshots, or
+    # the disk checkpoint when the snapshot of step 4 was skipped: the last one still copying); the
+    # step killed, 5, was done again; the recovery's parts are in the record
+    assert re.search(r"resumed from (the in-memory snapshot of step 4|\S+step-4: step 4)", out), out[-3000:]
+    parts = second["recovery"]
+    assert all(parts[k] >= 0 for k in ("detect", "restart", "rejoin", "reload")) and parts["recompute"] > 0, parts
+    assert "goodput: recovered from attempt 1's failure: detect" in out, out[-3000:]
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ CONFIG_FILE = "config.json"
 # section -> keys compared (None: every key of the section) / keys never compared.
 _RELEVANT: Mapping[str, tuple[str, ...] | None] = MappingProxyType(
     {
-        "model": ("name", "flavor", "tokenizer_path", "vocab_size"),
+        "model": ("name", "flavor", "tokenizer_path", "vocab_size", "mtp_depth"),
         "optimizer": None,
         "lr_scheduler": None,
         "training": (
@@ -78,7 +78,14 @@ _FREE = MappingProxyType({"optimizer": ("implementation",)})
 POLICIES = choices(ConfigMismatch)
 # Read before the dump folder is even looked at (model flavor, batch shape): use_checkpoint names
 # the flag to pass instead of changing them under a half-built run.
-_SHAPE_KEYS = ("model.name", "model.flavor", "model.tokenizer_path", "training.local_batch_size", "training.seq_len")
+_SHAPE_KEYS = (
+    "model.name",
+    "model.flavor",
+    "model.tokenizer_path",
+    "model.mtp_depth",
+    "training.local_batch_size",
+    "training.seq_len",
+)
 
 
 def snapshot(config: Any, dp_degree: int) -> dict[str, Any]:
@@ -122,6 +129,17 @@ def differences(
                 continue
             if _norm(old.get(key)) != _norm(new.get(key)):
                 out[f"{section}.{key}"] = (old.get(key), new.get(key))
+    return out
+
+
+def relevant(tree: dict[str, Any]) -> dict[str, Any]:
+    """'section.key' -> value of every training-relevant key of a config tree (what a resume compares)."""
+    out = {}
+    for section, keys in _RELEVANT.items():
+        values = tree.get(section, {})
+        for key in keys if keys is not None else sorted(values):
+            if key not in _FREE.get(section, ()):
+                out[f"{section}.{key}"] = _norm(values.get(key))
     return out
 
 

@@ -93,3 +93,16 @@ def explain(error: BaseException, folder: str) -> tuple[str, str]:
         words, advice = _CAUSES[code]
         return f"{words}{where}; {detail}", advice
     return f"{detail}{where}", "fix the cause (--job.debug shows the traceback)"
+
+
+def save_failure(error: BaseException, path: str, root: str, step: int) -> tuple[str, str]:
+    """(message, advice) of a failed save of ``step`` into ``path``, saying which earlier
+    checkpoint under ``root`` is intact (the partial folder has been removed)."""
+    from titan.checkpointing.folders import scan
+
+    cause, advice = explain(error, path)
+    newest = next((f"step-{f.step}" for f in reversed(scan(root)) if f.complete), None)
+    kept = (
+        f"earlier checkpoints in {root} are intact (newest: {newest})" if newest else f"no earlier checkpoint in {root}"
+    )
+    return f"checkpoint step {step}: writing {path} failed: {cause}; the partial folder was removed, {kept}", advice

@@ -1,8 +1,9 @@
 """How the ranks of one run read and write a checkpoint together.
 
-DCP and the rank-0 decisions each get their own CPU (gloo) process group: an async save runs DCP's
-collectives in a background thread, and on the trainer's groups they could interleave with the
-training collectives of the main thread and deadlock. A one-process run has no groups at all.
+DCP, the rank-0 decisions (and the per-step stop flag) and the in-memory snapshots each get their
+own CPU (gloo) process group: an async save runs DCP's collectives in a background thread, as the
+snapshots their ring copies, and on the trainer's groups (or each other's) they could interleave
+with the collectives of the main thread and deadlock. A one-process run has no groups at all.
 """
 
 from __future__ import annotations
@@ -24,13 +25,19 @@ class CheckpointGroups:
     save_pg: Any = None
     """DCP's group (None: one process, DCP runs with no_dist)."""
     ctrl_pg: Any = None
-    """The group of rank 0's decisions and of the preemption flag."""
+    """The group of rank 0's decisions and of the per-step stop flag (every run of several ranks)."""
+    snapshot_pg: Any = None
+    """The in-memory snapshots' group (their ring copies and restores)."""
 
     @classmethod
-    def create(cls, rank: int, world_size: int, enabled: bool) -> CheckpointGroups:
-        if not enabled or world_size == 1:
+    def create(cls, rank: int, world_size: int, enabled: bool, snapshots: bool = False) -> CheckpointGroups:
+        if world_size == 1:
             return cls(rank, world_size)
-        return cls(rank, world_size, dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+
+        def gloo(wanted: bool) -> Any:
+            return dist.new_group(backend="gloo") if wanted else None
+
+        return cls(rank, world_size, gloo(enabled), gloo(True), gloo(snapshots))
 
     def agree(self, decide: Callable[[], Any]) -> Any:
         """Rank 0 decides; every rank gets its answer or its error."""

@@ -150,7 +150,8 @@ def _run_model_args(spec: Any, record: dict[str, Any] | None, flavor: str | None
             f"--flavor {flavor} disagrees with {where}, trained as flavor {model['flavor']!r}; drop --flavor"
         )
     fields = {k: model.get(k) for k in SHAPE_OVERRIDES}
-    return model_args_from_config(spec, SimpleNamespace(flavor=model["flavor"], **fields))
+    depth = model.get("mtp_depth") or 0
+    return model_args_from_config(spec, SimpleNamespace(flavor=model["flavor"], mtp_depth=depth, **fields))
 
 
 def training_checkpoint_args(dcp_dir: str | Path, spec: Any, flavor: str | None) -> Any:

@@ -25,12 +25,14 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from titan.checkpointing import model_dcp as dcp_io
+from titan.checkpointing.hf_check import converted_layout, refuse_untied_copy
 from titan.checkpointing.hf_folder import HFFolder
 from titan.checkpointing.hf_quant import quantization_of
 from titan.checkpointing.states import dcp_call
 from titan.errors import TitanError, read_user_json
 from titan.log import logger
 from titan.models import spec_for_hf_model_type
+from titan.models.mtp import mtp_depth as model_mtp_depth
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _CACHED = 4  # view tensors kept converted: a layer's w1, w2, w3 come from two of them
@@ -48,12 +50,22 @@ def read_hf_config(hf_dir: str | Path) -> Any:
 
 
 class HFPlan:
-    """Which view tensor of ``folder`` each titan tensor comes from, and its converted rows."""
+    """Which view tensor of ``folder`` each titan tensor comes from, and its converted rows.
+    ``mtp_depth``: the multi-token-prediction depths to import (the model's model.mtp_depth), at most
+    what the folder holds; the adapter's ``skipped_hf_layer`` skips the others (and says so)."""
 
-    def __init__(self, folder: HFFolder) -> None:
+    def __init__(self, folder: HFFolder, mtp_depth: int = 0) -> None:
         self.folder = folder
         self.adapter = spec_for_hf_model_type(folder.config["model_type"]).state_dict_adapter
         self.args = self.adapter.hf_config_to_args(folder.config)
+        held = getattr(self.adapter, "hf_mtp_depth", lambda keys, args: 0)(folder.keys(), self.args)
+        if mtp_depth > held:
+            raise TitanError(
+                f"{folder.path}: model.mtp_depth = {mtp_depth} needs {mtp_depth} multi-token-prediction layer(s)"
+                f" but the folder's weights hold {held}; set model.mtp_depth to at most {held}"
+            )
+        if mtp_depth:
+            self.args.mtp_depth = mtp_depth
         self.source: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._cache: OrderedDict[tuple[str, tuple[int, int] | None], dict[str, torch.Tensor]] = OrderedDict()
@@ -70,9 +82,10 @@ class HFPlan:
                 skipped.setdefault(reason, set()).add(int(_LAYER.search(key)[1]))  # type: ignore[index]
                 continue
             if self.args.tie_embeddings and key == "lm_head.weight":
-                continue  # some exports store the tied copy too
+                refuse_untied_copy(folder, self.args)  # some exports store the tied copy too
+                continue
             meta = torch.empty(folder.shape(key), device="meta")
-            for name, value in self.adapter.from_hf({key: meta}, self.args).items():
+            for name, value in converted_layout(self.adapter, {key: meta}, self.args, folder.path).items():
                 self.source[name], self.shapes[name] = key, tuple(value.shape)
         for reason, layers in skipped.items():
             logger.info(f"{folder.path}: not loading Hugging Face layer(s) {sorted(layers)}: {reason}")
@@ -145,7 +158,8 @@ def load_hf_into_model(model_parts: list[nn.Module], hf_dir: str | Path, folder:
     """Fill a built model (plain, FSDP, TP, EP; pipeline parts take their own keys) from an HF
     folder: the hook for `[checkpoint] initial_load_in_hf`. Each rank reads the rows of its own
     shards (``folder``: a reader to reuse, which counts what it read)."""
-    plan = HFPlan(folder if folder is not None else HFFolder(hf_dir))
+    depth = max(model_mtp_depth(getattr(part, "model_args", None)) for part in model_parts)
+    plan = HFPlan(folder if folder is not None else HFFolder(hf_dir), mtp_depth=depth)
     with torch.no_grad():
         for part in model_parts:
             for name, target in dcp_io.model_tensors(part).items():
@@ -177,10 +191,13 @@ def load_hf_into_model(model_parts: list[nn.Module], hf_dir: str | Path, folder:
     return plan.args
 
 
-def load_hf(hf_dir: str | Path, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], Any]:
+def load_hf(
+    hf_dir: str | Path, dtype: torch.dtype | None = None, mtp_depth: int = 0
+) -> tuple[dict[str, torch.Tensor], Any]:
     """HF folder -> (full titan state dict, model args), in ``dtype`` or the saved one; in one
-    process's memory, so for tests and small models (import_hf_to_dcp streams)."""
-    plan = HFPlan(HFFolder(hf_dir))
+    process's memory, so for tests and small models (import_hf_to_dcp streams). ``mtp_depth``:
+    the multi-token-prediction layers to read (HFPlan)."""
+    plan = HFPlan(HFFolder(hf_dir), mtp_depth)
     state = {name: plan.rows(name, None).to(dtype or plan.dtype(name)) for name in plan.source}
     if plan.args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
@@ -199,9 +216,12 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         return self.hf_plan.rows(name, None).to(self.dtype or self.hf_plan.dtype(name)).contiguous()
 
 
-def import_hf_to_dcp(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Any:
-    """HF folder -> model-only DCP folder (+ model_args.json), one tensor in memory at a time."""
-    plan = HFPlan(HFFolder(hf_dir))
+def import_hf_to_dcp(
+    hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None, mtp_depth: int = 0
+) -> Any:
+    """HF folder -> model-only DCP folder (+ model_args.json), one tensor in memory at a time;
+    ``mtp_depth``: the multi-token-prediction layers to convert (HFPlan)."""
+    plan = HFPlan(HFFolder(hf_dir), mtp_depth)
     meta = {n: torch.empty(s, dtype=dtype or plan.dtype(n), device="meta") for n, s in plan.shapes.items()}
     with dcp_io.atomic_folder(out_dir) as out:
         dcp_call(dcp_save, meta, checkpoint_id=str(out), planner=_StreamingSavePlanner(plan, dtype))

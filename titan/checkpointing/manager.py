@@ -16,7 +16,10 @@ goes on to the next interval. Process groups: groups.py.
 
 Async: ``async`` copies the state to the host, then writes it in a thread; ``async_with_pinned_mem``
 also copies in the background (staging.py; the trainer calls ``wait_for_staging`` before its next
-optimizer step). Only one save is in flight, so reused buffers are never overwritten."""
+optimizer step). Only one save is in flight, so reused buffers are never overwritten.
+
+In-memory snapshots (memory_snapshot.py): ``after_step`` takes one after each step, ``load``
+resumes from them when they are as new as the newest checkpoint, ``finish`` removes them."""
 
 from __future__ import annotations
 
@@ -34,26 +37,19 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan.checkpointing import config_diff
-from titan.checkpointing.failure import explain
-from titan.checkpointing.folders import delete, prune, scan, step_dir, write_marker
+from titan.checkpointing.failure import save_failure
+from titan.checkpointing.folders import delete, prune, step_dir, write_marker
 from titan.checkpointing.groups import CheckpointGroups
-from titan.checkpointing.loading import (
-    hyperparameters,
-    load_full,
-    load_model_only,
-    raise_missing,
-    restore_hyperparameters,
-)
 from titan.checkpointing.manifest import write_manifest
+from titan.checkpointing.memory_snapshot import MemorySnapshots
 from titan.checkpointing.preemption import PreemptionWatcher
 from titan.checkpointing.preflight import (
     check_checkpoint_folder,
-    check_no_later_checkpoints,
     checkpoint_bytes,
-    clear_for_fresh_start,
 )
 from titan.checkpointing.rank_states import write_rank_file
 from titan.checkpointing.resume import RunStart, choose_intact
+from titan.checkpointing.start_state import start_state
 from titan.checkpointing.states import ModelParts
 from titan.config.sections.checkpoint import Checkpoint as CheckpointConfig
 from titan.errors import TitanError
@@ -115,8 +111,25 @@ class CheckpointManager:
             )
         self.rank, self.dp_rank, self.dp_degree = rank, dp_rank, dp_degree
         self.enabled = cfg.enable or cfg.create_seed_checkpoint
-        self.groups = CheckpointGroups.create(rank, world_size, self.enabled)
-        self.watcher = PreemptionWatcher(self.groups.ctrl_pg) if cfg.enable else None
+        snapshots = cfg.enable and not cfg.create_seed_checkpoint
+        self.groups = CheckpointGroups.create(rank, world_size, self.enabled, snapshots and cfg.memory_interval != 0)
+        # SIGTERM / SIGUSR1 stop every run after its step (with a save when checkpointing is on)
+        self.watcher = PreemptionWatcher(self.groups.ctrl_pg, saving=cfg.enable)
+        self.snapshots = None
+        if snapshots:  # in-memory snapshots (off: they remove what an earlier run left)
+            self.snapshots = MemorySnapshots(
+                cfg,
+                checkpoint_root=self.root,
+                states=self.states,
+                rank_states=self.rank_states,
+                rank=rank,
+                world_size=world_size,
+                group=self.groups.snapshot_pg,
+                config_record=config_record,
+                device=next((p.device for part in model.parts for p in part.parameters()), None),
+            )
+        self.load_seconds = 0.0  # the state's load at start-up (snapshot or checkpoint)
+        self.resumed = False
         # Called with the step before anything is written (the trainer's non-finite check: it may raise).
         self.before_save: Callable[[int], None] | None = None
         self._pending: _Pending | None = None
@@ -137,6 +150,11 @@ class CheckpointManager:
                 found=self.groups.agree(lambda: choose_intact(self.root, cfg.load_step)) if resuming else None
             )
         self.start = start
+
+    @property
+    def snapshots_text(self) -> str:
+        """In-memory snapshots: how often, how large, where (for the start-up table)."""
+        return self.snapshots.summary if self.snapshots is not None else "off (checkpoint.enable is off)"
 
     # ------------------------------------------------------------------ when to save
     def next_save(self, step: int) -> int:
@@ -249,17 +267,10 @@ class CheckpointManager:
         (pruning runs only after a commit), then stop with one line, or retry at the next interval."""
         if isinstance(error, TitanError):
             raise error
-        cause, advice = explain(error, path)
         if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)
-        newest = next((f"step-{f.step}" for f in reversed(scan(self.root)) if f.complete), None)
-        kept = (
-            f"earlier checkpoints in {self.root} are intact (newest: {newest})"
-            if newest
-            else f"no earlier checkpoint in {self.root}"
-        )
-        message = f"checkpoint step {step}: writing {path} failed: {cause}; the partial folder was removed, {kept}"
         retry_at = self.next_save(step)
+        message, advice = save_failure(error, path, self.root, step)
         if self.cfg.on_save_error == "retry" and not final:
             logger.warning(
                 f"{message}; {advice}. checkpoint.on_save_error=retry: training goes on, next save at step {retry_at}"
@@ -271,21 +282,31 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ training-loop hooks
     def install_signal_handlers(self) -> None:
-        if self.watcher is not None:
-            self.watcher.install()
+        self.watcher.install()
+
+    def save_if_due(self, step: int) -> None:
+        """After training step ``step``: commit a finished async save, and the interval save (the
+        last step's is finish()'s)."""
+        if self.cfg.enable:
+            self.poll()
+            if self.should_save(step) and step < self.total_steps:
+                self.save(step)
 
     def after_step(self, step: int) -> bool:
-        """Interval save, async commit, preemption. Returns True when the loop must stop."""
-        if not self.cfg.enable:
-            return False
-        self.poll()
-        stop = self.watcher.should_stop() if self.watcher is not None else False
-        if stop:
-            self.save(step, blocking=True)
+        """After the step's save and line: the ranks agree, in one collective, on a signal (True:
+        the loop must stop, after a save with checkpointing on) and on the in-memory snapshot in
+        flight; then this step's snapshot is taken, or not."""
+        snapshots = self.snapshots
+        stop, busy, failed = self.watcher.agree(*(snapshots.flags() if snapshots is not None else (0, 0)))
+        if stop and self.cfg.enable:
+            if self.last_saved_step == step or (self._pending is not None and self._pending.step == step):
+                self.wait(final=True)  # this step's interval save: finished, not written twice
+            else:
+                self.save(step, blocking=True)
             logger.warning(f"checkpoint step {step} saved after a signal; stopping (exit 0)")
-        elif self.should_save(step) and step < self.total_steps:  # the last step's save is finish()'s
-            self.save(step)
-        return stop
+        elif snapshots is not None:
+            snapshots.after_step(step, bool(busy), bool(failed))
+        return bool(stop)
 
     def finish(self, step: int, preempted: bool) -> None:
         """At the end of training: the final save (model-only if configured), flush, clean up."""
@@ -296,9 +317,13 @@ class CheckpointManager:
             self.wait(final=True)
             if final_save and self.cfg.last_save_in_hf:
                 self._export_hf(step)
+            if self.snapshots is not None:  # the run ended as it should: its snapshots go
+                self.snapshots.close(remove=True)
+                self.snapshots = None
         finally:
-            if self.watcher is not None:
-                self.watcher.uninstall()
+            if self.snapshots is not None:
+                self.snapshots.close(remove=False)
+            self.watcher.uninstall()
             if self._stager is not None:
                 self._stager.shutdown()
                 self._stager = None
@@ -338,61 +363,10 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ loading
     def load(self) -> None:
-        """Auto-resume from this run's folder, or start from initial_load_path, or start fresh."""
-        cfg, agree = self.cfg, self.groups.agree
-        if not cfg.enable or cfg.create_seed_checkpoint:
-            return
-        found = self.start.found
-        if found is not None and cfg.load_step >= 0:
-            agree(lambda: check_no_later_checkpoints(found, self.root, self.overwrite))
-        elif self.overwrite and cfg.load_step < 0:
-            gone = agree(lambda: clear_for_fresh_start(self.root))
-            if gone:
-                logger.warning(f"job.overwrite: deleted the earlier checkpoints {gone}; starting from scratch")
-        if found is not None:
-            if found.model_only:
-                logger.info(f"starting from the seed checkpoint {found.path} (model weights only)")
-                load_model_only(found.path, self.model, self.groups)
-            else:
-                self._load_full(found.path)
-                logger.info(f"resumed from {found.path}: step {self._step()}")
-            self.last_saved_step = found.step
-            return
-        path = cfg.initial_load_path
-        if not path:
-            logger.info(f"no checkpoint in {self.root}: starting from scratch")
-            return
-        if cfg.initial_load_in_hf:
-            from titan.checkpointing.hf import load_hf_into_model
-
-            load_hf_into_model(self.model.parts, path)
-            logger.info(f"loaded Hugging Face weights from checkpoint.initial_load_path {path}")
-            return
-        agree(lambda: os.path.isfile(os.path.join(path, ".metadata")) or raise_missing(path))
-        if cfg.initial_load_model_only:
-            load_model_only(path, self.model, self.groups)
-            logger.info(f"loaded model weights from checkpoint.initial_load_path {path}")
-        else:
-            self._load_full(path)
-            logger.info(f"loaded checkpoint.initial_load_path {path}: step {self._step()}")
-
-    def _load_full(self, path: str) -> None:
-        exclude = set(self.cfg.exclude_from_loading)
-        # checkpoint.config_mismatch = use_new: this run's optimizer settings win over the loaded ones.
-        # The containers of titan/training (one optimizer and scheduler per model part).
-        optimizer, lr_scheduler = self.states.get("optimizer"), self.states.get("lr_scheduler")
-        keep_new = (
-            bool(self.start.config_diff)
-            and self.cfg.config_mismatch == "use_new"
-            and optimizer is not None
-            and lr_scheduler is not None
-        )
-        fresh = hyperparameters(optimizer, lr_scheduler) if keep_new else None
-        load_full(path, self.states, self.rank_states, groups=self.groups, dp_rank=self.dp_rank, exclude=exclude)
-        if fresh is not None:
-            lr = restore_hyperparameters(optimizer, lr_scheduler, fresh)
-            logger.info(f"checkpoint.config_mismatch=use_new: lr for the next step is {lr:.3g}")
-
-    def _step(self) -> object:
-        """The loaded train state's step, for the log line."""
-        return getattr(self.states.get("train_state"), "step", "?")
+        """Auto-resume from this run's newest state (in-memory snapshot or checkpoint folder), or
+        start from initial_load_path, or start fresh; timed (``load_seconds``)."""
+        t0 = time.perf_counter()
+        try:
+            start_state(self)
+        finally:
+            self.load_seconds = time.perf_counter() - t0

@@ -37,7 +37,8 @@ from titan.models import ModelSpec, get_flavor
 from titan.progress import progress
 
 MODEL_ARGS_FILE = "model_args.json"
-_MODEL_KEY = re.compile(r"^(tok_embeddings|norm|output)\.weight$|^layers\.\d+\.")
+# The model's tensors (multi-token prediction's fusion parts included: titan.models.mtp).
+_MODEL_KEY = re.compile(r"^(tok_embeddings|norm|output)\.weight$|^(layers|mtp)\.\d+\.")
 _NESTED_PREFIX = "model."
 
 

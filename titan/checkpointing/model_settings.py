@@ -21,7 +21,9 @@ from typing import Any
 from titan.errors import TitanError
 from titan.log import logger
 
-_PER_RUN = frozenset({"max_seq_len", "attn_type", "attn_mask_type", "depth_init"})
+# mtp_depth: a run trains the multi-token-prediction depths it asks for (model.mtp_depth); the load
+# reads that many of the folder's MTP layers and refuses more than it holds.
+_PER_RUN = frozenset({"max_seq_len", "attn_type", "attn_mask_type", "depth_init", "mtp_depth"})
 _SHAPE_FIELDS = frozenset({"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "tie_embeddings"})
 _ROPE_SCALING = (
     "rope_scale_factor",

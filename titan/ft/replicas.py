@@ -86,7 +86,8 @@ class ReplicaGroups:
 
         self.cfg, self.states, self.device, self.data = cfg, dict(states), device, data
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        self.resumed = False  # from this group's own checkpoint (after_load)
+        self.resumed = False  # from this group's own checkpoint or in-memory snapshot (after_load)
+        self.before_heal: Any = None  # called before a peer's state overwrites this group's
         self.record = ReplicaRecord()
         self.committed = True
         self._params: list[torch.nn.Parameter] = []
@@ -162,6 +163,8 @@ class ReplicaGroups:
 
     def _load_peer_state(self, received: Any) -> None:
         t0 = time.perf_counter()
+        if self.before_heal is not None:  # an in-memory snapshot may still be copying these tensors
+            self.before_heal()
         # torch's optimizer state-dict functions create a fresh optimizer's state (one step with
         # zero gradients) only when no parameter holds a gradient: the step's averaged gradients
         # are set aside while the peer's state is loaded, then used for the step's update.
@@ -260,7 +263,7 @@ class ReplicaGroups:
     def after_load(self, checkpointer: Any) -> None:
         """After the group's own checkpoint (if any) was loaded: its data reads on from its last
         step when that is newer (a restart)."""
-        self.resumed = checkpointer.start.found is not None
+        self.resumed = checkpointer.resumed
         if self.data is None:
             return
         ckpt = checkpointer.cfg
@@ -329,4 +332,7 @@ def join_replica_groups(
         return NoReplicaGroups()
     data = DataPosition(checkpointer.root, checkpointer.rank, checkpointer.rank_states["dataloader"])
     rank = checkpointer.rank
-    return ReplicaGroups(cfg, checkpointer.states, checkpointer.rank_states, device, data, log_folder, rank)
+    groups = ReplicaGroups(cfg, checkpointer.states, checkpointer.rank_states, device, data, log_folder, rank)
+    snapshots = getattr(checkpointer, "snapshots", None)
+    groups.before_heal = snapshots.wait_copied if snapshots is not None else None
+    return groups

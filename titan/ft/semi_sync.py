@@ -27,7 +27,8 @@ def fragment_fqns(model: nn.Module, cfg: FaultTolerance) -> list[list[str]]:
     if cfg.module_fqns_per_model_fragment:
         return cfg.module_fqns_per_model_fragment
     layers = model.get_submodule("layers")
-    units = [["tok_embeddings"], *[[f"layers.{k}"] for k in layers._modules], ["norm", "output"]]
+    # mtp: multi-token prediction's fusion parts (titan.models.mtp), beside the output head
+    units = [["tok_embeddings"], *[[f"layers.{k}"] for k in layers._modules], ["norm", "output", "mtp"]]
     units = [[n for n in u if _has(model, n)] for u in units]
     n = cfg.num_fragments
     if n > len(units):

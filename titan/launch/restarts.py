@@ -11,7 +11,9 @@ switch torchrun itself flips for a worker stuck in the kernel. Everything else (
 stop of the surviving ranks, the new worker group, multi-node agreement) stays torchrun's.
 
 Before each restart the cause goes to the ranks of the next attempt (``TITAN_RESTART_CAUSE``), so
-the run's goodput record names why the previous attempt ended even when its rank 0 was killed.
+the run's goodput record names why the previous attempt ended even when its rank 0 was killed,
+with when the failed rank's process ended and when this launcher noticed (its recovery's parts).
+The new ranks are warm standbys where possible (titan.launch.standby).
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from titan.launch.report import USER_ERROR_STATUS
+from titan.launch.standby import StandbyPool, rank_process, standbys_per_rank
+from titan.training.goodput import DETECTED_AT_ENV, FAILED_AT_ENV, RESTART_CAUSE_ENV
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-RESTART_CAUSE_ENV = "TITAN_RESTART_CAUSE"
 # torchrun's failures of one attempt, by global rank
 Failures = dict[int, "ProcessFailure"]
 
@@ -54,9 +58,10 @@ class RestartPolicy:
         # --local-ranks-filter), for the failed attempt being explained
         self.hidden_outputs: dict[int, str] = {}
 
-    def on_failure(self, failures: Failures, remaining: int) -> int:
-        """Called with a failed attempt's failures and the restarts left; returns the restarts
-        the agent may still do (0: end the job with this failure)."""
+    def on_failure(self, failures: Failures, remaining: int, failed_at: float = 0.0, detected_at: float = 0.0) -> int:
+        """Called with a failed attempt's failures and the restarts left (and when its first failed
+        process ended and when the agent saw it); returns the restarts the agent may still do (0:
+        end the job with this failure)."""
         for line in self.context(failures) if self.context else []:
             print(line, file=sys.stderr, flush=True)
         line, status = self.explain(failures)
@@ -80,6 +85,11 @@ class RestartPolicy:
             flush=True,
         )
         os.environ[RESTART_CAUSE_ENV] = line  # the next ranks' environment is a copy of ours
+        now = time.time()
+        os.environ[DETECTED_AT_ENV] = repr(detected_at or now)
+        # every failure so far (the last ones): a recovery may span restarts that failed again
+        ended = [t for t in os.environ.get(FAILED_AT_ENV, "").split(",") if t][-49:]
+        os.environ[FAILED_AT_ENV] = ",".join([*ended, repr(min(failed_at or now, detected_at or now))])
         return remaining
 
     def final_line(self, line: str) -> str:
@@ -102,15 +112,36 @@ def _hidden_outputs(pcontext: object, failures: Failures) -> dict[int, str]:
     return out
 
 
+def _one_node(handler: object) -> bool:
+    """Whether torchrun's rendezvous can only ever hold this one node (``--nnodes 1``)."""
+    return getattr(getattr(handler, "_settings", None), "max_nodes", None) == 1
+
+
 def _agent_class(policy: RestartPolicy) -> type:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.utils.distributed import get_free_port
 
     class TitanAgent(LocalElasticAgent):
+        def _rendezvous(self, worker_group):  # type: ignore[override]
+            # A job of one node restarts with the same ranks: a new rendezvous round would only
+            # cost time (torchrun's polls its store once a second). The new ranks' process group
+            # gets a new port.
+            if policy.restarts and worker_group.workers and _one_node(worker_group.spec.rdzv_handler):
+                worker_group.master_port = get_free_port()
+                return None
+            return super()._rendezvous(worker_group)  # type: ignore[call-arg]
+
         def _monitor_workers(self, worker_group):  # type: ignore[override]  # torchrun's, wrapped by its @prof
+            polled = time.time()  # torchrun polls first, then stops the other ranks of a failed attempt
             result = super()._monitor_workers(worker_group)  # type: ignore[call-arg]
             if result.is_failed():
                 policy.hidden_outputs = _hidden_outputs(self._pcontext, result.failures)
-                self._remaining_restarts = policy.on_failure(result.failures, self._remaining_restarts)
+                handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+                ended = [getattr(handlers.get(f.local_rank), "titan_exited_at", None) for f in result.failures.values()]
+                failed_at = min((t for t in ended if t), default=polled)
+                self._remaining_restarts = policy.on_failure(
+                    result.failures, self._remaining_restarts, failed_at, polled
+                )
             return result
 
     return TitanAgent
@@ -119,12 +150,22 @@ def _agent_class(policy: RestartPolicy) -> type:
 @contextlib.contextmanager
 def policy_installed(policy: RestartPolicy) -> Iterator[None]:
     """torchrun's ``launch_agent`` builds its agent from a name in its own module and takes no
-    agent class; for the length of one ``run`` in this (launcher) process that name is ours."""
+    agent class, and its process context starts each rank through a name in its module; for the
+    length of one ``run`` in this (launcher) process those names are ours (the agent with the
+    policy; ranks that note when they end and, with restarts, are warm standbys)."""
+    from torch.distributed.elastic.multiprocessing import api as processes
     from torch.distributed.launcher import api
 
     original = getattr(api, "LocalElasticAgent")  # noqa: B009 - a name the module uses, not one it exports
+    start = getattr(processes, "get_subprocess_handler")  # noqa: B009
+    per_rank = standbys_per_rank(policy.max_restarts)
+    pool = StandbyPool(per_rank=per_rank) if per_rank else None
     setattr(api, "LocalElasticAgent", _agent_class(policy))  # noqa: B010
+    setattr(processes, "get_subprocess_handler", rank_process(pool, start))  # noqa: B010
     try:
         yield
     finally:
         setattr(api, "LocalElasticAgent", original)  # noqa: B010
+        setattr(processes, "get_subprocess_handler", start)  # noqa: B010
+        if pool is not None:
+            pool.close()

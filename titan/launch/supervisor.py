@@ -36,6 +36,7 @@ from titan.launch.check import main as check_config
 from titan.launch.parent import LAUNCHER_PID_ENV
 from titan.launch.report import PEER_LOST_PHRASE, PEER_LOST_STATUS, USER_ERROR_STATUS
 from titan.launch.restarts import Failures, RestartPolicy, policy_installed
+from titan.launch.standby import is_rank
 from titan.training.checks import CHECKED_ENV
 
 if TYPE_CHECKING:
@@ -48,17 +49,19 @@ FORWARD = MappingProxyType(
 
 
 def child_pids(pid: int) -> list[int]:
-    """Live children of ``pid`` (the ranks: torchrun's agent runs in this process)."""
+    """Live children of ``pid`` (the ranks: torchrun's agent runs in this process), without the
+    warm standbys that are no rank yet (titan.launch.standby.is_rank)."""
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+                comm, rest = f.read().split("(", 1)[1].rsplit(")", 1)
+            fields = rest.split()
+        except (OSError, IndexError, ValueError):
             continue
-        if fields[0] != "Z" and int(fields[1]) == pid:
+        if fields[0] != "Z" and int(fields[1]) == pid and is_rank(int(entry), comm):
             out.append(int(entry))
     return out
 

@@ -277,6 +277,17 @@ def model_args_from_config(spec: ModelSpec, model_config: Any) -> Any:
     """A copy of the flavor's args with the [model] shape overrides applied, validated."""
     args = get_flavor(spec, model_config.flavor)
     overrides = {k: getattr(model_config, k) for k in SHAPE_OVERRIDES if getattr(model_config, k) is not None}
+    depth = getattr(model_config, "mtp_depth", 0) or 0
+    if depth and not hasattr(args, "mtp_depth"):
+        with_mtp = [
+            s.name for s in _REGISTRY.specs().values() if "mtp_depth" in getattr(s.args_cls, "__dataclass_fields__", {})
+        ]
+        raise TitanError(
+            f"config key 'model.mtp_depth' got {depth}; valid: 0 (model {spec.name} has no multi-token"
+            f" prediction modules; families with them: {', '.join(with_mtp)})"
+        )
+    if depth:
+        overrides["mtp_depth"] = depth
     for key, value in overrides.items():
         setattr(args, key, value)
     try:

@@ -221,6 +221,8 @@ class NoParallel(ParallelStyle):
         return output.to_local() if isinstance(output, DTensor) else output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # Said on the module for the memory estimate: its activations are whole on every TP rank.
+        setattr(module, "computed_whole_over_tp", True)  # noqa: B010 (nn.Module's __setattr__ types)
         return distribute_module(
             module,
             device_mesh,

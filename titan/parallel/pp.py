@@ -54,10 +54,19 @@ def schedule_class(name: str) -> type[_PipelineSchedule]:
     return get_schedule_class(name)
 
 
-def check_schedule_config(par: Parallelism) -> None:
+def check_schedule_config(par: Parallelism, evaluates: bool = False) -> None:
     """The schedule against torch's names and the CSV file on disk (run by
-    titan.training.checks.validate_job; the ranges are Parallelism.validate's)."""
+    titan.training.checks.validate_job; the ranges are Parallelism.validate's). ``evaluates``: the
+    run also runs the schedule's forward-only ``eval`` (validation)."""
     schedule_class(par.pipeline_parallel_schedule)
+    if evaluates and par.pipeline_parallel_degree > 1 and is_v_schedule(par.pipeline_parallel_schedule):
+        # torch 2.13's runtime hands a stage's input gradient to the adjacent stage on the same rank
+        # even in eval, which has no backward: the first validation fails with an AssertionError.
+        raise TitanError(
+            f"validation.enable with parallelism.pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r}:"
+            " torch 2.13's V-shaped schedules fail in eval (forward only); use Interleaved1F1B,"
+            " InterleavedZeroBubble or 1F1B, or set validation.enable = false"
+        )
     csv = par.pipeline_parallel_schedule_csv
     if csv and not os.path.isfile(csv):
         raise TitanError(f"config key 'parallelism.pipeline_parallel_schedule_csv' got {csv!r}: no such file")
@@ -187,6 +196,8 @@ def describe_stage(names: list[str]) -> str:
         pieces.append("output+loss")
     elif "norm" in names:
         pieces.append("norm")
+    if "mtp" in names:
+        pieces.append("multi-token prediction")
     return " + ".join(pieces)
 
 

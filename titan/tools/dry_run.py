@@ -12,10 +12,7 @@ stages are built one at a time, as the first rank of each stage.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -29,6 +26,7 @@ from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.log import init_logger
 from titan.parallel.dims import ParallelDims
+from titan.parallel.fake_world import fake_world
 from titan.training.build import BuiltModel, build_model
 from titan.training.checks import check_job
 from titan.training.loss import cross_entropy_sum
@@ -39,42 +37,43 @@ GIB = 1024**3
 _OPTIM_STATES = MappingProxyType({"adamw": 2, "adam": 2})
 
 
-def estimate_rank_memory(local_params: int, config: JobConfig, *, with_grads: bool = True) -> dict[str, float]:
+def estimate_rank_memory(local_params: int, config: JobConfig) -> dict[str, float]:
     """Model-state GiB on one rank from its own sharded parameter count: FSDP keeps the sharded
     parameters, gradients and optimizer states in float32."""
     states = _OPTIM_STATES.get(config.optimizer.name.lower(), 2)
-    out = {"params": local_params * 4 / GIB}
-    if with_grads:
-        out["grads"] = local_params * 4 / GIB
+    out = {"params": local_params * 4 / GIB, "grads": local_params * 4 / GIB}
     out["optim"] = local_params * 4 * states / GIB
     return out
 
 
 def estimate_shared_memory(config: JobConfig, degrees: dict[str, int], world: int) -> tuple[dict[str, float], str]:
-    """GiB every rank adds on top of its parameters and optimizer states, from titan/training/memory.py's
-    estimator (FSDP's gathered parameters; activations with the gradients accumulated by then),
-    and a note saying what the columns hold. Empty where the estimator does not model the layout."""
+    """Rank 0's GiB by category at its peak from titan/training/memory's estimator, and a note saying
+    what the columns hold. Empty for TP/PP/CP layouts (their estimate profiles the model at full
+    sequence, more than a dry run should take: scripts/estimate_memory.py gives it) and where the
+    estimator does not model a setting."""
     states = "params, optim: fp32 sharded parameters and AdamW states of each rank"
     if degrees["tp"] > 1 or degrees["pp"] > 1 or degrees["cp"] > 1:
-        return {}, states + "; grads: fp32 sharded; activations not estimated for TP/PP/CP layouts (add them on top)"
+        return {}, states + "; grads: fp32 sharded; activations: scripts/estimate_memory.py for TP/PP/CP layouts"
     from titan.training.memory import estimate_memory
 
     try:
         est = estimate_memory(config, world)
     except TitanError as e:  # a setting the estimator does not model: the plan itself is still valid
         return {}, states + f"; grads: fp32 sharded; activations not estimated ({e})"
+    c = est.categories
     extra = {
-        "gathered": est.gathered_param_bytes / GIB,
-        "act+grads": est.activation_bytes / GIB,
-        "step": est.step_extra_bytes / GIB,
+        "params": c["parameters"] / GIB,
+        "grads": c["gradients"] / GIB,
+        "optim": (c["optimizer_state"] + c["optimizer_aux"]) / GIB,
+        "comm": c["communication"] / GIB,
+        "act": (c["activations"] + c["loss"]) / GIB,
     }
     t = config.training
     return extra, (
-        states + "; gathered: FSDP's unsharded root + 2 blocks; act+grads: peak of a fake-tensor"
-        f" forward/backward at local batch {t.local_batch_size} x {t.seq_len} (activation checkpointing"
-        f" {config.activation_checkpoint.mode}) with the sharded gradients accumulated by then;"
-        f" step: what the optimizer step ({config.optimizer.implementation}) adds when its peak (all"
-        " gradients + temporaries) is above forward/backward's; not counted: allocator caching, NCCL buffers"
+        f"the estimator's categories at the rank's peak ({est.peak_moment}): params, optimizer state and"
+        f" temporaries; grads held; comm: FSDP's gathered parameters and reduce-scatter inputs; act:"
+        f" activations and the loss at local batch {t.local_batch_size} x {t.seq_len} (activation"
+        f" checkpointing {config.activation_checkpoint.mode}); not counted: allocator caching, NCCL buffers"
     )
 
 
@@ -97,32 +96,11 @@ class DryRunReport:
         return self.distinct_shard_params == self.model_params
 
 
-@contextlib.contextmanager
-def fake_world(rank: int, world_size: int) -> Iterator[None]:
-    """A fake process group as `rank` of `world_size`, with the torchrun env the Trainer reads."""
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise TitanError("job.dry_run must run in a plain process, not under torchrun (use python train.py)")
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size))
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _describe_stage(parts: list[nn.Module]) -> str:
     pieces = []
     for part in parts:
         layers = list(getattr(part, "layers", {}).keys())
-        ends = [n for n in ("tok_embeddings", "norm", "output") if getattr(part, n, None) is not None]
+        ends = [n for n in ("tok_embeddings", "norm", "output", "mtp") if getattr(part, n, None) is not None]
         span = f"layers {layers[0]}-{layers[-1]} ({len(layers)})" if len(layers) > 1 else "no layers"
         if len(layers) == 1:
             span = f"layer {layers[0]} (1)"
@@ -241,8 +219,8 @@ def run_dry_run(config: JobConfig) -> DryRunReport:
         per_rank = [a + b for a, b in zip(per_rank, built.counts)]
         distinct += built.distinct
     shared, note = estimate_shared_memory(config, degrees, world)
-    # The estimator's peak already holds the gradients: the grads column would count them twice.
-    memory = [estimate_rank_memory(n, config, with_grads=not shared) | shared for n in per_rank]
+    # The estimator's peak (rank 0's) stands for every rank of an FSDP layout; without it, model states.
+    memory = [shared or estimate_rank_memory(n, config) for n in per_rank]
     return DryRunReport(
         plan,
         world,

@@ -24,6 +24,7 @@ from titan.parallel.dims import ParallelDims
 from titan.parallel.float8 import apply_float8, register_float8_precompute
 from titan.parallel.fsdp import offload_init_device
 from titan.parallel.init import init_model_weights
+from titan.training.flops import mtp_output_flops_per_token
 from titan.training.lr_scheduler import build_lr_schedulers
 from titan.training.moe import register_moe_balancing
 from titan.training.optim import OptimizersContainer, build_optimizers, cast_params_for_optimizer
@@ -75,6 +76,7 @@ def build_model(
     hand_over_hidden(model, t.loss_chunk_tokens > 0, spec.name)
     cast_params_for_optimizer(model, config.optimizer)
     num_params, flops_per_token = spec.get_nparams_and_flops(model, t.seq_len)
+    flops_per_token += mtp_output_flops_per_token(model)
     logger.info(
         f"model {spec.name} {config.model.flavor}: {num_params:,} parameters,"
         f" {flops_per_token:,} training FLOPs/token at seq_len {t.seq_len}"

@@ -31,7 +31,7 @@ from titan.training.validation import load_job, validate_job
 if TYPE_CHECKING:
     from titan.training.plan import RunPlan
 
-__all__ = ["CHECKED_ENV", "check_checkpoint", "check_job", "checked_by_launcher", "load_job", "validate_job"]
+__all__ = ["CHECKED_ENV", "check_checkpoint", "check_job", "checked_by_launcher", "load_job", "replan", "validate_job"]
 
 # Set by titan's launcher for its ranks once check_job passed in the launcher for the same argv:
 # the ranks then skip the checks that only read files or the network (nothing checked twice).
@@ -97,6 +97,17 @@ def check_job(
         changed = check_checkpoint(config, spec, settled, vocab, dp_degree)
     if changed and plan is not None:
         check_run(config, plan.parallel_dims, settled, device_type)
+    return plan
+
+
+def replan(config: JobConfig, world_size: int, device_type: str, parallel_dims) -> RunPlan:  # a ParallelDims
+    """The checkpoint's values were merged into the config (checkpoint.config_mismatch =
+    use_checkpoint): check the merged config and plan it again. The layout stays: config_diff
+    merges no parallelism key, so the mesh built for it (``parallel_dims``) still holds."""
+    config.validate()
+    plan = check_job(config, world_size, device_type, once=False)
+    assert plan is not None  # a world size was given
+    plan.parallel_dims = parallel_dims
     return plan
 
 

@@ -9,8 +9,16 @@ MFU.
 from __future__ import annotations
 
 import re
+from typing import Any
 
-__all__ = ["PEAK_FLOPS", "get_float8_peak_flops", "get_peak_flops", "mfu", "transformer_flops_per_token"]
+__all__ = [
+    "PEAK_FLOPS",
+    "get_float8_peak_flops",
+    "get_peak_flops",
+    "mfu",
+    "mtp_output_flops_per_token",
+    "transformer_flops_per_token",
+]
 
 # (pattern matched against the device name, bf16 peak, float8 peak or None).
 # Order matters: more specific names first (H100 NVL/PCIe before the plain H100 = SXM;
@@ -92,3 +100,14 @@ def transformer_flops_per_token(num_params: int, n_layers: int, n_heads: int, he
     reports).
     """
     return 6 * num_params + 12 * n_layers * n_heads * head_dim * seq_len
+
+
+def mtp_output_flops_per_token(model: Any) -> int:
+    """What multi-token prediction (titan.models.mtp) adds beyond its parameters: the output
+    projection runs once more per depth, 6 x depth x its weights per token. The depths' blocks and
+    fusion parts are parameters of the model, which the family's count already takes (blocks past
+    n_layers included)."""
+    mtp, output = getattr(model, "mtp", None), getattr(model, "output", None)
+    if mtp is None or output is None:
+        return 0
+    return 6 * len(mtp) * output.weight.numel()

@@ -21,9 +21,15 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titan.models.documents import document_ids
 from titan.models.moe import aux_loss_scale
-from titan.training.loss import ScaledLoss, TokenLoss
+from titan.models.mtp import mtp_labels
+from titan.training.loss import IGNORE_INDEX, ScaledLoss, TokenLoss, mtp_loss_of
 
 __all__ = ["ModelForward"]
+
+
+def _mtp(loss: torch.Tensor) -> torch.Tensor | float:
+    mtp = mtp_loss_of(loss)
+    return 0.0 if mtp is None else mtp
 
 
 def _replicated(t: torch.Tensor) -> torch.Tensor:
@@ -57,6 +63,8 @@ class ModelForward:
         self.loss_parallel_enabled, self.amp, self.eos_id = loss_parallel_enabled, amp, eos_id
         self.pp_schedule, self.pp_loss, self.pp_group = pp_schedule, pp_loss, pp_group
         self.pp_has_first, self.pp_has_last = pp_has_first, pp_has_last
+        # The step's MTP losses (titan.models.mtp) as the loss returned them (x dp ranks / global tokens).
+        self._mtp_sum = torch.zeros((), device=device)
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.loss_parallel_enabled else contextlib.nullcontext()
@@ -71,17 +79,38 @@ class ModelForward:
     ) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its loss (token-loss sum over
         ``global_tokens``, detached). The backward pass sees it times ``dp_scale``."""
+        docs = self._doc_kwargs(inputs)
+        if self.loss.mtp_depth:  # each depth's labels beside the next-token ones: [B, 1 + depth, S]
+            labels = mtp_labels(labels, self.loss.mtp_depth, IGNORE_INDEX, docs.get("doc_ids"))
         if self.pp_schedule is not None:
             assert self.pp_loss is not None
             with self.pp_loss.scale(dp_scale / global_tokens), aux_loss_scale(dp_scale / global_tokens):
-                return self._pp_run(self.pp_schedule.step, inputs, labels) / dp_scale
-        # MoE balance losses reach the backward pass normalised like the token loss.
-        with self._loss_context(), aux_loss_scale(dp_scale / global_tokens):
-            # The loss inside autocast: the chunked loss applies the output projection itself.
-            with self.amp:
-                scaled = self.loss(self.parts[0](inputs, **self._doc_kwargs(inputs)), labels, dp_scale / global_tokens)
-            scaled.backward()
-        return _replicated(scaled.detach()) / dp_scale
+                loss = self._pp_run(self.pp_schedule.step, inputs, labels, docs) / dp_scale
+        else:
+            # MoE balance losses reach the backward pass normalised like the token loss.
+            with self._loss_context(), aux_loss_scale(dp_scale / global_tokens):
+                # The loss inside autocast: the chunked loss applies the output projection itself.
+                with self.amp:
+                    scaled = self.loss(self.parts[0](inputs, **docs), labels, dp_scale / global_tokens)
+                scaled.backward()
+            loss = _replicated(scaled.detach()) / dp_scale
+            self._mtp_sum += _mtp(scaled)
+        return loss
+
+    def mtp_log_tensors(self, log: bool, dims: Any) -> dict[str, torch.Tensor]:
+        """The trainer's hook after each step: {"mtp_loss": the step's MTP loss (the mean over
+        depths, unweighted), summed over the pipeline stages and dp x cp ranks} on log steps, {}
+        otherwise and without MTP; the step's sum restarts either way. ``dims``: ParallelDims."""
+        if not self.loss.mtp_depth:
+            return {}
+        total, self._mtp_sum = self._mtp_sum / (dims.dp_degree * dims.cp), torch.zeros((), device=self.device)
+        if not log:
+            return {}
+        dp_cp = dims.submesh("dp_cp")
+        for group in (self.pp_group, dp_cp.get_group() if dp_cp is not None else None):
+            if group is not None:  # only the last stage has it; dp x cp ranks saw other tokens
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return {"mtp_loss": total}
 
     def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Validation forward (titan/training/validator.py): the batch's summed token loss, on every pp stage."""
@@ -91,13 +120,15 @@ class ModelForward:
                 return _replicated(self.loss(out, labels, torch.ones((), device=self.device)))
         assert self.pp_loss is not None
         with self.pp_loss.scale(torch.ones((), device=self.device)):  # the schedule's loss then sums
-            return self._pp_run(self.pp_schedule.eval, inputs, labels)
+            return self._pp_run(self.pp_schedule.eval, inputs, labels, self._doc_kwargs(inputs))
 
-    def _pp_run(self, run: Callable[..., Any], inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _pp_run(
+        self, run: Callable[..., Any], inputs: torch.Tensor, labels: torch.Tensor, docs: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         """Drive one schedule call (step or eval). The last stage holds the losses; a sum over the
-        pp group hands their total to every stage (rank 0 logs it)."""
+        pp group hands their total to every stage (rank 0 logs it). ``docs``: the document ids
+        every stage builds its attention mask from."""
         targets, losses = (labels, []) if self.pp_has_last else (None, None)
-        docs = self._doc_kwargs(inputs)  # every stage builds its attention mask from them
         with self._loss_context(), self.amp:
             if self.pp_has_first:
                 run(inputs, target=targets, losses=losses, **docs)
@@ -106,5 +137,6 @@ class ModelForward:
         loss = torch.zeros((), device=self.device)
         for x in losses or ():  # the last stage: its micro-batches' losses, added in order
             loss = loss + _replicated(x.detach()).float()
+            self._mtp_sum += _mtp(x)  # training with MTP (TokenLoss)
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.pp_group)
         return loss

@@ -21,6 +21,16 @@ attempt had done already: it was after the checkpoint the run resumed from), ``c
 the work after the last step). Goodput = productive / wall, for the attempt and for the run so far
 (all attempts of the run: a new run starts at step 0 outside a restart; time between separate
 launches, e.g. a Slurm requeue waiting in the queue, is not the run's wall time).
+
+After a restart by the launcher the attempt also records its ``recovery``: from the failed
+attempt's last finished step to this attempt's first new one, in parts that add up to it:
+``detect`` (the failed rank's process ended -> the launcher saw it), ``restart`` (stopping the
+other ranks, rendezvous, the new rank processes: warm standbys or fresh interpreters), ``rejoin``
+(the new ranks' start-up without the state: config, process group, model, optimizer, data loader),
+``reload`` (the state: in-memory snapshot or disk checkpoint) and ``recompute`` (the step in flight
+when it failed, and every step done again). Rank 0 keeps a heartbeat
+(``goodput.heartbeat``: its last finished step, rewritten in place after each step) that tells the
+next attempt where the failed one really stood.
 """
 
 from __future__ import annotations
@@ -40,10 +50,19 @@ RECORD_FILE = "goodput.jsonl"
 FIGURES = ("productive", "restart", "startup", "recomputed", "checkpoint", "validation", "other")
 LOST = FIGURES[1:]
 RESTART_CAUSE_ENV = "TITAN_RESTART_CAUSE"  # set by titan.launch before it restarts the ranks
+FAILED_AT_ENV = "TITAN_FAILED_AT"  # ... with when each failed attempt's first rank process ended
+DETECTED_AT_ENV = "TITAN_FAILURE_SEEN_AT"  # ... and when the launcher saw it (epoch seconds)
+STARTED_AT_ENV = "TITAN_PROCESS_STARTED_AT"  # a warm standby's start as a rank (titan.launch.standby)
+HEARTBEAT_FILE = "goodput.heartbeat"
+RECOVERY = ("detect", "restart", "rejoin", "reload", "recompute")
+_HEARTBEAT_BYTES = 512
 
 
 def process_start_time() -> float:
-    """This process's start as epoch seconds (Linux /proc, to 10 ms), else now."""
+    """This process's start as a rank, as epoch seconds: a warm standby's assignment, else the
+    process's start (Linux /proc, to 10 ms), else now."""
+    if os.environ.get(STARTED_AT_ENV):
+        return float(os.environ[STARTED_AT_ENV])
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
@@ -72,6 +91,32 @@ def read_attempts(path: str) -> list[dict[str, Any]]:
             starts[key] = rec
         last[key] = {**starts.get(key, {}), **rec, "kind": rec.get("kind")}
     return [last[k] for k in sorted(last)]
+
+
+def read_heartbeat(folder: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(folder, HEARTBEAT_FILE)) as f:
+            return json.loads(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _env_time(name: str) -> float | None:
+    try:
+        return float(os.environ[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def _env_times(name: str) -> list[float]:
+    try:
+        return sorted(float(t) for t in os.environ.get(name, "").split(",") if t)
+    except ValueError:
+        return []
+
+
+def recovery_text(parts: dict[str, float]) -> str:
+    return ", ".join(f"{k} {parts[k]:.2f}" for k in RECOVERY) + f" = {sum(parts[k] for k in RECOVERY):.2f} s"
 
 
 def summary(figures: dict[str, float]) -> str:
@@ -121,9 +166,21 @@ class GoodputRecorder:
         self.run = (prev["run"] + (0 if continuing or step > 0 else 1)) if prev else 1
         earlier = [a for a in attempts if a["run"] == self.run]
         self.attempt = (earlier[-1]["attempt"] + 1) if earlier else 1
+        beat = read_heartbeat(config.job.dump_folder)
+        last_step_at = None  # the previous attempt's last finished step, from its heartbeat
+        if earlier and beat and (beat.get("run"), beat.get("attempt")) == (self.run, earlier[-1]["attempt"]):
+            last_step_at = float(beat.get("time", 0.0))
         if earlier and earlier[-1]["kind"] != "end":
-            earlier[-1] = self._close_killed(earlier[-1], continuing)
-        self.redo_until = max((a.get("step", 0) for a in earlier), default=0)
+            last = earlier[-1]
+            if last_step_at is not None and last_step_at > last.get("time", 0.0):
+                last = {**last, **(beat or {})}  # its figures up to its last finished step
+            earlier[-1] = self._close_killed(last, continuing)
+        # steps the earlier attempts finished: done again from here on, they count as recomputed
+        finished = [a.get("step", 0) for a in earlier[:-1]]
+        finished.append(
+            beat["step"] if beat and last_step_at is not None else earlier[-1].get("step", 0) if earlier else 0
+        )
+        self.redo_until = max(finished)
         self.run_before = {k: sum(a.get(k, 0.0) for a in earlier) for k in ("wall", *FIGURES)}
         self.start = min(earlier[-1]["time"], started) if continuing and earlier else started
         self.fig: dict[str, float] = dict.fromkeys(FIGURES, 0.0)
@@ -132,6 +189,20 @@ class GoodputRecorder:
         self._pending = 0.0  # checkpoint/validation time inside the current step
         self.first_step: float | None = None
         self.step, self.committed = step, -1
+        self._beat: int | None = None
+        self._recovered = False
+        self.recovery: dict[str, float] | None = None
+        seen = _env_time(DETECTED_AT_ENV)
+        since = last_step_at if last_step_at is not None else self.start
+        failed = [t for t in _env_times(FAILED_AT_ENV) if t >= since]
+        if continuing and earlier and failed and seen is not None:
+            # From the last finished step to this process's start, cut by the launcher's times: the
+            # step in flight, then detection of the last failure, the rest restarts (with any
+            # restarted attempt that failed again before its first step).
+            self.recovery = dict.fromkeys(RECOVERY, 0.0)
+            self.recovery["recompute"] = failed[0] - since
+            self.recovery["detect"] = max(seen - failed[-1], 0.0)
+            self.recovery["restart"] = max(started - since - self.recovery["recompute"] - self.recovery["detect"], 0.0)
         self._start_record = {
             "kind": "start",
             "time": self.start,
@@ -168,12 +239,17 @@ class GoodputRecorder:
             logger.warning(f"goodput: could not write {self.path}: {e}")
 
     # -------------------------------------------------------------- the loop's calls
-    def begin(self) -> None:
-        """Start-up is over: the first step comes next."""
+    def begin(self, reload_s: float = 0.0) -> None:
+        """Start-up is over: the first step comes next. ``reload_s``: the part of the start-up spent
+        loading the state (snapshot or checkpoint)."""
         if not self.active:
             return
-        self._write(self._start_record)
         now = self.now()
+        if self.recovery is not None:
+            self.recovery["reload"] = reload_s
+            self.recovery["rejoin"] = max(now - self._mark - self._pending - reload_s, 0.0)
+            self._start_record["recovery"] = dict(self.recovery)
+        self._write(self._start_record)
         self.fig["startup"] += now - self._mark - self._pending
         self._mark, self._pending = now, 0.0
 
@@ -195,14 +271,37 @@ class GoodputRecorder:
         if not self.active:
             return
         now = self.now()
-        self.fig["recomputed" if step <= self.redo_until else "productive"] += now - self._mark - self._pending
+        piece = now - self._mark - self._pending
+        redone = step <= self.redo_until
+        self.fig["recomputed" if redone else "productive"] += piece
+        if self.recovery is not None and not self._recovered:
+            if redone:
+                self.recovery["recompute"] += piece
+            else:  # the first new step: the recovery ended where it began
+                self._recovered = True
+                logger.info(
+                    f"goodput: recovered from attempt {self.attempt - 1}'s failure: {recovery_text(self.recovery)}"
+                )
         self._mark, self._pending = now, 0.0
+        self._heartbeat(step, now)
         if self.first_step is None:
             self.first_step = now
         new_commit = committed != self.committed
         self.step, self.committed = step, committed
         if new_commit or self.metrics is None or self.metrics.should_log(step):
             self._write(self._record("progress", now))
+
+    def _heartbeat(self, step: int, now: float) -> None:
+        """This attempt's last finished step, rewritten in place (one small write, no new file)."""
+        try:
+            if self._beat is None:
+                self._beat = os.open(
+                    os.path.join(os.path.dirname(self.path) or ".", HEARTBEAT_FILE), os.O_WRONLY | os.O_CREAT, 0o644
+                )
+            record = {"run": self.run, "attempt": self.attempt, "step": step, "time": now, **self.figures(now)}
+            os.pwrite(self._beat, json.dumps(record).ljust(_HEARTBEAT_BYTES).encode(), 0)
+        except OSError:
+            pass
 
     def figures(self, now: float) -> dict[str, float]:
         fig = dict(self.fig)
@@ -217,6 +316,7 @@ class GoodputRecorder:
             "committed": self.committed,
             "first_step": self.first_step,
             **self.figures(now),
+            **({"recovery": dict(self.recovery)} if self.recovery is not None else {}),
             **({"replica_group": dataclasses.asdict(self.replicas)} if self.replicas is not None else {}),
         }
 

@@ -36,12 +36,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
+
+from titan.config.job_config import JobConfig
+from titan.models.mtp import mtp_depth
 
 IGNORE_INDEX = -100
 
@@ -91,23 +95,58 @@ class TokenLoss:
     ``bind(parts)`` must have found the output projection (the model parts must have been built
     with ``loss_owns_output``). ``ce``: the cross entropy of one logits block (the full logits or a
     chunk), e.g. ``cross_entropy_sum`` compiled.
+
+    Multi-token prediction (``mtp_depth`` > 0, titan.models.mtp): ``out`` holds the main rows and
+    then each depth's on the batch dim and ``labels`` are [B, 1 + depth, S] (``mtp_labels``). The
+    backward pass gets scale x (main + ``mtp_weight`` x the mean over depths of each depth's sum);
+    the returned value is the main loss alone (the MTP part enters as ``x - x.detach()``), so the
+    logged and validated loss keeps its meaning, and carries the scaled MTP mean (detached) as its
+    attribute ``mtp_loss``: a pipeline schedule keeps the loss tensors of its micro-batches, and
+    only those (torch's first step also calls the loss on the uninitialized outputs of its shape
+    inference). Plain [B, S] labels (evaluation) score the main rows only.
     """
 
-    def __init__(self, chunk_tokens: int = 0, ce: LossFn = cross_entropy_sum) -> None:
+    def __init__(
+        self, chunk_tokens: int = 0, ce: LossFn = cross_entropy_sum, mtp_depth: int = 0, mtp_weight: float = 0.0
+    ) -> None:
         self.chunk_tokens, self.ce = chunk_tokens, ce
         self.output: nn.Module | None = None
+        self.mtp_depth, self.mtp_weight = mtp_depth, mtp_weight
 
     def bind(self, parts: list[nn.Module]) -> None:
         self.output = output_module(parts) if self.chunk_tokens > 0 else None
 
     def __call__(self, out: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        segments = list(labels.unbind(1)) if labels.dim() == 3 else [labels]
+        if not torch.is_grad_enabled():
+            segments = segments[:1]
+        rows = labels.shape[0]
+        if out.shape[0] != rows * len(segments):  # rows of MTP depths this call does not score
+            out = out[: rows * len(segments)]
+        weights = [1.0] + [self.mtp_weight / max(len(segments) - 1, 1)] * (len(segments) - 1)
         if self.chunk_tokens <= 0:
-            return self.ce(out, labels) * scale
-        if self.output is None:
+            losses = [self.ce(out[k * rows : (k + 1) * rows], y) for k, y in enumerate(segments)]
+        elif self.output is None:
             raise RuntimeError("chunked loss called before bind(model_parts) found the output projection")
-        return self._chunked(self.output, out, labels, scale)
+        else:
+            return self._chunked(self.output, out, segments, weights, scale)
+        main = losses[0] * scale
+        if len(losses) == 1:
+            return main
+        mtp = sum(losses[1:]) * (scale / (len(losses) - 1))
+        weighted = mtp * self.mtp_weight
+        return _with_mtp(main + (weighted - weighted.detach()), mtp)
 
-    def _chunked(self, output: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor):
+    def _chunked(
+        self,
+        output: nn.Module,
+        hidden: torch.Tensor,
+        segments: list[torch.Tensor],
+        weights: list[float],
+        scale: torch.Tensor,
+    ):
+        """Chunks never straddle two segments (the main rows, then each MTP depth's): a chunk's
+        gradient is taken at its segment's weight."""
         train = torch.is_grad_enabled() and hidden.requires_grad
         h = hidden.detach()
         if isinstance(h, DTensor):
@@ -115,42 +154,45 @@ class TokenLoss:
             # output projection's own input hook would gather it); hidden x dim, not x vocab.
             h = h.redistribute(placements=[Replicate()] * h.device_mesh.ndim)
         shape = h.shape
-        h, y = h.flatten(0, 1), labels.flatten(0, 1)
-        n, step = h.shape[0], self.chunk_tokens
-        starts = list(range(0, n, step))
+        h, y = h.flatten(0, 1), torch.cat([seg.flatten() for seg in segments])
+        n, step = segments[0].numel(), self.chunk_tokens
+        chunks = [
+            (k, s, min(s + step, (k + 1) * n)) for k in range(len(segments)) for s in range(k * n, (k + 1) * n, step)
+        ]
         fsdp = isinstance(output, FSDPModule) and train
-        total = torch.zeros((), dtype=torch.float32, device=labels.device)
+        totals = [torch.zeros((), dtype=torch.float32, device=y.device) for _ in segments]
         grad: torch.Tensor | None = None
         placements = None
         params = [p for p in output.parameters() if p.requires_grad]
         param_grads: list[torch.Tensor] | None = None
-        with self._fsdp_once(output, fsdp, last=len(starts) - 1) as before_chunk:
-            for i, s in enumerate(starts):
+        with self._fsdp_once(output, fsdp, last=len(chunks) - 1) as before_chunk:
+            for i, (k, s, e) in enumerate(chunks):
                 before_chunk(i)
-                chunk = h[s : s + step].unsqueeze(0)
+                chunk = h[s:e].unsqueeze(0)
                 if not train:
-                    total = total + _local(self.ce(output(chunk), y[s : s + step].unsqueeze(0)))
+                    totals[k] = totals[k] + _local(self.ce(output(chunk), y[s:e].unsqueeze(0)))
                     continue
                 chunk = chunk.detach().requires_grad_(True)
-                loss = self.ce(output(chunk), y[s : s + step].unsqueeze(0))
+                loss = self.ce(output(chunk), y[s:e].unsqueeze(0))
+                weighted = loss * (scale * weights[k]) if weights[k] != 1.0 else loss * scale
                 if fsdp:  # the weight's gradient through FSDP's hooks, reduce-scattered after the last chunk
-                    (loss * scale).backward()
+                    weighted.backward()
                     g = chunk.grad
                 else:  # kept here, handed over in the model's backward (DDP's hooks fire once)
-                    g, *pg = torch.autograd.grad(loss * scale, [chunk, *params])
+                    g, *pg = torch.autograd.grad(weighted, [chunk, *params])
                     param_grads = pg if param_grads is None else [a.add_(b) for a, b in zip(param_grads, pg)]
-                total = total + _local(loss.detach())
+                totals[k] = totals[k] + _local(loss.detach())
                 assert g is not None
                 if isinstance(g, DTensor):
                     placements = g.placements  # Partial over tp: each rank's vocab shard's share
                     g = g.to_local()
                 if grad is None:
-                    grad = torch.empty((n, g.shape[-1]), dtype=g.dtype, device=g.device)
-                grad[s : s + step] = g.squeeze(0)
+                    grad = torch.empty((h.shape[0], g.shape[-1]), dtype=g.dtype, device=g.device)
+                grad[s:e] = g.squeeze(0)
         if not train:
             if isinstance(output, FSDPModule):
                 output.reshard()  # evaluation keeps nothing gathered
-            return total * scale
+            return totals[0] * scale
         assert grad is not None
         full = grad.view(shape)
         if isinstance(hidden, DTensor):
@@ -158,9 +200,11 @@ class TokenLoss:
             mesh = hidden.device_mesh
             full = DTensor.from_local(full, mesh, placements, run_check=False).redistribute(mesh, hidden.placements)
         if fsdp:
-            return _HiddenGrad.apply(total * scale, [full], hidden)
-        assert param_grads is not None
-        return _HiddenGrad.apply(total * scale, [full, *param_grads], hidden, *params)
+            loss = _HiddenGrad.apply(totals[0] * scale, [full], hidden)
+        else:
+            assert param_grads is not None
+            loss = _HiddenGrad.apply(totals[0] * scale, [full, *param_grads], hidden, *params)
+        return _with_mtp(loss, sum(totals[1:]) * (scale / (len(totals) - 1))) if len(totals) > 1 else loss
 
     @staticmethod
     @contextlib.contextmanager
@@ -186,9 +230,27 @@ class TokenLoss:
             output.set_requires_gradient_sync(True, recurse=False)
 
 
+def _with_mtp(loss: torch.Tensor, mtp: torch.Tensor) -> torch.Tensor:
+    """``loss`` carrying the call's scaled MTP loss as ``loss.mtp_loss`` (TokenLoss)."""
+    loss.mtp_loss = _local(mtp.detach()).float()  # type: ignore[attr-defined]
+    return loss
+
+
+def mtp_loss_of(loss: torch.Tensor) -> torch.Tensor | None:
+    """The scaled MTP loss a TokenLoss call's result carries (None without MTP)."""
+    return getattr(loss, "mtp_loss", None)
+
+
 def _local(loss: torch.Tensor) -> torch.Tensor:
     """A loss computed under loss parallel is a replicated DTensor: its local value is the value."""
     return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def token_loss(config: JobConfig, model_args: Any, ce: LossFn = cross_entropy_sum) -> TokenLoss:
+    """The run's loss: full or chunked logits (training.loss_chunk_tokens) and the model's MTP depths
+    with training.mtp_loss_weight."""
+    t = config.training
+    return TokenLoss(t.loss_chunk_tokens, ce, mtp_depth(model_args), t.mtp_loss_weight)
 
 
 class ScaledLoss:

@@ -19,6 +19,7 @@ from titan.data import build_tokenizer, check_data
 from titan.errors import TitanError
 from titan.log import logger
 from titan.models import ModelSpec, get_model_spec, model_args_from_config
+from titan.models.mtp import mtp_depth, mtp_stage_modules
 from titan.parallel.dims import ParallelDims, check_layout
 from titan.parallel.float8 import check_float8_grouped_mm
 from titan.parallel.fsdp import check_cpu_offload
@@ -135,6 +136,7 @@ def check_run(config: JobConfig, dims: ParallelDims, model_args: Any, device_typ
     if family_check is not None:  # the layouts a family cannot run, said by its args (before any process group)
         family_check(dims.tp, dims.cp)
     check_routing_bias_export(config.checkpoint, model_args)
+    check_mtp(model_args, dims.cp, config.training.seq_len)
     if config.profiling.enable_memory_snapshot and device_type != "cuda":
         raise TitanError(
             "profiling.enable_memory_snapshot needs CUDA (it records the CUDA caching allocator's"
@@ -144,6 +146,19 @@ def check_run(config: JobConfig, dims: ParallelDims, model_args: Any, device_typ
         check_cpu_offload(dims.fsdp_enabled, config.float8, config.training.nonfinite, device_type)
     check_step_in_backward(config.optimizer, config.training, dims)
     check_qk_clip(config, dims)
+
+
+def check_mtp(model_args: Any, cp: int, seq_len: int) -> None:
+    """Multi-token prediction shifts tokens and labels along the whole window (titan.models.mtp):
+    not across context-parallel shards, and by less than the window."""
+    depth = mtp_depth(model_args)
+    if depth and cp > 1:
+        raise TitanError(
+            f"model.mtp_depth = {depth} shifts tokens along the whole window, which context parallelism"
+            f" splits: set parallelism.context_parallel_degree to 1 (got {cp}) or model.mtp_depth to 0"
+        )
+    if depth >= seq_len:
+        raise TitanError(f"config key 'model.mtp_depth' got {depth}; valid: 0 .. training.seq_len - 1 ({seq_len - 1})")
 
 
 def grad_accumulation_steps(config: JobConfig, dp_degree: int) -> int:
@@ -234,6 +249,7 @@ def _model_plan(config: JobConfig, dims: ParallelDims, model_args: Any) -> Model
         stages = split_modules(n, dims.pp, config.parallelism)
     else:
         stages = [[*FIRST_MODULES, *(f"layers.{i}" for i in range(n)), *LAST_MODULES]]
+    stages = mtp_stage_modules(stages, model_args)
     c = config.compile
     return ModelPlan(
         stages=tuple(tuple(s) for s in stages),

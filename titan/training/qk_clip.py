@@ -29,6 +29,7 @@ from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.models.llama.model import Attention
 from titan.models.max_logits import RowScale
+from titan.models.mtp import mtp_depth
 from titan.parallel.dims import ParallelDims
 from titan.training.metrics import FILES_ONLY_PREFIXES
 
@@ -123,18 +124,23 @@ class QKClip:
         self.modules = attention_modules(parts)
         args = getattr(parts[0], "model_args", None)
         # SDPA under context parallelism is ring attention on sharded q/k/v: no logits to take
-        # (check_qk_clip refuses clipping there; the metric is left out).
-        self.enabled = bool(self.modules) and args is not None and not (dims.cp_enabled and attn_type != "flex")
+        # (check_qk_clip refuses clipping there; the metric is left out). Decided by the config and
+        # the model alone, never by this rank's modules: the table's all-reduce takes every rank, and
+        # a pipeline stage may hold no attention (Qwen3.5's linear-attention blocks, an embedding stage).
+        self.enabled = args is not None and not (dims.cp_enabled and attn_type != "flex")
         self._tracking = False
         self._table: torch.Tensor | None = None
         self._clipped = torch.zeros((), dtype=torch.int64, device=device)
         self._rows: dict[int, torch.Tensor | None] = {}  # id(parameter) -> its local_rows
+        # The job's world, not the default group's: a job may run on fewer processes than a group
+        # that is already up (a one-process run inside a test's or a tool's larger group).
+        self._world = dims.world_size
         if not self.enabled:
             return
         assert args is not None
         tp = dims.submesh("tp")
         tp_size, tp_rank = (1, 0) if tp is None else (tp.size(), tp.get_local_rank())
-        self.shape = (args.n_layers, args.n_heads)
+        self.shape = (args.n_layers + mtp_depth(args), args.n_heads)  # multi-token prediction's blocks last
         self.slots = []  # (layer, first column, module): this rank's heads in the table
         for m in self.modules:
             heads = m.n_heads // tp_size
@@ -162,7 +168,7 @@ class QKClip:
             kernel = m.inner_attention
             table[layer, col : col + kernel.max_logits.numel()] = kernel.max_logits
             kernel.reset_max_logits()
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if self._world > 1:
             dist.all_reduce(table, op=dist.ReduceOp.MAX)
         self._table = table
         if self.threshold is None:

@@ -2,8 +2,9 @@
 
 The table answers the questions a run's first screen should: which devices and how many, how
 the ranks are laid out, how large the model is (parameters, their memory, FLOPs per token), the
-peak FLOP/s that MFU divides by and where that number comes from, and whether the memory estimate
-fits the device.
+peak FLOP/s that MFU divides by and where that number comes from, whether the memory estimate
+fits the device (not estimated again after a restart: seconds of fake steps a restart would wait
+for), and how often in-memory snapshots are taken and the host memory they take.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ def _peak_text(peak_flops: float | None, device_name: str, device: torch.device,
 def _memory_text(config: JobConfig, world_size: int, capacity: float | None, what: str) -> str:
     from titan.training.memory import estimate_memory
 
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart not in ("", "0"):  # seconds of fake forward/backward that a restart would wait for
+        return f"as in the first attempt's table (not estimated again on restart {restart})"
+
     try:
         estimate = estimate_memory(config, world_size).total_bytes
     except Exception as e:  # the estimate informs; training does not depend on it
@@ -85,9 +90,11 @@ def _loss_text(config: JobConfig, model_parts: list[nn.Module]) -> str:
     weight = getattr(output, "weight", None)
     vocab = f"{weight.shape[0]:,} vocabulary rows" if weight is not None else "output on another pipeline stage"
     tokens = t.local_batch_size * t.seq_len
+    depth = config.model.mtp_depth
+    mtp = f"; + multi-token prediction, {depth} depth(s) at weight {t.mtp_loss_weight}" if depth else ""
     if t.loss_chunk_tokens > 0:
-        return f"output + cross entropy by chunks of {t.loss_chunk_tokens:,} tokens ({vocab})"
-    return f"full logits, {tokens:,} tokens per micro-batch ({vocab})"
+        return f"output + cross entropy by chunks of {t.loss_chunk_tokens:,} tokens ({vocab}){mtp}"
+    return f"full logits, {tokens:,} tokens per micro-batch ({vocab}){mtp}"
 
 
 def summary_rows(
@@ -100,6 +107,7 @@ def summary_rows(
     flops_per_token: int,
     peak_flops: float | None,
     float8: bool,
+    snapshots: str = "",
 ) -> list[tuple[str, str]]:
     """The rows of the start-up table, as (what, value) text."""
     pd = parallel_dims
@@ -119,6 +127,7 @@ def summary_rows(
         ("FLOPs per token", f"{flops_per_token:,} (forward + backward at seq_len {config.training.seq_len})"),
         ("peak FLOP/s for MFU", _peak_text(peak_flops, name, device, float8)),
         ("memory estimate", _memory_text(config, pd.world_size, capacity, capacity_what)),
+        *([("in-memory snapshots", snapshots)] if snapshots else []),
     ]
 
 

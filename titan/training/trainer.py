@@ -27,16 +27,16 @@ from titan.parallel.cp import cp_shard_batch
 from titan.parallel.fsdp import DTYPES
 from titan.parallel.utils import init_distributed, pick_device, set_seed, world_info
 from titan.training.build import build_loader, build_model, build_optimizers_and_schedulers, init_weights
-from titan.training.checks import check_job, checked_by_launcher
+from titan.training.checks import check_job, checked_by_launcher, replan
 from titan.training.determinism import DeterministicMode
 from titan.training.forward import ModelForward
 from titan.training.gc_handler import GarbageCollection
 from titan.training.goodput import GoodputRecorder
-from titan.training.loss import IGNORE_INDEX, ScaledLoss, TokenLoss, cross_entropy_sum
+from titan.training.loss import IGNORE_INDEX, ScaledLoss, cross_entropy_sum, token_loss
 from titan.training.metrics import MetricsProcessor
 from titan.training.moe import MoEMonitor
 from titan.training.nonfinite import UpdateMask
-from titan.training.plan import RunPlan, check_run
+from titan.training.plan import check_run
 from titan.training.profiling import Profiler
 from titan.training.stability import StabilityMonitor, StepResult, param_norm
 from titan.training.startup import log_summary, summary_rows
@@ -72,7 +72,7 @@ class Trainer:
         # and settle its config against this one (may change config: checkpoint.config_mismatch).
         self.run_start = prepare_run(config, self.rank, world_size, self.parallel_dims.dp_degree)
         if self.run_start.config_diff and config.checkpoint.config_mismatch == "use_checkpoint":
-            self.plan = self._replan(world_size)
+            self.plan = replan(self.config, world_size, self.device.type, self.parallel_dims)
             self.grad_accum_steps = self.plan.grad_accum_steps
         plan, tokenizer = self.plan, self.plan.tokenizer
         self.stability = StabilityMonitor(
@@ -88,7 +88,7 @@ class Trainer:
         ):
             check_run(config, self.parallel_dims, plan.model_args, self.device.type)
         ce = build_loss_fn(cross_entropy_sum, config.compile.enable and "loss" in config.compile.components)
-        self.loss_fn = TokenLoss(t.loss_chunk_tokens, ce)  # full logits, or output + loss by chunks
+        self.loss_fn = token_loss(config, plan.model_args, ce)  # full logits or by chunks; MTP depths
         pp_loss = ScaledLoss(self.loss_fn)
         built = build_model(config, plan, self.parallel_dims, self.device, pp_loss)
         self.model_parts, self.pp_schedule, self.float8_fqns = built.parts, built.pp_schedule, built.float8_fqns
@@ -191,19 +191,10 @@ class Trainer:
                     flops_per_token=self.flops_per_token,
                     peak_flops=self.metrics.peak_flops,
                     float8=bool(self.float8_fqns),
+                    snapshots=self.checkpointer.snapshots_text,
                 )
             )
             logger.info(f"merged config saved to {save_config(config)} (repeat the run with --job.config_file)")
-
-    def _replan(self, world_size: int) -> RunPlan:
-        """The checkpoint's values were merged into the config (checkpoint.config_mismatch =
-        use_checkpoint): check the merged config and plan it again. The layout stays: config_diff
-        merges no parallelism key, so the mesh built for it still holds."""
-        self.config.validate()
-        plan = check_job(self.config, world_size, self.device.type, once=False)
-        assert plan is not None  # a world size was given
-        plan.parallel_dims = self.parallel_dims  # the same degrees, with the mesh built for them
-        return plan
 
     @property
     def step(self) -> int:
@@ -291,6 +282,7 @@ class Trainer:
             self.optimizers.step()
         self.lr_schedulers.step()
         extra.update(self.moe_monitor.log_tensors() | self.qk_clip.log_tensors() if logs else {})
+        extra.update(self.forward.mtp_log_tensors(logs, self.parallel_dims))
         # CP ranks hold the loss of their sequence shard: the total sums over dp x cp (logged steps only).
         dp_cp = self.parallel_dims.submesh("dp_cp")
         if dp_cp is not None and logs:
@@ -336,7 +328,6 @@ class Trainer:
             return losses
         self.metrics.reset(self.step)
         self.checkpointer.install_signal_handlers()
-        preempted = False
         profiler = Profiler(
             self.config.profiling,
             dump_folder=self.config.job.dump_folder,
@@ -344,8 +335,8 @@ class Trainer:
             device=self.device,
             start_step=self.step,
         )
-        first_step = True
-        self.goodput.begin()
+        first_step, preempted = True, False
+        self.goodput.begin(self.checkpointer.load_seconds)
         while self.step < t.steps:
             microbatches = self.next_microbatches()
             if microbatches is None:
@@ -357,11 +348,16 @@ class Trainer:
             self._checkpoint_timed(self.checkpointer.wait_for_staging)
             result = self.train_step(microbatches)
             self.train_state.tokens_seen += sum(lab.numel() for _, lab in microbatches) * self.parallel_dims.dp_degree
+            values = None
             if self.metrics.should_log(self.step):
                 # The step's one host read: logged values and the non-finite record (may raise).
                 values = self.stability.read(self.step, result.loss, result.grad_norm, result.extra)
                 losses[self.step] = values.loss
                 self.moe_monitor.check(self.step, values.extra)
+            self.goodput.step_done(self.step, self.checkpointer.last_saved_step)
+            # The step's interval save comes before its line, which shows the save's seconds.
+            self._checkpoint_timed(self.checkpointer.save_if_due, self.step, may_save=True)
+            if values is not None:
                 self.metrics.log(
                     self.step,
                     loss=values.loss,
@@ -378,8 +374,7 @@ class Trainer:
             if first_step:  # start-up is over: from now on a hang should fail fast
                 set_pg_timeouts(self.config.comm.train_timeout_seconds, self.parallel_dims, self.device)
                 first_step = False
-            self.goodput.step_done(self.step, self.checkpointer.last_saved_step)
-            if self._checkpoint_timed(self.checkpointer.after_step, self.step, may_save=True):
+            if self._checkpoint_timed(self.checkpointer.after_step, self.step):  # a signal; the snapshot
                 preempted = True
                 break
         profiler.close()

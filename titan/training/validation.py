@@ -16,7 +16,7 @@ def validate_job(config: JobConfig) -> None:
     from titan.training.optim import validate_optimizer_config
 
     validate_optimizer_config(config.optimizer)
-    check_schedule_config(config.parallelism)
+    check_schedule_config(config.parallelism, evaluates=config.validation.enable)
     model_args_from_config(get_model_spec(config.model.name), config.model)
 
 

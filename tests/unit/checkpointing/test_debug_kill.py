@@ -29,11 +29,12 @@ def test_debug_kill_hook():
 def test_debug_kill_at_one_attempt_only(monkeypatch):
     """``@attemptA``: only torchrun's restart A fails, so a restarted run can get past the point."""
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert DebugKill("error:step=3@attempt0").point is None
+    assert not DebugKill("error:step=3@attempt0").here()
+    DebugKill("error:step=3@attempt0")("step", 3)  # another attempt's point: nothing
     with pytest.raises(TitanError, match="injected failure after step 3"):
         DebugKill("error:step=3@attempt1")("step", 3)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")  # not under torchrun: the first attempt
-    assert DebugKill("step=3@rank0@attempt0").point == "step"
+    assert DebugKill("step=3@rank0@attempt0").here()
 
 
 def test_points_that_pause_or_interrupt():
@@ -70,4 +71,5 @@ def test_train_subprocess_is_killed_at_the_step_point(tmp_path):
     )
     assert rc == -signal.SIGKILL and sorted(steps) == [1, 2], text[-3000:]
     assert "TITAN_DEBUG_KILL_AT: SIGKILL at step of step 2" in text
-    assert not (tmp_path / "checkpoint" / "step-2").exists()  # killed before its save
+    # the point comes after the step's interval save and its line, before the next step
+    assert (tmp_path / "checkpoint" / "step-2").is_dir() and not (tmp_path / "checkpoint" / "step-3").exists()

@@ -10,66 +10,38 @@ a fresh single-threaded process (forking pytest itself, after earlier tests star
 threads, can deadlock the child).
 """
 
-import logging
-import os
 import random
 import re
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.distributed import forkserver
-from tests.helpers.runs import STEP_RE, TINY_CKPT
+from tests.helpers.runs import SMALL_MODEL, STEP_RE, TINY_CKPT, train_in_child
 from titan.checkpointing.folders import scan
 from titan.checkpointing.manifest import verify
 
 pytestmark = pytest.mark.slow
 STEPS = 14
-# a 2-layer, dim-64 debug model: small checkpoints, fast steps
 ARGS = [
     *TINY_CKPT,
-    "--model.dim",
-    "64",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
+    *SMALL_MODEL,
     "--training.steps",
     str(STEPS),
     "--checkpoint.interval",
     "2",
     "--checkpoint.async_mode",
     "async",
+    # the disk checkpoints under test: a restart would take the newer in-memory snapshot
+    "--checkpoint.memory_interval",
+    "0",
 ]
 RESUMED = re.compile(r"resumed from (\S+): step (\d+)")
 
 
 def _train(folder: str, log: str, kill_at: str) -> None:
-    code = 1
-    try:
-        out = open(log, "a", buffering=1)
-        sys.stdout = sys.stderr = out
-        for h in logging.getLogger("titan").handlers:
-            if isinstance(h, logging.StreamHandler):
-                h.setStream(out)
-        os.environ.pop("TITAN_DEBUG_KILL_AT", None)
-        import train
-        from tests.helpers.debug_kill import DebugKill, install
-
-        install(DebugKill(kill_at))  # in this forked child only
-
-        code = train.main([*ARGS, "--job.dump_folder", folder])
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        os._exit(code)
+    train_in_child([*ARGS, "--job.dump_folder", folder], log, kill_at)
 
 
 def _run(ctx, folder: Path, log: Path, kill_at: str = "", timeout: float = 300) -> int:

@@ -43,13 +43,25 @@ def test_round_trip_is_bitwise_through_memory_files_and_dcp(tmp_path, tied):
     assert json.loads((tmp_path / "hf_bf16/config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
+def test_an_absent_llama_field_takes_transformers_default():
+    import dataclasses
+
+    from transformers import LlamaConfig
+
+    from titan.models.llama.hf_config import LLAMA_DEFAULTS
+
+    declared = {f.name: f.default for f in dataclasses.fields(LlamaConfig)}
+    assert {k: declared[k] for k in LLAMA_DEFAULTS} == dict(LLAMA_DEFAULTS)
+    assert hf_config_to_args({"model_type": "llama"}) == hf_config_to_args(LlamaConfig().to_dict())
+
+
 def test_config_round_trip_for_published_flavors():
     spec = get_model_spec("llama3")
     assert spec.state_dict_adapter.to_hf is to_hf
     for flavor in ("8B", "70B", "405B"):
         args = spec.flavors[flavor]
         cfg = args_to_hf_config(args)
-        assert cfg["rope_scaling"]["rope_type"] == "llama3"
+        assert cfg["rope_parameters"]["rope_type"] == "llama3"
         back = hf_config_to_args(cfg)
         assert ffn_hidden_dim(back) == ffn_hidden_dim(args) == cfg["intermediate_size"]
         for f in (
@@ -98,7 +110,7 @@ def test_bad_hf_folders_give_clear_errors(tmp_path):
     with pytest.raises(TitanError, match="no model.safetensors"):
         load_hf(tmp_path)
     cfg = args_to_hf_config(small_args()) | {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}
-    with pytest.raises(TitanError, match="rope type 'yarn'"):
+    with pytest.raises(TitanError, match="rope_scaling.rope_type = 'yarn' is not supported"):
         hf_config_to_args(cfg)
     with pytest.raises(TitanError, match="attention_bias"):
         hf_config_to_args(args_to_hf_config(small_args()) | {"attention_bias": True})
@@ -110,6 +122,22 @@ def test_bad_hf_folders_give_clear_errors(tmp_path):
         export_dcp_to_hf(tmp_path / "dcp", tmp_path / "out", small_args(n_layers=3))
     with pytest.raises(TitanError, match="not empty"):
         save_model_dcp(sd, small_args(), tmp_path / "dcp")
+
+
+def test_from_hf_writes_nothing_for_a_folder_whose_tensors_contradict_config_json(tmp_path, capsys):
+    """config.json without hidden_size means transformers' 4096: the script says so in one line,
+    exits 1 and leaves no DCP folder (every family and field: tests/unit/models/test_hf_config_sweep.py)."""
+    from scripts.convert_hf import main
+
+    save_hf(random_model(small_args()).state_dict(), small_args(), tmp_path / "hf")
+    config = json.loads((tmp_path / "hf/config.json").read_text())
+    for key in ("hidden_size", "head_dim"):
+        del config[key]
+    (tmp_path / "hf/config.json").write_text(json.dumps(config))
+    assert main(["from_hf", str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "does not fit the model config.json describes" in err and "\n" not in err and not (tmp_path / "dcp").exists()
+    assert not list(tmp_path.glob(".dcp*"))
 
 
 @pytest.mark.slow

@@ -73,5 +73,6 @@ def test_hub_download_folder_with_original_tokenizer_model(tmp_path) -> None:
     )
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(TitanError, match="has no tokenizer.json, tokenizer.model or original/tokenizer.model"):
+    files = "tokenizer.json, tokenizer.model, original/tokenizer.model or tiktoken.model"
+    with pytest.raises(TitanError, match=f"has no {files}"):
         build_tokenizer(empty)

@@ -234,7 +234,10 @@ def test_memory_estimate_stores_every_expert_and_measures_latent_attention(monke
     tracker.ignore([*model.parameters(), *model.buffers(), tokens])
     with tracker:
         cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-    assert est == pytest.approx(tracker.peak, rel=1e-3)
+    # The estimate counts what a GPU's attention kernel saves (memory-efficient: output and
+    # log-sum-exp); the CPU takes the math path for latent attention's narrower values and also
+    # keeps the scores and their softmax (2% here).
+    assert 0 < tracker.peak - est < 0.03 * tracker.peak
 
 
 def test_the_model_keeps_the_yarn_choice_it_was_built_with():

@@ -101,7 +101,7 @@ def test_hf_folder_round_trip_with_module_whole_shards(tmp_path):
 
 def test_unsupported_hf_variants_are_refused_in_one_line():
     config = args_to_hf_config(CONFIGS["scaled_top2"])
-    with pytest.raises(TitanError, match="attention_bias is True; titan's llama4 supports only False"):
+    with pytest.raises(TitanError, match="attention_bias = True is not supported by titan's llama4: only False"):
         hf_config_to_args({**config, "attention_bias": True})
     with pytest.raises(TitanError, match="no_rope_layers must be a list with one entry per layer"):
         hf_config_to_args({**config, "no_rope_layers": [1, 1, 0]})

@@ -249,7 +249,7 @@ def test_refusals_are_one_line_and_name_the_field():
     cases = {
         "layer_types": {"layer_types": ["sliding_attention"] * 4},
         "attention_chunk_size": {"attention_chunk_size": None, "layer_types": ["chunked_attention"] * 4},
-        "rope type 'yarn'": {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
+        "rope_type = 'yarn'": {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
         "no_rope_layers": {"no_rope_layers": [1, 1]},
     }
     for needle, change in cases.items():

@@ -149,6 +149,16 @@ def test_trainer_rejects_bad_layout_before_any_process_group(tmp_path, monkeypat
             ("--parallelism.pipeline_parallel_schedule", "PipelineScheduleMulti"),
             "runs the order of a CSV file: set parallelism.pipeline_parallel_schedule_csv",
         ),
+        (
+            (
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                "DualPipeV",
+                "--validation.enable",
+            ),
+            "V-shaped schedules fail in eval",
+        ),  # fmt: skip
         (("--parallelism.pipeline_parallel_layers_per_stage", "0"), r"-1 \(automatic\) or an integer >= 1"),
         (("--parallelism.pipeline_parallel_last_stage_less_layers", "-1"), "an integer >= 0"),
         (("--parallelism.context_parallel_rotate_method", "ring"), "allgather, alltoall"),

@@ -29,6 +29,7 @@ from tests.helpers.deepseek import (
     trainer,
 )
 from tests.helpers.distributed import run_distributed
+from tests.helpers.mtp import MTP2, run_mtp
 from tests.helpers.parity import GLOBAL_BATCH, close, run
 
 
@@ -58,6 +59,16 @@ def on_two_ranks(rank: int, world: int, dump: str) -> dict:
                 "tp2_ac": (1, (*TP2, "--activation_checkpoint.mode", "full")),
             },
         )
+        out |= {  # multi-token prediction, two depths: each layout's (loss, grad norm, MTP loss)
+            name: run_mtp(trainer(f"{dump}/mtp", dp, *MTP2, *flags))
+            for name, (dp, flags) in {
+                "mtp_ep2": (2, (SHARD, "2", *EP2)),  # on FSDP 2 (full-logit loss parallel: qwen3_5's TP row)
+                # loss parallel by chunks of 48 tokens: chunks end at each depth's 128 rows
+                "mtp_tp2_chunked": (1, (*TP2, "--training.loss_chunk_tokens", "48")),
+                "mtp_pp2": (1, ("--parallelism.pipeline_parallel_degree", "2", SHARD, "1")),
+                "mtp_ep2_bf16": (2, (SHARD, "2", *EP2, *BF16)),
+            }.items()
+        }
         # Save at EP 2 (steps 5 and 10); resume step 5 at EP 1, which trains steps 6-10 again.
         out["uninterrupted"] = _train_loop(f"{dump}/ep2", world, 10, SHARD, "2", *EP2)
         if rank == 0:
@@ -119,6 +130,21 @@ def test_tensor_parallel_latent_attention_reproduces_fsdp_for_both_query_shapes(
         # Without FSDP, bf16 is autocast's: compared with the fp32 curve, as fsdp2_bf16 is.
         close(per_rank["tp2_bf16"], per_rank["fsdp2"], "tp2 bf16 vs fp32", BF16_TOL, relative=True)
         close(per_rank["tp2_wq_bf16"], per_rank["fsdp2_wq"], "tp2 (wq) bf16 vs fp32", BF16_TOL, relative=True)
+
+
+@pytest.mark.slow
+def test_multi_token_prediction_layouts_reproduce_the_one_rank_curve(two, tmp_path) -> None:
+    """EP on FSDP, TP (chunked loss parallel) and PP with two MTP depths: the next-token
+    loss, the grad norm and the MTP loss of each step as one process computes them (fp32), and EP
+    in bf16 parameters within bf16's rounding of that."""
+    with dstest_flavor():
+        reference = run_mtp(trainer(str(tmp_path), GLOBAL_BATCH, *MTP2))
+    for per_rank in two[0]:
+        for name in ("mtp_ep2", "mtp_tp2_chunked", "mtp_pp2"):
+            close(per_rank[name], reference, name, PP_RTOL, relative=True)
+            assert max(abs(a[2] - b[2]) / b[2] for a, b in zip(per_rank[name], reference)) < PP_RTOL, name
+        close(per_rank["mtp_ep2_bf16"], reference, "mtp ep2 bf16", BF16_TOL, relative=True)
+        assert max(abs(a[2] - b[2]) / b[2] for a, b in zip(per_rank["mtp_ep2_bf16"], reference)) < BF16_TOL
 
 
 @pytest.mark.slow

@@ -145,7 +145,8 @@ def _fsdp_float8_checks(rank: int, dump: str) -> dict:
         "float8_linear": isinstance(wq, Float8Linear),
         "sharded": isinstance(wq.weight, DTensor),
         "float8_all_gather_weight": isinstance(local, WeightWithDynamicFloat8CastTensor),
-        "hooks": len(trainer.optimizers._post_step_hooks),
+        # the precompute hook; QK-clip's (the max-logit metric) is always registered beside it
+        "hooks": sum(getattr(h, "__self__", None) is not trainer.qk_clip for h in trainer.optimizers._post_step_hooks),
         "scale_before": getattr(local, "_precomputed_scale", None) is not None,
     }
     losses = _batch_steps(trainer, slice(2 * rank, 2 * rank + 2))

@@ -1,10 +1,13 @@
-"""qwen3_5's layouts on gloo ranks: every layout's (loss, grad norm) per step against the same data-
-parallel layout without it, within 1e-5 for 10 steps in fp32 (1e-4 against the one-process run, as the
-dense layouts' test) and within bf16's tolerance with bf16 parameters. The tiny hybrid has three Gated
-DeltaNet blocks and one gated attention block (2 key / 4 value DeltaNet heads: TP 2 splits both); the
-MoE one routes in every block with the gated shared expert (TP: the router and the shared expert's
-gate whole on every rank; ETP with EP). Compile with the memory-budget AC runs
-in one process against eager (one block of each kind, 3 steps). Context parallelism is refused in one line."""
+"""qwen3_5's layouts on two gloo ranks: every layout's (loss, grad norm) per step against the same
+data-parallel layout without it or the one-process run, within 1e-5 for 4 steps in fp32 (1e-4 against
+the one-process run where the data-parallel reduction reorders sums) and within bf16's tolerance with
+bf16 parameters. HSDP, FSDP x TP and EP x ETP are family-independent compositions: the dense and
+MoE layout tests cover them. The tiny hybrid has three Gated DeltaNet blocks and one gated attention
+block (2 key / 4 value DeltaNet heads: TP 2 splits both); the MoE one routes in every block with the
+gated shared expert (TP: the router and the shared expert's gate whole on every rank). Compile with the
+memory-budget AC runs in one process against eager (one block of each kind, 3 steps). Context
+parallelism is refused in one line. The MoE model with one multi-token-prediction depth under TP 2
+and PP 2 gives the one-process (loss, grad norm, MTP loss) for 3 steps (1e-5 relative)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.mtp import run_mtp
 from tests.helpers.parity import GLOBAL_BATCH, VOCAB, close, config, run
 from titan.errors import TitanError
 from titan.models import get_model_spec, register_flavor, register_model_spec
@@ -25,6 +29,7 @@ from titan.training.trainer import Trainer
 pytestmark = pytest.mark.slow
 
 TOL = 1e-5
+STEPS = 4  # the layouts part from the first step; a few steps show the optimizer state agrees too
 PP_RTOL = 1e-5  # pipeline micro-batches sum in another order: a few ulps of the loss, so relative
 BF16_TOL = 2e-2  # bf16 parameters: 8 mantissa bits, about 4e-3 per rounding; two layouts round apart
 SHAPE = dict(
@@ -43,6 +48,7 @@ FLAVORS = {
 }
 SHARD = "--parallelism.data_parallel_shard_degree"
 BF16 = ("--training.mixed_precision_param", "bfloat16")
+MTP = ("--model.mtp_depth", "1", "--metrics.log_freq", "1")
 
 
 @contextlib.contextmanager
@@ -64,40 +70,26 @@ def _trainer(dump: str, flavor: str, dp: int, *flags: str) -> Trainer:
 
 def _layouts(dump: str, layouts: dict[str, tuple[str, int, tuple[str, ...]]]) -> dict:
     with qwen3_5_flavors():
-        return {name: run(_trainer(dump, flavor, dp, *flags)) for name, (flavor, dp, flags) in layouts.items()}
+        return {name: run(_trainer(dump, flavor, dp, *flags), STEPS) for name, (flavor, dp, flags) in layouts.items()}
 
 
 def on_two_ranks(rank: int, world: int, dump: str) -> dict:
     tp2 = ("--parallelism.tensor_parallel_degree", "2", SHARD, "1")
     ep2 = (SHARD, "2", "--parallelism.expert_parallel_degree", "2")
     pp2 = ("--parallelism.pipeline_parallel_degree", "2", SHARD, "1")
-    return _layouts(
+    with qwen3_5_flavors():  # multi-token prediction (one full-attention MoE block): (loss, grad norm, MTP loss)
+        mtp = {f"moe_mtp_{name}": run_mtp(_trainer(dump, "q35moetest", 1, *MTP, *flags)) for name, flags in (
+            ("tp2", tp2), ("pp2", pp2))}  # fmt: skip
+    return mtp | _layouts(
         dump,
         {
             "fsdp2": ("q35test", 2, (SHARD, "2")),
-            "fsdp2_ac_full": ("q35test", 2, (SHARD, "2", "--activation_checkpoint.mode", "full")),
             "fsdp2_ac_op": ("q35test", 2, (SHARD, "2", "--activation_checkpoint.mode", "selective")),
             "tp2": ("q35test", 1, tp2),
             "pp2": ("q35test", 1, pp2),
-            "moe_fsdp2": ("q35moetest", 2, (SHARD, "2")),
             "moe_ep2": ("q35moetest", 2, ep2),
-            "moe_pp2": ("q35moetest", 1, pp2),
             "moe_tp2": ("q35moetest", 1, tp2),
-            "tp2_bf16": ("q35test", 1, (*tp2, *BF16)),
             "moe_ep2_bf16": ("q35moetest", 2, (*ep2, *BF16)),
-        },
-    )  # fmt: skip
-
-
-def on_four_ranks(rank: int, world: int, dump: str) -> dict:
-    return _layouts(
-        dump,
-        {
-            "hsdp2x2": ("q35test", 4, (SHARD, "2", "--parallelism.data_parallel_replicate_degree", "2")),
-            "fsdp2_tp2": ("q35test", 2, (SHARD, "2", "--parallelism.tensor_parallel_degree", "2")),
-            "moe_ep2_etp2": ("q35moetest", 2, (SHARD, "2", "--parallelism.tensor_parallel_degree", "2",
-                                               "--parallelism.expert_parallel_degree", "2",
-                                               "--parallelism.expert_tensor_parallel_degree", "2")),
         },
     )  # fmt: skip
 
@@ -107,7 +99,8 @@ def references(tmp_path_factory) -> dict:
     """The one-process runs."""
     dump = str(tmp_path_factory.mktemp("q35ref"))
     with qwen3_5_flavors():
-        return {f: run(_trainer(dump, f, GLOBAL_BATCH), steps=3 if f == "q35short" else None) for f in FLAVORS}
+        out = {f: run(_trainer(dump, f, GLOBAL_BATCH), steps=3 if f == "q35short" else STEPS) for f in FLAVORS}
+        return out | {"mtp": run_mtp(_trainer(dump, "q35moetest", GLOBAL_BATCH, *MTP))}
 
 
 def test_layouts_match_their_data_parallel_layout(tmp_path: Path, references: dict) -> None:
@@ -115,20 +108,15 @@ def test_layouts_match_their_data_parallel_layout(tmp_path: Path, references: di
     dense, moe = references["q35test"], references["q35moetest"]
     for r in results:
         close(r["fsdp2"], dense, "fsdp2 vs 1 process", 1e-4)
-        close(r["moe_fsdp2"], moe, "moe fsdp2 vs 1 process", 1e-4)
-        for ac in ("fsdp2_ac_full", "fsdp2_ac_op"):
-            close(r[ac], r["fsdp2"], ac, TOL)
+        close(r["fsdp2_ac_op"], r["fsdp2"], "fsdp2_ac_op", TOL)
         close(r["tp2"], dense, "tp2 (DeltaNet heads split)", TOL)
         close(r["pp2"], dense, "pp2", PP_RTOL, relative=True)
-        close(r["moe_ep2"], r["moe_fsdp2"], "ep2", TOL)
-        close(r["moe_pp2"], moe, "moe pp2", PP_RTOL, relative=True)
+        close(r["moe_ep2"], moe, "moe ep2 vs 1 process", 1e-4)
         close(r["moe_tp2"], moe, "moe tp2 (router and shared gate whole, gradients summed)", TOL)
-        close(r["tp2_bf16"], dense, "tp2 bf16 vs fp32", BF16_TOL, relative=True)
         close(r["moe_ep2_bf16"], r["moe_ep2"], "ep2 bf16 vs fp32", BF16_TOL, relative=True)
-    for r4 in run_distributed(on_four_ranks, 4, str(tmp_path), timeout=900):
-        close(r4["hsdp2x2"], dense, "hsdp 2x2 vs 1 process", 1e-4)
-        close(r4["fsdp2_tp2"], results[0]["fsdp2"], "fsdp2 x tp2", TOL)
-        close(r4["moe_ep2_etp2"], results[0]["moe_fsdp2"], "ep2 x etp2", TOL)
+        for name in ("moe_mtp_tp2", "moe_mtp_pp2"):
+            close(r[name], references["mtp"], name, PP_RTOL, relative=True)
+            assert max(abs(a[2] - b[2]) / b[2] for a, b in zip(r[name], references["mtp"])) < PP_RTOL, name
 
 
 def test_compile_with_memory_budget_ac_matches_eager(tmp_path: Path, references: dict) -> None:

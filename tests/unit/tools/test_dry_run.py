@@ -115,10 +115,10 @@ def test_hsdp_and_ddp_layouts_count_replicas_once():
     hsdp = run_dry_run(_config("debug_model.toml", 8, "--parallelism.data_parallel_replicate_degree", "2"))
     assert hsdp.degrees["dp_replicate"] == 2 and hsdp.degrees["dp_shard"] == 4
     assert hsdp.ok and sum(hsdp.per_rank_params) == 2 * hsdp.model_params
-    # FSDP layouts get the estimator's columns; its peak holds the gradients, so no grads column.
-    assert set(hsdp.memory[0]) == {"params", "optim", "gathered", "act+grads", "step"}
-    assert hsdp.memory[0]["act+grads"] > 0 and "activation checkpointing none" in hsdp.memory_note
-    # The row total is the estimator's peak for that rank (its sharding arithmetic = the real shards).
+    # FSDP layouts get the estimator's categories at its peak.
+    assert set(hsdp.memory[0]) == {"params", "grads", "optim", "comm", "act"}
+    assert hsdp.memory[0]["act"] > 0 and "activation checkpointing none" in hsdp.memory_note
+    # The row total is the estimator's peak (its sharding arithmetic = the real shards).
     from titan.training.memory import estimate_memory
 
     est = estimate_memory(_config("debug_model.toml", 8, "--parallelism.data_parallel_replicate_degree", "2"), 8)

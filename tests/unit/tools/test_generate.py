@@ -10,7 +10,7 @@ import torch
 
 from tests.helpers.distributed import cpu_env
 from tests.helpers.tiny import random_model, small_args
-from titan.checkpointing.hf import import_hf_to_dcp, save_hf
+from titan.checkpointing.hf import import_hf_to_dcp, read_hf_config, save_hf
 from titan.errors import TitanError
 from titan.tools.generate import generate, load_model, sample
 
@@ -116,3 +116,20 @@ def test_a_step_folder_is_read_as_to_hf_reads_it_without_flavor():
         checkpoint_args(step, flavor="8B")
     model = load_model(step, max_seq_len=8, device=torch.device("cpu"))
     assert model.model_args.dim == 4
+
+
+def test_a_converted_folder_of_another_family_is_read_without_model(tmp_path):
+    """from_hf's folder records its family in model_args.json: no --model needed, a wrong one refused
+    in one line naming the folder (not the model_args.json fields of the family it is not)."""
+    from titan.models.qwen3 import Qwen3ModelArgs, Qwen3Transformer
+    from titan.tools.generate import checkpoint_args
+
+    args = Qwen3ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=128, head_dim=8, hidden_dim=24)
+    model = Qwen3Transformer(args)
+    model.init_weights()
+    save_hf(model.state_dict(), args, tmp_path / "hf")
+    import_hf_to_dcp(tmp_path / "hf", tmp_path / "dcp")
+    assert checkpoint_args(tmp_path / "dcp") == ("dcp", read_hf_config(tmp_path / "hf"))
+    with pytest.raises(TitanError, match=r"--model llama3 disagrees with .*dcp, which holds a qwen3 model") as e:
+        checkpoint_args(tmp_path / "dcp", model="llama3")
+    assert "\n" not in str(e.value)

@@ -109,6 +109,26 @@ def test_a_killed_attempt_is_closed_by_the_next_and_its_steps_count_as_recompute
     assert scalars["goodput/run(%)"] == pytest.approx(100 * (first["productive"] + second["productive"]) / run["wall"])
 
 
+def test_a_restart_records_its_recovery_in_parts_from_the_last_finished_step(tmp_path, monkeypatch):
+    # killed after step 7: its last progress record is step 6's, its heartbeat step 7's
+    _attempt(tmp_path, monkeypatch, start=0, last=7, killed=True, interval=4)
+    beat = goodput.read_heartbeat(str(tmp_path))
+    assert beat is not None and beat["step"] == 7
+    time.sleep(0.01)  # the step in flight
+    monkeypatch.setenv(goodput.FAILED_AT_ENV, repr(time.time()))
+    time.sleep(0.02)  # until the launcher sees it
+    monkeypatch.setenv(goodput.DETECTED_AT_ENV, repr(time.time()))
+    time.sleep(0.01)  # the new ranks start (then 0.02 s of start-up; steps 5, 6, 7 again, then 8, 9)
+    _attempt(tmp_path, monkeypatch, start=4, last=9, restart=1)
+    first, second = read_attempts(str(tmp_path / RECORD_FILE))
+    assert first["step"] == 7 and first["reconstructed"]
+    parts = second["recovery"]
+    assert set(parts) == set(goodput.RECOVERY)
+    assert parts["detect"] >= 0.02 and parts["restart"] >= 0.01 and parts["rejoin"] >= 0.02
+    assert parts["recompute"] >= 0.01 + 3 * 0.005 and parts["reload"] == 0
+    assert sum(parts.values()) < second["time"] - beat["time"]  # from step 7's end to step 8's start
+
+
 def test_a_new_run_starts_at_step_0_and_other_ranks_record_nothing(tmp_path, monkeypatch):
     _attempt(tmp_path, monkeypatch, start=0, last=2)
     _, _, scalars = _attempt(tmp_path, monkeypatch, start=0, last=2)  # a fresh launch, from scratch

@@ -251,5 +251,5 @@ def test_memory_estimate_counts_one_momentum_per_matrix() -> None:
         p.grad = torch.zeros_like(p)
     opt.step()
     states = sum(t.numel() * t.element_size() for o in opt for s in o.state.values() for t in s.values() if t.ndim)
-    assert est.optimizer_bytes == states < adamw.optimizer_bytes
-    assert "optimizer states (Muon 1 x fp32 on matrices, AdamW 2 x fp32 on the rest)" in dict(est.rows())
+    assert est.categories["optimizer_state"] == states < adamw.categories["optimizer_state"]
+    assert est.optimizer_states == "Muon 1 x fp32 on matrices, AdamW 2 x fp32 on the rest"

@@ -157,13 +157,13 @@ def test_checkpoint_save_time_is_not_in_tokens_per_second(tmp_path, monkeypatch)
     trainer.train()
     [jsonl] = (tmp_path / "metrics").glob("*.jsonl")
     rows = {r["step"]: r for r in map(json.loads, jsonl.read_text().splitlines()) if "throughput(tps)" in r}
-    # The save after step 2 falls in step 3's window: its time is reported, not charged to the step
-    # (the window's time = the step's time + the checkpoint time).
-    window = log_times[3] - log_times[2]
-    ckpt, step_s = rows[3]["time_metrics/checkpoint(s)"], rows[3]["time_metrics/end_to_end(s)"]
+    # The save after step 2 comes before step 2's line, in its window: its time is reported there,
+    # not charged to the step (the window's time = the step's time + the checkpoint time).
+    window = log_times[2] - log_times[1]
+    ckpt, step_s = rows[2]["time_metrics/checkpoint(s)"], rows[2]["time_metrics/end_to_end(s)"]
     assert ckpt >= pause and step_s < 0.5 and step_s + ckpt == pytest.approx(window, abs=1e-9), (ckpt, step_s, window)
-    assert rows[3]["throughput(tps)"] == pytest.approx(2 * 32 / step_s, rel=1e-3)
-    assert rows[2]["time_metrics/checkpoint(s)"] < pause / 10 and rows[4]["time_metrics/checkpoint(s)"] < pause / 10
+    assert rows[2]["throughput(tps)"] == pytest.approx(2 * 32 / step_s, rel=1e-3)
+    assert rows[3]["time_metrics/checkpoint(s)"] < pause / 10 and rows[4]["time_metrics/checkpoint(s)"] < pause / 10
     assert (tmp_path / "checkpoint").is_dir()
 
 

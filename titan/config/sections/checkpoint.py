@@ -66,6 +66,19 @@ class Checkpoint:
     when the weights of initial_load_path (an HF folder, a converted DCP folder) were trained as
     another model (RoPE, norm eps, shapes): error, use_checkpoint (build the model with the folder's
     values) or use_new (keep this run's; not for other tensor shapes)."""
+    memory_interval: int = -1
+    """In-memory snapshots (with checkpoint.enable): every N steps each rank copies its state to host
+    memory that outlives the process (memory_folder), in the background, and with more than one node
+    a copy to a rank of another node; a restarted run resumes from the newest of them and the disk
+    checkpoints. -1: every step whose previous snapshot is done (off when they do not fit the host
+    memory; the start-up table says which); 0: off; N: every N steps (refused when they do not fit)."""
+    memory_folder: str = "/dev/shm"
+    """Node-local memory that outlives the processes (a tmpfs) where in-memory snapshots live, in a
+    folder per job (titan-<dump folder name>-<hash>), removed when the run ends as it should."""
+    memory_limit_gib: float = 0.0
+    """Host memory one node's in-memory snapshots may take (two slots of each rank's state and of
+    the copy it keeps for its peer). 0: half of MemAvailable in /proc/meminfo at start-up. The free
+    space of memory_folder also caps it."""
     create_seed_checkpoint: bool = False
     """Write the initialized weights as folder/step-0 (model only) and exit. Needs 1 process and no
     parallelism; every layout that starts from it begins with identical weights."""
@@ -78,6 +91,19 @@ class Checkpoint:
         require(self.load_step >= -1, "checkpoint.load_step", self.load_step, "-1 (latest) or a step >= 0")
         require(
             bool(self.folder.strip()), "checkpoint.folder", self.folder, "a non-empty folder name under job.dump_folder"
+        )
+        require(
+            self.memory_interval >= -1,
+            "checkpoint.memory_interval",
+            self.memory_interval,
+            "-1 (every step when they fit), 0 (off) or a step count >= 1",
+        )
+        require(bool(self.memory_folder.strip()), "checkpoint.memory_folder", self.memory_folder, "a folder (a tmpfs)")
+        require(
+            self.memory_limit_gib >= 0,
+            "checkpoint.memory_limit_gib",
+            self.memory_limit_gib,
+            "0 (from /proc/meminfo) or GiB > 0",
         )
         require(
             not self.initial_load_in_hf or bool(self.initial_load_path),
@@ -96,6 +122,7 @@ class Checkpoint:
             ("load_step", self.load_step != -1),
             ("last_save_in_hf", self.last_save_in_hf),
             ("hf_drop_routing_bias", self.hf_drop_routing_bias),
+            ("memory_interval", self.memory_interval > 0),
         ):
             require(
                 not is_set or self.enable, f"checkpoint.{key}", rule="needs checkpoint.enable (add --checkpoint.enable)"

@@ -62,6 +62,14 @@ class Model:
     """MoE models: weight of the sequence-wise balance loss (DeepSeek-V3's) added to the backward
     pass. Unset: the flavor's value (llama4: 0, off)."""
 
+    mtp_depth: int = 0
+    """Multi-token prediction (DeepSeek-V3's MTP): the number of extra depths, each predicting one
+    token further ahead (depth k: token t + k + 1) from the previous depth's hidden state and the
+    embedding of token t + k, through one block of the model's own kind and the shared output
+    head; their loss is added with training.mtp_loss_weight. 0: off. Families with MTP modules:
+    deepseek_v3 (Hugging Face layer num_hidden_layers, ``num_nextn_predict_layers``) and qwen3_5
+    (``mtp.*``, one depth). Not with context parallelism. docs/deepseek_v3.md has the details."""
+
     def validate(self) -> None:
         for key in SHAPE_OVERRIDES:
             value = getattr(self, key)
@@ -74,6 +82,7 @@ class Model:
             self.vocab_size,
             "an integer >= the tokenizer's vocabulary size, or unset for the tokenizer's size",
         )
+        require(self.mtp_depth >= 0, "model.mtp_depth", self.mtp_depth, "an integer >= 0 (0: off)")
         for key in ("moe_load_balance_coeff", "moe_aux_loss_coeff"):
             value = getattr(self, key)
             require(

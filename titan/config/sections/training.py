@@ -101,6 +101,12 @@ class Training:
     loss applies the output projection C tokens at a time (forward and backward per chunk), so the
     logits never exist whole: loss memory ~ C x vocab x (logit bytes + 8) instead of
     local_batch_size x seq_len x vocab x the same (docs/performance.md has measurements)."""
+    mtp_loss_weight: float = 0.3
+    """Weight of the multi-token-prediction loss (model.mtp_depth > 0): the objective is the
+    next-token loss + mtp_loss_weight x the mean over the depths of each depth's cross entropy, all
+    normalised by the next-token loss's token count (torchtitan's MTPLoss and its default 0.3;
+    DeepSeek-V3 trained with 0.3, then 0.1). The loss logged as ``loss`` stays the next-token one;
+    ``mtp_loss`` is the unweighted mean over the depths. No effect with model.mtp_depth = 0."""
     gc_freq: int = 50
     """Run Python's garbage collector every N steps (automatic gc is disabled to avoid stalls)."""
     nonfinite: NonFinite = "stop"
@@ -139,6 +145,7 @@ class Training:
             self.loss_chunk_tokens,
             "an integer >= 0 (0: the full logits)",
         )
+        require(self.mtp_loss_weight >= 0, "training.mtp_loss_weight", self.mtp_loss_weight, "a number >= 0")
         require(self.gc_freq >= 1, "training.gc_freq", self.gc_freq, "an integer >= 1")
         require(
             self.nonfinite_max_consecutive_skips >= 0,

@@ -57,6 +57,9 @@ class DeepSeekV3ModelArgs(TransformerModelArgs):
     rope_attention_factor: float = 1.0
     """Scale of the rotary table (so of the rotary part of q.k by its square) under YaRN; 1 in
     torchtitan, Hugging Face's yarn ``attention_factor``."""
+    mtp_depth: int = 0
+    """Multi-token-prediction depths (titan.models.mtp; config key model.mtp_depth): each adds one MoE
+    block (layer n_layers + k, the release's layer 61) and its fusion parts. 0: none."""
 
     def __post_init__(self) -> None:
         if isinstance(self.moe_args, dict):  # read back from model_args.json
@@ -110,6 +113,8 @@ class DeepSeekV3ModelArgs(TransformerModelArgs):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise TitanError(f"model.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.mtp_depth, int) or self.mtp_depth < 0:
+            raise TitanError(f"model.mtp_depth must be an integer >= 0, got {self.mtp_depth!r}")
         if not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2:
             raise TitanError(f"model.qk_rope_head_dim must be a positive even integer, got {self.qk_rope_head_dim!r}")
         if not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 0:

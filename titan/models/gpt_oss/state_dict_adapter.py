@@ -24,7 +24,10 @@ from typing import Any
 import torch
 
 from titan.errors import TitanError
-from titan.models.gpt_oss.args import GptOssModelArgs, gpt_oss_moe
+from titan.models.gpt_oss.args import LAYER_TYPES, GptOssModelArgs, gpt_oss_moe
+from titan.models.hf_config import HfConfig, hf_layer_types, hf_rope, moe_view, reset, yarn_scaling
+from titan.models.llama.hf_config import hf_shape_fields
+from titan.models.llama.hf_config import hf_view as llama_hf_view
 from titan.models.llama.state_dict_adapter import (
     _cast,
     layers_from_hf,
@@ -140,76 +143,66 @@ _YARN_DEFAULT = MappingProxyType(
     {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
      "original_max_position_embeddings": 4096}
 )  # fmt: skip
-_YARN_KEYS = frozenset(
-    {"rope_type", "type", "factor", "beta_fast", "beta_slow", "truncate", "rope_theta",
-     "original_max_position_embeddings", "attention_factor", "mscale", "mscale_all_dim"}
-)  # fmt: skip
 HF_MAPPED = frozenset(HF_DEFAULTS) | {"rope_parameters", "layer_types"}
 """The GptOssConfig fields GptOssModelArgs represents (tests check these three sets cover them all)."""
+_ALIASES = MappingProxyType({"num_experts": "num_local_experts"})  # GptOssConfig's attribute_map
 
 
-def _rope_args(config: dict[str, Any], get: Any) -> dict[str, Any]:
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or _YARN_DEFAULT)
-    unknown = sorted(set(rope) - _YARN_KEYS)
-    if unknown:
-        raise TitanError(f"config.json rope_parameters has {unknown}, which titan's gpt_oss does not represent")
-    theta = float(config.get("rope_theta", rope.get("rope_theta", get("rope_theta"))))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
+def _rope_args(c: HfConfig) -> dict[str, Any]:
+    rope = hf_rope(c, types=("yarn", "default"), default_theta=HF_DEFAULTS["rope_theta"], class_default=_YARN_DEFAULT)
+    theta = float(rope["rope_theta"])
+    if rope["rope_type"] == "default":
         return {"rope_type": "default", "rope_theta": theta}
-    if rope_type != "yarn":
-        raise TitanError(f"config.json rope type {rope_type!r} is not supported by gpt_oss; valid: yarn, default")
-    if rope.get("mscale") or rope.get("mscale_all_dim"):
-        raise TitanError("config.json rope_parameters mscale / mscale_all_dim are DeepSeek's; gpt_oss refuses them")
-    original = int(rope.get("original_max_position_embeddings") or get("max_position_embeddings"))
+    yarn = yarn_scaling(rope, c.int("max_position_embeddings"))
+    # The cos/sin scale: as stated, from DeepSeek's two mscales where both are set, else derived.
+    scale = (
+        None if yarn.attention_factor is None and not (yarn.mscale and yarn.mscale_all_dim) else yarn.cos_sin_scale()
+    )
     return {
         "rope_type": "yarn",
         "rope_theta": theta,
-        # No factor: transformers derives it from the two context lengths.
-        "rope_factor": float(rope.get("factor") or get("max_position_embeddings") / original),
-        "original_seq_len": original,
-        "ntk_beta": float(rope.get("beta_fast") or 32.0),
-        "ntk_alpha": float(rope.get("beta_slow") or 1.0),
-        "rope_truncate": bool(rope.get("truncate", True)),
-        "rope_attention_factor": None if rope.get("attention_factor") is None else float(rope["attention_factor"]),
+        "rope_factor": yarn.factor,
+        "original_seq_len": yarn.original_max_position_embeddings,
+        "ntk_beta": yarn.beta_fast,
+        "ntk_alpha": yarn.beta_slow,
+        "rope_truncate": yarn.truncate,
+        "rope_attention_factor": scale,
     }
 
 
 def hf_config_to_args(config: dict[str, Any]) -> GptOssModelArgs:
-    """HF GptOssConfig (config.json as a dict) -> GptOssModelArgs."""
-
-    def get(key: str) -> Any:
-        value = config.get(key)
-        return HF_DEFAULTS[key] if value is None and key in HF_DEFAULTS else value
-
-    for key, ok in HF_FIXED.items():
-        if config.get(key, ok) != ok:
-            raise TitanError(f"config.json {key} is {config[key]!r}; titan's gpt_oss supports only {ok!r}")
-    n_layers = get("num_hidden_layers")
-    layer_types = config.get("layer_types")
-    window = config.get("sliding_window", HF_DEFAULTS["sliding_window"])
+    """HF GptOssConfig (config.json as a dict) -> GptOssModelArgs, exactly or refused in one line."""
+    c = HfConfig(config, {**HF_DEFAULTS, **HF_FIXED}, "gpt_oss", aliases=_ALIASES)
+    c.only("hidden_act", "silu", "the experts' clamped SwiGLU")
+    c.only("output_router_logits", False, "HF's Switch-style balance loss is not titan's aux_loss_coeff")
+    if c.get("attention_dropout") not in (0, 0.0):
+        raise c.refuse("attention_dropout", c.get("attention_dropout"), "titan's attention has no dropout")
+    n_layers, n_heads, dim = c.int("num_hidden_layers"), c.int("num_attention_heads"), c.int("hidden_size")
+    # transformers builds the sliding-window mask whatever the layer types: it needs a window.
+    window = c.int("sliding_window")
+    layer_types = hf_layer_types(c, n_layers)
+    if layer_types is not None and not set(layer_types) <= set(LAYER_TYPES):
+        raise c.refuse("layer_types", layer_types, f"valid: {', '.join(LAYER_TYPES)}")
     default_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
-    moe = gpt_oss_moe(get("num_local_experts"))
-    moe.top_k, moe.hidden_dim = get("num_experts_per_tok"), get("intermediate_size")
-    moe.swiglu_limit, moe.swiglu_alpha = float(get("swiglu_limit")), float(get("swiglu_alpha"))
+    moe = gpt_oss_moe(c.int("num_local_experts"))
+    moe.top_k, moe.hidden_dim = c.int("num_experts_per_tok"), c.int("intermediate_size")
+    moe.swiglu_limit, moe.swiglu_alpha = c.number("swiglu_limit"), c.number("swiglu_alpha")
+    kv = c.get("num_key_value_heads")
     args = GptOssModelArgs(
-        dim=get("hidden_size"),
+        dim=dim,
         n_layers=n_layers,
-        n_heads=get("num_attention_heads"),
-        n_kv_heads=get("num_key_value_heads") or get("num_attention_heads"),
-        head_dim=get("head_dim") or get("hidden_size") // get("num_attention_heads"),
-        vocab_size=get("vocab_size"),
-        norm_eps=float(get("rms_norm_eps")),
-        max_seq_len=get("max_position_embeddings"),
-        tie_embeddings=bool(get("tie_word_embeddings")),
-        attention_bias=bool(get("attention_bias")),
+        n_heads=n_heads,
+        n_kv_heads=n_heads if kv is None else c.int("num_key_value_heads"),
+        head_dim=c.int("head_dim"),
+        vocab_size=c.int("vocab_size"),
+        norm_eps=c.number("rms_norm_eps"),
+        max_seq_len=c.int("max_position_embeddings"),
+        tie_embeddings=c.flag("tie_word_embeddings"),
+        attention_bias=c.flag("attention_bias"),
         sliding_window_size=window,
-        # Without a window every layer attends over the whole causal window, whatever its type.
-        layer_types=None
-        if layer_types is None or window is None or list(layer_types) == default_types
-        else list(layer_types),
+        layer_types=None if layer_types in (None, default_types) else layer_types,
         moe_args=moe,
-        **_rope_args(config, get),
+        **_rope_args(c),
     )
     args.validate()
     return args
@@ -246,30 +239,40 @@ def args_to_hf_config(args: GptOssModelArgs, dtype: torch.dtype = torch.float32)
     return {
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",
-        "hidden_size": args.dim,
-        "intermediate_size": moe.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
+        **hf_shape_fields(args),
         "rope_parameters": rope,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
+        "intermediate_size": moe.hidden_dim,
         "num_local_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
         "swiglu_alpha": moe.swiglu_alpha,
         "swiglu_limit": moe.swiglu_limit,
-        "sliding_window": args.sliding_window_size,
-        "layer_types": list(args.layer_types)
-        if args.layer_types is not None
-        else ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(args.n_layers)],
+        # transformers builds the sliding-window mask whatever the layers are: it needs a window.
+        "sliding_window": args.sliding_window_size or HF_DEFAULTS["sliding_window"],
+        "layer_types": _layer_types(args),
         "attention_bias": args.attention_bias,
         "attention_dropout": 0.0,
         "hidden_act": "silu",
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+
+
+_YARN_SETTINGS = ("rope_factor", "original_seq_len", "ntk_alpha", "ntk_beta", "rope_truncate", "rope_attention_factor")
+
+
+def _layer_types(args: GptOssModelArgs) -> list[str]:
+    return ["sliding_attention" if args.is_sliding(i) else "full_attention" for i in range(args.n_layers)]
+
+
+def hf_view(args: GptOssModelArgs) -> GptOssModelArgs:
+    """``args`` as config.json states them: YaRN's settings only with YaRN, every layer's type
+    spelled out, and no window without a sliding layer."""
+    args = replace(llama_hf_view(args), moe_args=moe_view(args.moe_args))
+    if args.rope_type != "yarn":
+        args = reset(args, _YARN_SETTINGS)
+    types = _layer_types(args)
+    if "sliding_attention" not in types:
+        return replace(args, sliding_window_size=None, layer_types=None)
+    return replace(args, layer_types=types)
 
 
 def args_from_shapes(shapes: dict[str, tuple[int, ...]], base: GptOssModelArgs, where: str) -> GptOssModelArgs:
@@ -314,3 +317,4 @@ class GptOssStateDictAdapter:
     from_hf = staticmethod(from_hf)
     hf_config_to_args = staticmethod(hf_config_to_args)
     args_to_hf_config = staticmethod(args_to_hf_config)
+    hf_view = staticmethod(hf_view)

@@ -24,6 +24,7 @@ from titan.models.llama.flex import BlockMaskCache, FlexKernel
 from titan.models.llama.kernels import attention_kernel
 from titan.models.llama.masks import DocumentMasks, VarlenMask
 from titan.models.max_logits import RowScale
+from titan.models.mtp import mtp_depth, mtp_tail, split_input
 from titan.models.sdpa import sdpa
 
 AttnMask = BlockMask | VarlenMask | torch.Tensor | None
@@ -267,7 +268,8 @@ class Transformer(nn.Module):
         # attention itself runs on the gathered sequence, N times longer.
         self.seq_shards = 1
         # A ModuleDict keyed "0".."n-1" keeps FQNs stable when pipeline stages delete layers.
-        self.layers = nn.ModuleDict({str(i): self.make_block(i, flex_kernel) for i in range(model_args.n_layers)})
+        blocks = range(model_args.n_layers + mtp_depth(model_args))  # MTP's blocks after the model's
+        self.layers = nn.ModuleDict({str(i): self.make_block(i, flex_kernel) for i in blocks})
         self.norm: RMSNorm | None = RMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
         # True: forward stops after the norm and the loss applies `output` by chunks (ModelSpec).
@@ -357,9 +359,9 @@ class Transformer(nn.Module):
         tokens continue the cached ones at position ``kv_cache.pos``; the caller advances it, and
         the prompt is one document. ``doc_ids`` [B, S] (titan.models.documents.document_ids of the
         whole, unsharded window): the document of each position, needed with attn_mask_type
-        block_causal.
+        block_causal. Multi-token prediction (titan.models.mtp) adds rows and the layers past n_layers.
         """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h, mtp_embeddings = split_input(self, tokens, doc_ids, kv_cache)
         seqlen = h.shape[1]
         end = seqlen * self.seq_shards + (kv_cache.pos if kv_cache is not None else 0)
         if end > self.freqs_cis.shape[0]:
@@ -371,9 +373,10 @@ class Transformer(nn.Module):
         # sequence shard). The attention mask is built here, once per batch (the causal flex mask
         # cached per length), not inside the compiled and checkpointed blocks.
         attn_mask = self.attention_mask(seqlen * self.seq_shards, h.device, doc_ids, kv_cache)
-        for layer in self.layers.values():
-            h = layer(h, self.freqs_cis, attn_mask, kv_cache=kv_cache)
-        return self.forward_tail(h)
+        for key, layer in self.layers.items():
+            if int(key) < self.n_layers:  # the layers past them are multi-token prediction's
+                h = layer(h, self.freqs_cis, attn_mask, kv_cache=kv_cache)
+        return self.forward_tail(h) if mtp_embeddings is None else mtp_tail(self, h, mtp_embeddings, attn_mask)
 
     def forward_tail(self, h: torch.Tensor) -> torch.Tensor:
         """norm -> output, each where this part has it; the output is left to the loss when

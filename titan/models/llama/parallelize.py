@@ -23,6 +23,7 @@ from titan.config.job_config import JobConfig
 from titan.log import logger
 from titan.models.llama.flex import causal_mask_mod
 from titan.models.llama.model import Attention, Transformer
+from titan.models.mtp import mtp_tp_plan
 from titan.parallel.ac import apply_ac, recomputed_attention_breaks_compile
 from titan.parallel.compile import apply_compile
 from titan.parallel.cp import SeqBuffer, apply_cp, cp_mask_builder
@@ -32,8 +33,8 @@ from titan.parallel.tp import Plan, apply_tp_plan, check_tp_shapes
 
 
 def root_plan(model: nn.Module, loss_parallel: bool) -> Plan:
-    """Plan for the modules a pipeline stage may lack (embedding, final norm, output)."""
-    plan: Plan = {}
+    """Plan for the modules a pipeline stage may lack (embedding, final norm, output, the MTP parts)."""
+    plan: Plan = mtp_tp_plan(model, SequenceParallel)
     if getattr(model, "tok_embeddings", None) is not None:
         # Every TP rank holds a slice of the vocab; the output comes back sharded on sequence.
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))

@@ -13,6 +13,7 @@ from titan.config.job_config import JobConfig
 from titan.log import logger
 from titan.models.llama.model import Transformer
 from titan.models.llama.parallelize import enabled_submesh
+from titan.models.mtp import mtp_stage_modules
 from titan.parallel.dims import ParallelDims
 from titan.parallel.pp import (
     build_schedule,
@@ -27,14 +28,14 @@ from titan.parallel.pp import (
 
 def split_stage(model: Transformer, names: list[str]) -> Transformer:
     """A copy of the (meta) model keeping only the modules `names` (``layers.<i>``,
-    tok_embeddings, norm, output). Layer keys keep their global index so FQNs (checkpoints,
+    tok_embeddings, norm, output, mtp). Layer keys keep their global index so FQNs (checkpoints,
     seeded init) are the same as in the unsplit model."""
     part = copy.deepcopy(model)
     keep = set(names)
     for name in list(part.layers.keys()):
         if f"layers.{name}" not in keep:
             del part.layers[name]
-    for name in ("tok_embeddings", "norm", "output"):
+    for name in ("tok_embeddings", "norm", "output", "mtp"):
         if name not in keep:
             setattr(part, name, None)
     return part
@@ -52,7 +53,7 @@ def pipeline_llama(
     par = job_config.parallelism
     pp_mesh = enabled_submesh(parallel_dims, "pp")
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
-    split = split_modules(model.n_layers, pp, par)
+    split = mtp_stage_modules(split_modules(model.n_layers, pp, par), model.model_args)
     stages = len(split)
     ids = stage_ids_this_rank(pp_rank, pp, stages, is_v_schedule(par.pipeline_parallel_schedule))
     parts = [parallelize_fn(split_stage(model, split[sid]), parallel_dims, job_config) for sid in ids]

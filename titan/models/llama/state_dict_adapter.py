@@ -18,13 +18,13 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from titan.errors import TitanError
 from titan.models.llama.args import TransformerModelArgs
-from titan.models.llama.model import ffn_hidden_dim
+from titan.models.llama.hf_config import args_to_hf_config, hf_config_to_args, hf_view
 
 _LAYER_MAP = MappingProxyType(
     {
@@ -240,120 +240,6 @@ def from_hf(
     return out
 
 
-def _ffn_settings(dim: int, intermediate: int) -> dict[str, Any]:
-    """multiple_of / ffn_dim_multiplier for which titan's SwiGLU width equals `intermediate`."""
-    base = int(2 * (4 * dim) / 3)
-    multipliers: list[float | None] = [None, 1.3, 1.2, 1.5, 2.0, intermediate / base]
-    for mult in multipliers:
-        for mult_of in (4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1):
-            args = TransformerModelArgs(dim=dim, multiple_of=mult_of, ffn_dim_multiplier=mult)
-            if ffn_hidden_dim(args) == intermediate:
-                return {"multiple_of": mult_of, "ffn_dim_multiplier": mult}
-    if base <= intermediate:
-        return {"multiple_of": intermediate, "ffn_dim_multiplier": None}  # rounds up to exactly it
-    raise TitanError(f"config.json intermediate_size {intermediate} cannot be expressed for hidden_size {dim}")
-
-
-_Args = TypeVar("_Args", bound=TransformerModelArgs)
-
-
-def hf_rope(config: dict[str, Any]) -> dict[str, Any]:
-    """The RoPE settings of an HF config.json: transformers >= 5 writes rope_parameters; older
-    files have rope_theta + rope_scaling."""
-    return dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-
-
-def with_hf_rope_scaling(args: _Args, rope: dict[str, Any]) -> _Args:
-    """``args`` with the Llama 3.1 frequency scaling that ``rope`` (``hf_rope``) describes; other
-    RoPE types than default and llama3 are refused."""
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "llama3":
-        return replace(
-            args,
-            use_rope_scaling=True,
-            rope_scale_factor=float(rope["factor"]),
-            rope_low_freq_factor=float(rope["low_freq_factor"]),
-            rope_high_freq_factor=float(rope["high_freq_factor"]),
-            rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
-    if rope_type != "default":
-        raise TitanError(f"config.json rope type {rope_type!r} is not supported; valid: default, llama3")
-    return args
-
-
-def hf_rope_scaling(args: TransformerModelArgs) -> dict[str, Any] | None:
-    """The config.json rope scaling entries of ``args`` (None without Llama 3.1 scaling)."""
-    if not args.use_rope_scaling:
-        return None
-    return {
-        "rope_type": "llama3",
-        "factor": args.rope_scale_factor,
-        "low_freq_factor": args.rope_low_freq_factor,
-        "high_freq_factor": args.rope_high_freq_factor,
-        "original_max_position_embeddings": args.rope_original_max_position_embeddings,
-    }
-
-
-def hf_config_to_args(config: dict[str, Any]) -> TransformerModelArgs:
-    """HF Llama config.json (as a dict) -> TransformerModelArgs; unsupported variants raise."""
-
-    def need(key: str) -> Any:
-        if key not in config:
-            raise TitanError(f"config.json has no {key!r}; is this a Llama (LlamaForCausalLM) checkpoint?")
-        return config[key]
-
-    if config.get("model_type", "llama") != "llama":
-        raise TitanError(f"config.json model_type is {config['model_type']!r}; only 'llama' is supported")
-    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if config.get(key, ok) != ok:
-            raise TitanError(f"config.json {key} is {config[key]!r}; titan's Llama supports only {ok!r}")
-    dim, n_heads = need("hidden_size"), need("num_attention_heads")
-    if config.get("head_dim") not in (None, dim // n_heads):
-        raise TitanError(f"config.json head_dim {config['head_dim']} != hidden_size / num_attention_heads")
-    rope = hf_rope(config)
-    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
-    args = TransformerModelArgs(
-        dim=dim,
-        n_layers=need("num_hidden_layers"),
-        n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads") or n_heads,
-        vocab_size=need("vocab_size"),
-        norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=float(theta),
-        max_seq_len=config.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        **_ffn_settings(dim, need("intermediate_size")),
-    )
-    args = with_hf_rope_scaling(args, rope)
-    args.validate()
-    return args
-
-
-def args_to_hf_config(args: TransformerModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """TransformerModelArgs -> a config.json dict that transformers' LlamaForCausalLM loads."""
-    rope_scaling = hf_rope_scaling(args)
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": ffn_hidden_dim(args),
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": rope_scaling,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-
-
 def args_from_shapes(
     shapes: dict[str, tuple[int, ...]], base: TransformerModelArgs, where: str
 ) -> TransformerModelArgs:
@@ -398,3 +284,4 @@ class LlamaStateDictAdapter:
     from_hf = staticmethod(from_hf)
     hf_config_to_args = staticmethod(hf_config_to_args)
     args_to_hf_config = staticmethod(args_to_hf_config)
+    hf_view = staticmethod(hf_view)

@@ -16,13 +16,16 @@ How transformers resolves the per-layer settings, mirrored here:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from titan.errors import TitanError
+from titan.models.hf_config import HfConfig, hf_layer_types, moe_view, reset
+from titan.models.llama.hf_config import _ffn_settings, hf_shape_fields, with_hf_rope_scaling
+from titan.models.llama.hf_config import hf_view as llama_hf_view
 from titan.models.llama.model import ffn_hidden_dim
-from titan.models.llama.state_dict_adapter import _ffn_settings, hf_rope, hf_rope_scaling, with_hf_rope_scaling
 from titan.models.llama4.args import Llama4ModelArgs
 from titan.models.moe import MoEArgs
 
@@ -96,10 +99,9 @@ def _nope(config: dict[str, Any], n_layers: int) -> list[int]:
 
 def _chunked(config: dict[str, Any], nope: list[int], n_layers: int) -> list[int]:
     chunk = config.get("attention_chunk_size", HF_DEFAULTS["attention_chunk_size"])
-    types = config.get("layer_types")
+    types = hf_layer_types(HfConfig(config, HF_DEFAULTS, "llama4"), n_layers)
     if types is None:
         return [] if chunk is None else [i for i in range(n_layers) if i not in nope]
-    types = _layers("layer_types", types, n_layers)
     bad = sorted({t for t in types if t not in ("full_attention", "chunked_attention")})
     if bad:
         raise TitanError(
@@ -141,66 +143,54 @@ def hf_config_to_args(config: dict[str, Any]) -> Llama4ModelArgs:
     if config.get("model_type") == "llama4" and isinstance(config.get("text_config"), dict):
         config = config["text_config"]
 
-    def get(key: str) -> Any:
-        return config.get(key, HF_DEFAULTS[key])
-
-    for key, ok in (("hidden_act", "silu"), ("attention_bias", False)):
-        if get(key) != ok:
-            raise TitanError(f"config.json {key} is {config[key]!r}; titan's llama4 supports only {ok!r}")
+    c = HfConfig(config, HF_DEFAULTS, "llama4")
+    get = c.get
+    c.only("hidden_act", "silu", "the feed-forward is SwiGLU")
+    c.only("attention_bias", False, "titan's projections have no bias")
     if get("attention_dropout") not in (0, 0.0):
-        raise TitanError(
-            f"config.json attention_dropout is {config['attention_dropout']!r}; titan has no attention dropout"
-            " (valid: 0.0)"
-        )
+        raise c.refuse("attention_dropout", get("attention_dropout"), "titan has no attention dropout (0.0)")
     for key in ("use_qk_norm", "attn_temperature_tuning", "tie_word_embeddings"):
-        if not isinstance(get(key), bool | int):
-            raise TitanError(f"config.json {key} must be true or false, got {config[key]!r}")
-    dim, n_heads, n_layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
-    n_kv = get("num_key_value_heads") or n_heads
-    head_dim = get("head_dim") or dim // n_heads
+        c.flag(key)
+    dim, n_heads, n_layers = c.int("hidden_size"), c.int("num_attention_heads"), c.int("num_hidden_layers")
+    n_kv = c.int("num_key_value_heads") if get("num_key_value_heads") is not None else n_heads
+    head_dim = c.int("head_dim")
     if head_dim * n_heads != dim:
-        raise TitanError(
-            f"config.json head_dim {head_dim} (transformers' default 128 when absent) is not hidden_size {dim} /"
-            f" num_attention_heads {n_heads}; titan's llama4 derives head_dim from them"
-        )
+        raise c.refuse("head_dim", head_dim, f"only hidden_size / num_attention_heads ({dim // n_heads})")
     nope = _nope(config, n_layers)
     chunked = _chunked(config, nope, n_layers)
     chunk = get("attention_chunk_size")
     floor_scale = get("floor_scale")
     if not isinstance(floor_scale, int) or floor_scale <= 0:
         raise TitanError(f"config.json floor_scale must be a positive integer, got {floor_scale!r}")
-    rope = hf_rope(config)
-    theta = float(config.get("rope_theta", rope.get("rope_theta", HF_DEFAULT_ROPE_THETA)))
     args = Llama4ModelArgs(
         dim=dim,
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv,
-        vocab_size=get("vocab_size"),
-        norm_eps=float(get("rms_norm_eps")),
-        rope_theta=theta,
-        max_seq_len=get("max_position_embeddings"),
-        tie_embeddings=bool(get("tie_word_embeddings")),
+        vocab_size=c.int("vocab_size"),
+        norm_eps=c.number("rms_norm_eps"),
+        max_seq_len=c.int("max_position_embeddings"),
+        tie_embeddings=c.flag("tie_word_embeddings"),
         fixed_attn_block_size=chunk if chunk is not None else Llama4ModelArgs.fixed_attn_block_size,
         use_qk_norm=bool(get("use_qk_norm")),
         attn_temperature_tuning=bool(get("attn_temperature_tuning")),
         floor_scale=floor_scale,
-        attn_scale=float(get("attn_scale")),
+        attn_scale=c.number("attn_scale"),
         moe_args=MoEArgs(
-            num_experts=get("num_local_experts"),
-            top_k=get("num_experts_per_tok"),
+            num_experts=c.int("num_local_experts"),
+            top_k=c.int("num_experts_per_tok"),
             num_shared_experts=1,
             score_func="sigmoid",
         ),
         **_moe_layout(config, n_layers),
         **_nope_layout(nope, n_layers),
-        **_ffn_settings(dim, get("intermediate_size_mlp")),
+        **_ffn_settings(dim, c.int("intermediate_size_mlp")),
     )
     if [i for i in range(n_layers) if args.is_chunked(i)] != chunked:
         args.chunked_layers = chunked
-    if args.moe_hidden_dim != get("intermediate_size"):  # not the width the dense FFN's settings derive
-        args.moe_args.hidden_dim = get("intermediate_size")
-    args = with_hf_rope_scaling(args, rope)
+    if args.moe_hidden_dim != c.int("intermediate_size"):  # not the width the dense FFN's settings derive
+        args.moe_args.hidden_dim = c.int("intermediate_size")
+    args = with_hf_rope_scaling(args, c, HF_DEFAULT_ROPE_THETA)
     args.validate()
     return args
 
@@ -223,24 +213,13 @@ def args_to_hf_config(args: Llama4ModelArgs, dtype: torch.dtype = torch.float32)
         )
     if not moe.score_before_experts:
         raise TitanError("Hugging Face Llama 4 scales the experts' inputs by the router score (score_before_experts)")
-    rope: dict[str, Any] = {"rope_type": "default", **(hf_rope_scaling(args) or {}), "rope_theta": args.rope_theta}
     n = args.n_layers
     return {
         "architectures": ["Llama4ForCausalLM"],
         "model_type": "llama4_text",
-        "hidden_size": args.dim,
+        **hf_shape_fields(args),
         "intermediate_size": args.moe_hidden_dim,
         "intermediate_size_mlp": ffn_hidden_dim(args),
-        "num_hidden_layers": n,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_parameters": rope,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
         "num_local_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
         "interleave_moe_layer_step": args.interleave_moe_layer_step,
@@ -259,4 +238,26 @@ def args_to_hf_config(args: Llama4ModelArgs, dtype: torch.dtype = torch.float32)
     }
 
 
-__all__ = ["HF_DEFAULTS", "IGNORED_FIELDS", "args_to_hf_config", "hf_config_to_args"]
+def hf_view(args: Llama4ModelArgs) -> Llama4ModelArgs:
+    """``args`` as config.json states them: every block's MoE, RoPE and chunking spelled out, the
+    experts' effective width, and the settings of a feature no block uses reset."""
+    n = args.n_layers
+    chunked = [i for i in range(n) if args.is_chunked(i)]
+    nope = [i for i in range(n) if not args.uses_rope(i)]
+    view = replace(
+        llama_hf_view(args),
+        interleave_moe_layer_step=1,
+        moe_layers=[i for i in range(n) if args.is_moe_layer(i)],
+        every_n_layers_nope=None,
+        nope_layers=nope,
+        chunked_layers=chunked,
+        auto_scale_hidden_dim=True,
+        moe_args=replace(moe_view(args.moe_args), hidden_dim=args.moe_hidden_dim),
+    )
+    unused = [] if chunked else ["fixed_attn_block_size"]
+    if not (nope and args.attn_temperature_tuning):  # the temperature applies to NoPE blocks only
+        unused += ["attn_temperature_tuning", "floor_scale", "attn_scale"]
+    return reset(view, unused)
+
+
+__all__ = ["HF_DEFAULTS", "IGNORED_FIELDS", "args_to_hf_config", "hf_config_to_args", "hf_view"]

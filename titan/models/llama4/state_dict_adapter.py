@@ -29,7 +29,7 @@ from titan.models.llama.state_dict_adapter import (
     zero_routing_bias,
 )
 from titan.models.llama4.args import Llama4ModelArgs
-from titan.models.llama4.hf_config import args_to_hf_config, hf_config_to_args
+from titan.models.llama4.hf_config import args_to_hf_config, hf_config_to_args, hf_view
 
 _LAYER_MAP = MappingProxyType(
     {
@@ -121,3 +121,4 @@ class Llama4StateDictAdapter:
     from_hf = staticmethod(from_hf)
     hf_config_to_args = staticmethod(hf_config_to_args)
     args_to_hf_config = staticmethod(args_to_hf_config)
+    hf_view = staticmethod(hf_view)

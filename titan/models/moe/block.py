@@ -14,6 +14,7 @@ from torch import nn
 from titan.models.kv_cache import KVCache
 from titan.models.llama.model import Attention, FeedForward, RMSNorm, Transformer
 from titan.models.moe.moe import MoE
+from titan.models.mtp import MultiTokenPrediction, mtp_depth
 
 
 class MoEBlock(nn.Module):
@@ -77,7 +78,17 @@ class MoEBlock(nn.Module):
 class MoETransformer(Transformer):
     """llama's Transformer over blocks with a ``moe_enabled`` flag (MoEBlock or a family's own):
     the routing counters are buffers, reset with the RoPE table; each block initialises its own
-    weights after the embedding, final norm and output."""
+    weights after the embedding, final norm and output. With ``mtp_depth`` in its args the
+    multi-token-prediction parts (titan.models.mtp) come last, in forward and in init, so the main
+    model's weights are those of the same seed without them."""
+
+    norm_cls: type[nn.Module] = RMSNorm
+    """The family's RMSNorm (the MTP modules' norms are of the final norm's kind)."""
+
+    def __init__(self, model_args: Any) -> None:
+        super().__init__(model_args)
+        depth = mtp_depth(model_args)
+        self.mtp = MultiTokenPrediction(depth, model_args.dim, model_args.norm_eps, self.norm_cls) if depth else None
 
     def moe_family_blocks(self) -> list[Any]:
         return [m for m in self.layers.modules() if hasattr(m, "moe_enabled")]  # also inside AC wrappers
@@ -92,3 +103,5 @@ class MoETransformer(Transformer):
         super().init_weights(buffer_device)  # embedding, final norm, output, RoPE table
         for block in self.moe_family_blocks():
             block.init_weights(self.freqs_cis.device)
+        if self.mtp is not None:
+            self.mtp.init_weights()

@@ -22,15 +22,16 @@ from typing import Any
 import torch
 
 from titan.errors import TitanError
+from titan.models.hf_config import HfConfig, hf_layer_types, moe_view, reset
+from titan.models.llama.hf_config import hf_shape_fields, with_hf_rope_scaling
+from titan.models.llama.hf_config import hf_view as llama_hf_view
 from titan.models.llama.state_dict_adapter import (
     args_from_shapes,
-    hf_rope_scaling,
     layers_from_hf,
     layers_to_hf,
     mlp_experts_from_hf,
     mlp_experts_to_hf,
     unmapped_routing_bias,
-    with_hf_rope_scaling,
     zero_routing_bias,
 )
 from titan.models.moe import MoEArgs
@@ -131,21 +132,26 @@ def from_hf(
     return out
 
 
-def _refuse(field: str, value: Any, why: str) -> TitanError:
-    return TitanError(f"config.json {field} = {value!r} is not supported by titan's qwen3: {why}")
-
-
-def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """(theta, scaling entries) of config.json: rope_parameters (transformers >= 5) or the older
-    rope_theta + rope_scaling; absent: transformers' default (theta 10000, no scaling)."""
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = float(config.get("rope_theta", rope.get("rope_theta", _ROPE_THETA_DEFAULT)))
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _refuse("rope_parameters.partial_rotary_factor", rope["partial_rotary_factor"], "every feature rotates")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise _refuse("rope_parameters.rope_type", rope_type, "valid: default, llama3")
-    return theta, rope
+def _sliding(c: HfConfig, moe: bool, n_layers: int) -> None:
+    """Refuse a sliding window that binds: titan's qwen3 attends over the whole causal context. As
+    transformers: a window only with use_sliding_window; Qwen3-MoE slides every layer with it (and
+    has no layer_types), Qwen3 the layers layer_types names (absent: from max_window_layers on)."""
+    window = c.get("sliding_window") if c.flag("use_sliding_window") else None
+    types = hf_layer_types(c, n_layers)
+    if moe or types is None:
+        start = 0 if moe else c.int("max_window_layers", minimum=0)
+        slides = [window is not None and i >= start for i in range(n_layers)]
+        types = ["sliding_attention" if s else "full_attention" for s in slides]
+    bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if bad:
+        raise c.refuse("layer_types", bad, "valid: full_attention, sliding_attention")
+    if "sliding_attention" not in types:
+        return
+    if window is None:
+        raise c.refuse("layer_types", types, "sliding_attention layers need use_sliding_window and a sliding_window")
+    max_pos = c.int("max_position_embeddings")
+    if not isinstance(window, int) or window < max_pos:
+        raise c.refuse("sliding_window", window, f"no sliding-window attention (a window >= {max_pos}, or none)")
 
 
 def hf_config_to_args(config: dict[str, Any]) -> Qwen3ModelArgs:
@@ -154,85 +160,59 @@ def hf_config_to_args(config: dict[str, Any]) -> Qwen3ModelArgs:
     if model_type not in Qwen3StateDictAdapter.hf_model_types:
         raise TitanError(f"config.json model_type is {model_type!r}; titan's qwen3 reads 'qwen3' and 'qwen3_moe'")
     moe = model_type == "qwen3_moe"
-    if moe and "num_local_experts" in config and "num_experts" not in config:
-        config = {**config, "num_experts": config["num_local_experts"]}  # transformers' attribute_map
-    c = {**(QWEN3_MOE_DEFAULTS if moe else QWEN3_DEFAULTS), **{k: v for k, v in config.items()}}
-    dim, n_heads = c["hidden_size"], c["num_attention_heads"]
-    if "head_dim" not in c or c["head_dim"] is None:
-        c["head_dim"] = dim // n_heads  # Qwen3-MoE's attention falls back to this
-    if c["hidden_act"] != "silu":
-        raise _refuse("hidden_act", c["hidden_act"], "the feed-forward is SwiGLU (silu)")
-    if c["attention_bias"]:
-        raise _refuse("attention_bias", True, "the q/k/v/o projections have no bias")
-    if c["attention_dropout"]:
-        raise _refuse("attention_dropout", c["attention_dropout"], "titan's attention has no dropout")
-    n_layers, max_pos = c["num_hidden_layers"], c["max_position_embeddings"]
-    window = c["sliding_window"] if c["use_sliding_window"] else None
-    layer_types = c.get("layer_types") or [
-        "sliding_attention" if window is not None and (moe or i >= c.get("max_window_layers", 0)) else "full_attention"
-        for i in range(n_layers)
-    ]
-    bad_types = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-    if bad_types:
-        raise _refuse("layer_types", bad_types, "valid: full_attention (sliding_attention only without a window)")
-    if "sliding_attention" in layer_types and window is None:
-        raise _refuse("layer_types", layer_types, "sliding_attention layers without use_sliding_window's window")
-    if "sliding_attention" in layer_types and window is not None and window < max_pos:
-        raise _refuse("use_sliding_window", True, f"no sliding-window attention (sliding_window {window} < {max_pos})")
-    if moe and c.get("output_router_logits"):
-        raise _refuse(
-            "output_router_logits", True, "HF's Switch-style balance loss is not titan's (moe_args.aux_loss_coeff)"
-        )
-    theta, rope = _rope(c)
-    kv = c["num_key_value_heads"] or n_heads
+    aliases = {"num_local_experts": "num_experts"} if moe else {}  # Qwen3MoeConfig's attribute_map
+    c = HfConfig(config, QWEN3_MOE_DEFAULTS if moe else QWEN3_DEFAULTS, "qwen3", aliases)
+    dim, n_heads, n_layers = c.int("hidden_size"), c.int("num_attention_heads"), c.int("num_hidden_layers")
+    c.only("hidden_act", "silu", "the feed-forward is SwiGLU")
+    c.only("attention_bias", False, "the q/k/v/o projections have no bias")
+    if c.get("attention_dropout") not in (0, 0.0):
+        raise c.refuse("attention_dropout", c.get("attention_dropout"), "titan's attention has no dropout")
+    _sliding(c, moe, n_layers)
+    if moe:
+        c.only("output_router_logits", False, "HF's Switch-style balance loss is not titan's aux_loss_coeff")
+    # Qwen3-MoE's attention falls back to hidden_size / heads when config.json has no head_dim.
+    head_dim = c.int("head_dim") if "head_dim" in c or not moe else dim // n_heads
+    kv = c.get("num_key_value_heads")
     args = Qwen3ModelArgs(
         dim=dim,
         n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=kv,
-        vocab_size=c["vocab_size"],
-        head_dim=c["head_dim"],
-        hidden_dim=c["intermediate_size"],
-        norm_eps=float(c["rms_norm_eps"]),
-        rope_theta=theta,
-        max_seq_len=max_pos,
-        tie_embeddings=bool(c["tie_word_embeddings"]),
+        n_kv_heads=n_heads if kv is None and not moe else c.int("num_key_value_heads"),
+        vocab_size=c.int("vocab_size"),
+        head_dim=head_dim,
+        hidden_dim=c.int("intermediate_size"),
+        norm_eps=c.number("rms_norm_eps"),
+        max_seq_len=c.int("max_position_embeddings"),
+        tie_embeddings=c.flag("tie_word_embeddings"),
     )
-    if moe and c["num_experts"] > 0:
+    if moe and c.int("num_experts", minimum=0) > 0:
         args.moe_enabled = True
-        args.decoder_sparse_step = c["decoder_sparse_step"]
-        args.mlp_only_layers = list(c.get("mlp_only_layers") or [])
+        args.decoder_sparse_step = c.int("decoder_sparse_step")
+        only = c.get("mlp_only_layers")
+        if only is not None and (not isinstance(only, list) or not all(isinstance(i, int) for i in only)):
+            raise c.refuse("mlp_only_layers", only, "a list of layer indices is needed")
+        args.mlp_only_layers = list(only or [])
         args.moe_args = MoEArgs(
-            num_experts=c["num_experts"],
+            num_experts=c.int("num_experts"),
             num_shared_experts=0,
-            top_k=c["num_experts_per_tok"],
+            top_k=c.int("num_experts_per_tok"),
             score_func="softmax",
-            route_norm=bool(c["norm_topk_prob"]),
+            route_norm=c.flag("norm_topk_prob"),
             score_before_experts=False,
-            hidden_dim=c["moe_intermediate_size"],
+            hidden_dim=c.int("moe_intermediate_size"),
         )
-    args = with_hf_rope_scaling(args, rope)
+    args = with_hf_rope_scaling(args, c, default_theta=_ROPE_THETA_DEFAULT)
     args.validate()
     return args
 
 
 def args_to_hf_config(args: Qwen3ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Qwen3ModelArgs -> a config.json dict transformers' Qwen3(Moe)ForCausalLM loads as the same model."""
-    rope: dict[str, Any] = {"rope_type": "default", **(hf_rope_scaling(args) or {}), "rope_theta": args.rope_theta}
     out: dict[str, Any] = {
         "architectures": ["Qwen3MoeForCausalLM" if args.moe_enabled else "Qwen3ForCausalLM"],
         "model_type": "qwen3_moe" if args.moe_enabled else "qwen3",
-        "hidden_size": args.dim,
+        **hf_shape_fields(args),
         "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_parameters": rope,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -264,6 +244,14 @@ def args_to_hf_config(args: Qwen3ModelArgs, dtype: torch.dtype = torch.float32) 
     }
 
 
+def hf_view(args: Qwen3ModelArgs) -> Qwen3ModelArgs:
+    """``args`` as config.json states them: the MoE settings only for an MoE model."""
+    args = llama_hf_view(args)
+    if not args.moe_enabled:
+        return reset(args, ("moe_args", "decoder_sparse_step", "mlp_only_layers"))
+    return replace(args, moe_args=moe_view(args.moe_args))
+
+
 def state_dict_shapes(args: Qwen3ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor a full model state dict holds (parameters and the balancing bias), unsharded."""
     from titan.models.qwen3.model import Qwen3Transformer
@@ -285,3 +273,4 @@ class Qwen3StateDictAdapter:
     from_hf = staticmethod(from_hf)
     hf_config_to_args = staticmethod(hf_config_to_args)
     args_to_hf_config = staticmethod(args_to_hf_config)
+    hf_view = staticmethod(hf_view)

@@ -75,6 +75,9 @@ class Qwen35ModelArgs(Qwen3ModelArgs):
     linear_attn_backend: str = "auto"
     """The Gated DeltaNet's path (model.linear_attn_backend): auto, torch or fla."""
     moe_args: MoEArgs = field(default_factory=lambda: _moe(256, 8, 512, 512))
+    mtp_depth: int = 0
+    """Multi-token-prediction depths (titan.models.mtp; config key model.mtp_depth): each adds one
+    full-attention block (layer n_layers + k, the releases' mtp.layers.k) and its fusion parts. 0: none."""
 
     def validate(self) -> None:
         super().validate()
@@ -110,6 +113,8 @@ class Qwen35ModelArgs(Qwen3ModelArgs):
             raise TitanError(
                 f"model.linear_attn_backend got {self.linear_attn_backend!r}; valid: {', '.join(BACKENDS)}"
             )
+        if not isinstance(self.mtp_depth, int) or self.mtp_depth < 0:
+            raise TitanError(f"model.mtp_depth must be an integer >= 0, got {self.mtp_depth!r}")
         if self.release not in RELEASES:
             raise TitanError(f"model.release got {self.release!r}; valid: {', '.join(RELEASES)}")
         if self.attn_type == "varlen":
@@ -120,9 +125,16 @@ class Qwen35ModelArgs(Qwen3ModelArgs):
         return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_type(self, layer_id: int) -> str:
+        if layer_id >= self.n_layers:  # a multi-token-prediction block (the releases' mtp.layers)
+            return "full_attention"
         if self.layer_types is not None:
             return self.layer_types[layer_id]
         return "full_attention" if (layer_id + 1) % self.full_attention_interval == 0 else "linear_attention"
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """A multi-token-prediction block n_layers + k is built as the releases' mtp.layers.k: as if
+        it were layer k (transformers' MtpModel and vLLM number it so)."""
+        return super().is_moe_layer(layer_id - self.n_layers if layer_id >= self.n_layers else layer_id)
 
     def check_parallelism(self, tp: int, cp: int) -> None:
         """The layouts the hybrid blocks cannot run, refused by the run plan's check."""

@@ -4,19 +4,24 @@ Qwen3_5MoeTextConfig ("qwen3_5_moe_text") and Qwen3NextConfig ("qwen3_next").
 Every field maps exactly or is refused in one line naming it; an absent field means what
 transformers reads (the ``*_DEFAULTS`` tables, compared with the classes by the tests). Fields that
 do not change the model (initializer_range, use_cache, token ids, router_aux_loss_coef without
-router logits) are read and ignored. RoPE: rope_parameters (or the older rope_theta /
-rope_scaling / partial_rotary_factor); its mrope_section and mrope_interleaved change nothing for
-text, where the three position streams are equal.
+router logits) are read and ignored. RoPE is read as transformers resolves it
+(titan.models.hf_config.hf_rope), its partial_rotary_factor 0.25 when config.json states none; its
+mrope_section and mrope_interleaved change nothing for text, where the three position streams are
+equal.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from titan.errors import TitanError
+from titan.models.hf_config import HfConfig, hf_layer_types, hf_rope, moe_view, reset
+from titan.models.llama.hf_config import hf_shape_fields
+from titan.models.llama.hf_config import hf_view as llama_hf_view
 from titan.models.moe import MoEArgs
 from titan.models.qwen3.state_dict_adapter import QWEN3_MOE_DEFAULTS
 from titan.models.qwen3_5.args import LAYER_TYPES, Qwen35ModelArgs
@@ -67,21 +72,10 @@ DEFAULTS: Any = MappingProxyType(
 )  # fmt: skip
 _ROPE_THETA = 10000.0
 _PARTIAL_ROTARY = 0.25  # transformers sets it for these classes when config.json has none
+_MROPE = frozenset({"mrope_section", "mrope_interleaved"})  # equal position streams for text: no effect
 
 
-def _refuse(field: str, value: Any, why: str) -> TitanError:
-    return TitanError(f"config.json {field} = {value!r} is not supported by titan's qwen3_5: {why}")
-
-
-def _rope(c: dict[str, Any]) -> tuple[float, float]:
-    """(theta, partial rotary factor) of config.json."""
-    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    theta = float(c.get("rope_theta") or rope.get("rope_theta", _ROPE_THETA))
-    partial = float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", _PARTIAL_ROTARY)))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise _refuse("rope_parameters.rope_type", rope_type, "valid: default")
-    return theta, partial
+_ALIASES = MappingProxyType({"num_local_experts": "num_experts"})  # the MoE classes' attribute_map
 
 
 def hf_config_to_args(config: dict[str, Any]) -> Qwen35ModelArgs:
@@ -89,67 +83,86 @@ def hf_config_to_args(config: dict[str, Any]) -> Qwen35ModelArgs:
     model_type = config.get("model_type")
     if model_type not in HF_MODEL_TYPES:
         raise TitanError(f"config.json model_type is {model_type!r}; titan's qwen3_5 reads {', '.join(HF_MODEL_TYPES)}")
-    c = {**DEFAULTS[model_type], **config}
-    for field, ok in (("hidden_act", "silu"), ("attention_bias", False)):
-        if c[field] != ok:
-            raise _refuse(field, c[field], f"valid: {ok!r}")
-    if c["attention_dropout"]:
-        raise _refuse("attention_dropout", c["attention_dropout"], "titan's attention has no dropout")
-    if c.get("output_router_logits"):
-        raise _refuse(
-            "output_router_logits", True, "HF's Switch-style balance loss is not titan's (moe_args.aux_loss_coeff)"
-        )
-    n_layers = c["num_hidden_layers"]
-    interval = c.get("full_attention_interval", 4)
-    types = c["layer_types"] or [
-        "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)
-    ]
-    if len(types) != n_layers or set(types) - set(LAYER_TYPES):
-        raise _refuse("layer_types", types, f"{n_layers} entries of {', '.join(LAYER_TYPES)}")
+    c = HfConfig(config, DEFAULTS[model_type], "qwen3_5", _ALIASES if model_type != "qwen3_5_text" else None)
+    c.only("hidden_act", "silu", "the feed-forward is SwiGLU")
+    c.only("attention_bias", False, "the q/k/v/o projections have no bias")
+    if c.get("attention_dropout") not in (0, 0.0):
+        raise c.refuse("attention_dropout", c.get("attention_dropout"), "titan's attention has no dropout")
+    if model_type != "qwen3_5_text":
+        c.only("output_router_logits", False, "HF's Switch-style balance loss is not titan's aux_loss_coeff")
+    n_layers, n_heads = c.int("num_hidden_layers"), c.int("num_attention_heads")
+    types = hf_layer_types(c, n_layers)
+    if types is None:  # transformers: a full-attention layer every full_attention_interval
+        interval = config.get("full_attention_interval", 4)
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise c.refuse("full_attention_interval", interval, "a positive integer is needed")
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
+    if set(types) - set(LAYER_TYPES):
+        raise c.refuse("layer_types", types, f"{n_layers} entries of {', '.join(LAYER_TYPES)}")
     default = [("linear_attention" if (i + 1) % 4 else "full_attention") for i in range(n_layers)]
-    theta, partial = _rope(c)
-    n_heads = c["num_attention_heads"]
+    rope = hf_rope(c, types=("default",), default_theta=_ROPE_THETA, partial=_PARTIAL_ROTARY, ignored=_MROPE)
+    moe = model_type != "qwen3_5_text" and c.int("num_experts", minimum=0) > 0
     args = Qwen35ModelArgs(
-        dim=c["hidden_size"],
+        dim=c.int("hidden_size"),
         n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=c["num_key_value_heads"] or n_heads,
-        vocab_size=c["vocab_size"],
-        head_dim=c["head_dim"] or c["hidden_size"] // n_heads,
+        n_kv_heads=c.int("num_key_value_heads"),
+        vocab_size=c.int("vocab_size"),
+        head_dim=c.int("head_dim"),
         # Qwen3.5-MoE has no dense feed-forward (every layer routes): its width is the experts'.
-        hidden_dim=c["moe_intermediate_size"] if model_type == "qwen3_5_moe_text" else c["intermediate_size"],
-        norm_eps=float(c["rms_norm_eps"]),
-        rope_theta=theta,
-        partial_rotary_factor=partial,
-        max_seq_len=c["max_position_embeddings"],
-        tie_embeddings=bool(c["tie_word_embeddings"]),
-        layer_types=None if list(types) == default else list(types),  # None: the flavors' every 4th layer
-        linear_num_key_heads=c["linear_num_key_heads"],
-        linear_num_value_heads=c["linear_num_value_heads"],
-        linear_key_head_dim=c["linear_key_head_dim"],
-        linear_value_head_dim=c["linear_value_head_dim"],
-        linear_conv_kernel_dim=c["linear_conv_kernel_dim"],
+        hidden_dim=c.int("moe_intermediate_size" if model_type == "qwen3_5_moe_text" else "intermediate_size"),
+        norm_eps=c.number("rms_norm_eps"),
+        rope_theta=float(rope["rope_theta"]),
+        partial_rotary_factor=rope["partial_rotary_factor"],
+        max_seq_len=c.int("max_position_embeddings"),
+        tie_embeddings=c.flag("tie_word_embeddings"),
+        layer_types=None if types == default else types,  # None: the flavors' every 4th layer
+        linear_num_key_heads=c.int("linear_num_key_heads"),
+        linear_num_value_heads=c.int("linear_num_value_heads"),
+        linear_key_head_dim=c.int("linear_key_head_dim"),
+        linear_value_head_dim=c.int("linear_value_head_dim"),
+        linear_conv_kernel_dim=c.int("linear_conv_kernel_dim"),
         release="qwen3_next" if model_type == "qwen3_next" else "qwen3_5",
     )
-    if model_type != "qwen3_5_text" and c["num_experts"] > 0:
+    if moe:
         args.moe_enabled = True
-        args.decoder_sparse_step = c.get("decoder_sparse_step", 1)
-        args.mlp_only_layers = list(c.get("mlp_only_layers") or [])
+        next_ = model_type == "qwen3_next"  # Qwen3.5-MoE routes every layer and always renormalises
+        args.decoder_sparse_step = c.int("decoder_sparse_step") if next_ else 1
+        only = c.get("mlp_only_layers") if next_ else None
+        if only is not None and (not isinstance(only, list) or not all(isinstance(i, int) for i in only)):
+            raise c.refuse("mlp_only_layers", only, "a list of layer indices is needed")
+        args.mlp_only_layers = list(only or [])
         args.moe_args = MoEArgs(
-            num_experts=c["num_experts"],
+            num_experts=c.int("num_experts"),
             num_shared_experts=1,
-            shared_hidden_dim=c["shared_expert_intermediate_size"],
+            shared_hidden_dim=c.int("shared_expert_intermediate_size"),
             shared_expert_gate=True,
-            top_k=c["num_experts_per_tok"],
+            top_k=c.int("num_experts_per_tok"),
             score_func="softmax",
-            route_norm=bool(c.get("norm_topk_prob", True)),
+            route_norm=c.flag("norm_topk_prob") if next_ else True,
             score_before_experts=False,
-            hidden_dim=c["moe_intermediate_size"],
+            hidden_dim=c.int("moe_intermediate_size"),
         )
     elif model_type == "qwen3_5_moe_text":
-        raise _refuse("num_experts", c["num_experts"], "Qwen3.5-MoE layers all route: at least 1")
+        raise c.refuse("num_experts", c.get("num_experts"), "Qwen3.5-MoE layers all route: at least 1")
     args.validate()
     return args
+
+
+def hf_view(args: Qwen35ModelArgs) -> Qwen35ModelArgs:
+    """``args`` as config.json states them: every layer's type spelled out, the MoE settings only
+    for an MoE model (and the dense width only where a layer is dense), Llama 3.1 scaling's only
+    when on."""
+    args = replace(
+        llama_hf_view(args),
+        layer_types=[args.layer_type(i) for i in range(args.n_layers)],
+        full_attention_interval=Qwen35ModelArgs.full_attention_interval,
+    )
+    if not args.moe_enabled:
+        return reset(args, ("moe_args", "decoder_sparse_step", "mlp_only_layers"))
+    if args.decoder_sparse_step == 1 and not args.mlp_only_layers:  # no dense feed-forward: its width is unused
+        args = replace(args, hidden_dim=args.moe_args.hidden_dim)
+    return replace(args, moe_args=moe_view(args.moe_args))
 
 
 def _check_moe(args: Qwen35ModelArgs) -> None:
@@ -187,20 +200,13 @@ def args_to_hf_config(args: Qwen35ModelArgs, dtype: torch.dtype = torch.float32)
     out: dict[str, Any] = {
         "architectures": [_ARCH[model_type]],
         "model_type": model_type,
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
+        **hf_shape_fields(args),
+        # RoPE on part of each head (the export check refuses Llama 3.1 scaling, which these classes lack)
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": args.rope_theta,
             "partial_rotary_factor": args.partial_rotary_factor,
         },
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -212,6 +218,13 @@ def args_to_hf_config(args: Qwen35ModelArgs, dtype: torch.dtype = torch.float32)
         "linear_conv_kernel_dim": args.linear_conv_kernel_dim,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if args.mtp_depth > 1:
+        raise TitanError(
+            f"Hugging Face Qwen3.5 / Qwen3-Next multi-token prediction has one fusion (mtp.fc) for all its layers;"
+            f" titan's model.mtp_depth = {args.mtp_depth} has one per depth: export a model with mtp_depth <= 1"
+        )
+    if args.mtp_depth:
+        out["mtp_num_hidden_layers"] = args.mtp_depth  # the releases' field (transformers keeps it as read)
     if model_type != "qwen3_5_moe_text":
         out["intermediate_size"] = args.hidden_dim
     if not args.moe_enabled:

@@ -130,6 +130,7 @@ class Qwen35Block(MoEBlock):
 
 class Qwen35Transformer(MoETransformer):
     model_args: Qwen35ModelArgs
+    norm_cls = OffsetRMSNorm
     compile_fullgraph: bool = True
     """False where the parallelize step chose fla's kernels, which run outside torch.compile."""
 

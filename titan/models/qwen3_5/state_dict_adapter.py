@@ -9,14 +9,20 @@ q/k/v convolutions (tensor parallelism splits each by heads); Hugging Face fuses
   rows of the h-th group of HV / HK value heads), and ``in_proj_ba`` = [b_h; a_h] per key head;
 - both: ``conv1d.weight`` [2K + V, 1, W] = the q, k and v convolutions stacked.
 Row permutations and concatenations only: a round trip is bitwise. A layer's DeltaNet tensors
-convert together (``export_unit`` keeps them in one output file). Multi-token-prediction weights
-(``mtp.*``) are not part of titan's model: an import skips them (``skipped_hf_key``) with one log line.
+convert together (``export_unit`` keeps them in one output file).
+
+Multi-token prediction (titan.models.mtp, model.mtp_depth): the releases store one fusion,
+``mtp.fc`` [dim, 2 dim] over [embedding, hidden], ``mtp.pre_fc_norm_embedding`` /
+``mtp.pre_fc_norm_hidden`` and ``mtp.norm`` (titan's ``mtp.0.eh_proj`` / ``enorm`` / ``hnorm`` /
+``norm``), and its block ``mtp.layers.0`` with a full-attention layer's keys (titan's
+``layers.<n_layers>``). Without model.mtp_depth an import skips ``mtp.*`` (``skipped_hf_key``,
+one log line); one fusion serves every MTP layer there, so titan reads and writes one depth.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
@@ -34,6 +40,7 @@ from titan.models.llama.state_dict_adapter import (
     unmapped_routing_bias,
     zero_routing_bias,
 )
+from titan.models.mtp import split_mtp_shapes
 from titan.models.qwen3.state_dict_adapter import _LAYER_MAP as _QWEN3_MAP
 from titan.models.qwen3_5 import hf_config
 from titan.models.qwen3_5.args import Qwen35ModelArgs
@@ -50,6 +57,13 @@ _LAYER_MAP = MappingProxyType(
 )
 _LAYER_INV = MappingProxyType({v: k for k, v in _LAYER_MAP.items()})
 _GDN = re.compile(r"^layers\.(\d+)\.attention\.(in_proj_[qkvzab]|conv_[qkv])\.weight$")
+_MTP_MAP = MappingProxyType(
+    {"eh_proj.weight": "mtp.fc.weight", "enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+     "hnorm.weight": "mtp.pre_fc_norm_hidden.weight", "norm.weight": "mtp.norm.weight"}
+)  # fmt: skip
+_MTP_INV = MappingProxyType({v: k for k, v in _MTP_MAP.items()})
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _PARTS = ("q", "k", "v", "z", "a", "b")
 
 
@@ -106,10 +120,12 @@ def to_hf(
 ) -> dict[str, torch.Tensor]:
     """titan state dict (full tensors; a layer's experts and DeltaNet tensors together) -> HF keys."""
     gdn: dict[str, dict[str, torch.Tensor]] = {}
-    rest_of_model = {}
+    rest_of_model, mtp = {}, {}
     for key, value in state_dict.items():
         m = _GDN.match(key)
-        if m is None:
+        if key.startswith("mtp."):
+            mtp[key] = value
+        elif m is None:
             rest_of_model[key] = value
         else:
             gdn.setdefault(m.group(1), {})[m.group(2)] = value
@@ -123,6 +139,24 @@ def to_hf(
     out = layers_to_hf(rest_of_model, model_args, dtype, family, _LAYER_MAP, layer_key)
     for layer, parts in gdn.items():
         out |= {k: _cast(v.contiguous(), dtype) for k, v in _gdn_to_hf(layer, parts, model_args).items()}
+    return {_mtp_block_key(k, model_args.n_layers): v for k, v in out.items()} | _mtp_to_hf(mtp, dtype)
+
+
+def _mtp_block_key(key: str, n_layers: int) -> str:
+    """The releases' key of an HF layer key: an MTP block's (layer n_layers + k) is mtp.layers.k's."""
+    m = _HF_LAYER.match(key)
+    return f"mtp.layers.{int(m[1]) - n_layers}.{m[2]}" if m is not None and int(m[1]) >= n_layers else key
+
+
+def _mtp_to_hf(mtp: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in mtp.items():
+        _, depth, rest = key.split(".", 2)
+        if depth != "0" or rest not in _MTP_MAP:
+            raise TitanError(
+                f"state dict key {key!r} has no Hugging Face equivalent (its MTP has one fusion: model.mtp_depth <= 1)"
+            )
+        out[_MTP_MAP[rest]] = _cast(value, dtype)
     return out
 
 
@@ -138,17 +172,54 @@ def from_hf(
             return {k: _cast(v.contiguous(), dtype) for k, v in mapped.items()}
         return mlp_experts_from_hf(layer, rest, value, dtype)
 
-    kept = {k: v for k, v in hf_state_dict.items() if skipped_hf_key(k, model_args) is None}
+    kept, fusion = {}, {}
+    for key, value in hf_state_dict.items():
+        m = _MTP_LAYER.match(key)
+        if skipped_hf_key(key, model_args) is not None:
+            continue
+        if key in _MTP_INV:
+            fusion[f"mtp.0.{_MTP_INV[key]}"] = _cast(value, dtype)
+        elif m is not None:  # an MTP block: titan's layer n_layers + k
+            kept[f"model.layers.{model_args.n_layers + int(m[1])}.{m[2]}"] = value
+        else:
+            kept[key] = value
     family = "Qwen3-Next" if model_args.release == "qwen3_next" else "Qwen3.5"
-    out = layers_from_hf(kept, model_args, dtype, family, _LAYER_INV, layer_key)
+    out = layers_from_hf(kept, model_args, dtype, family, _LAYER_INV, layer_key) | fusion
     if model_args.moe_enabled:
         zero_routing_bias(out, model_args.moe_args)
     return out
 
 
 def skipped_hf_key(key: str, model_args: Qwen35ModelArgs) -> str | None:
-    """Why an HF tensor is not loaded (None: it is): the releases' multi-token-prediction head."""
-    return "the multi-token-prediction head (mtp.*) is not part of titan's model" if key.startswith("mtp.") else None
+    """Why an HF tensor is not loaded (None: it is), the one place that decides: the releases'
+    multi-token-prediction head (mtp.*) beyond the model's mtp_depth (config key model.mtp_depth)."""
+    if not key.startswith("mtp."):
+        return None
+    m = _MTP_LAYER.match(key)
+    if model_args.mtp_depth == 0 or (m is not None and int(m[1]) >= model_args.mtp_depth):
+        return f"the multi-token-prediction head (mtp.*), beyond model.mtp_depth = {model_args.mtp_depth}"
+    return None
+
+
+def hf_mtp_depth(keys: Iterable[str], model_args: Qwen35ModelArgs) -> int:
+    """The MTP depths titan can read from weights ``keys``: 1 with an mtp.fc and an mtp.layers.0
+    (the one fusion serves every layer the releases store), else 0."""
+    keys = set(keys)
+    return int("mtp.fc.weight" in keys and any(k.startswith("mtp.layers.0.") for k in keys))
+
+
+def hf_config_mtp_depth(config: dict[str, Any]) -> int:
+    """The MTP layers config.json announces (mtp_num_hidden_layers, the releases' field; 0 when absent)."""
+    return int(config.get("mtp_num_hidden_layers") or 0)
+
+
+def _args_from_shapes(shapes: dict[str, tuple[int, ...]], base: Qwen35ModelArgs, where: str) -> Qwen35ModelArgs:
+    """llama's reading of vocab_size, n_layers and tie_embeddings, with the MTP depths counted apart."""
+    main, depth = split_mtp_shapes(shapes)
+    args: Any = args_from_shapes(main, base, where)  # the flavor's class: Qwen35ModelArgs
+    args = replace(args, mtp_depth=depth)
+    args.validate()
+    return args
 
 
 def hf_row_block(key: str, model_args: Qwen35ModelArgs) -> int:
@@ -187,11 +258,14 @@ class Qwen35StateDictAdapter:
     hf_per_expert = True  # releases store one key per routed expert (written so on export)
     hf_row_block = staticmethod(hf_row_block)
     skipped_hf_key = staticmethod(skipped_hf_key)
+    hf_mtp_depth = staticmethod(hf_mtp_depth)
+    hf_config_mtp_depth = staticmethod(hf_config_mtp_depth)
     hf_model_types = hf_config.HF_MODEL_TYPES
-    args_from_shapes = staticmethod(args_from_shapes)
+    args_from_shapes = staticmethod(_args_from_shapes)
     state_dict_shapes = staticmethod(state_dict_shapes)
     export_unit: Callable[[str], str] = staticmethod(export_unit)
     to_hf = staticmethod(to_hf)
     from_hf = staticmethod(from_hf)
     hf_config_to_args: Callable[[dict[str, Any]], Qwen35ModelArgs] = staticmethod(hf_config.hf_config_to_args)
     args_to_hf_config = staticmethod(hf_config.args_to_hf_config)
+    hf_view = staticmethod(hf_config.hf_view)

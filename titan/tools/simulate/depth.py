@@ -97,15 +97,18 @@ def choose_depths(config: JobConfig, plan: RunPlan, rank: int) -> Depths:
     ac = config.activation_checkpoint
     every = parse_selective_option(ac.selective_ac_option) if ac.mode == "selective" else None
     short: list[list[int]] = [[], []]
-    for stage in stages:
+    n_layers = plan.model_args.n_layers
+    for layers in stages:
+        # Multi-token prediction's blocks (ids from n_layers on, on the last stage) run in every set.
+        stage, mtp = [i for i in layers if i < n_layers], [i for i in layers if i >= n_layers]
         # Every N-th block checkpointed (selective AC by layer id) is part of the pattern too.
         marks = [(kinds[i], i % every == 0 if isinstance(every, int) else None) for i in stage]
         prefix, period = _period(marks)
         periods = -(-_MIN_BLOCKS // period)
         if prefix + (periods + 1) * period >= len(stage):
             return Depths(full, None)  # a stage too short to shorten: run it all
-        short[0] += stage[: prefix + periods * period]
-        short[1] += stage[: prefix + (periods + 1) * period]
+        short[0] += stage[: prefix + periods * period] + mtp
+        short[1] += stage[: prefix + (periods + 1) * period] + mtp
     return Depths(full, (tuple(short[0]), tuple(short[1])))
 
 

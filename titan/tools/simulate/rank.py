@@ -22,7 +22,7 @@ from titan.ft.replicas import NoReplicaGroups
 from titan.parallel.dims import ParallelDims
 from titan.training.build import build_model, build_optimizers_and_schedulers, init_weights
 from titan.training.forward import ModelForward
-from titan.training.loss import ScaledLoss, TokenLoss
+from titan.training.loss import ScaledLoss, token_loss
 from titan.training.moe import MoEMonitor
 from titan.training.nonfinite import UpdateMask
 from titan.training.plan import RunPlan
@@ -64,7 +64,7 @@ class SimulatedRank(Trainer):
         self.stability = StabilityMonitor(
             config.stability, nonfinite=t.nonfinite, max_consecutive_skips=t.nonfinite_max_consecutive_skips
         )
-        self.loss_fn = TokenLoss(t.loss_chunk_tokens)
+        self.loss_fn = token_loss(config, plan.model_args)
         self._pp_loss = ScaledLoss(self.loss_fn)
         built = build_model(config, plan, dims, device, self._pp_loss, keep_layers=keep_layers)
         self.built = built

@@ -1,0 +1,339 @@
+"""Warm restarts: ranks that start with torch and titan already imported.
+
+With ``--max-restarts N`` the launcher keeps two standby processes per local rank (a failure in
+the middle of a restart finds the second), each ``python -m titan.launch.standby``, which imports
+torch, torch.distributed and titan's trainer (seconds of CPU and ~300 MB of host memory per
+process) and then waits for work on its standard input. When torchrun restarts the ranks, each
+new rank is a standby handed its assignment (the rank's command line after the interpreter, its
+environment, its output files) instead of a fresh interpreter: it pays neither the imports nor
+their CPU while the others wait. New standbys start a few seconds after the ranks they replace,
+for the next restart, so that their imports do not slow the new ranks' own start-up. The first
+attempt starts cold (the first standbys start a few seconds after it).
+
+torchrun keeps doing everything else (rendezvous, monitoring, stopping): the launcher hands its
+process context a handler holding the standby's process instead of a new one
+(``rank_process``), only for titan's own entry point (``train.py`` or ``-m titan.train``). Each
+rank's handler also notes when its process ended, so the next attempt's goodput record can tell
+detection from restart. A standby names itself ``titan-standby`` while it waits and
+``titan-rank`` once it is a rank (ps shows them so; the launcher forwards signals to ranks only).
+``TITAN_WARM_RESTARTS=N`` keeps N standbys per local rank (0: none, fresh interpreters).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from titan.training.goodput import STARTED_AT_ENV
+
+WARM_ENV = "TITAN_WARM_RESTARTS"
+STANDBY_NAME = "titan-standby"  # a waiting standby's process name (ps, /proc/<pid>/comm) ...
+RANK_NAME = "titan-rank"  # ... and its name once it is a rank
+MODULE = "titan.launch.standby"
+REFILL_DELAY_S = 5.0
+STOP_GRACE_S = 1.0
+PRELOAD = ("torch", "torch.distributed", "titan.training.trainer", "titan.launch.entry")
+
+
+def is_rank(pid: int, comm: str) -> bool:
+    """Whether a child process of the launcher is a rank: not a standby, or a standby that took a
+    rank's assignment (it renames itself then; one just started has the interpreter's name)."""
+    if comm == RANK_NAME:
+        return True
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return MODULE.encode() not in f.read()
+    except OSError:
+        return False
+
+
+def titan_entry(args: tuple) -> bool:
+    """Whether a rank's arguments (after the interpreter) run titan's entry point."""
+    rest = [str(a) for a in args]
+    if rest and rest[0] == "-u":
+        rest = rest[1:]
+    if rest[:2] == ["-m", "titan.train"]:
+        return True
+    return bool(rest) and os.path.basename(rest[0]) == "train.py"
+
+
+class StandbyPool:
+    """This launcher's standby processes, one per local rank it has started. New ones start
+    ``delay`` seconds after the ranks they replace (the first ones after the first ranks): their
+    imports then do not compete with the new ranks' own start-up for the CPU."""
+
+    def __init__(self, delay: float = REFILL_DELAY_S, per_rank: int = 1) -> None:
+        self.size, self.delay, self.per_rank = 0, delay, per_rank
+        self.args: tuple = ()  # the ranks' command line (after the interpreter): standbys warm up on it
+        self.world_size = ""  # ... for this many ranks
+        self.ready: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._closed = False
+
+    def fill(self) -> None:
+        with self._lock:
+            self.ready = [p for p in self.ready if p.poll() is None]
+            while len(self.ready) < self.size * self.per_rank and not self._closed:
+                self.ready.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", MODULE, *self.args],
+                        stdin=subprocess.PIPE,
+                        env={**os.environ, "WORLD_SIZE": self.world_size} if self.world_size else None,
+                        start_new_session=True,  # as torchrun's own ranks: signalled by process group
+                    )
+                )
+
+    def fill_later(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = threading.Timer(self.delay, self.fill)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def take(self) -> subprocess.Popen | None:
+        with self._lock:
+            while self.ready:
+                proc = self.ready.pop(0)
+                if proc.poll() is None:
+                    return proc
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._timer is not None:
+                self._timer.cancel()
+            for proc in self.ready:
+                try:
+                    assert proc.stdin is not None
+                    proc.stdin.close()  # EOF: the standby exits
+                    proc.wait(timeout=5)
+                except (OSError, subprocess.TimeoutExpired):
+                    proc.kill()
+            self.ready = []
+
+
+def _watch_exit(handler: Any) -> None:
+    """Note when the handler's process ends (``titan_exited_at``), without reaping it (torchrun's
+    poll does)."""
+    handler.titan_exited_at = None
+    pid = handler.proc.pid
+
+    def wait() -> None:
+        try:
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            pass
+        handler.titan_exited_at = time.time()
+
+    threading.Thread(target=wait, name=f"titan-exit-{pid}", daemon=True).start()
+
+
+class StandbyHandler:
+    """What torchrun's SubprocessContext holds per rank (its SubprocessHandler's interface), around
+    a standby process that took the rank's assignment."""
+
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        args: tuple,
+        env: dict[str, str],
+        stdout: str | None,
+        stderr: str | None,
+        local_rank_id: int,
+    ) -> None:
+        self.proc, self.local_rank_id = proc, local_rank_id
+        self._stdout = self._stderr = None
+        job = {"argv": [str(a) for a in args], "env": {**os.environ, **env}, "stdout": stdout, "stderr": stderr}
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(json.dumps(job).encode())
+            proc.stdin.close()
+        except OSError:  # it died meanwhile: torchrun sees it failed and restarts
+            pass
+
+    def close(self, death_sig: signal.Signals | None = None) -> None:
+        try:
+            os.killpg(self.proc.pid, death_sig or signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def _kill_after_grace(handler: Any) -> None:
+    """torchrun stops the other ranks of a failed attempt with SIGTERM and waits for them (up to
+    its shutdown timeout): they only tear down a process group that lost a member. After
+    ``STOP_GRACE_S`` they are killed, so a slow teardown does not delay the restart."""
+    close = handler.close
+
+    def close_then_kill(death_sig: signal.Signals | None = None) -> None:
+        close(death_sig)
+        if death_sig in (None, signal.SIGTERM):
+
+            def kill() -> None:
+                if handler.proc.poll() is None:
+                    try:
+                        os.killpg(handler.proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+            timer = threading.Timer(STOP_GRACE_S, kill)
+            timer.daemon = True
+            timer.start()
+
+    handler.close = close_then_kill
+
+
+def rank_process(pool: StandbyPool | None, original: Callable[..., Any]) -> Callable[..., Any]:
+    """torchrun's ``get_subprocess_handler``, taking a standby for titan's entry point; with
+    restarts, the other ranks of a failed attempt get STOP_GRACE_S to end."""
+
+    def handler(
+        entrypoint: str,
+        args: tuple,
+        env: dict[str, str],
+        stdout: str,
+        stderr: str,
+        local_rank_id: int,
+        numa_options: Any = None,
+    ) -> Any:
+        eligible = pool is not None and entrypoint == sys.executable and titan_entry(args) and numa_options is None
+        proc = pool.take() if pool is not None and eligible else None
+        if proc is None:
+            out = original(
+                entrypoint=entrypoint,
+                args=args,
+                env=env,
+                stdout=stdout,
+                stderr=stderr,
+                local_rank_id=local_rank_id,
+                numa_options=numa_options,
+            )
+        else:
+            out = StandbyHandler(proc, args, env, stdout, stderr, local_rank_id)
+        _watch_exit(out)
+        if pool is not None:
+            _kill_after_grace(out)
+            pool.size = max(pool.size, local_rank_id + 1)
+            pool.args = tuple(str(a) for a in args) if titan_entry(args) else ()
+            pool.world_size = env.get("WORLD_SIZE", "")
+            pool.fill_later()
+        return out
+
+    return handler
+
+
+def standbys_per_rank(max_restarts: int) -> int:
+    """Standbys the launcher keeps per local rank: TITAN_WARM_RESTARTS (default 2), none without restarts."""
+    value = os.environ.get(WARM_ENV, "2")
+    return int(value) if max_restarts > 0 and value.isdigit() else 0
+
+
+# ---------------------------------------------------------------- the standby process itself
+def _redirect(path: str | None, fd: int, saved: int) -> None:
+    if path:
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    else:
+        os.dup2(saved, fd)
+
+
+def _run(argv: list[str]) -> None:
+    """Run the rank's command line (what follows the interpreter) in this process."""
+    import runpy
+
+    if argv and argv[0] == "-u":
+        argv = argv[1:]
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[attr-defined]
+    if argv[:1] == ["-m"]:
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def _set_name(name: str) -> None:
+    """The process's name (its main thread's, which ps and /proc/<pid>/stat show), from any thread."""
+    try:
+        with open(f"/proc/self/task/{os.getpid()}/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
+
+
+def _warm(argv: list[str]) -> None:
+    """The read-only start of a rank of this command line, once: its config, its checks (files
+    read, nothing written), its model on the meta device. What they import and read is then in
+    place when the standby becomes a rank. Nothing here touches a GPU (a rank may see other ones)."""
+    import warnings
+
+    import torch
+
+    from titan.config import load_config
+    from titan.training.checks import check_job
+
+    args = argv[1:] if argv[:1] == ["-u"] else argv
+    args = args[2:] if args[:1] == ["-m"] else args[1:]
+    with warnings.catch_warnings():  # a rank's own warnings show again in its log
+        warnings.simplefilter("ignore")
+        world = os.environ.get("WORLD_SIZE", "")
+        plan = check_job(load_config(args), int(world) if world.isdigit() else None, "cpu", once=True)
+        if plan is not None:
+            with torch.device("meta"):
+                plan.spec.model_cls(plan.model_args)
+
+
+def main(argv: list[str]) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: gone with the launcher
+    _set_name(STANDBY_NAME)
+    saved = (os.dup(1), os.dup(2))
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)  # an import's warnings would reach the console unprefixed, outside any rank's log
+    job: dict[str, Any] = {}
+    assigned = threading.Event()
+
+    def read() -> None:
+        data = sys.stdin.buffer.read()
+        if data:
+            job.update(json.loads(data))
+            _set_name(RANK_NAME)  # a rank from now on
+        assigned.set()
+
+    threading.Thread(target=read, name="titan-standby", daemon=True).start()
+    import importlib
+
+    try:
+        for name in PRELOAD:
+            importlib.import_module(name)
+        if argv and not assigned.is_set():
+            _warm(argv)
+    except Exception:  # the rank does it again and reports it
+        pass
+    assigned.wait()
+    if not job:
+        return 0  # the launcher closed its end: no more restarts
+    os.environ.clear()
+    os.environ.update(job["env"])
+    os.environ[STARTED_AT_ENV] = repr(time.time())
+    _redirect(job["stdout"], 1, saved[0])
+    _redirect(job["stderr"], 2, saved[1])
+    _run(job["argv"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
