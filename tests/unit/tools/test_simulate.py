@@ -159,8 +159,7 @@ def test_layouts_run_their_collectives(layout):
         assert sum(report.record.host_reads.values()) == (1 if layout == "pp" else 0)  # pp: the warm-up vote
     else:  # one read of the all-to-all split sizes per MoE block (the debug model's second block)
         assert sum(report.record.host_reads.values()) == 1
-    if layout in ("tp", "cp", "pp", "ep_etp"):
-        assert report.estimate is None and report.estimate_note
+    assert report.estimate is not None and report.estimate["total"] > 0  # the estimate models every layout
 
 
 def test_a_step_that_fails_at_this_scale_is_one_line_naming_where(capsys, monkeypatch):
