@@ -37,17 +37,10 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from titan.training.memory.timeline import CATEGORIES  # one list: the estimate's and the simulator's
+
 __all__ = ["CATEGORIES", "MemoryTracker", "PhasePeak"]
 
-CATEGORIES: tuple[str, ...] = (
-    "parameters",
-    "gradients",
-    "optimizer_state",
-    "optimizer_aux",
-    "activations",
-    "communication",
-    "loss",
-)
 
 _c10d = torch.ops.c10d
 _functional = torch.ops._c10d_functional

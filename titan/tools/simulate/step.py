@@ -27,11 +27,11 @@ from titan.tools.simulate.attach import attach
 from titan.tools.simulate.checkpoint_plan import plan_save
 from titan.tools.simulate.collectives import CollectiveTracker, group_labels
 from titan.tools.simulate.ddp import hook_ddp
-from titan.tools.simulate.kernels import cuda_attention
 from titan.tools.simulate.memory import MemoryTracker, PhasePeak
 from titan.tools.simulate.pipeline import static_stage_shapes
 from titan.tools.simulate.rank import SimulatedRank
 from titan.tools.simulate.reads import HostReads
+from titan.training.memory.attention import cuda_attention
 from titan.training.plan import RunPlan
 
 __all__ = ["StepRecord", "measure_step", "simulate_step"]
