@@ -68,6 +68,22 @@ SKIP_PREFIXES = [
     ("python scripts/convert_hf.py torch_to_dcp model.pt", "model.pt from the dcp_to_torch command"),
     ("python scripts/dcp_to_torch.py", "a 1000-step checkpoint (tests/unit/interop covers the conversion)"),
     ("python scripts/generate.py --checkpoint", "a trained checkpoint (tests/unit/interop covers generation)"),
+    # Runs of minutes to hours on this machine: the code they drive is tested on small shapes.
+    (
+        "python scripts/scale_tables.py",
+        "a simulation of minutes per rank count, 7 counts, and its results file (tests/unit/tools/"
+        "test_scale_tables.py draws the tables and the chart from a small results file)",
+    ),
+    (
+        "python scripts/simulate.py --world_size 512 --job.config_file train_configs/llama3_405b.toml",
+        "minutes of 405B simulation (the README's COMM_MODE=fake_backend 405B run covers the same path;"
+        " tests/unit/tools/test_simulate.py checks the simulator against real runs)",
+    ),
+    (
+        "python scripts/benchmark_muon.py",
+        "a timing benchmark of minutes, meaningful on an idle machine only (tests/unit/training/"
+        "test_muon_layouts.py checks the distributed step)",
+    ),
     (
         "torchrun --nproc_per_node 2 scripts/generate.py --checkpoint",
         "a trained checkpoint (tests/unit/interop covers tensor-parallel generation)",

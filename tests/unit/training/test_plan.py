@@ -15,6 +15,7 @@ from titan.config import load_config
 from titan.config.job_config import JobConfig
 from titan.errors import TitanError
 from titan.tools.dry_run import run_dry_run
+from titan.training import checks as checks_module
 from titan.training import trainer as trainer_module
 from titan.training.checks import check_job
 from titan.training.plan import RunPlan, plan_run
@@ -105,7 +106,8 @@ def test_merged_checkpoint_config_is_checked_and_planned_again(tmp_path, monkeyp
         if original_validate is not None:
             original_validate(self)
 
-    monkeypatch.setattr(trainer_module, "check_job", plan_spy)
+    monkeypatch.setattr(trainer_module, "check_job", plan_spy)  # the trainer's first plan
+    monkeypatch.setattr(checks_module, "check_job", plan_spy)  # replan's, with the merged config
     monkeypatch.setattr(JobConfig, "validate", validate_spy, raising=False)
     config = load_config(
         [
