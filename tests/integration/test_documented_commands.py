@@ -47,6 +47,10 @@ SKIP = {
     " --variant 'eager=--compile.enable false' --variant compile=--compile.enable": "8 GPUs (the 8B model)",
     "python scripts/benchmark.py --memory": "up to 25 GiB and minutes a row: full logits at vocab 128,256 x seq"
     " 8,192 (tests/unit/training/test_chunked_loss.py checks the loss's memory without the whole logits)",
+    "python scripts/benchmark.py": "the README's benchmark command runs the same script and rows on the debug"
+    " config (tests/integration/test_benchmark.py checks the table)",
+    "python -m titan.train": "the README's `python -m titan.train --job.config_file train_configs/debug_model.toml`"
+    " runs the same entry point",
     "python scripts/benchmark.py --preset moe_debug_cpu": "three 2-rank rows of minutes each"
     " (tests/integration/test_llama4_configs.py checks each row's layout; test_expert_parallel.py trains them)",
 }
