@@ -117,6 +117,28 @@ def test_views_of_parameters_are_not_allocations():
     assert tracker.peak == 2 * 256 * 4  # the output only, not the 256 KiB weight
 
 
+def test_a_weight_gradient_is_labelled_a_gradient_when_backward_makes_it():
+    """A routed experts' weight gradient (every expert of the whole model in the profile) is a
+    rank's own slice on the rank: labelled ``grads`` from the op that makes it, through the
+    transposed view the forward used, and autograd's copy of it, not the block's work."""
+    from titan.training.memory.tracker import Tracker
+
+    w = torch.nn.Parameter(torch.randn(4, 256, 32))  # 4 "experts" [hidden, dim]
+    x = torch.randn(4, 2, 32, requires_grad=True)
+    tracker = Tracker()
+    tracker.ignore([w, x])
+    tracker.label_gradients([w], "grads")
+    tracker.base("block")
+    with tracker:
+        tracker.open()
+        torch.bmm(x, w.transpose(-2, -1)).sum().backward()
+        window = tracker.close()
+    weight = w.numel() * 4
+    # bmm's gradient of the transposed weight, and autograd's copy of it in the weight's layout
+    assert window.peak["grads"] == 2 * weight, window.peak
+    assert window.peak["block"] < weight, window.peak  # the activations' gradient (x's), not w's
+
+
 def test_script_prints_a_table(tiny_flavor):
     script = script_module("estimate_memory")
     from contextlib import redirect_stdout
@@ -286,3 +308,17 @@ def test_every_layout_is_estimated_in_the_categories(layout):
     assert est.peak_phase == "forward/backward" and est.categories["activations"] > 0
     assert all(v >= 0 for v in est.categories.values())
     assert est.categories["optimizer_state"] < one.categories["optimizer_state"] / 1.5
+    if "--parallelism.pipeline_parallel_degree" in layout:
+        # Under PP no block is resharded after forward, and a stage's blocks stay gathered while the
+        # rank runs its other stage: the first forward of stage 2's block 3 holds block 0 (stage 0's) too.
+        from titan.training.memory.layout import build_rank
+        from titan.training.plan import plan_run
+
+        config = _debug("none", "--training.seq_len", "64", *layout)
+        rank = build_rank(config, plan_run(config, 4, "cuda", data_here=False), 0)
+        gathered = {k: sum(u.gathered for u in us if u.fsdp) for k, us in rank.units.items()}
+        comm = {}
+        for m in est.moments:
+            comm.setdefault(m.name, m.bytes["communication"])
+        assert rank.stages == {0: [0], 2: [3, 4]}
+        assert comm["forward 3"] - comm["embedding"] == gathered[rank.kind[0]] + gathered[rank.kind[3]]

@@ -62,6 +62,8 @@ class MemoryEstimate:
     """Each phase's highest total: forward/backward, clip, optimizer step."""
     optimizer_states: str = "AdamW, 2 x fp32"
     notes: list[str] = field(default_factory=list)
+    moments: list[Moment] = field(default_factory=list, repr=False)
+    """The rank's step, moment by moment (titan/training/memory/timeline.py)."""
 
     @property
     def total_bytes(self) -> int:
@@ -202,9 +204,10 @@ def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
         recv_bytes=hidden if dims.pp > 1 else 0,
         # per-op SAC keeps every reduce-scatter's output: TP's two per block (attention, feed-forward)
         kept_comm=2 * hidden if per_op and dims.tp > 1 else 0,
-        # and EP's dispatching all-to-all per MoE block (every routed copy of the micro-batch's tokens;
-        # the combining one's output the experts' own, labelled routed_out)
-        kept_comm_moe=routed if per_op and dims.ep > 1 else 0,
+        # and both of EP's all-to-alls per MoE block: the dispatching one's output (the routed copies
+        # this rank's experts receive, times their load) and the combining one's (every routed copy
+        # of the micro-batch's tokens, back on this rank)
+        kept_comm_moe=round(routed * (1 + config.simulate.moe_imbalance)) if per_op and dims.ep > 1 else 0,
     )
     moments = walk(rank, profile, step, labels)
     peak = _at(moments)
@@ -221,4 +224,5 @@ def estimate_memory(config: JobConfig, world_size: int) -> MemoryEstimate:
         forward_backward=_with_total(fb),
         phase_peaks=phases,
         optimizer_states=what,
+        moments=moments,
     )

@@ -333,9 +333,9 @@ def _profile(  # noqa: PLR0913 - profile_step's arguments
     mesh = init_device_mesh("cpu", (1,)) if vocab_sharded else None
     with FakeTensorMode():
         model = _fake_model(model_cls, args, config, fsdp, keep)
-        for block in blocks_of(model).values():
-            for p in block.parameters():
-                p._titan_block_grad = True  # pyright: ignore[reportAttributeAccessIssue]
+        block_params = [p for block in blocks_of(model).values() for p in block.parameters()]
+        for p in block_params:
+            p._titan_block_grad = True  # pyright: ignore[reportAttributeAccessIssue]
         loss_fn = token_loss(config, model_args)  # with the MTP depths' rows, as the trainer's
         loss_fn.bind([model])
         tokens = torch.randint(0, args.vocab_size, (batch, seq))
@@ -349,6 +349,7 @@ def _profile(  # noqa: PLR0913 - profile_step's arguments
             labels = mtp_labels(tokens, loss_fn.mtp_depth, IGNORE_INDEX, docs.get("doc_ids"))
         tracker = Tracker()
         tracker.ignore([*model.parameters(), *model.buffers(), tokens, labels, *docs.values()])
+        tracker.label_gradients(block_params, "grads")
         _label_modules(model, tracker, whole)
         windows = _Windows(model, tracker, weights)
         output = getattr(model, "output", None)

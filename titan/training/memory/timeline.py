@@ -19,8 +19,9 @@ window's highest moment, mapped from the profile's labels to the layout's catego
   with the next block's all-gather in flight (backward prefetch) and the previous block's
   reduce-scatter input held until the next reduce-scatter is issued; the root's reduce-scatter
   comes last. Blocks not resharded after forward (``fsdp_reshard_after_forward = never``, and under
-  PP) stay gathered; under PP the unsharded gradients also accumulate, in the reduce dtype, over
-  all micro-batches of a stage until its gradient reduction at the end of the step.
+  PP) stay gathered, those of every stage of the rank that has run a forward; under PP the
+  unsharded gradients also accumulate, in the reduce dtype, over all micro-batches of a stage, and
+  both go at the stage's gradient reduction after its last micro-batch's backward.
 - pipeline parallelism: the schedule's own action order for this rank (torch's ``pipeline_order``:
   forward F, backward B or I then W, per stage and micro-batch) decides which micro-batches are in
   flight; each stage keeps one receive buffer per micro-batch for its input and one for its
@@ -106,6 +107,11 @@ class _Walk:
         self.done: set[tuple[int, int]] = set()  # (stage, layer) whose gradients exist
         self.kept_comm = 0.0  # collective outputs the blocks in flight keep
         self.accumulated = 0.0  # PP x FSDP: unsharded gradients accumulated over the micro-batches
+        # Blocks not resharded after forward: how many of each stage's are gathered; a stage's stay
+        # gathered (and its unsharded gradients accumulate) until its last micro-batch's backward.
+        self.held: dict[int, int] = {}
+        self.accumulating: dict[int, set[int]] = {}  # stage -> blocks whose gradients accumulate
+        self.backwards: dict[int, int] = {}  # stage -> backwards run in this schedule run
 
     # ------------------------------------------------------------ labels -> categories
     def _moment(self, name: str, window: Window, block: int, comm: float) -> None:
@@ -135,11 +141,30 @@ class _Walk:
     def _root(self) -> float:
         return float(self.gathered.get(ROOT, 0))
 
-    def _kept_gathered(self, ids: list[int], upto: int) -> float:
-        """Blocks that stay gathered (not resharded after forward): those already run."""
+    def _held_gathered(self) -> float:
+        """Blocks that stay gathered (not resharded after forward): every stage's blocks run so far."""
         if self.step.reshard_after_forward:
             return 0.0
-        return float(sum(self.gathered[self.rank.kind[i]] for i in ids[:upto]))
+        kind, stages = self.rank.kind, self.rank.stages
+        return float(sum(self.gathered[kind[i]] for s, n in self.held.items() for i in stages[s][:n]))
+
+    def _hold(self, stage: int, blocks: int) -> None:
+        self.held[stage] = max(self.held.get(stage, 0), blocks)
+
+    def _stage_done(self, stage: int) -> None:
+        """After a stage's last backward of the schedule run: its gradient reduction frees its
+        accumulated gradients (leaving the sharded ones) and reshards its blocks."""
+        self.backwards[stage] = self.backwards.get(stage, 0) + 1
+        if self.step.dims.pp == 1 or self.backwards[stage] < self.step.pp_micro_batches:
+            return
+        self.backwards[stage] = 0
+        self.held.pop(stage, None)
+        for i in self.accumulating.pop(stage, set()):
+            k = self.rank.kind[i]
+            self.accumulated -= self.reduce[k]
+            if (stage, i) not in self.done:
+                self.done.add((stage, i))
+                self.grads += self.sharded[k]
 
     # ------------------------------------------------------------ actions
     def forward(self, stage: int) -> None:
@@ -148,15 +173,13 @@ class _Walk:
         if stage == min(self.rank.stages) and self.rank.has_first:
             self._moment("embedding", p.embed, ROOT, self._root())
         for n, i in enumerate(ids):
-            k = self.rank.kind[i]
-            comm = (
-                self._root()
-                + self._kept_gathered(ids, n)
-                + (self.gathered[k] if self.step.reshard_after_forward else 0)
-            )
+            self._hold(stage, n + 1)
+            comm = self._root() + self._held_gathered()
+            if self.step.reshard_after_forward:
+                comm += self.gathered[self.rank.kind[i]]
             self._moment(f"forward {i}", p.forward[self.window[i]], i, comm)
         if stage == max(self.rank.stages) and self.rank.has_last:
-            self._moment("loss", p.head, ROOT, self._root() + self._kept_gathered(ids, len(ids)))
+            self._moment("loss", p.head, ROOT, self._root() + self._held_gathered())
 
     def backward(self, stage: int) -> None:
         ids = self.rank.stages[stage]
@@ -166,16 +189,17 @@ class _Walk:
             if self.step.reshard_after_forward:
                 comm = self.gathered[k] + (self.outer_gathered[kind[ids[n - 1]]] if n > 0 else 0)
             else:
-                comm = self._kept_gathered(ids, len(ids))
+                comm = self._held_gathered()
             if not pp and n + 1 < len(ids):
                 comm += self.outer_reduce[kind[ids[n + 1]]]  # the later block's reduce-scatter input
             self._moment(f"backward {i}", p.backward[self.window[i]], i, self._root() + comm)
-            if (stage, i) not in self.done:
-                self.done.add((stage, i))
-                if pp and self.fsdp:
+            if pp and self.fsdp:
+                if i not in self.accumulating.setdefault(stage, set()):
+                    self.accumulating[stage].add(i)
                     self.accumulated += self.reduce[k]
-                else:
-                    self.grads += self.sharded[k]
+            elif (stage, i) not in self.done:
+                self.done.add((stage, i))
+                self.grads += self.sharded[k]
         if stage == min(self.rank.stages) and self.rank.has_first:
             held = self.outer_reduce[kind[ids[0]]] if ids and not pp else 0
             # under TP the whole-vocabulary gradient's reduce-scatter to this rank's rows
@@ -190,6 +214,7 @@ class _Walk:
         if (stage, ROOT) not in self.done and stage == min(self.rank.stages):
             self.done.add((stage, ROOT))
             self.grads += self.sharded.get(ROOT, 0)
+        self._stage_done(stage)
 
     def finish(self) -> None:
         """Gradient clipping, then the optimizer step, on every gradient (sharded like its parameter)."""

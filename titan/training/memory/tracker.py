@@ -5,7 +5,7 @@ and its highest moment, as bytes by label (titan/training/memory/profile.py open
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,25 @@ _aten = torch.ops.aten
 _MATMULS = frozenset(
     {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._scaled_mm.default, _aten._grouped_mm.default}
 )
+
+
+# Backward nodes between a parameter and the op that uses it that only reshape it (a transposed or
+# viewed weight, its compute-dtype copy): the op's gradient for that input is the parameter's.
+_PASS_THROUGH = frozenset(
+    {"TransposeBackward0", "TBackward0", "ViewBackward0", "UnsafeViewBackward0", "PermuteBackward0", "ToCopyBackward0"}
+)
+
+
+def _parameters_fed(node: Any, depth: int = 3) -> Iterator[torch.Tensor]:
+    """The parameters whose gradient backward ``node`` computes (directly or through reshapes)."""
+    for fn, _ in node.next_functions:
+        if fn is None:
+            continue
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            yield variable
+        elif depth > 1 and type(fn).__name__ in _PASS_THROUGH:
+            yield from _parameters_fed(fn, depth - 1)
 
 
 def _zero() -> dict[str, int]:
@@ -65,6 +84,8 @@ class Tracker(TorchDispatchMode):
         # storages of tensors whole over the sequence that the running linear layer casts (float8),
         # by id and weakly (an id alone matches whatever storage later reuses the address)
         self.whole: dict[int, weakref.ref] = {}
+        # parameter -> the label of its gradient from the moment backward makes it (``label_gradients``)
+        self._gradient_labels: dict[int, str] = {}
 
     # ------------------------------------------------------------ windows
     def open(self, weights: dict[str, float] | None = None) -> None:
@@ -115,6 +136,24 @@ class Tracker(TorchDispatchMode):
         """The label of storages made outside every labelled module from now on."""
         self.labels[0] = label
 
+    def label_gradients(self, parameters: Iterable[torch.Tensor], label: str) -> None:
+        """Gradients of ``parameters`` get ``label`` when backward makes them, before autograd
+        accumulates them: a routed experts' weight gradient is as large as the weight (every expert
+        of the whole model here), a transient the rank holds for its own slice of the weight only."""
+        for p in parameters:
+            self._gradient_labels[id(p)] = label
+
+    def _gradient_label(self, out: torch.Tensor) -> str | None:
+        node = torch._C._current_autograd_node() if self._gradient_labels else None
+        if node is None:
+            return None
+        own = getattr(node, "variable", None)  # autograd's accumulation: a copy in the parameter's layout
+        for p in [own] if own is not None else _parameters_fed(node):
+            label = self._gradient_labels.get(id(p))
+            if label is not None and p.numel() == out.numel():
+                return label
+        return None
+
     def ignore(self, tensors: Sequence[torch.Tensor]) -> None:
         """Storages that exist before the step (parameters, inputs): views of them allocate nothing."""
         for t in tensors:
@@ -151,7 +190,7 @@ class Tracker(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 whole = self._copies_whole(func, args, t)
-                self.add(t, "gathered" if whole else self.labels[-1])
+                self.add(t, "gathered" if whole else self._gradient_label(t) or self.labels[-1])
                 if whole:
                     self.mark_whole(t)
         return out
