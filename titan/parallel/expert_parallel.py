@@ -232,9 +232,10 @@ class NoParallel(ParallelStyle):
 
 
 def apply_experts_fsdp(experts: nn.Module, mesh: DeviceMesh, num_experts: int, ep: int, **fsdp_kwargs: Any) -> None:
-    """FSDP the EP-sharded experts over ``mesh`` (efsdp, or (dp_replicate, efsdp) for HSDP), on
-    their own: the block's FSDP, on the dense mesh, must not take them. With more efsdp x EP ranks
-    than experts, dim 0 has too few rows to shard: shard the hidden dim instead."""
+    """FSDP the routed experts over ``mesh`` on their own: the block's FSDP must not take them. Under
+    EP (``ep`` > 1, the experts already EP-sharded) ``mesh`` is efsdp, or (dp_replicate, efsdp) for
+    HSDP; without EP the dense FSDP mesh. With more FSDP x EP ranks than experts, dim 0 has too few
+    rows to shard: shard the hidden dim instead."""
     efsdp = mesh.size(mesh.ndim - 1)
 
     def placement(param: nn.Parameter) -> Shard:

@@ -22,6 +22,8 @@ _LAYOUTS = {
     "pp x fsdp": ("debug_model.toml", 8, ("--parallelism.pipeline_parallel_degree", "2")),
     "hsdp": ("debug_model.toml", 8, ("--parallelism.data_parallel_replicate_degree", "2")),
     "fsdp x ep": ("llama4_debug.toml", 8, ("--parallelism.expert_parallel_degree", "2")),
+    # more FSDP ranks than the 8 experts, no EP: the experts' hidden dim is sharded, not dim 0
+    "fsdp > experts": ("llama4_debug.toml", 16, ()),
     "muon": ("debug_model.toml", 4, ("--optimizer.name", "Muon")),
 }
 

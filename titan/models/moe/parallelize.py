@@ -164,12 +164,15 @@ def compile_moe_blocks(model: Any) -> None:
 
 
 def apply_moe_fsdp(model: Any, dims: ParallelDims, job_config: JobConfig) -> None:
-    """FSDP2 / HSDP: under EP each MoE block's routed experts first, on the experts' mesh (efsdp);
-    then the blocks and the root on the dense mesh."""
+    """FSDP2 / HSDP: each MoE block's routed experts first, in a unit of their own, where the
+    block's unit would shard them badly: under EP on the experts' mesh (efsdp); without EP (and TP)
+    when the FSDP ranks outnumber the experts, whose dim 0 would pad to a whole expert per rank,
+    on the dense mesh with their hidden dim sharded. Then the blocks and the root on the dense mesh."""
     par, t = job_config.parallelism, job_config.training
-    if dims.ep_enabled:
-        mesh = dims.experts_fsdp_mesh()
-        assert mesh is not None, "EP is on: ParallelDims built the experts' mesh"
+    num_experts = model.model_args.moe_args.num_experts
+    mesh, ep = (dims.experts_fsdp_mesh(), dims.ep) if dims.ep_enabled else (dims.fsdp_mesh(), 1)
+    assert mesh is not None, "EP is on: ParallelDims built the experts' mesh"
+    if dims.ep_enabled or (not dims.tp_enabled and mesh.size(mesh.ndim - 1) > num_experts):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
         kwargs = dict(
@@ -183,8 +186,7 @@ def apply_moe_fsdp(model: Any, dims: ParallelDims, job_config: JobConfig) -> Non
         )
         for _, block in moe_blocks(model):
             if block.moe_enabled:
-                experts = block.moe.experts
-                apply_experts_fsdp(experts, mesh, model.model_args.moe_args.num_experts, dims.ep, **kwargs)
+                apply_experts_fsdp(block.moe.experts, mesh, num_experts, ep, **kwargs)
     apply_fsdp(
         model,
         dims.fsdp_mesh(),

@@ -17,8 +17,9 @@ window's highest moment, mapped from the profile's labels to the layout's catego
 - FSDP's buffers (``communication``): the root unit (embedding, final norm, output) stays gathered
   through forward and backward; a block is gathered for its forward and again for its backward,
   with the next block's all-gather in flight (backward prefetch) and the previous block's
-  reduce-scatter input held until the next reduce-scatter is issued; the root's reduce-scatter
-  comes last. Blocks not resharded after forward (``fsdp_reshard_after_forward = never``, and under
+  reduce-scatter input held until the next reduce-scatter is issued (a block's nested units, its
+  routed experts in a unit of their own, reduce-scatter before the block's own); the root's
+  reduce-scatter comes last. Blocks not resharded after forward (``fsdp_reshard_after_forward = never``, and under
   PP) stay gathered, those of every stage of the rank that has run a forward; under PP the
   unsharded gradients also accumulate, in the reduce dtype, over all micro-batches of a stage, and
   both go at the stage's gradient reduction after its last micro-batch's backward.
@@ -79,6 +80,10 @@ class Step:
     kept_comm_moe: int = 0  # what an MoE block keeps on top (EP's dispatching all-to-all under per-op SAC)
 
 
+# What an MoE layer's backward makes (gone when its routed experts reduce-scatter their gradients).
+_MOE_BACKWARD = frozenset({"router", "moe", "experts", "routed_out", "grads"})
+
+
 def _sum(units: list, what: str) -> int:
     return sum(getattr(u, what) for u in units if u.fsdp)
 
@@ -96,6 +101,7 @@ class _Walk:
         # backward prefetch and the held reduce-scatter are the neighbouring blocks' own units.
         self.outer_gathered = {k: _sum(us[:1], "gathered") for k, us in rank.units.items()}
         self.outer_reduce = {k: _sum(us[:1], "reduce") for k, us in rank.units.items()}
+        self.nested_reduce = {k: _sum(us[1:], "reduce") for k, us in rank.units.items()}
         self.sharded = {k: sum(u.held for u in us) for k, us in rank.units.items()}  # gradients like parameters
         params = rank.total("held") + sum(
             rank.buffers.get(k, 0) * (1 if k == ROOT else rank.count(k)) for k in rank.buffers
@@ -190,9 +196,15 @@ class _Walk:
                 comm = self.gathered[k] + (self.outer_gathered[kind[ids[n - 1]]] if n > 0 else 0)
             else:
                 comm = self._held_gathered()
-            if not pp and n + 1 < len(ids):
-                comm += self.outer_reduce[kind[ids[n + 1]]]  # the later block's reduce-scatter input
-            self._moment(f"backward {i}", p.backward[self.window[i]], i, self._root() + comm)
+            later = self.outer_reduce[kind[ids[n + 1]]] if not pp and n + 1 < len(ids) else 0
+            self._moment(f"backward {i}", p.backward[self.window[i]], i, self._root() + comm + later)
+            if not pp and self.nested_reduce[k] > later:
+                # The block's nested units (its routed experts in a unit of their own) reduce-scatter
+                # first, once the MoE layer's backward is done: their input is held, in place of the
+                # later block's, through the rest of the block's backward (its own work's peak).
+                window = p.backward[self.window[i]]
+                rest = {k: 0 if k in _MOE_BACKWARD else v for k, v in window.peak.items()}
+                self._moment(f"reduce-scatter {i}", Window(peak=rest), i, self._root() + comm + self.nested_reduce[k])
             if pp and self.fsdp:
                 if i not in self.accumulating.setdefault(stage, set()):
                     self.accumulating[stage].add(i)
