@@ -175,6 +175,35 @@ def _bf16_routing_counts(rank: int) -> tuple[torch.Tensor, torch.Tensor, list]:
         return sharded(x), whole(x), seen
 
 
+def _hidden_sharded_experts(rank: int) -> dict:
+    """Without EP, more FSDP ranks (2) than experts (1): the experts' own FSDP unit shards their
+    hidden dim (dim 1), and the layer computes what the whole one does, forward and backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan.parallel.expert_parallel import apply_experts_fsdp
+
+    torch.manual_seed(0)
+    args = MoEArgs(num_experts=1, top_k=1, num_shared_experts=0, load_balance_coeff=None)
+    whole = MoE(args, dim=16, hidden_dim=32)
+    whole.init_weights(0.02)
+    sharded = MoE(args, dim=16, hidden_dim=32)
+    sharded.load_state_dict(whole.state_dict())
+    apply_experts_fsdp(sharded.experts, init_device_mesh("cpu", (2,)), args.num_experts, 1)
+    x = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(rank))
+    out, ref = sharded(x), whole(x)
+    out.sum().backward()
+    ref.sum().backward()
+    w1 = sharded.experts.w1
+    grad = whole.experts.w1.grad
+    torch.distributed.all_reduce(grad)  # FSDP averages the ranks' gradients
+    return {
+        "placements": [str(p) for p in w1.placements],
+        "local": tuple(w1.to_local().shape),
+        "out": (out, ref),
+        "grad": (w1.grad.full_tensor(), grad / 2),
+    }
+
+
 def on_two_ranks(rank: int, world: int, dump: str) -> dict:
     with eptest_flavor():
         reads: dict[int, int] = {}
@@ -199,6 +228,7 @@ def on_two_ranks(rank: int, world: int, dump: str) -> dict:
         pp = _trainer(f"{dump}/pp_counts", 1, *PP2, "--metrics.log_freq", "1")
         out["pp2_routing"] = _routing(pp, evaluate_after=1)
         out["bf16_counts"] = _bf16_routing_counts(rank)
+        out["hidden_sharded"] = _hidden_sharded_experts(rank)
         out["reads"] = reads
         # Save at EP 2 (steps 5 and 10); resume step 5 at EP 1, which saves step 10 again at EP 1.
         out["uninterrupted"] = _train_loop(f"{dump}/ep2", world, 10, SHARD, "2", *EP2)
@@ -280,6 +310,13 @@ def test_ep_routing_counts_stay_integers_under_a_bf16_experts_policy(two) -> Non
         assert dtypes == [torch.int64], dtypes
         # ... and every token reached its expert: the whole layer's output, to bf16's rounding.
         torch.testing.assert_close(out, whole)
+
+
+def test_more_fsdp_ranks_than_experts_shard_the_hidden_dim(two) -> None:
+    for got in (per_rank["hidden_sharded"] for per_rank in two[0]):
+        assert got["placements"] == ["S(1)"] and got["local"] == (1, 16, 16), got
+        torch.testing.assert_close(*got["out"])
+        torch.testing.assert_close(*got["grad"])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
