@@ -86,7 +86,9 @@ def _restarted_group(resumed: bool, step: int):
 def test_a_restarted_group_says_where_it_goes_on_from(caplog, resumed: bool, step: int, line: str) -> None:
     group = _restarted_group(resumed, step)
     with caplog.at_level("INFO", logger="titan"):
-        group.check_quorum(["titan_replica_1:a", "titan_replica_0:b"], heal=False)
+        # its own previous process, killed while it waited for a quorum, still counted by the
+        # lighthouse until its heartbeat times out: not another group under its id
+        group.check_quorum(["titan_replica_1:a", "titan_replica_1:dead", "titan_replica_0:b"], heal=False)
         group.check_quorum(["titan_replica_1:a", "titan_replica_0:b"], heal=False)  # first quorum only
     assert [r.getMessage() for r in caplog.records] == [
         f"replica group 1 (restart 1): no live peer is ahead of it; {line}"
@@ -96,3 +98,10 @@ def test_a_restarted_group_says_where_it_goes_on_from(caplog, resumed: bool, ste
     with caplog.at_level("INFO", logger="titan"):
         _restarted_group(resumed, step).check_quorum(["titan_replica_1:a", "titan_replica_0:b"], heal=True)
     assert not caplog.records
+
+
+def test_a_first_attempt_under_a_live_groups_id_stops() -> None:
+    group = _restarted_group(False, 0)
+    group.restart = 0
+    with pytest.raises(TitanError, match="'fault_tolerance.replica_id' = 1 is already used by another live replica"):
+        group.check_quorum(["titan_replica_1:a", "titan_replica_1:b"], heal=False)
