@@ -212,13 +212,16 @@ class ReplicaGroups:
         if not self._first_quorum:
             return
         self._first_quorum = False
+        mine = f"{REPLICA_PREFIX}{self.cfg.replica_id}:"
         if self.restart and not heal:
             where = "its own checkpoint" if self.resumed else "scratch (no checkpoint of its own)"
+            # alone: every other group finished (or is down); it trains the steps it lacks by itself
+            others = any(not r.startswith(mine) for r in replica_ids)
+            peers = "no live peer is ahead of it" if others else "no live peer"
             logger.info(
-                f"replica group {self.cfg.replica_id} (restart {self.restart}): no live peer is ahead of it;"
-                f" it trains on from {where} at step {self._train_step + 1}"
+                f"replica group {self.cfg.replica_id} (restart {self.restart}): {peers};"
+                f" it trains on from {where} at step {self._train_step}"  # the step in flight
             )
-        mine = f"{REPLICA_PREFIX}{self.cfg.replica_id}:"
         same = [r for r in replica_ids if r.startswith(mine)]
         if len(same) > 1 and not self.restart:
             raise TitanError(
