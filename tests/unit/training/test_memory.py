@@ -310,15 +310,10 @@ def test_every_layout_is_estimated_in_the_categories(layout):
     assert est.categories["optimizer_state"] < one.categories["optimizer_state"] / 1.5
     if "--parallelism.pipeline_parallel_degree" in layout:
         # Under PP no block is resharded after forward, and a stage's blocks stay gathered while the
-        # rank runs its other stage: the first forward of stage 2's block 3 holds block 0 (stage 0's) too.
-        from titan.training.memory.layout import build_rank
-        from titan.training.plan import plan_run
-
-        config = _debug("none", "--training.seq_len", "64", *layout)
-        rank = build_rank(config, plan_run(config, 4, "cuda", data_here=False), 0)
-        gathered = {k: sum(u.gathered for u in us if u.fsdp) for k, us in rank.units.items()}
-        comm = {}
+        # rank runs its other stage: stage 2's first block (3; rank 0 runs stages 0 and 2, one
+        # block of the debug model's 4 in stage 0) holds stage 0's block 0 too (blocks alike).
+        comm: dict[str, float] = {}
         for m in est.moments:
             comm.setdefault(m.name, m.bytes["communication"])
-        assert rank.stages == {0: [0], 2: [3, 4]}
-        assert comm["forward 3"] - comm["embedding"] == gathered[rank.kind[0]] + gathered[rank.kind[3]]
+        block = comm["forward 0"] - comm["embedding"]
+        assert block > 0 and comm["forward 3"] - comm["embedding"] == 2 * block, comm
