@@ -87,21 +87,31 @@ def newton_schulz_(x: torch.Tensor, steps: int, eps: float = EPS) -> None:
     (s <= n; a view), in place: each matrix divided by its Frobenius norm, then per iteration
     G = X X^T, H = b G + c G G, X = a X + H X. Equal to torch's ``_zeropower_via_newtonschulz`` on
     each matrix (bit for bit on CPU; a test checks it); it keeps the Gram matrices and the next X
-    in buffers it reuses, and computes the next X a column block at a time into the current one."""
+    in buffers it reuses. Where one column block spans the matrix (up to ``_BLOCK`` elements per
+    short side's row), the next X goes into a second whole buffer and the two swap, so X is copied
+    once at the end (an odd step count) rather than once per iteration; a wider matrix computes
+    the next X a column block at a time into the current one."""
     a, b, c = NS_COEFFICIENTS
     k, s, n = x.shape
     x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps))
     gram, poly = x.new_empty(k, s, s), x.new_empty(k, s, s)
     width = _block(s, n)
     scratch = x.new_empty(k, s, width)
+    current = x
     for _ in range(steps):
-        torch.bmm(x, x.mT, out=gram)
+        torch.bmm(current, current.mT, out=gram)
         torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+        if width == n:
+            torch.baddbmm(current, poly, current, beta=a, out=scratch)
+            current, scratch = scratch, current
+            continue
         for j in range(0, n, width):
-            cols = x[..., j : j + width]
+            cols = current[..., j : j + width]
             out = scratch[..., : cols.shape[-1]]
             torch.baddbmm(cols, poly, cols, beta=a, out=out)
             cols.copy_(out)
+    if current is not x:
+        x.copy_(current)
 
 
 class Muon(torch.optim.Optimizer):
@@ -169,12 +179,16 @@ class Muon(torch.optim.Optimizer):
     def _group(self, i: int) -> dict[str, Any]:
         return self.param_groups[self._group_of[i]]
 
-    def _update(self, i: int, index: tuple) -> torch.Tensor | None:
+    def _update(self, i: int, index: tuple, out: torch.Tensor) -> bool:
         p = self._params[i]
         if p.grad is None:
-            return None
+            return False
         grad, buf = local(p.grad)[index], local(self.state[p]["momentum_buffer"])[index]
-        return grad.lerp(buf, self._group(i)["momentum"]) if self._group(i)["nesterov"] else buf
+        if self._group(i)["nesterov"]:
+            torch.lerp(grad, buf, self._group(i)["momentum"], out=out)  # fp32 arithmetic, rounded on store
+        else:
+            out.copy_(buf)
+        return True
 
     def _orthogonalise(self, x: torch.Tensor, i: int) -> None:
         group = self._group(i)
