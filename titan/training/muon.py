@@ -82,34 +82,52 @@ def ns_workspace(k: int, rows: int, cols: int) -> int:
     return _BF16 * k * (2 * s * s + s * _block(s, n))
 
 
+def _same_memory_contiguous(x: torch.Tensor) -> torch.Tensor | None:
+    """``x``'s memory as a contiguous tensor of ``x``'s shape (``x`` itself, or its transpose's
+    storage reread), or None where ``x`` is neither contiguous nor a transposed contiguous one."""
+    if x.is_contiguous():
+        return x
+    if x.mT.is_contiguous():
+        return x.mT.view(-1).view(x.shape)
+    return None
+
+
 def newton_schulz_(x: torch.Tensor, steps: int, eps: float = EPS) -> None:
     """torch.optim.Muon's Newton-Schulz iteration on each matrix of a bfloat16 [k, s, n] stack
     (s <= n; a view), in place: each matrix divided by its Frobenius norm, then per iteration
     G = X X^T, H = b G + c G G, X = a X + H X. Equal to torch's ``_zeropower_via_newtonschulz`` on
     each matrix (bit for bit on CPU; a test checks it); it keeps the Gram matrices and the next X
-    in buffers it reuses. Where one column block spans the matrix (up to ``_BLOCK`` elements per
-    short side's row), the next X goes into a second whole buffer and the two swap, so X is copied
-    once at the end (an odd step count) rather than once per iteration; a wider matrix computes
-    the next X a column block at a time into the current one."""
+    in buffers it reuses. Where one column block spans the matrix (n up to about ``_BLOCK / s``),
+    the next X goes into a whole contiguous buffer and X's own memory, reread contiguous, is the
+    other one: the two swap, so X is copied back once at the end, not once per iteration, and every
+    product after the first writes contiguous memory as torch's does. A wider matrix computes the
+    next X a column block at a time into the current one."""
     a, b, c = NS_COEFFICIENTS
     k, s, n = x.shape
     x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps))
     gram, poly = x.new_empty(k, s, s), x.new_empty(k, s, s)
     width = _block(s, n)
     scratch = x.new_empty(k, s, width)
+    spare = _same_memory_contiguous(x) if width == n else None
+    if spare is None:
+        for _ in range(steps):
+            torch.bmm(x, x.mT, out=gram)
+            torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+            for j in range(0, n, width):
+                cols = x[..., j : j + width]
+                out = scratch[..., : cols.shape[-1]]
+                torch.baddbmm(cols, poly, cols, beta=a, out=out)
+                cols.copy_(out)
+        return
     current = x
     for _ in range(steps):
         torch.bmm(current, current.mT, out=gram)
         torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
-        if width == n:
-            torch.baddbmm(current, poly, current, beta=a, out=scratch)
-            current, scratch = scratch, current
-            continue
-        for j in range(0, n, width):
-            cols = current[..., j : j + width]
-            out = scratch[..., : cols.shape[-1]]
-            torch.baddbmm(cols, poly, cols, beta=a, out=out)
-            cols.copy_(out)
+        torch.baddbmm(current, poly, current, beta=a, out=scratch)
+        current, scratch = scratch, spare if current is x else current
+    if current is spare and spare is not x:  # X's memory in the other layout: it goes back through the buffer
+        scratch.copy_(current)
+        current = scratch
     if current is not x:
         x.copy_(current)
 
