@@ -396,6 +396,9 @@ def _usage_error(message: str) -> None:
 
 def main(argv: list[str]) -> None:
     argv = list(argv)
+    if {"-h", "--help"} & set(argv):  # not a config key: every row would fail on it
+        print(__doc__)
+        return
     single = _pop(argv, "--_single", None)
     preset_name = _pop(argv, "--preset", None)
     preset = PRESETS.get(preset_name or "", {})

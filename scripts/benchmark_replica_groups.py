@@ -17,7 +17,8 @@ titan's own record of it in the group's goodput.jsonl: detect, restart, rejoin, 
 recompute, from the failed attempt's last finished step to the group's first new step),
 goodput = committed group-steps / (groups x the steps the wall time holds at full strength),
 heals_bitwise_equal (every group's final weights and optimizer state equal, bitwise: a healed
-group took its peer's state exactly),
+group took its peer's state exactly; not so after trained_alone, the restarts that found every
+other group finished and trained the last steps alone),
 final_loss and final_loss_uninterrupted: the final weights' loss on the same held-out text (the
 pydoc_validation topics, which pydoc_train, the runs' data, leaves out; 128-token windows): the
 groups' last training batches differ between the runs (a restarted group reads on from its own
@@ -212,6 +213,8 @@ def main(a: Any, out: Path, launch: Any, run_args: Any, ranks: Any) -> int:
         "committed_group_steps": committed,
         "discarded_steps": len({line.split("step ")[1].split(" ")[0] for _, line in discarded}),
         "heals": len(healed),
+        # restarted after every other group finished: trained its last steps alone (its own weights)
+        "trained_alone": sum(bool(re.search(r"\(restart \d+\): no live peer;", line)) for _, line in text),
         "heal_s": heal_s,
         "recover_s": [round(sum(r.values()), 2) for r in recovery],
         "recovery": recovery,

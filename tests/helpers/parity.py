@@ -42,6 +42,9 @@ def config(dump: str, *extra: str):
             str(SEQ),
             "--metrics.enable_tensorboard",
             "false",
+            # a second of fake forward/backward per build for a table row no parity test reads
+            "--metrics.startup_memory_estimate",
+            "false",
             "--lr_scheduler.warmup_steps",
             "1",
             *extra,

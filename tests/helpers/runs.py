@@ -29,6 +29,8 @@ TINY_RUN = [
     "--metrics.enable_tensorboard",
     "false",
     "--metrics.disable_color_printing",
+    "--metrics.startup_memory_estimate",  # the start-up table's fake forward/backward: a second a run
+    "false",
 ]
 TINY_CKPT = [*TINY_RUN, "--checkpoint.enable"]
 # The bad-input runs: 2 steps, no metrics files (a rejected run must leave none of its own).

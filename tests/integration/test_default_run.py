@@ -1,7 +1,7 @@
 """The README's first command, `./run_train.sh` (debug model, train_configs/debug_model.toml, as
 shipped), shows clear learning: the mean loss of its last 5 steps is at most 70% of its first 5; the
 default spike detection stays quiet on this healthy run, it prints no warning at all (the epoch
-boundary included), and each step logs the lr it used."""
+boundary included), each step logs the lr it used, and TensorBoard gets the events."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def test_default_run_learns(tmp_path):
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
     rows = [r for r in records if "loss_metrics/global_avg_loss" in r]  # the attempt's goodput has a record too
     assert any("goodput/attempt(%)" in r for r in records)
+    assert config.metrics.enable_tensorboard and list(tmp_path.rglob("events.out.tfevents.*")), "no TensorBoard events"
     losses = [r["loss_metrics/global_avg_loss"] for r in rows]
     assert [r["step"] for r in rows] == list(range(1, config.training.steps + 1))
     assert "spike" not in run.stdout + run.stderr, [

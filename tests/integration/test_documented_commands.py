@@ -3,11 +3,11 @@
 Commands are read from the Markdown itself (the README and every page of docs/): fenced shell
 blocks, indented code blocks and inline `code` spans that start with ./run_train.sh, python
 train.py, python -m titan.train, python -m titan.launch[.check], torchrun, python scripts/...,
-python examples/... or sbatch (leading VAR=value assignments allowed). Each runs with
-a small step count appended where it trains (a later flag wins) and its output in a temporary
-folder. The only ones not run are in SKIP, each with the reason (hardware, a cluster, network or
-weights absent here), and templates with elided arguments ("...", "<dump_folder>"). A new command in the docs is
-run by default.
+python examples/... or sbatch (leading VAR=value assignments allowed). Each runs with a small step
+count and a 2-sequence local batch appended where it trains (a later flag wins; a command that sets
+the batch keeps its own) and its output in a temporary folder. The only ones not run are in SKIP,
+each with the reason (hardware, a cluster, network or weights absent here), and templates with
+elided arguments ("...", "<dump_folder>"). A new command in the docs is run by default.
 """
 
 from __future__ import annotations
@@ -174,6 +174,14 @@ def _skip_reason(command: str) -> str | None:
     return None
 
 
+def _small_batch(words: list[str]) -> list[str]:
+    """2 sequences a step instead of the configs' 8, unless the command sets its batch: the same code
+    path for a quarter of the work (the MoE debug models' steps, not their start-up, dominate here)."""
+    if any(w.startswith(("--training.local_batch_size", "--training.global_batch_size")) for w in words):
+        return []
+    return ["--training.local_batch_size", "2"]
+
+
 def _prepare(command: str, out: Path) -> tuple[list[str], dict[str, str]]:
     """argv and environment to run ``command`` here, small: a 2-step run in a temporary folder."""
     words = shlex.split(command)
@@ -195,9 +203,9 @@ def _prepare(command: str, out: Path) -> tuple[list[str], dict[str, str]]:
     if titan_cli and not {"--help", "-h"} & set(words):
         words += ["--job.dump_folder", str(out)]
         if env.get("COMM_MODE") != "fake_backend" and "--job.dry_run" not in words:
-            words += ["--training.steps", "2"]
-    elif script == "scripts/benchmark.py":
-        words += ["--warmup", "1", "--steps", "1"]
+            words += ["--training.steps", "2", *_small_batch(words)]
+    elif script == "scripts/benchmark.py" and not {"--help", "-h"} & set(words):
+        words += ["--warmup", "1", "--steps", "1", *_small_batch(words)]
     elif script == "scripts/benchmark_loader.py":
         words += ["--max_docs", "200"]
     elif script == "scripts/make_c4_mirror.py":

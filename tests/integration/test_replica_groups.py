@@ -46,9 +46,10 @@ def final_state(folder: Path) -> dict:
 def test_killed_group_heals_from_live_peer(lighthouse: str, tmp_path: Path) -> None:
     ready, ready0 = str(tmp_path / "ready1"), str(tmp_path / "ready0")
     # Both groups start their first step with the other up (one first quorum holds both), and
-    # group 0 its step 7 once group 1's restart is up: the kill and the return are ordered
-    # against group 0's steps by events, not timers.
-    gates = {WAIT_ENV: f"step=1:{ready}.0,step=7:{ready}.1", READY_ENV: ready0}
+    # group 0 its step 5 once group 1's restart is up: the kill and the return are ordered
+    # against group 0's steps by events, not timers. Group 0 only discarded a step meanwhile (its
+    # weights are group 1's snapshot's), yet it is a step on: group 1 heals to take its step.
+    gates = {WAIT_ENV: f"step=1:{ready}.0,step=5:{ready}.1", READY_ENV: ready0}
     bf16 = ("--training.mixed_precision_param", "bfloat16")
     g0 = group(lighthouse, tmp_path, 0, *bf16, env=kill_env("", gates) | gates)
     # Group 1 dies inside step 4, after its backward, before the gradient exchange.
@@ -62,8 +63,8 @@ def test_killed_group_heals_from_live_peer(lighthouse: str, tmp_path: Path) -> N
     assert sorted({int(m[1]) for m in STEP_RE.finditer(out0)}) == list(range(1, STEPS + 1))
     assert "step 4 discarded" in out0 and "SIGKILL at sync of step 4" in out1
     # The restarted group took the peer's state and step, not its own fresh start, and says so
-    # (not that it starts again from step 0).
-    assert "replica group 1 (restart 1) healed from a live peer at step 7" in out1
+    # (not that it starts again from step 0); then both train steps 5-9 together.
+    assert "replica group 1 (restart 1) healed from a live peer at step 5" in out1
     assert "starts again from step 0" not in out1
     # Its data reads on after its last step (step 4 died before its update: its batches come again):
     # from its in-memory snapshot of step 3, or from the position kept per step when that snapshot
@@ -72,7 +73,7 @@ def test_killed_group_heals_from_live_peer(lighthouse: str, tmp_path: Path) -> N
     assert "resumed from the in-memory snapshot of step" in out1, out1[-3000:]
     # Each group's goodput record counts its replica-group steps.
     assert "replica group steps this attempt: 8 committed, 1 discarded; 0 heal(s)" in out0
-    assert "replica group steps this attempt: 3 committed, 0 discarded; 1 heal(s)" in out1
+    assert "replica group steps this attempt: 5 committed, 0 discarded; 1 heal(s)" in out1
     # The console reads like titan: no traceback (the survivor's failed collective is in its
     # torchft log file, with torchft's per-step quorum lines), and besides one line per step few
     # others: a 60-step run of the two groups with one kill stays under 200 lines.

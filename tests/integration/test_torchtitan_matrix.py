@@ -45,6 +45,8 @@ BASE = [
     "--metrics.enable_tensorboard",
     "false",
     "--metrics.disable_color_printing",
+    "--metrics.startup_memory_estimate",  # the start-up table's fake forward/backward: a second a run
+    "false",
     "--comm.init_timeout_seconds",
     "900",
 ]

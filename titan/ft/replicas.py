@@ -10,8 +10,8 @@ discarded (no group does)? Around it:
   all-reduce per dtype), then torchft decides: committed, or discarded because a group failed
   during the step (its collectives errored or timed out) or too few groups took part.
 - the group's data position is its own, kept per step (titan/ft/data_position.py).
-- a group whose first quorum holds another live group under its replica id stops with one line
-  (torchft itself tells the two apart by a random suffix and would train both).
+- a group whose first quorum (at its first attempt) holds another live group under its replica id
+  stops with one line (torchft itself tells the two apart by a random suffix and would train both).
 
 Inside a group the layout is titan's own (FSDP, TP, PP, CP): rank r of every group holds the same
 shards, and torchft's process group joins rank r of every group.
@@ -202,22 +202,28 @@ class ReplicaGroups:
                 self.manager.wait_quorum()
 
     def check_quorum(self, replica_ids: list[str], heal: bool = False) -> None:
-        """This process's first quorum (``replica_ids``: torchft's ``<id>:<random suffix>``): a
-        second member under this group's id is another live group launched with the same
-        fault_tolerance.replica_id (a dead one is not in a quorum). A restarted group that does
-        not ``heal`` (no live peer is ahead of it) says where it goes on from."""
+        """This process's first quorum (``replica_ids``: torchft's ``<id>:<random suffix>``): at a
+        group's first attempt a second member under its id is another live group launched with the
+        same fault_tolerance.replica_id. A restarted group's may be its own previous process, killed
+        while it waited for a quorum: the lighthouse counts it until its heartbeat times out, and
+        torchft's suffix is there to tell the two apart (the step fails on the dead member and is
+        discarded; the next quorum is without it). A restarted group that does not ``heal`` (no
+        live peer is ahead of it) says where it goes on from."""
         if not self._first_quorum:
             return
         self._first_quorum = False
+        mine = f"{REPLICA_PREFIX}{self.cfg.replica_id}:"
         if self.restart and not heal:
             where = "its own checkpoint" if self.resumed else "scratch (no checkpoint of its own)"
+            # alone: every other group finished (or is down); it trains the steps it lacks by itself
+            others = any(not r.startswith(mine) for r in replica_ids)
+            peers = "no live peer is ahead of it" if others else "no live peer"
             logger.info(
-                f"replica group {self.cfg.replica_id} (restart {self.restart}): no live peer is ahead of it;"
-                f" it trains on from {where} at step {self._train_step + 1}"
+                f"replica group {self.cfg.replica_id} (restart {self.restart}): {peers};"
+                f" it trains on from {where} at step {self._train_step}"  # the step in flight
             )
-        mine = f"{REPLICA_PREFIX}{self.cfg.replica_id}:"
         same = [r for r in replica_ids if r.startswith(mine)]
-        if len(same) > 1:
+        if len(same) > 1 and not self.restart:
             raise TitanError(
                 f"config key 'fault_tolerance.replica_id' = {self.cfg.replica_id} is already used by another live"
                 f" replica group at the lighthouse {self.url}; valid: an id no other group uses, 0 .."
@@ -252,6 +258,12 @@ class ReplicaGroups:
             return True
         for p in params:
             p.grad = None
+        # torchft counts committed steps; titan counts this one too (step number, LR schedule). Its
+        # count moves with titan's, so a quorum compares train steps: a restarted group whose own
+        # snapshot is older than the live groups heals even when they only discarded steps meanwhile
+        # (else it would train on a step behind them, and on alone after they finished).
+        count = self.manager.state_dict()
+        self.manager.load_state_dict({**count, "step": count["step"] + 1})
         self.record.discarded += 1
         logger.warning(
             f"replica group {self.cfg.replica_id}: step {self._train_step} discarded (a replica group failed"
@@ -275,8 +287,9 @@ class ReplicaGroups:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """torchft's count of committed steps: a restarted group resumes it, so it is never ahead
-        of the live groups (the group with the most commits is the one the others heal from)."""
+        """torchft's step count (titan's train step: discarded steps count, see sync_gradients): a
+        restarted group resumes it, so it is never ahead of the live groups (the group furthest on
+        is the one the others heal from)."""
         return self.manager.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

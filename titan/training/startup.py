@@ -66,6 +66,8 @@ def _peak_text(peak_flops: float | None, device_name: str, device: torch.device,
 def _memory_text(config: JobConfig, world_size: int, capacity: float | None, what: str) -> str:
     from titan.training.memory import estimate_memory
 
+    if not config.metrics.startup_memory_estimate:
+        return "off (metrics.startup_memory_estimate = false; --job.dry_run estimates it)"
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart not in ("", "0"):  # seconds of fake forward/backward that a restart would wait for
         return f"as in the first attempt's table (not estimated again on restart {restart})"

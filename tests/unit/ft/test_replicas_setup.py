@@ -66,7 +66,7 @@ class _TrainState:
         return {"step": self.step}
 
 
-def _restarted_group(resumed: bool, step: int):
+def _restarted_group(resumed: bool, step: int):  # step: the one in flight
     from titan.ft.replicas import ReplicaGroups
 
     group = object.__new__(ReplicaGroups)  # the first-quorum logic alone, without torchft's manager
@@ -79,20 +79,34 @@ def _restarted_group(resumed: bool, step: int):
 @pytest.mark.parametrize(
     "resumed, step, line",
     [
-        (True, 20, "it trains on from its own checkpoint at step 21"),
-        (False, 0, "it trains on from scratch (no checkpoint of its own) at step 1"),
+        (True, 21, "it trains on from its own checkpoint at step 21"),
+        (False, 1, "it trains on from scratch (no checkpoint of its own) at step 1"),
     ],
 )
 def test_a_restarted_group_says_where_it_goes_on_from(caplog, resumed: bool, step: int, line: str) -> None:
     group = _restarted_group(resumed, step)
     with caplog.at_level("INFO", logger="titan"):
-        group.check_quorum(["titan_replica_1:a", "titan_replica_0:b"], heal=False)
+        # its own previous process, killed while it waited for a quorum, still counted by the
+        # lighthouse until its heartbeat times out: not another group under its id
+        group.check_quorum(["titan_replica_1:a", "titan_replica_1:dead", "titan_replica_0:b"], heal=False)
         group.check_quorum(["titan_replica_1:a", "titan_replica_0:b"], heal=False)  # first quorum only
     assert [r.getMessage() for r in caplog.records] == [
         f"replica group 1 (restart 1): no live peer is ahead of it; {line}"
     ]
+    # Alone in its quorum (every other group finished or is down): it trains on by itself.
+    caplog.clear()
+    with caplog.at_level("INFO", logger="titan"):
+        _restarted_group(resumed, step).check_quorum(["titan_replica_1:a"], heal=False)
+    assert [r.getMessage() for r in caplog.records] == [f"replica group 1 (restart 1): no live peer; {line}"]
     # A group that heals says so when the peer's state is loaded, not here.
     caplog.clear()
     with caplog.at_level("INFO", logger="titan"):
         _restarted_group(resumed, step).check_quorum(["titan_replica_1:a", "titan_replica_0:b"], heal=True)
     assert not caplog.records
+
+
+def test_a_first_attempt_under_a_live_groups_id_stops() -> None:
+    group = _restarted_group(False, 0)
+    group.restart = 0
+    with pytest.raises(TitanError, match="'fault_tolerance.replica_id' = 1 is already used by another live replica"):
+        group.check_quorum(["titan_replica_1:a", "titan_replica_1:b"], heal=False)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from titan.config import load_config
-from titan.training.startup import _peak_text
+from titan.training.startup import _memory_text, _peak_text
 from titan.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
@@ -71,6 +71,13 @@ def test_summary_rows_on_cpu(tmp_path, caplog):
     # Saved once the run is committed to start: loading it gives the run's config back.
     again = load_config(["--job.config_file", str(tmp_path / "config.toml")])
     assert again.training == trainer.config.training and again.optimizer == trainer.config.optimizer
+
+
+def test_the_memory_row_can_be_turned_off():
+    argv = ["--job.config_file", str(REPO / "train_configs/debug_model.toml")]
+    config = load_config([*argv, "--metrics.startup_memory_estimate", "false"])
+    text = _memory_text(config, 1, 1e9, "host RAM")
+    assert text == "off (metrics.startup_memory_estimate = false; --job.dry_run estimates it)"
 
 
 def test_peak_text_names_its_source():

@@ -31,6 +31,11 @@ class Metrics:
     log_rank: int = 0
     """Rank that prints the metrics line and writes TensorBoard / JSONL / W&B. -1: every rank
     (files get a rank suffix)."""
+    startup_memory_estimate: bool = True
+    """Estimate the per-rank memory for the start-up table (titan/training/memory.py: a fake
+    forward and backward of a few blocks on rank 0, about a second on the debug model, longer on
+    wide models, while the other ranks wait). false: the row says it is off; --job.dry_run and
+    scripts/estimate_memory.py still estimate."""
     enable_jsonl: bool = True
     """Append every logged step's scalars as one JSON line to <dump_folder>/<save_jsonl_folder>/
     <run stamp>.jsonl (plot with scripts/plot_metrics.py)."""
