@@ -43,7 +43,7 @@ __all__ = ["WholeMatrixUpdates", "Footprint", "CHUNK"]
 
 _BF16 = 2
 
-Update = Callable[[int, tuple], "torch.Tensor | None"]
+Update = Callable[[int, tuple, torch.Tensor], bool]
 Apply = Callable[[int, tuple, torch.Tensor], None]
 Orthogonalise = Callable[[torch.Tensor, int], None]
 
@@ -223,11 +223,8 @@ class WholeMatrixUpdates:
     def _fill(self, dst: torch.Tensor, u: Unit, k: int, a: int, b: int, update: Update) -> None:
         """``dst`` (a [k, a, b] view) <- the update of this rank's part of ``u``."""
         for j, rows in regions(k, a, b):
-            value = update(u.param, self._local_index(u, j, rows))
-            if value is None:
+            if not update(u.param, self._local_index(u, j, rows), dst[j, rows]):
                 dst[j, rows].zero_()
-            else:
-                dst[j, rows].copy_(value)
 
     def _give(self, src: torch.Tensor, u: Unit, k: int, a: int, b: int, apply: Apply) -> None:
         for j, rows in regions(k, a, b):
@@ -298,9 +295,11 @@ class WholeMatrixUpdates:
                 slot += u.count
 
     def run(self, update: Update, orthogonalise: Orthogonalise, apply: Apply, device: torch.device) -> None:
-        """One step. ``update(param, index)``: the fp32 update of ``index`` of the parameter's local
-        shard (None: no gradient, nothing is applied); ``orthogonalise(x, param)``: in place on a
-        bfloat16 [k, rows, cols] stack with rows <= cols; ``apply(param, index, result)``."""
+        """One step. ``update(param, index, out)``: writes the update of ``index`` of the parameter's
+        local shard into ``out`` (a bfloat16 view of the buffer it travels in, so no fp32 copy of
+        it is made) and returns True, or False where it has no gradient (nothing is applied);
+        ``orthogonalise(x, param)``: in place on a bfloat16 [k, rows, cols] stack with rows <= cols;
+        ``apply(param, index, result)``."""
         n = len(self.buckets)
         out = self._start(0, update, device) if n else None
         pending = None

@@ -82,26 +82,54 @@ def ns_workspace(k: int, rows: int, cols: int) -> int:
     return _BF16 * k * (2 * s * s + s * _block(s, n))
 
 
+def _same_memory_contiguous(x: torch.Tensor) -> torch.Tensor | None:
+    """``x``'s memory as a contiguous tensor of ``x``'s shape (``x`` itself, or its transpose's
+    storage reread), or None where ``x`` is neither contiguous nor a transposed contiguous one."""
+    if x.is_contiguous():
+        return x
+    if x.mT.is_contiguous():
+        return x.mT.view(-1).view(x.shape)
+    return None
+
+
 def newton_schulz_(x: torch.Tensor, steps: int, eps: float = EPS) -> None:
     """torch.optim.Muon's Newton-Schulz iteration on each matrix of a bfloat16 [k, s, n] stack
     (s <= n; a view), in place: each matrix divided by its Frobenius norm, then per iteration
     G = X X^T, H = b G + c G G, X = a X + H X. Equal to torch's ``_zeropower_via_newtonschulz`` on
     each matrix (bit for bit on CPU; a test checks it); it keeps the Gram matrices and the next X
-    in buffers it reuses, and computes the next X a column block at a time into the current one."""
+    in buffers it reuses. Where one column block spans the matrix (n up to about ``_BLOCK / s``),
+    the next X goes into a whole contiguous buffer and X's own memory, reread contiguous, is the
+    other one: the two swap, so X is copied back once at the end, not once per iteration, and every
+    product after the first writes contiguous memory as torch's does. A wider matrix computes the
+    next X a column block at a time into the current one."""
     a, b, c = NS_COEFFICIENTS
     k, s, n = x.shape
     x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps))
     gram, poly = x.new_empty(k, s, s), x.new_empty(k, s, s)
     width = _block(s, n)
     scratch = x.new_empty(k, s, width)
+    spare = _same_memory_contiguous(x) if width == n else None
+    if spare is None:
+        for _ in range(steps):
+            torch.bmm(x, x.mT, out=gram)
+            torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+            for j in range(0, n, width):
+                cols = x[..., j : j + width]
+                out = scratch[..., : cols.shape[-1]]
+                torch.baddbmm(cols, poly, cols, beta=a, out=out)
+                cols.copy_(out)
+        return
+    current = x
     for _ in range(steps):
-        torch.bmm(x, x.mT, out=gram)
+        torch.bmm(current, current.mT, out=gram)
         torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
-        for j in range(0, n, width):
-            cols = x[..., j : j + width]
-            out = scratch[..., : cols.shape[-1]]
-            torch.baddbmm(cols, poly, cols, beta=a, out=out)
-            cols.copy_(out)
+        torch.baddbmm(current, poly, current, beta=a, out=scratch)
+        current, scratch = scratch, spare if current is x else current
+    if current is spare and spare is not x:  # X's memory in the other layout: it goes back through the buffer
+        scratch.copy_(current)
+        current = scratch
+    if current is not x:
+        x.copy_(current)
 
 
 class Muon(torch.optim.Optimizer):
@@ -169,12 +197,16 @@ class Muon(torch.optim.Optimizer):
     def _group(self, i: int) -> dict[str, Any]:
         return self.param_groups[self._group_of[i]]
 
-    def _update(self, i: int, index: tuple) -> torch.Tensor | None:
+    def _update(self, i: int, index: tuple, out: torch.Tensor) -> bool:
         p = self._params[i]
         if p.grad is None:
-            return None
+            return False
         grad, buf = local(p.grad)[index], local(self.state[p]["momentum_buffer"])[index]
-        return grad.lerp(buf, self._group(i)["momentum"]) if self._group(i)["nesterov"] else buf
+        if self._group(i)["nesterov"]:
+            torch.lerp(grad, buf, self._group(i)["momentum"], out=out)  # fp32 arithmetic, rounded on store
+        else:
+            out.copy_(buf)
+        return True
 
     def _orthogonalise(self, x: torch.Tensor, i: int) -> None:
         group = self._group(i)

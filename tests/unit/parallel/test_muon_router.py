@@ -53,8 +53,9 @@ def _run(params: list, cases: list, fulls: list, share: int | None) -> dict:
         assert x.dtype == torch.bfloat16 and x.shape[-2] <= x.shape[-1]
         x.copy_(_fn(x))
 
-    def update(i: int, index: tuple) -> torch.Tensor:
-        return local(params[i])[index]
+    def update(i: int, index: tuple, out: torch.Tensor) -> bool:
+        out.copy_(local(params[i])[index])
+        return True
 
     def apply(i: int, index: tuple, o: torch.Tensor) -> None:
         results[i][index] = o.float()

@@ -115,6 +115,24 @@ def test_update_is_torch_muon_per_matrix_and_per_expert() -> None:
     assert set(opt.state[params[0]]) == {"momentum_buffer"}  # one state tensor per matrix
 
 
+def test_newton_schulz_is_torchs_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a tall matrix read through its transpose (how w1 and w3 arrive) at a size where CPU bf16
+    matmuls change kernels (1536 x 512: writing each iteration into the transposed view was not
+    torch's result), and a matrix wider than one column block (the blocked path)."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    import titan.training.muon as muon
+
+    gen = torch.Generator().manual_seed(0)
+    for shape, block in (((1536, 512), None), ((16, 64), 256)):
+        if block is not None:
+            monkeypatch.setattr(muon, "_BLOCK", block)  # 16 rows x 16 columns per block
+        m = torch.randn(shape, generator=gen)
+        x = m.bfloat16()[None]
+        muon.newton_schulz_(x.mT if shape[0] > shape[1] else x, 5)
+        assert torch.equal(x[0], _zeropower_via_newtonschulz(m, muon.NS_COEFFICIENTS, 5, muon.EPS)), shape
+
+
 def test_build_muon_with_adamw_and_its_own_keys() -> None:
     cfg = dataclasses.replace(MUON, adamw_lr=1e-3, adamw_weight_decay=0.0, momentum=0.9, nesterov=False, ns_steps=3)
     opt = build_optimizers([Transformer(TINY)], cfg)
