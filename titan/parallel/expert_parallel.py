@@ -18,6 +18,7 @@ attribute, set by the simulator, scales what this rank receives).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -231,15 +232,25 @@ class NoParallel(ParallelStyle):
         )
 
 
+def experts_shard_dim(shape: Sequence[int], efsdp: int, ep: int, num_experts: int) -> int:
+    """The dim FSDP shards an expert weight of this rank's ``shape`` on: dim 0 (experts) while the
+    FSDP x EP ranks do not outnumber the experts; beyond, the first other dim that ``efsdp`` divides
+    (FSDP2 shards dims > 0 only evenly: gpt-oss 120b's 2880 splits over 64 ranks, not 128); with
+    none, dim 0 again, padded to a whole expert per rank (memory that no longer shrinks)."""
+    if efsdp * ep <= num_experts:
+        return 0
+    return next((d for d in range(1, len(shape)) if shape[d] % efsdp == 0), 0)
+
+
 def apply_experts_fsdp(experts: nn.Module, mesh: DeviceMesh, num_experts: int, ep: int, **fsdp_kwargs: Any) -> None:
     """FSDP the routed experts over ``mesh`` on their own: the block's FSDP must not take them. Under
     EP (``ep`` > 1, the experts already EP-sharded) ``mesh`` is efsdp, or (dp_replicate, efsdp) for
     HSDP; without EP the dense FSDP mesh. With more FSDP x EP ranks than experts, dim 0 has too few
-    rows to shard: shard the hidden dim instead."""
+    rows to shard: another dim is sharded (experts_shard_dim)."""
     efsdp = mesh.size(mesh.ndim - 1)
 
     def placement(param: nn.Parameter) -> Shard:
-        return Shard(1) if efsdp * ep > num_experts else Shard(0)
+        return Shard(experts_shard_dim(param.shape, efsdp, ep, num_experts))
 
     fully_shard(experts, mesh=mesh, shard_placement_fn=placement, **fsdp_kwargs)
 

@@ -57,3 +57,19 @@ def test_config_keys_and_torchtitan_spellings() -> None:
     load_config(["--parallelism.expert_parallel_comm_backend", "standard"])
     with pytest.raises(TitanError, match="expert_parallel_comm_backend' is not supported by titan: DeepEP"):
         load_config(["--parallelism.expert_parallel_comm_backend", "deepep"])
+
+
+@pytest.mark.parametrize(
+    ("shape", "efsdp", "ep", "experts", "dim"),
+    [
+        ((16, 2880, 5760), 8, 8, 128, 0),  # gpt-oss 120b at EP 8 x 8: a whole expert or more each
+        ((16, 2880, 5760), 64, 8, 128, 1),  # 512 ranks: 2880 / 64 = 45 rows of the hidden dim each
+        ((16, 2880, 5760), 128, 8, 128, 2),  # 1,024 ranks: 2880 does not split over 128, 5760 does
+        ((16, 2880, 2880), 128, 8, 128, 0),  # neither does: whole experts, padded
+        ((256, 2048, 7168), 512, 1, 256, 1),  # DeepSeek-V3 without EP beyond 256 ranks
+    ],
+)
+def test_the_experts_shard_dim_is_one_fsdp_can_split(shape, efsdp, ep, experts, dim) -> None:
+    from titan.parallel.expert_parallel import experts_shard_dim
+
+    assert experts_shard_dim(shape, efsdp, ep, experts) == dim
