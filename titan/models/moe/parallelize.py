@@ -171,7 +171,7 @@ def apply_moe_fsdp(model: Any, dims: ParallelDims, job_config: JobConfig) -> Non
     par, t = job_config.parallelism, job_config.training
     num_experts = model.model_args.moe_args.num_experts
     mesh, ep = (dims.experts_fsdp_mesh(), dims.ep) if dims.ep_enabled else (dims.fsdp_mesh(), 1)
-    assert mesh is not None, "EP is on: ParallelDims built the experts' mesh"
+    assert mesh is not None, "FSDP is on (this is its pass): ParallelDims built the mesh the experts take"
     if dims.ep_enabled or (not dims.tp_enabled and mesh.size(mesh.ndim - 1) > num_experts):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
