@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.tensor import DTensor
 
 from titan.checkpointing import model_dcp as dcp_io
 from titan.checkpointing.hf_check import check_export_config, refuse_dropped_bias
@@ -32,6 +32,7 @@ from titan.models import get_flavor, get_model_spec, spec_for_args
 from titan.progress import progress
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3  # what transformers' save_pretrained uses
+ROUTING_BIAS = "moe.expert_bias"
 
 
 def _plan_shards(
@@ -197,14 +198,21 @@ def _write(
     load: Callable[[list[str]], dict[str, torch.Tensor]],
     saved_dtype: torch.dtype,
     drop_routing_bias: bool,
+    writer: bool = True,
 ) -> None:
-    """Check config.json first, then write everything into a temporary folder renamed at the end."""
+    """Check config.json first, then write everything into a temporary folder renamed at the end.
+    A rank that is not the ``writer`` makes the same ``load`` calls in the same order (they may be
+    collectives) and writes nothing."""
     adapter = _adapter(args)
     config = adapter.args_to_hf_config(args, dtype or saved_dtype)
     check_export_config(adapter, args, config)
     if not drop_routing_bias:  # before the folder exists: the biases are small
-        biases = [k for keys in groups for k in keys if k.endswith("moe.expert_bias")]
+        biases = [k for keys in groups for k in keys if k.endswith(ROUTING_BIAS)]
         refuse_dropped_bias(adapter, load(biases) if biases else {}, spec_for_args(args).name)
+    if not writer:
+        for keys in groups:
+            load(keys)
+        return
     with dcp_io.atomic_folder(out_dir) as out:
         _write_files(out, adapter, args, groups, dtype, load, config)
 
@@ -299,28 +307,42 @@ def save_model_hf(
     record: dict[str, Any] | None = None,
     drop_routing_bias: bool = False,
 ) -> None:
-    """Gather a (possibly sharded) model and write an HF folder from rank 0: the hook for
-    `[checkpoint] last_save_in_hf`. Collective: every rank must call it. Pipeline-parallel parts
-    live on different ranks, so a rank 0 without all of them refuses rather than exporting half.
+    """Write an HF folder of a (possibly sharded) model from rank 0: the hook for
+    `[checkpoint] last_save_in_hf`. Collective: every rank must call it. It gathers one output file's
+    tensors at a time, a parameter at a time, so rank 0 holds at most one file (max_shard_bytes) and
+    the other ranks one unsharded parameter, whatever the model's size. Pipeline-parallel parts live
+    on different ranks, so a rank without all of them refuses before gathering anything.
     ``record``: the run's config, for the context length config.json states (export_args)."""
     args = args if args is not None else model_args_of(model_parts[0])
     if record is not None:
         args = export_args(args, record)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state: dict[str, torch.Tensor] = {}
-    for part in model_parts:
-        state.update(dcp_io.model_tensors(part, options=options))
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
+    tensors: dict[str, torch.Tensor] = {}
+    for part in model_parts:  # the rank's own shards (DTensors under FSDP/TP): nothing gathered yet
+        tensors.update(dcp_io.model_tensors(part))
     if args.tie_embeddings:
-        state.pop("output.weight", None)
-    missing = sorted(set(_expected_keys(args)) - set(state))
+        tensors.pop("output.weight", None)
+    missing = sorted(set(_expected_keys(args)) - set(tensors))
     if missing:
         raise TitanError(
-            f"HF export needs the whole model on rank 0 but {missing[0]!r} is on another pipeline "
+            f"HF export needs the whole model on every rank's mesh but {missing[0]!r} is on another pipeline "
             "stage; export the DCP checkpoint with scripts/convert_hf.py to_hf instead"
         )
-    save_hf(state, args, out_dir, max_shard_bytes, dtype, drop_routing_bias)
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+
+    def gather(keys: list[str]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for key in keys:  # full_tensor is a collective over the parameter's mesh: same order everywhere
+            value = tensors[key]
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            # Routing biases come back on every rank (they are tiny) so every rank refuses alike.
+            if writer or key.endswith(ROUTING_BIAS):
+                out[key] = full.detach().cpu()
+        return out
+
+    nbytes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
+    saved = next((v.dtype for v in tensors.values() if v.is_floating_point()), torch.float32)
+    groups = _plan_shards(nbytes, max_shard_bytes, getattr(_adapter(args), "export_unit", None))
+    _write(out_dir, args, groups, dtype, gather, saved, drop_routing_bias, writer=writer)
 
 
 __all__ = [
