@@ -73,11 +73,11 @@ if [ -n "${REPLICA_GROUPS:-}" ]; then
   if [ -z "${TORCHFT_LIGHTHOUSE:-}" ]; then
     LIGHTHOUSE_PORT=${LIGHTHOUSE_PORT:-29510}
     # A quorum needs one group, so the survivors train on while a group restarts; a group that
-    # stops heartbeating for a second is left out of the next step's quorum (a live one that has
-    # not asked yet is waited for up to 10 s). Its per-quorum INFO lines stay off the console
-    # (torchft's RUST_LOG; RUST_LOG=info brings them back).
+    # stops heartbeating for half a second (5 of torchft's 100 ms heartbeats) is left out of the
+    # next step's quorum (a live one that has not asked yet is waited for up to 10 s). Its
+    # per-quorum INFO lines stay off the console (torchft's RUST_LOG; RUST_LOG=info brings them back).
     RUST_LOG=${RUST_LOG:-warn} torchft_lighthouse --min_replicas 1 --bind "[::]:${LIGHTHOUSE_PORT}" --join_timeout_ms 10000 \
-      --heartbeat_timeout_ms 1000 --quorum_tick_ms 50 &
+      --heartbeat_timeout_ms 500 --quorum_tick_ms 50 &
     LIGHTHOUSE_PID=$!
     trap 'kill "$LIGHTHOUSE_PID" 2>/dev/null || true' EXIT
     export TORCHFT_LIGHTHOUSE="http://localhost:${LIGHTHOUSE_PORT}"

@@ -35,6 +35,7 @@ from titan.config.sections.fault_tolerance import FaultTolerance
 from titan.errors import TitanError
 from titan.ft.data_position import DataPosition
 from titan.ft.preflight import lighthouse_address
+from titan.ft.process_group import replica_process_group
 from titan.ft.semi_sync import SemiSync
 from titan.ft.torchft_log import route_torchft_logs
 from titan.ft.transfer import like, to_local
@@ -98,7 +99,7 @@ class ReplicaGroups:
         if backend == "nccl" and device.type != "cuda":
             logger.info("fault_tolerance.process_group = nccl needs CUDA: replica groups use gloo on this CPU machine")
             backend = "gloo"
-        pg = torchft.ProcessGroupGloo(timeout=timeout) if backend == "gloo" else torchft.ProcessGroupNCCL(timeout)
+        pg = replica_process_group(backend, timeout)
         # The group's ranks find their torchft manager through a store: the launcher's when the
         # group has a process group; a one-rank group has none, so this rank hosts one.
         where: dict[str, Any] = {}
