@@ -12,7 +12,9 @@ its own launcher), against the same groups uninterrupted.
    speed drifts between runs.
 
 The last line is JSON: failures, restarts, steps, committed_group_steps, discarded_steps, heals,
-heal_s (per failure: the kill to its group's healed step), recovery and recover_s (per restart,
+heal_s (per failure: the kill to its group's return: healed from a live peer, or, when no live peer
+was ahead of it (both groups down at once, or the other still starting), resumed from its own
+snapshot at the same step), recovery and recover_s (per restart,
 titan's own record of it in the group's goodput.jsonl: detect, restart, rejoin, reload,
 recompute, from the failed attempt's last finished step to the group's first new step),
 goodput = committed group-steps / (groups x the steps the wall time holds at full strength),
@@ -143,6 +145,11 @@ def _recovery(folder: Path) -> list[dict[str, float]]:
     return [{k: round(x["recovery"][k], 2) for k in RECOVERY} for x in attempts if x.get("recovery")]
 
 
+def _group_lines(text: list[tuple[float, str]], pattern: str) -> list[tuple[float, int]]:
+    """(time, group) of every line matching ``pattern`` (its first group: the replica group)."""
+    return [(t, int(m[1])) for t, line in text if (m := re.search(pattern, line))]
+
+
 def main(a: Any, out: Path, launch: Any, run_args: Any, ranks: Any) -> int:
     groups = a.replica_groups
     load = [round(os.getloadavg()[0], 1)]
@@ -188,15 +195,14 @@ def main(a: Any, out: Path, launch: Any, run_args: Any, ranks: Any) -> int:
     text = [(_stamp(t, line), line) for t, line in run.lines]
     lines = _steps(run)
     discarded = [(t, line) for t, line in text if "discarded (a replica group failed" in line]
-    healed = [
-        (t, int(m[1]))
-        for t, line in text
-        if (m := re.search(r"replica group (\d+)(?: \(restart \d+\))? healed from a live peer", line))
-    ]
+    prefix = r"replica group (\d+)(?: \(restart \d+\))?"
+    healed = _group_lines(text, prefix + " healed from a live peer")
+    # a restarted group trains again: healed, or on its own state when no live peer is ahead of it
+    back = _group_lines(text, prefix + "(?: healed from a live peer|: no live peer)")
     end = max(t for t, *_ in lines)
     heal_s, windows = [], []
     for k, g in kills:
-        done = next((t for t, hg in healed if hg == g and t > k), None)
+        done = next((t for t, hg in back if hg == g and t > k), None)
         windows.append((k, end if done is None else done))
         if done is not None:
             heal_s.append(round(done - k, 1))
