@@ -30,6 +30,15 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 TIMEOUT_S = 600  # per command, generous: the machine is shared
 
+# Commands another test runs as written, longer and with more checks: not run twice.
+RUN_ELSEWHERE = {
+    "./run_train.sh": "tests/integration/test_default_run.py (as shipped, 150 steps: it learns)",
+    "NGPU=2 ./run_train.sh": "tests/integration/test_train.py (30 steps: the loss falls)",
+    "python scripts/benchmark.py --job.config_file train_configs/debug_model.toml": "tests/integration/"
+    "test_benchmark.py (the script and its table; its six rows are the docs' own ./run_train.sh commands with"
+    " --compile.enable and each activation_checkpoint mode, and float8 emulated in tests/unit/parallel/"
+    "test_float8.py)",
+}
 SKIP = {
     "CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh": "8B model: needs GPUs (its layout is checked by the"
     " dry-run commands)",
@@ -163,6 +172,8 @@ def _skip_reason(command: str) -> str | None:
         return "a Slurm cluster (tests/integration/test_slurm.py runs the script locally)"
     if command in SKIP:
         return SKIP[command]
+    if command in RUN_ELSEWHERE:
+        return f"run by {RUN_ELSEWHERE[command]}"
     launcher = program == "torchrun" or command.split()[:3] == ["python", "-m", "titan.launch"]
     if launcher and not any(w.endswith(".py") for w in shlex.split(command)):
         return "a template: the launcher named in prose, without the script it starts"
@@ -186,6 +197,9 @@ def _prepare(command: str, out: Path) -> tuple[list[str], dict[str, str]]:
     """argv and environment to run ``command`` here, small: a 2-step run in a temporary folder."""
     words = shlex.split(command)
     env = cpu_env()  # one thread each: two commands run at once on this 2-core machine
+    # No warm standbys (commands with restarts would start two interpreters per rank, importing torch,
+    # for failures that never come here; tests/integration/test_launchers.py restarts into them).
+    env["TITAN_WARM_RESTARTS"] = "0"
     while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
         name, _, value = words.pop(0).partition("=")
         env[name] = value
@@ -247,15 +261,16 @@ def test_commands_are_found():
     pages = {doc for doc in COMMANDS.values() if doc != "README.md"}
     assert {"launching.md", "configs.md", "datasets.md", "checkpoint_conversion.md"} <= pages, pages
     assert len(COMMANDS) >= 30
-    stale = [c for c in SKIP if c not in COMMANDS]
-    assert not stale, f"SKIP names commands the docs no longer show: {stale}"
+    stale = [c for c in [*SKIP, *RUN_ELSEWHERE] if c not in COMMANDS]
+    assert not stale, f"SKIP or RUN_ELSEWHERE names commands the docs no longer show: {stale}"
 
 
 @pytest.mark.parametrize("command", list(COMMANDS), ids=lambda c: c[:90])
 def test_documented_command_runs(command, results):
     reason = _skip_reason(command)
     if reason is not None:
-        pytest.skip(f"{COMMANDS[command]}: needs {reason}" if not reason.startswith("a template") else reason)
+        plain = reason.startswith(("a template", "run by"))
+        pytest.skip(reason if plain else f"{COMMANDS[command]}: needs {reason}")
     status, output, seconds = results[command]
     assert status == 0, f"{COMMANDS[command]}: `{command}` exited {status} after {seconds:.0f}s:\n{output[-4000:]}"
     assert "Traceback" not in output, output[-4000:]
