@@ -10,7 +10,6 @@ from tests.helpers.distributed import run_distributed
 from tests.helpers.tiny import assert_bitwise, random_model, small_args
 from titan.checkpointing.hf import load_hf, save_hf
 
-
 SHARD_BYTES = 64 * 1024  # the small model (about 0.5 MB) is written as several files
 
 
