@@ -35,7 +35,6 @@ from titan.config.sections.fault_tolerance import FaultTolerance
 from titan.errors import TitanError
 from titan.ft.data_position import DataPosition
 from titan.ft.preflight import lighthouse_address
-from titan.ft.process_group import replica_process_group
 from titan.ft.semi_sync import SemiSync
 from titan.ft.torchft_log import route_torchft_logs
 from titan.ft.transfer import like, to_local
@@ -84,6 +83,9 @@ class ReplicaGroups:
         # read (load_state_dict copies it into this group's tensors), so torch's warning says nothing.
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning, "torch.distributed")
         import torchft  # the titan[ft] extra; checked with one line by check_torchft
+
+        # imports torchft too: after route_torchft_logs, whose RUST_LOG torchft reads at its import
+        from titan.ft.process_group import replica_process_group
 
         self.cfg, self.states, self.device, self.data = cfg, dict(states), device, data
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
