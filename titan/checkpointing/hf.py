@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan.checkpointing import model_dcp as dcp_io
-from titan.checkpointing.hf_check import check_export_config, refuse_dropped_bias
+from titan.checkpointing.hf_check import ROUTING_BIAS, check_export_config, refuse_dropped_bias
 from titan.checkpointing.hf_folder import INDEX_FILE, split_experts
 from titan.checkpointing.hf_load import import_hf_to_dcp, load_hf, load_hf_into_model, read_hf_config
 from titan.errors import TitanError
@@ -32,7 +32,6 @@ from titan.models import get_flavor, get_model_spec, spec_for_args
 from titan.progress import progress
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3  # what transformers' save_pretrained uses
-ROUTING_BIAS = "moe.expert_bias"
 
 
 def _plan_shards(
@@ -255,11 +254,19 @@ def save_hf(
     drop_routing_bias: bool = False,
 ) -> None:
     """In-memory titan state dict -> HF folder (``drop_routing_bias``: see _refuse_dropped_bias)."""
-    keys = [k for k in state_dict if not (args.tie_embeddings and k == "output.weight")]
-    nbytes = {k: state_dict[k].numel() * state_dict[k].element_size() for k in keys}
-    saved = next((state_dict[k].dtype for k in keys if state_dict[k].is_floating_point()), torch.float32)
-    groups = _plan_shards(nbytes, max_shard_bytes, getattr(_adapter(args), "export_unit", None))
+    tensors = {k: v for k, v in state_dict.items() if not (args.tie_embeddings and k == "output.weight")}
+    groups, saved = _plan_tensors(tensors, args, max_shard_bytes)
     _write(out_dir, args, groups, dtype, lambda ks: {k: state_dict[k] for k in ks}, saved, drop_routing_bias)
+
+
+def _plan_tensors(
+    tensors: dict[str, torch.Tensor], args: Any, max_shard_bytes: int
+) -> tuple[list[list[str]], torch.dtype]:
+    """The output files' keys (by each tensor's whole size: a DTensor's numel is the global one) and
+    the dtype the tensors are saved in (the first floating one's)."""
+    nbytes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
+    saved = next((v.dtype for v in tensors.values() if v.is_floating_point()), torch.float32)
+    return _plan_shards(nbytes, max_shard_bytes, getattr(_adapter(args), "export_unit", None)), saved
 
 
 def export_dcp_to_hf(
@@ -339,9 +346,7 @@ def save_model_hf(
                 out[key] = full.detach().cpu()
         return out
 
-    nbytes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
-    saved = next((v.dtype for v in tensors.values() if v.is_floating_point()), torch.float32)
-    groups = _plan_shards(nbytes, max_shard_bytes, getattr(_adapter(args), "export_unit", None))
+    groups, saved = _plan_tensors(tensors, args, max_shard_bytes)
     _write(out_dir, args, groups, dtype, gather, saved, drop_routing_bias, writer=writer)
 
 

@@ -18,6 +18,9 @@ from titan.models import spec_for_args
 _PER_RUN = ("max_seq_len", "attn_type", "attn_mask_type", "depth_init", "linear_attn_backend")
 
 
+ROUTING_BIAS = "moe.expert_bias"  # the key suffix of the experts' routing bias (auxiliary-loss-free balancing)
+
+
 def _through_transformers(config: dict[str, Any]) -> dict[str, Any]:
     """config.json as transformers' own config class resolves it (its defaults and per-layer
     fields filled in); unchanged where transformers is not installed."""
@@ -149,7 +152,7 @@ def refuse_dropped_bias(adapter: Any, state: dict[str, torch.Tensor], family: st
     if not getattr(adapter, "drops_routing_bias", False):
         return
     for key, value in state.items():
-        if key.endswith("moe.expert_bias") and bool(value.abs().max() > 0):
+        if key.endswith(ROUTING_BIAS) and bool(value.abs().max() > 0):
             raise TitanError(
                 f"{key} is not zero (max |bias| {float(value.abs().max()):.3g}) and Hugging Face {family} has no"
                 " routing bias, so the export would pick other experts than the trained model; pass"
