@@ -47,6 +47,7 @@ from titan.checkpointing.snapshot_store import (
     job_folder,
     new_manifest,
     own_dir,
+    remove_if_empty,
     remove_job_folder,
 )
 from titan.checkpointing.snapshot_transfer import exchange
@@ -321,7 +322,7 @@ class MemorySnapshots:
                 if folder is not None:
                     folder.drop()
                     remove_job_folder(folder.folder, set())
-            remove_job_folder(self.root, set(os.listdir(self.root)) if os.path.isdir(self.root) else set())
+            remove_if_empty(self.root)
         else:
             self.own.close()
             if self.held is not None:

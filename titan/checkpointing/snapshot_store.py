@@ -282,6 +282,12 @@ def remove_job_folder(root: str, keep: set[str]) -> None:
     for name in names:
         if name not in keep:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    remove_if_empty(root)
+
+
+def remove_if_empty(root: str) -> None:
+    """Remove ``root`` if no rank's folder is left in it. Ranks end at their own pace, so another
+    rank may have removed it already, or still be writing into it: both leave it to them."""
     try:
         os.rmdir(root)
     except OSError:

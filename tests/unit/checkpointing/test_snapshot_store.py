@@ -10,7 +10,7 @@ import torch
 
 from titan.checkpointing.snapshot_budget import NodeNeed, node_need, ring_offset
 from titan.checkpointing.snapshot_state import capture, read, restore
-from titan.checkpointing.snapshot_store import Held, SnapshotFolder, inventory, new_manifest
+from titan.checkpointing.snapshot_store import Held, SnapshotFolder, inventory, new_manifest, remove_if_empty
 from titan.checkpointing.snapshot_transfer import plan
 from titan.checkpointing.states import ModelParts, TrainState
 
@@ -105,3 +105,17 @@ def test_the_ring_peer_is_on_another_node_and_the_memory_counts_both_copies():
     assert ring_offset(["0", "1", "0", "1"]) == 1
     need = node_need(["0", "0", "1", "1"], [10, 20, 30, 40], "0", 2)
     assert need == NodeNeed("0", 2, 20, 40, 2 * (10 + 20 + 30 + 40))
+
+
+def test_the_last_rank_to_end_removes_the_job_folder_in_whatever_order_ranks_end(root):
+    # Each rank removes its own folder, then the job folder if it is empty. A rank that ends after
+    # another removed the job folder must not fail (the two-rank exact-resume test once did).
+    for name in ("rank0", "rank1"):
+        (root / name).mkdir(parents=True)
+    shutil.rmtree(root / "rank0")
+    remove_if_empty(str(root))
+    assert (root / "rank1").is_dir()
+    shutil.rmtree(root / "rank1")
+    remove_if_empty(str(root))
+    assert not root.exists()
+    remove_if_empty(str(root))  # a rank that ends later still
