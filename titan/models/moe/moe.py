@@ -4,6 +4,7 @@ an optional shared expert, auxiliary-loss-free balancing state and a sequence-wi
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import cast
 
@@ -84,7 +85,15 @@ def _count_outside_recompute(buffer: torch.Tensor, counts: torch.Tensor) -> None
         buffer.add_(counts)
 
 
-_count = cast(Callable[[torch.Tensor, torch.Tensor], None], torch.compiler.disable(_count_outside_recompute))
+@functools.cache
+def _count_fn() -> Callable[[torch.Tensor, torch.Tensor], None]:
+    # torch.compiler.disable imports torch._dynamo (about 1 s of CPU): paid by the first MoE
+    # forward, not by every process that imports titan.
+    return cast(Callable[[torch.Tensor, torch.Tensor], None], torch.compiler.disable(_count_outside_recompute))
+
+
+def _count(buffer: torch.Tensor, counts: torch.Tensor) -> None:
+    _count_fn()(buffer, counts)
 
 
 class MoE(nn.Module):
