@@ -229,7 +229,7 @@ def check_layout(
     on every rank before init_distributed so a bad layout fails at once instead of hanging.
     ``par`` may be None only when neither TP nor PP is on (nothing reads it then)."""
     from titan.parallel.cp import check_cp_seq_len
-    from titan.parallel.pp import split_modules
+    from titan.parallel.pp_layout import split_modules
     from titan.parallel.tp import check_tp_shapes
 
     if attn_type == "flex" and device_type == "cpu":

@@ -22,9 +22,7 @@ from titan.models import ModelSpec, get_model_spec, model_args_from_config
 from titan.models.mtp import mtp_depth, mtp_stage_modules
 from titan.parallel.dims import ParallelDims, check_layout
 from titan.parallel.float8 import check_float8_grouped_mm
-from titan.parallel.fsdp import check_cpu_offload
-from titan.parallel.pp import FIRST_MODULES, LAST_MODULES, split_modules
-from titan.training.optim_in_backward import check_step_in_backward
+from titan.parallel.pp_layout import FIRST_MODULES, LAST_MODULES, split_modules
 from titan.training.qk_clip import check_qk_clip
 from titan.training.validation import validate_job
 
@@ -142,9 +140,17 @@ def check_run(config: JobConfig, dims: ParallelDims, model_args: Any, device_typ
             "profiling.enable_memory_snapshot needs CUDA (it records the CUDA caching allocator's"
             f" history); this run is on {device_type}: set it to false"
         )
+    # The two checks below live beside what they check (FSDP2, the optimizer), whose modules import
+    # DTensor and torch's checkpointing (seconds of CPU): a pre-check imports them only when the
+    # config turns the feature on.
     if config.training.enable_cpu_offload:
+        from titan.parallel.fsdp import check_cpu_offload
+
         check_cpu_offload(dims.fsdp_enabled, config.float8, config.training.nonfinite, device_type)
-    check_step_in_backward(config.optimizer, config.training, dims)
+    if config.optimizer.early_step_in_backward:
+        from titan.training.optim_in_backward import check_step_in_backward
+
+        check_step_in_backward(config.optimizer, config.training, dims)
     check_qk_clip(config, dims)
 
 

@@ -12,7 +12,7 @@ def validate_job(config: JobConfig) -> None:
     # Imported here, not at the top: load_job's parse errors (a typo'd flag) then fail before
     # torch is imported, in milliseconds instead of seconds.
     from titan.models import get_model_spec, model_args_from_config
-    from titan.parallel.pp import check_schedule_config
+    from titan.parallel.pp_layout import check_schedule_config
     from titan.training.optim import validate_optimizer_config
 
     validate_optimizer_config(config.optimizer)

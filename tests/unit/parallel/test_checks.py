@@ -1,5 +1,6 @@
 """Bad layouts fail with one clear line before any process group exists (so no rank can hang)."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -10,7 +11,7 @@ from titan.config import load_config
 from titan.errors import TitanError
 from titan.models.llama.pipeline import split_stage
 from titan.parallel.dims import ParallelDims, check_layout
-from titan.parallel.pp import describe_split, num_stages, spread_modules, stage_ids_this_rank
+from titan.parallel.pp_layout import SCHEDULES, describe_split, num_stages, spread_modules, stage_ids_this_rank
 from titan.training.checks import load_job
 from titan.training.trainer import Trainer
 
@@ -226,3 +227,21 @@ def test_stage_layout():
     assert list(last.layers.keys()) == ["2", "3"] and last.tok_embeddings is None and last.output is not None
     ends = split_stage(model, ["norm", "output"])
     assert not list(ends.layers.keys()) and ends.tok_embeddings is None and ends.norm is not None
+
+
+def test_the_schedule_table_is_torchs():
+    """The pre-check knows the schedules by name (SCHEDULES); the runtime gets torch's classes by the
+    same names: each must run the stages per rank the table says, and torch must have no other."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from titan.parallel.pp import schedule_class
+
+    for name, kind in SCHEDULES.items():
+        cls = schedule_class(name.upper())  # any case, as torch's lookup
+        multi = issubclass(cls, torch_schedules.PipelineScheduleMulti)
+        assert issubclass(cls, torch_schedules.PipelineScheduleSingle) != multi, name
+        v = cls in (torch_schedules.ScheduleZBVZeroBubble, torch_schedules.ScheduleDualPipeV)
+        assert kind == ("v" if v else "multi" if multi else "single"), name
+    with pytest.raises(ValueError) as missing:
+        torch_schedules.get_schedule_class("no such schedule")
+    assert set(SCHEDULES) == set(re.findall(r"'(\w+)'", str(missing.value))), missing.value

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from titan.config.job_config import JobConfig
 from titan.log import logger
@@ -15,15 +15,10 @@ from titan.models.llama.model import Transformer
 from titan.models.llama.parallelize import enabled_submesh
 from titan.models.mtp import mtp_stage_modules
 from titan.parallel.dims import ParallelDims
-from titan.parallel.pp import (
-    build_schedule,
-    describe_split,
-    describe_stage,
-    is_v_schedule,
-    make_stages,
-    split_modules,
-    stage_ids_this_rank,
-)
+from titan.parallel.pp_layout import describe_split, describe_stage, is_v_schedule, split_modules, stage_ids_this_rank
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 
 def split_stage(model: Transformer, names: list[str]) -> Transformer:
@@ -50,6 +45,10 @@ def pipeline_llama(
     loss_fn: Callable,
 ) -> tuple[_PipelineSchedule, list[nn.Module], bool, bool]:
     """(schedule, model_parts, has_first_stage, has_last_stage)"""
+    # torch's pipelining runtime imports torch._dynamo (over a second of CPU): only pipelined runs
+    # import it, not every process that looks up a model family (the pre-check does).
+    from titan.parallel.pp import build_schedule, make_stages
+
     par = job_config.parallelism
     pp_mesh = enabled_submesh(parallel_dims, "pp")
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from titan.config.job_config import JobConfig
 from titan.parallel.ac import parse_selective_option
-from titan.parallel.pp import is_v_schedule, stage_ids_this_rank
+from titan.parallel.pp_layout import is_v_schedule, stage_ids_this_rank
 from titan.tools.simulate.memory import CATEGORIES, PhasePeak
 from titan.tools.simulate.step import StepRecord
 from titan.training.plan import RunPlan

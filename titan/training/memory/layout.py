@@ -31,7 +31,7 @@ from titan.config.job_config import JobConfig
 from titan.log import logger
 from titan.parallel.ac import parse_selective_option
 from titan.parallel.fake_world import fake_world
-from titan.parallel.pp import is_v_schedule, stage_ids_this_rank
+from titan.parallel.pp_layout import is_v_schedule, stage_ids_this_rank
 from titan.training.plan import RunPlan
 
 __all__ = ["RankModel", "Unit", "block_signature", "build_rank"]
