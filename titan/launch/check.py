@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from titan.errors import TitanError
@@ -83,10 +84,11 @@ def split_world_size(argv: list[str]) -> tuple[list[str], int | None]:
     return argv[:at] + argv[at + 2 :], int(value)
 
 
-def run_check(argv: list[str]) -> JobConfig:
+def run_check(argv: list[str], loaded: Callable[[], None] | None = None) -> JobConfig:
     """Load the merged config and run titan.training.checks.check_job on it, for ``--world_size N``
     ranks (without it, the checks that need the layout are skipped) on this machine's device type.
-    What reads files or the network runs here unless a launcher already ran it for these ranks."""
+    What reads files or the network runs here unless a launcher already ran it for these ranks.
+    ``loaded``: called once the config has parsed, before torch is imported and the checks run."""
     from titan.config import load_config
     from titan.config.manager import resolve_key
     from titan.training.checks import check_job, checked_by_launcher
@@ -96,6 +98,8 @@ def run_check(argv: list[str]) -> JobConfig:
     if key is not None:
         resolve_key(key)  # a typo'd key: its line, before the config is loaded
     config = load_config(args)  # a bad flag or TOML value: before torch is imported
+    if loaded is not None:
+        loaded()
 
     import torch
 
@@ -107,12 +111,12 @@ def run_check(argv: list[str]) -> JobConfig:
     return config
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], loaded: Callable[[], None] | None = None) -> int:
     if wants_help(argv):
         return print_help(argv)
 
     def check() -> int:
-        run_check(argv)
+        run_check(argv, loaded)
         return 0
 
     return exit_status(check, debug=lambda: debug_requested(argv))

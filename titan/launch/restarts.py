@@ -148,11 +148,12 @@ def _agent_class(policy: RestartPolicy) -> type:
 
 
 @contextlib.contextmanager
-def policy_installed(policy: RestartPolicy) -> Iterator[None]:
+def policy_installed(policy: RestartPolicy, first: StandbyPool | None = None) -> Iterator[None]:
     """torchrun's ``launch_agent`` builds its agent from a name in its own module and takes no
     agent class, and its process context starts each rank through a name in its module; for the
     length of one ``run`` in this (launcher) process those names are ours (the agent with the
-    policy; ranks that note when they end and, with restarts, are warm standbys)."""
+    policy; ranks that note when they end and are warm standbys: ``first``'s for the first
+    attempt, with restarts new ones for the next)."""
     from torch.distributed.elastic.multiprocessing import api as processes
     from torch.distributed.launcher import api
 
@@ -160,6 +161,9 @@ def policy_installed(policy: RestartPolicy) -> Iterator[None]:
     start = getattr(processes, "get_subprocess_handler")  # noqa: B009
     per_rank = standbys_per_rank(policy.max_restarts)
     pool = StandbyPool(per_rank=per_rank) if per_rank else None
+    if first is not None:
+        first.per_rank = per_rank
+        pool = first
     setattr(api, "LocalElasticAgent", _agent_class(policy))  # noqa: B010
     setattr(processes, "get_subprocess_handler", rank_process(pool, start))  # noqa: B010
     try:

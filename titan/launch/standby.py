@@ -17,6 +17,10 @@ rank's handler also notes when its process ended, so the next attempt's goodput 
 detection from restart. A standby names itself ``titan-standby`` while it waits and
 ``titan-rank`` once it is a rank (ps shows them so; the launcher forwards signals to ranks only).
 ``TITAN_WARM_RESTARTS=N`` keeps N standbys per local rank (0: none, fresh interpreters).
+
+The first attempt's ranks are standbys too (``TITAN_PRESTART=0``: fresh interpreters): the
+launcher starts one per local rank as soon as the config has parsed, so their imports of torch and
+titan (seconds of CPU each) overlap the launcher's own config check instead of following it.
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from titan.training.goodput import STARTED_AT_ENV
+from titan.training.goodput import STARTED_AT_ENV, process_start_time
 
 WARM_ENV = "TITAN_WARM_RESTARTS"
+PRESTART_ENV = "TITAN_PRESTART"  # 0: the first attempt's ranks start as fresh interpreters
+FIRST_ENV = "TITAN_FIRST_STANDBY"  # set on a standby started for the first attempt
 STANDBY_NAME = "titan-standby"  # a waiting standby's process name (ps, /proc/<pid>/comm) ...
 RANK_NAME = "titan-rank"  # ... and its name once it is a rank
 MODULE = "titan.launch.standby"
@@ -79,18 +85,39 @@ class StandbyPool:
         self._timer: threading.Timer | None = None
         self._closed = False
 
+    def _spawn(self, first: bool = False) -> subprocess.Popen:
+        env = {**os.environ, "WORLD_SIZE": self.world_size} if self.world_size else dict(os.environ)
+        if first:
+            env[FIRST_ENV] = "1"
+        return subprocess.Popen(
+            [sys.executable, "-m", MODULE, *self.args],
+            stdin=subprocess.PIPE,
+            env=env,
+            start_new_session=True,  # as torchrun's own ranks: signalled by process group
+        )
+
     def fill(self) -> None:
         with self._lock:
             self.ready = [p for p in self.ready if p.poll() is None]
             while len(self.ready) < self.size * self.per_rank and not self._closed:
-                self.ready.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", MODULE, *self.args],
-                        stdin=subprocess.PIPE,
-                        env={**os.environ, "WORLD_SIZE": self.world_size} if self.world_size else None,
-                        start_new_session=True,  # as torchrun's own ranks: signalled by process group
-                    )
-                )
+                self.ready.append(self._spawn())
+
+    def start(self) -> None:
+        """One standby per local rank now, for the first attempt (before torchrun asks for them)."""
+        with self._lock:
+            self.ready += [self._spawn(first=True) for _ in range(self.size) if not self._closed]
+
+    def kill(self) -> None:
+        """Stop every standby at once: no rank will start (the config check failed)."""
+        with self._lock:
+            self._closed = True
+            for proc in self.ready:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+            self.ready = []
 
     def fill_later(self) -> None:
         if self._timer is not None:
@@ -220,7 +247,7 @@ def rank_process(pool: StandbyPool | None, original: Callable[..., Any]) -> Call
         else:
             out = StandbyHandler(proc, args, env, stdout, stderr, local_rank_id)
         _watch_exit(out)
-        if pool is not None:
+        if pool is not None and pool.per_rank:  # restarts: the next standbys
             _kill_after_grace(out)
             pool.size = max(pool.size, local_rank_id + 1)
             pool.args = tuple(str(a) for a in args) if titan_entry(args) else ()
@@ -235,6 +262,17 @@ def standbys_per_rank(max_restarts: int) -> int:
     """Standbys the launcher keeps per local rank: TITAN_WARM_RESTARTS (default 2), none without restarts."""
     value = os.environ.get(WARM_ENV, "2")
     return int(value) if max_restarts > 0 and value.isdigit() else 0
+
+
+def first_ranks(nproc_per_node: str | None) -> StandbyPool | None:
+    """The pool for the first attempt's ranks (``start`` it once the config parses), or None: with
+    TITAN_PRESTART=0, or when torchrun counts the ranks itself (--nproc_per_node gpu / auto)."""
+    nproc = nproc_per_node or "1"
+    if os.environ.get(PRESTART_ENV, "1") == "0" or not nproc.isdigit():
+        return None
+    pool = StandbyPool(per_rank=0)
+    pool.size = int(nproc)
+    return pool
 
 
 # ---------------------------------------------------------------- the standby process itself
@@ -299,6 +337,8 @@ def main(argv: list[str]) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: gone with the launcher
     _set_name(STANDBY_NAME)
+    # A first-attempt rank started when the launcher did: its start-up counts from here (goodput).
+    first_start = process_start_time() if os.environ.get(FIRST_ENV) == "1" else None
     saved = (os.dup(1), os.dup(2))
     quiet = os.open(os.devnull, os.O_WRONLY)
     os.dup2(quiet, 1)
@@ -328,7 +368,7 @@ def main(argv: list[str]) -> int:
         return 0  # the launcher closed its end: no more restarts
     os.environ.clear()
     os.environ.update(job["env"])
-    os.environ[STARTED_AT_ENV] = repr(time.time())
+    os.environ[STARTED_AT_ENV] = repr(first_start if first_start is not None else time.time())
     _redirect(job["stdout"], 1, saved[0])
     _redirect(job["stderr"], 2, saved[1])
     _run(job["argv"])

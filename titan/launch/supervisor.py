@@ -36,7 +36,7 @@ from titan.launch.check import main as check_config
 from titan.launch.parent import LAUNCHER_PID_ENV
 from titan.launch.report import PEER_LOST_PHRASE, PEER_LOST_STATUS, USER_ERROR_STATUS
 from titan.launch.restarts import Failures, RestartPolicy, policy_installed
-from titan.launch.standby import is_rank
+from titan.launch.standby import StandbyPool, first_ranks, is_rank
 from titan.training.checks import CHECKED_ENV
 
 if TYPE_CHECKING:
@@ -220,15 +220,22 @@ def world_size(argv: list[str]) -> int | None:
 
 def main(argv: list[str]) -> int:
     train_args = titan_args(argv)
+    first: StandbyPool | None = None
     if train_args is not None:
         if wants_help(train_args):
             return check_config(train_args)
         size = world_size(argv)
-        status = check_config(train_args + ([WORLD_SIZE, str(size)] if size is not None else []))
+        # The first ranks' interpreters start once the config parses: their imports overlap the
+        # check (titan.launch.standby); a failed check stops them.
+        first = first_ranks(_option(argv, "--nproc_per_node", "--nproc-per-node"))
+        args = train_args + ([WORLD_SIZE, str(size)] if size is not None else [])
+        status = check_config(args, first.start if first is not None else None)
         if status:
+            if first is not None:
+                first.kill()
             return status
         os.environ[CHECKED_ENV] = "1"  # the ranks (a copy of this environment) do not read it all again
-    return _torchrun(argv)
+    return _torchrun(argv, first)
 
 
 def torchrun_args(argv: list[str]) -> Namespace:
@@ -252,7 +259,7 @@ class _Redundant(logging.Filter):
         return not (text.startswith("failed (exitcode: ") or text.startswith("Sending process "))
 
 
-def _torchrun(argv: list[str]) -> int:
+def _torchrun(argv: list[str], first: StandbyPool | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
@@ -280,7 +287,7 @@ def _torchrun(argv: list[str]) -> int:
         lambda failures: hidden_context(failures, policy.hidden_outputs),
     )
     try:
-        with policy_installed(policy):
+        with policy_installed(policy, first):
             run(args)
     except ChildFailedError as e:
         line, status = explain(e.failures)

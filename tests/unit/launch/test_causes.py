@@ -108,12 +108,12 @@ def test_world_size_from_torchruns_options():
 
 def test_the_launcher_checks_the_layout_for_its_world_and_marks_the_ranks(monkeypatch, capsys):
     monkeypatch.delenv(CHECKED_ENV, raising=False)
-    monkeypatch.setattr(supervisor, "_torchrun", lambda argv: pytest.fail("torchrun started"))
+    monkeypatch.setattr(supervisor, "_torchrun", lambda argv, first=None: pytest.fail("torchrun started"))
     argv = ["--nproc_per_node", "3", "train.py", "--parallelism.tensor_parallel_degree", "2"]
     assert supervisor.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "world size 3" in err[0], err
-    monkeypatch.setattr(supervisor, "_torchrun", lambda argv: 0)
+    monkeypatch.setattr(supervisor, "_torchrun", lambda argv, first=None: 0)
     assert supervisor.main(["--nproc_per_node", "2", "train.py", "--training.steps", "3"]) == 0
     import os
 

@@ -47,7 +47,7 @@ def test_check_takes_sagemakers_config_file(capsys):
 
 @pytest.mark.parametrize("entry", [["train.py"], ["-m", "titan.train"]])
 def test_the_launcher_answers_titans_help_without_starting_torchrun(entry, capsys, monkeypatch):
-    monkeypatch.setattr(supervisor, "_torchrun", lambda argv: pytest.fail("torchrun started"))
+    monkeypatch.setattr(supervisor, "_torchrun", lambda argv, first=None: pytest.fail("torchrun started"))
     assert supervisor.main(["--nproc_per_node", "2", *entry, "--help", "checkpoint"]) == 0
     assert capsys.readouterr().out.startswith("[checkpoint]")
     assert supervisor.main(["--nproc_per_node", "2", *entry, "--training.stepz", "3"]) == 2
@@ -58,7 +58,7 @@ def test_the_launcher_answers_titans_help_without_starting_torchrun(entry, capsy
 
 def test_the_launcher_checks_only_titans_entry_point(monkeypatch):
     started = []
-    monkeypatch.setattr(supervisor, "_torchrun", lambda argv: started.append(argv) or 0)
+    monkeypatch.setattr(supervisor, "_torchrun", lambda argv, first=None: started.append(argv) or 0)
     assert supervisor.main(["--nproc_per_node", "2", "other.py", "--training.stepz", "3"]) == 0
     assert started == [["--nproc_per_node", "2", "other.py", "--training.stepz", "3"]]
 
