@@ -35,8 +35,19 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _forget_meshes() -> None:
+    """DTensor caches its sharding decisions process-wide, keyed by meshes that compare equal across
+    worlds (same ranks and dim names) but name their groups by creation order in each world. After a
+    world ends, a later one in this process (another simulation, estimate or dry run) could be
+    handed the old mesh and its groups, which no longer exist: the cache goes with the world."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()

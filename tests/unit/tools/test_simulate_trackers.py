@@ -154,3 +154,20 @@ def test_extrapolation_takes_the_moment_of_most_activations_where_it_outgrows_th
     assert extrapolate(record(3), record(4), 10).peaks["forward_backward"].total == 1100  # the end
     deep = extrapolate(record(3), record(4), 100).peaks["forward_backward"]
     assert deep.total == 500 + 5000 and deep.bytes["activations"] == 5500 and deep.bytes["gradients"] == 0
+
+
+def test_a_fake_world_leaves_no_mesh_behind_for_the_next_one():
+    """Groups are named by creation order in each world, and DTensor caches its sharding decisions
+    (meshes included) process-wide: the second world must not be handed the first one's groups."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def gathered_product(groups_before: int) -> tuple[int, ...]:
+        with fake_world(0, 4):
+            for _ in range(groups_before):
+                dist.new_group([0, 1])
+            mesh = dist.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+            a = DTensor.from_local(torch.ones(4, 2), mesh, [Shard(1)], run_check=False)
+            b = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)], run_check=False)
+            return tuple((a @ b).full_tensor().shape)  # a partial sum: all-reduced over the mesh's group
+
+    assert gathered_product(3) == gathered_product(0) == (4, 4)
