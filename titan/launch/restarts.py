@@ -160,10 +160,9 @@ def policy_installed(policy: RestartPolicy, first: StandbyPool | None = None) ->
     original = getattr(api, "LocalElasticAgent")  # noqa: B009 - a name the module uses, not one it exports
     start = getattr(processes, "get_subprocess_handler")  # noqa: B009
     per_rank = standbys_per_rank(policy.max_restarts)
-    pool = StandbyPool(per_rank=per_rank) if per_rank else None
     if first is not None:
         first.per_rank = per_rank
-        pool = first
+    pool = first if first is not None else StandbyPool(per_rank=per_rank) if per_rank else None
     setattr(api, "LocalElasticAgent", _agent_class(policy))  # noqa: B010
     setattr(processes, "get_subprocess_handler", rank_process(pool, start))  # noqa: B010
     try:

@@ -235,7 +235,11 @@ def main(argv: list[str]) -> int:
                 first.kill()
             return status
         os.environ[CHECKED_ENV] = "1"  # the ranks (a copy of this environment) do not read it all again
-    return _torchrun(argv, first)
+    try:
+        return _torchrun(argv, first)
+    finally:
+        if first is not None:
+            first.close()  # any no rank took: torchrun refused its own options before starting one
 
 
 def torchrun_args(argv: list[str]) -> Namespace:

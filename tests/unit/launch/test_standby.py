@@ -66,8 +66,13 @@ def test_the_first_ranks_start_once_the_config_parses_and_stop_if_the_check_fail
     monkeypatch.setattr(
         StandbyPool, "_spawn", lambda self, first=False: spawned.append(spawn(self, first)) or spawned[-1]
     )
-    handed: list = []
-    monkeypatch.setattr(supervisor, "_torchrun", lambda argv, first=None: handed.append(first) or 0)
+    handed: list = []  # (the pool torchrun got, its standbys then): the launcher closes what no rank took
+
+    def torchrun(argv, first=None):
+        handed.append((first, list(first.ready) if first else []))
+        return 0
+
+    monkeypatch.setattr(supervisor, "_torchrun", torchrun)
     # a bad flag: the config does not parse, nothing starts
     assert supervisor.main(["--nproc_per_node", "2", "train.py", "--training.stepz", "3"]) == 2
     assert spawned == [] and handed == []
@@ -77,12 +82,12 @@ def test_the_first_ranks_start_once_the_config_parses_and_stop_if_the_check_fail
     # a good config: torchrun's ranks get them
     spawned.clear()
     assert supervisor.main(["--nproc_per_node", "2", "train.py", "--training.steps", "3"]) == 0
-    assert handed[-1] is not None and handed[-1].ready == spawned and len(spawned) == 2
-    handed[-1].kill()
+    assert handed[-1][0] is not None and handed[-1][1] == spawned and len(spawned) == 2
+    assert handed[-1][0].ready == [] and all(p.poll() is not None for p in spawned)
     monkeypatch.setenv(PRESTART_ENV, "0")
     spawned.clear()
     assert supervisor.main(["--nproc_per_node", "2", "train.py", "--training.steps", "3"]) == 0
-    assert handed[-1] is None and spawned == []
+    assert handed[-1][0] is None and spawned == []
 
 
 FAKE_TRAIN = """
