@@ -15,6 +15,12 @@ os.environ.setdefault("TITAN_WARM_RESTARTS", "0")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+# Under pytest-xdist each worker has a core: one OpenMP thread per process (this worker's in-process
+# tests and every process it starts), so two workers' processes do not oversubscribe the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 # Asked once, before any test hides the GPUs (below): this also makes the CUDA runtime read the real
 # CUDA_VISIBLE_DEVICES, so hiding it later for CPU tests cannot take the GPUs away from cuda tests.
 CUDA_AVAILABLE = torch.cuda.is_available()

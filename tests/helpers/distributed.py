@@ -85,6 +85,9 @@ def _worker(
         WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
     )
+    # The fork server imported torch before this environment: its thread pool has one thread per
+    # core, which a forked rank keeps unless told (N ranks x N threads oversubscribe the cores).
+    torch.set_num_threads(1)
     try:
         # Without init_group, fn sets up (and tears down) the group itself, e.g. through titan's code.
         if init_group and backend == "nccl":
