@@ -150,6 +150,15 @@ def _group_lines(text: list[tuple[float, str]], pattern: str) -> list[tuple[floa
     return [(t, int(m[1])) for t, line in text if (m := re.search(pattern, line))]
 
 
+def _group_of(rank: int) -> int:
+    """A rank's replica group: its launcher's --fault_tolerance.replica_id (a rank started ahead of
+    the launcher's check, a standby, does not carry the flags on its own command line)."""
+    with open(f"/proc/{rank}/stat") as f:
+        parent = int(f.read().rsplit(")", 1)[1].split()[1])
+    args = Path(f"/proc/{parent}/cmdline").read_text().split("\0")
+    return int(args[args.index("--fault_tolerance.replica_id") + 1])
+
+
 def main(a: Any, out: Path, launch: Any, run_args: Any, ranks: Any) -> int:
     groups = a.replica_groups
     load = [round(os.getloadavg()[0], 1)]
@@ -184,7 +193,7 @@ def main(a: Any, out: Path, launch: Any, run_args: Any, ranks: Any) -> int:
             continue
         victim = rng.choice(victims)
         try:
-            group = int(Path(f"/proc/{victim}/cmdline").read_text().split("replica_id\0")[1].split("\0")[0])
+            group = _group_of(victim)
             os.kill(victim, signal.SIGKILL)
         except (ProcessLookupError, FileNotFoundError, IndexError, ValueError):
             continue
