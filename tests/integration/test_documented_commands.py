@@ -197,9 +197,6 @@ def _prepare(command: str, out: Path) -> tuple[list[str], dict[str, str]]:
     """argv and environment to run ``command`` here, small: a 2-step run in a temporary folder."""
     words = shlex.split(command)
     env = cpu_env()  # one thread each: two commands run at once on this 2-core machine
-    # No warm standbys (commands with restarts would start two interpreters per rank, importing torch,
-    # for failures that never come here; tests/integration/test_launchers.py restarts into them).
-    env["TITAN_WARM_RESTARTS"] = "0"
     while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
         name, _, value = words.pop(0).partition("=")
         env[name] = value

@@ -1,14 +1,15 @@
 """Warm restarts: ranks that start with torch and titan already imported.
 
 With ``--max-restarts N`` the launcher keeps two standby processes per local rank (a failure in
-the middle of a restart finds the second), each ``python -m titan.launch.standby``, which imports
-torch, torch.distributed and titan's trainer (seconds of CPU and ~300 MB of host memory per
-process) and then waits for work on its standard input. When torchrun restarts the ranks, each
-new rank is a standby handed its assignment (the rank's command line after the interpreter, its
-environment, its output files) instead of a fresh interpreter: it pays neither the imports nor
-their CPU while the others wait. New standbys start a few seconds after the ranks they replace,
-for the next restart, so that their imports do not slow the new ranks' own start-up. The first
-attempt starts cold (the first standbys start a few seconds after it).
+the middle of a restart finds the second): processes that have imported torch, torch.distributed
+and titan's trainer and wait for work on their standard input. They are forks of one warm process
+(titan.launch.zygote), so a new one costs milliseconds and no CPU, and the pool refills as soon as
+the ranks it gave out have started; where forks are not available, each is its own
+``python -m titan.launch.standby`` interpreter (seconds of CPU), started a few seconds after the
+ranks it replaces so that its imports do not slow their start-up. When torchrun restarts the
+ranks, each new rank is a standby handed its assignment (the rank's command line after the
+interpreter, its environment, its output files) instead of a fresh interpreter: it pays neither
+the imports nor their CPU while the others wait.
 
 torchrun keeps doing everything else (rendezvous, monitoring, stopping): the launcher hands its
 process context a handler holding the standby's process instead of a new one
@@ -19,8 +20,9 @@ detection from restart. A standby names itself ``titan-standby`` while it waits 
 ``TITAN_WARM_RESTARTS=N`` keeps N standbys per local rank (0: none, fresh interpreters).
 
 The first attempt's ranks are standbys too (``TITAN_PRESTART=0``: fresh interpreters): the
-launcher starts one per local rank as soon as the config has parsed, so their imports of torch and
-titan (seconds of CPU each) overlap the launcher's own config check instead of following it.
+launcher starts the warm process as soon as the config has parsed, so the imports of torch and
+titan (seconds of CPU, once per node) overlap the launcher's own config check instead of
+following it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from titan.launch.zygote import ZYGOTE_NAME, Zygote, supported
 from titan.training.goodput import STARTED_AT_ENV, process_start_time
 
 WARM_ENV = "TITAN_WARM_RESTARTS"
@@ -54,6 +57,8 @@ def is_rank(pid: int, comm: str) -> bool:
     rank's assignment (it renames itself then; one just started has the interpreter's name)."""
     if comm == RANK_NAME:
         return True
+    if comm in (STANDBY_NAME, ZYGOTE_NAME):  # forked standbys carry the zygote's command line
+        return False
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return MODULE.encode() not in f.read()
@@ -72,21 +77,34 @@ def titan_entry(args: tuple) -> bool:
 
 
 class StandbyPool:
-    """This launcher's standby processes, one per local rank it has started. New ones start
-    ``delay`` seconds after the ranks they replace (the first ones after the first ranks): their
-    imports then do not compete with the new ranks' own start-up for the CPU."""
+    """This launcher's standby processes, one per local rank it has started. They are forks of one
+    warm process (titan.launch.zygote): a new one costs milliseconds, so the pool refills as soon as
+    the ranks start. Where forks are not available they start as interpreters, ``delay`` seconds
+    after the ranks they replace (the first ones after the first ranks), so that their imports do
+    not compete with the new ranks' own start-up for the CPU."""
 
     def __init__(self, delay: float = REFILL_DELAY_S, per_rank: int = 1) -> None:
         self.size, self.delay, self.per_rank = 0, delay, per_rank
         self.args: tuple = ()  # the ranks' command line (after the interpreter): standbys warm up on it
         self.world_size = ""  # ... for this many ranks
-        self.ready: list[subprocess.Popen] = []
+        self.ready: list[Any] = []  # subprocess.Popen, or zygote.Forked (the same interface)
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
         self._closed = False
+        self._zygote: Zygote | None = None
+        self._starting: threading.Thread | None = None
 
-    def _spawn(self, first: bool = False) -> subprocess.Popen:
-        env = {**os.environ, "WORLD_SIZE": self.world_size} if self.world_size else dict(os.environ)
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, "WORLD_SIZE": self.world_size} if self.world_size else dict(os.environ)
+
+    def _spawn(self, first: bool = False) -> Any:  # noqa: ANN401 - Popen or Forked
+        if supported():
+            if self._zygote is None:
+                self._zygote = Zygote(self.args, self._env())
+            proc = self._zygote.spawn(first)
+            if proc is not None or self._closed:
+                return proc
+        env = self._env()
         if first:
             env[FIRST_ENV] = "1"
         return subprocess.Popen(
@@ -96,21 +114,38 @@ class StandbyPool:
             start_new_session=True,  # as torchrun's own ranks: signalled by process group
         )
 
+    def _add(self, first: bool) -> None:
+        proc = self._spawn(first)
+        if proc is not None:
+            self.ready.append(proc)
+
     def fill(self) -> None:
         with self._lock:
             self.ready = [p for p in self.ready if p.poll() is None]
             while len(self.ready) < self.size * self.per_rank and not self._closed:
-                self.ready.append(self._spawn())
+                self._add(first=False)
 
     def start(self) -> None:
-        """One standby per local rank now, for the first attempt (before torchrun asks for them)."""
-        with self._lock:
-            self.ready += [self._spawn(first=True) for _ in range(self.size) if not self._closed]
+        """One standby per local rank, for the first attempt (before torchrun asks for them); the
+        forks wait for the zygote's imports on a thread, which the caller's check overlaps."""
+        if supported() and self._zygote is None:
+            self._zygote = Zygote(self.args, self._env())
+
+        def spawn_all() -> None:
+            with self._lock:
+                for _ in range(self.size):
+                    if not self._closed:
+                        self._add(first=True)
+
+        self._starting = threading.Thread(target=spawn_all, name="titan-first-standbys", daemon=True)
+        self._starting.start()
 
     def kill(self) -> None:
         """Stop every standby at once: no rank will start (the config check failed)."""
+        self._closed = True
+        if self._zygote is not None:
+            self._zygote.proc.kill()  # a fork it is still importing for fails at once
         with self._lock:
-            self._closed = True
             for proc in self.ready:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -118,15 +153,23 @@ class StandbyPool:
                     pass
                 proc.wait()
             self.ready = []
+            self._close_zygote()
 
     def fill_later(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = threading.Timer(self.delay, self.fill)
+        self._timer = threading.Timer(0.0 if self._zygote is not None else self.delay, self.fill)
         self._timer.daemon = True
         self._timer.start()
 
-    def take(self) -> subprocess.Popen | None:
+    def started(self) -> list[Any]:
+        """The standbys waiting, once the first ones asked for by ``start`` exist."""
+        if self._starting is not None:
+            self._starting.join()
+        return list(self.ready)
+
+    def take(self) -> Any:  # noqa: ANN401 - Popen, Forked or None
+        self.started()
         with self._lock:
             while self.ready:
                 proc = self.ready.pop(0)
@@ -135,8 +178,8 @@ class StandbyPool:
         return None
 
     def close(self) -> None:
+        self._closed = True
         with self._lock:
-            self._closed = True
             if self._timer is not None:
                 self._timer.cancel()
             for proc in self.ready:
@@ -146,7 +189,14 @@ class StandbyPool:
                     proc.wait(timeout=5)
                 except (OSError, subprocess.TimeoutExpired):
                     proc.kill()
+                    proc.wait()
             self.ready = []
+            self._close_zygote()
+
+    def _close_zygote(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
 
 
 def _watch_exit(handler: Any) -> None:
@@ -302,7 +352,7 @@ def _run(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
-def _set_name(name: str) -> None:
+def set_name(name: str) -> None:
     """The process's name (its main thread's, which ps and /proc/<pid>/stat show), from any thread."""
     try:
         with open(f"/proc/self/task/{os.getpid()}/comm", "w") as f:
@@ -333,46 +383,83 @@ def _warm(argv: list[str]) -> None:
                 plan.spec.model_cls(plan.model_args)
 
 
-def main(argv: list[str]) -> int:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: gone with the launcher
-    _set_name(STANDBY_NAME)
-    # A first-attempt rank started when the launcher did: its start-up counts from here (goodput).
-    first_start = process_start_time() if os.environ.get(FIRST_ENV) == "1" else None
+def quiet() -> tuple[int, int]:
+    """Standard output and error to /dev/null until a rank's assignment says where (an import's
+    warnings would reach the console unprefixed, outside any rank's log); returns the originals."""
     saved = (os.dup(1), os.dup(2))
-    quiet = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(quiet, 1)
-    os.dup2(quiet, 2)  # an import's warnings would reach the console unprefixed, outside any rank's log
-    job: dict[str, Any] = {}
-    assigned = threading.Event()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    return saved
 
-    def read() -> None:
-        data = sys.stdin.buffer.read()
-        if data:
-            job.update(json.loads(data))
-            _set_name(RANK_NAME)  # a rank from now on
-        assigned.set()
 
-    threading.Thread(target=read, name="titan-standby", daemon=True).start()
+def preload(argv: list[str], assigned: threading.Event | None = None) -> None:
+    """The imports, and the warm-up on the ranks' command line unless an assignment came first."""
     import importlib
 
     try:
         for name in PRELOAD:
             importlib.import_module(name)
-        if argv and not assigned.is_set():
+        if argv and not (assigned is not None and assigned.is_set()):
             _warm(argv)
     except Exception:  # the rank does it again and reports it
         pass
-    assigned.wait()
+
+
+class Assignment:
+    """The rank's assignment, read from standard input on a thread (EOF without one: no rank)."""
+
+    def __init__(self) -> None:
+        self.job: dict[str, Any] = {}
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, name="titan-standby", daemon=True).start()
+
+    def _read(self) -> None:
+        data = sys.stdin.buffer.read()
+        if data:
+            self.job.update(json.loads(data))
+            set_name(RANK_NAME)  # a rank from now on
+        self.ready.set()
+
+
+def wait_and_run(first_start: float | None, saved: tuple[int, int], assignment: Assignment | None = None) -> int:
+    """Wait for the assignment, then run the rank in this process with its environment and files."""
+    assignment = assignment or Assignment()
+    assignment.ready.wait()
+    job = assignment.job
     if not job:
         return 0  # the launcher closed its end: no more restarts
     os.environ.clear()
     os.environ.update(job["env"])
     os.environ[STARTED_AT_ENV] = repr(first_start if first_start is not None else time.time())
+    _threads_as_the_environment_says()
     _redirect(job["stdout"], 1, saved[0])
     _redirect(job["stderr"], 2, saved[1])
     _run(job["argv"])
     return 0
+
+
+def _threads_as_the_environment_says() -> None:
+    """OpenMP read OMP_NUM_THREADS when torch was imported, before this rank's environment (where
+    torchrun sets it) existed: the rank would otherwise run a thread per core of the node."""
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
+        torch.set_num_threads(int(threads))
+
+
+def main(argv: list[str]) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: gone with the launcher
+    set_name(STANDBY_NAME)
+    # A first-attempt rank started when the launcher did: its start-up counts from here (goodput).
+    first_start = process_start_time() if os.environ.get(FIRST_ENV) == "1" else None
+    saved = quiet()
+    assignment = Assignment()
+    preload(argv, assignment.ready)
+    return wait_and_run(first_start, saved, assignment)
 
 
 if __name__ == "__main__":

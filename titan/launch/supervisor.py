@@ -228,6 +228,8 @@ def main(argv: list[str]) -> int:
         # The first ranks' interpreters start once the config parses: their imports overlap the
         # check (titan.launch.standby); a failed check stops them.
         first = first_ranks(_option(argv, "--nproc_per_node", "--nproc-per-node"))
+        if first is not None:  # the command line the standbys warm up on (the script's name is skipped)
+            first.args, first.world_size = ("train.py", *train_args), str(size) if size is not None else ""
         args = train_args + ([WORLD_SIZE, str(size)] if size is not None else [])
         status = check_config(args, first.start if first is not None else None)
         if status:

@@ -114,7 +114,7 @@ def test_the_launcher_checks_the_layout_for_its_world_and_marks_the_ranks(monkey
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "world size 3" in err[0], err
     standbys = []  # the prestarted ranks a torchrun that starts none leaves: the launcher stops them
-    monkeypatch.setattr(supervisor, "_torchrun", lambda argv, first=None: standbys.extend(first.ready) or 0)
+    monkeypatch.setattr(supervisor, "_torchrun", lambda argv, first=None: standbys.extend(first.started()) or 0)
     assert supervisor.main(["--nproc_per_node", "2", "train.py", "--training.steps", "3"]) == 0
     assert len(standbys) == 2 and all(p.poll() is not None for p in standbys)
     import os

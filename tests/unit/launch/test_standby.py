@@ -58,7 +58,7 @@ def test_only_titans_entry_point_is_run_by_standbys():
 
 
 def test_the_first_ranks_start_once_the_config_parses_and_stop_if_the_check_fails(monkeypatch):
-    from titan.launch import supervisor
+    from titan.launch import standby, supervisor
     from titan.launch.standby import PRESTART_ENV
 
     spawned: list = []
@@ -66,39 +66,52 @@ def test_the_first_ranks_start_once_the_config_parses_and_stop_if_the_check_fail
     monkeypatch.setattr(
         StandbyPool, "_spawn", lambda self, first=False: spawned.append(spawn(self, first)) or spawned[-1]
     )
+    zygotes: list = []  # the warm process the standbys are forked from
+
+    class Recorded(standby.Zygote):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            zygotes.append(self)
+
+    monkeypatch.setattr(standby, "Zygote", Recorded)
     handed: list = []  # (the pool torchrun got, its standbys then): the launcher closes what no rank took
 
     def torchrun(argv, first=None):
-        handed.append((first, list(first.ready) if first else []))
+        handed.append((first, first.started() if first else []))
         return 0
 
     monkeypatch.setattr(supervisor, "_torchrun", torchrun)
     # a bad flag: the config does not parse, nothing starts
     assert supervisor.main(["--nproc_per_node", "2", "train.py", "--training.stepz", "3"]) == 2
-    assert spawned == [] and handed == []
+    assert spawned == [] and zygotes == [] and handed == []
     # a layout the check refuses (3 ranks, TP 2): started once the config parsed, killed by the failure
+    # (the zygote, and any standby it had forked already)
     assert supervisor.main(["--nproc_per_node", "3", "train.py", "--parallelism.tensor_parallel_degree", "2"]) == 2
-    assert len(spawned) == 3 and [p.poll() for p in spawned] == [-signal.SIGKILL] * 3 and handed == []
-    # a good config: torchrun's ranks get them
+    assert len(zygotes) == 1 and zygotes[0].proc.poll() == -signal.SIGKILL and handed == []
+    assert all(p.poll() == -signal.SIGKILL for p in spawned if p is not None)
+    # a good config: torchrun's ranks get them, forks of one zygote, which ends with the launch
     spawned.clear()
     assert supervisor.main(["--nproc_per_node", "2", "train.py", "--training.steps", "3"]) == 0
     assert handed[-1][0] is not None and handed[-1][1] == spawned and len(spawned) == 2
     assert handed[-1][0].ready == [] and all(p.poll() is not None for p in spawned)
+    assert len(zygotes) == 2 and zygotes[1].proc.poll() == 0
     monkeypatch.setenv(PRESTART_ENV, "0")
     spawned.clear()
     assert supervisor.main(["--nproc_per_node", "2", "train.py", "--training.steps", "3"]) == 0
-    assert handed[-1][0] is None and spawned == []
+    assert handed[-1][0] is None and spawned == [] and len(zygotes) == 2
 
 
 FAKE_TRAIN = """
 import os, sys, time
 started = float(os.environ.get("TITAN_PROCESS_STARTED_AT", "nan"))
 warm = "titan.training.trainer" in sys.modules
-print("rank", os.environ["RANK"], "warm", warm, "started", started, "now", time.time(), flush=True)
+import torch
+threads = torch.get_num_threads()
+print("rank", os.environ["RANK"], "warm", warm, "started", started, "now", time.time(), "threads", threads, flush=True)
 """
 
 
-def _launch(tmp_path, **env) -> tuple[float, list[str]]:
+def _launch(tmp_path, drop: str = "", **env) -> tuple[float, list[str]]:
     import subprocess
 
     from tests.helpers.distributed import cpu_env
@@ -110,14 +123,19 @@ def _launch(tmp_path, **env) -> tuple[float, list[str]]:
     cmd += ["--rdzv_endpoint", "localhost:0", "--local-ranks-filter", "0,1", "--role", "rank", "--tee", "3"]
     cmd += [str(script), "--job.config_file", os.path.join(repo, "train_configs", "debug_model.toml")]
     launched = time.time()
-    out = subprocess.run(cmd, cwd=repo, env=cpu_env(**env), capture_output=True, text=True, timeout=300)
+    environ = cpu_env(**env)
+    environ.pop(drop, None)
+    out = subprocess.run(cmd, cwd=repo, env=environ, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     return launched, sorted(ln.split(":", 1)[1] for ln in out.stdout.splitlines() if " warm " in ln)
 
 
 def test_the_first_attempts_ranks_are_warm_and_count_their_start_from_the_launch(tmp_path):
-    launched, lines = _launch(tmp_path)
+    # torchrun gives each of 2 ranks one OpenMP thread where the launcher's environment names none; the
+    # warm process imported torch before that environment existed, with a thread per core
+    launched, lines = _launch(tmp_path, drop="OMP_NUM_THREADS")
     assert [ln.split()[:4] for ln in lines] == [["rank", "0", "warm", "True"], ["rank", "1", "warm", "True"]], lines
+    assert all(ln.split()[9] == "1" for ln in lines), lines
     # goodput's start-up counts from the standby's own start (the imports it did during the check),
     # not from when torchrun handed it the rank
     assert all(launched <= float(ln.split()[5]) <= float(ln.split()[7]) for ln in lines), (launched, lines)
