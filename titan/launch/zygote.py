@@ -1,6 +1,6 @@
 """One warm process that the launcher's standbys are forked from.
 
-A standby (titan.launch.standby) is a process that has imported torch and titan before it knows
+A standby (titan.launch.standby_process) is a process that has imported torch and titan before it knows
 its rank. Started as its own interpreter, each paid those imports (about 2 s of CPU and a few
 hundred MB) whether or not it ever became a rank: two ranks and two standbys each for restarts
 imported torch five times over on one node. Here one process, the zygote, imports and warms up once
@@ -160,7 +160,7 @@ def _fork_standby(sock: socket.socket, assignment: int, first_start: float | Non
 
 
 def _become_standby(sock: socket.socket, assignment: int, first_start: float | None, saved: tuple[int, int]) -> None:
-    from titan.launch.standby import wait_and_run
+    from titan.launch.standby_process import wait_and_run
 
     status = 1
     try:
@@ -188,7 +188,7 @@ def _become_standby(sock: socket.socket, assignment: int, first_start: float | N
 
 
 def serve(fd: int, argv: list[str]) -> int:
-    from titan.launch.standby import STANDBY_NAME, preload, quiet, set_name
+    from titan.launch.standby_process import STANDBY_NAME, preload, quiet, set_name
     from titan.training.goodput import process_start_time
 
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
