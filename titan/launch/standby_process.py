@@ -22,6 +22,15 @@ STANDBY_NAME = "titan-standby"  # a waiting standby's process name (ps, /proc/<p
 RANK_NAME = "titan-rank"  # ... and its name once it is a rank
 MODULE = "titan.launch.standby_process"
 PRELOAD = ("torch", "torch.distributed", "titan.training.trainer", "titan.launch.entry")
+PR_SET_PDEATHSIG = 1
+
+
+def prctl(option: int, value: int) -> bool:
+    """Linux's prctl(option, value); False where it failed or does not exist."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _redirect(path: str | None, fd: int, saved: int) -> None:
@@ -149,8 +158,7 @@ def _threads_as_the_environment_says() -> None:
 
 
 def main(argv: list[str]) -> int:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: gone with the launcher
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # gone with the launcher
     set_name(STANDBY_NAME)
     # A first-attempt rank started when the launcher did: its start-up counts from here (goodput).
     first_start = process_start_time() if os.environ.get(FIRST_ENV) == "1" else None

@@ -17,7 +17,6 @@ it does processes it started. Linux only (prctl); elsewhere the standbys start a
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -28,17 +27,19 @@ import threading
 import time
 from typing import Any
 
+from titan.launch.standby_process import (
+    PR_SET_PDEATHSIG,
+    STANDBY_NAME,
+    prctl,
+    preload,
+    quiet,
+    set_name,
+    wait_and_run,
+)
+
 MODULE = "titan.launch.zygote"
 ZYGOTE_NAME = "titan-zygote"
-_PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
-
-
-def _prctl(option: int, value: int) -> bool:
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def supported() -> bool:
@@ -94,7 +95,7 @@ class Zygote:
     interpreter, which it warms up on; ``env``: its environment) and asks it for standbys."""
 
     def __init__(self, args: tuple, env: dict[str, str]) -> None:
-        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        prctl(_PR_SET_CHILD_SUBREAPER, 1)
         self._sock, theirs = socket.socketpair()
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
@@ -133,7 +134,7 @@ class Zygote:
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait()
-        _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+        prctl(_PR_SET_CHILD_SUBREAPER, 0)
 
 
 # ---------------------------------------------------------------- the zygote process itself
@@ -160,8 +161,6 @@ def _fork_standby(sock: socket.socket, assignment: int, first_start: float | Non
 
 
 def _become_standby(sock: socket.socket, assignment: int, first_start: float | None, saved: tuple[int, int]) -> None:
-    from titan.launch.standby_process import wait_and_run
-
     status = 1
     try:
         sock.close()
@@ -171,7 +170,7 @@ def _become_standby(sock: socket.socket, assignment: int, first_start: float | N
         launcher = int(os.environ["TITAN_ZYGOTE_PARENT"])
         while os.getppid() not in (launcher, 1):  # the helper has exited: now the launcher's child
             time.sleep(0.001)
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)  # gone with the launcher
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # gone with the launcher
         if os.getppid() != launcher:
             os._exit(0)
         status = wait_and_run(first_start, saved)
@@ -188,10 +187,9 @@ def _become_standby(sock: socket.socket, assignment: int, first_start: float | N
 
 
 def serve(fd: int, argv: list[str]) -> int:
-    from titan.launch.standby_process import STANDBY_NAME, preload, quiet, set_name
     from titan.training.goodput import process_start_time
 
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     set_name(ZYGOTE_NAME)
     os.environ["TITAN_ZYGOTE_PARENT"] = str(os.getppid())
     started = process_start_time()  # the first ranks' start-up counts from here: the launch
