@@ -56,7 +56,7 @@ class ReplicaRecord:
     committed: int = 0  # semi-synchronous methods: inner steps (applied locally)
     discarded: int = 0
     heals: int = 0
-    heal_seconds: float = 0.0  # loading the peer's state (its transfer overlaps the forward)
+    heal_seconds: float = 0.0  # loading the peer's state (its transfer: in the quorum, before or during the forward)
     synced: int = 0  # semi-synchronous methods: synchronizations committed ...
     sync_failed: int = 0  # ... and failed (the fragment went back to its last global weights)
 
@@ -203,6 +203,20 @@ class ReplicaGroups:
             self.manager.start_quorum()
             if first:
                 self.manager.wait_quorum()
+                self._heal_before_forward()
+
+    def _heal_before_forward(self) -> None:
+        """A heal that the awaited first quorum brings is applied now, while the main thread waits
+        anyway, as torchft does in its synchronous mode (``use_async_quorum=False``), rather than in
+        ``should_commit`` after the backward: the group holds its peer's state a step sooner, and its
+        step runs on it. torchft counts in a step only the groups that were at its max step when the
+        quorum formed, so the healed group still sends zeros this step and its update is the live
+        groups' average, as before (bitwise their state). A failed transfer leaves nothing pending
+        and errors the step (discarded), as in should_commit."""
+        manager = cast(Any, self.manager)  # torchft keeps the pending heal private
+        if manager._healing:
+            manager._apply_pending_state_dict()
+            manager._healing = False
 
     def check_quorum(self, replica_ids: list[str], heal: bool = False) -> None:
         """This process's first quorum (``replica_ids``: torchft's ``<id>:<random suffix>``): at a
