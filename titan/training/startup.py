@@ -71,6 +71,10 @@ def _memory_text(config: JobConfig, world_size: int, capacity: float | None, wha
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart not in ("", "0"):  # seconds of fake forward/backward that a restart would wait for
         return f"as in the first attempt's table (not estimated again on restart {restart})"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # the estimate plays a rank in a fake world of its own
+        return (
+            "n/a in a rank of a multi-rank run (--job.dry_run or scripts/estimate_memory.py estimate it in one process)"
+        )
 
     try:
         estimate = estimate_memory(config, world_size).total_bytes

@@ -80,6 +80,16 @@ def test_the_memory_row_can_be_turned_off():
     assert text == "off (metrics.startup_memory_estimate = false; --job.dry_run estimates it)"
 
 
+def test_the_memory_row_of_a_multi_rank_run_says_where_to_get_it(monkeypatch):
+    # a rank of a torchrun world cannot start the fake world the estimate plays a rank in
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["--job.config_file", str(REPO / "train_configs/debug_model.toml")]
+    text = _memory_text(load_config(argv), 2, 1e9, "host RAM")
+    assert text == (
+        "n/a in a rank of a multi-rank run (--job.dry_run or scripts/estimate_memory.py estimate it in one process)"
+    )
+
+
 def test_peak_text_names_its_source():
     text = _peak_text(989e12, "NVIDIA H100 80GB HBM3", torch.device("cuda"), float8=False)
     assert (

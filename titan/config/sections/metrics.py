@@ -33,9 +33,10 @@ class Metrics:
     (files get a rank suffix)."""
     startup_memory_estimate: bool = True
     """Estimate the per-rank memory for the start-up table (titan/training/memory.py: a fake
-    forward and backward of a few blocks on rank 0, about a second on the debug model, longer on
-    wide models, while the other ranks wait). false: the row says it is off; --job.dry_run and
-    scripts/estimate_memory.py still estimate."""
+    forward and backward of a few blocks, about a second on the debug model, longer on wide
+    models). One-process runs only: the estimate plays a rank in a fake world of its own, which a
+    rank of a multi-rank run, inside the real one, cannot start; its row says so. false: the row
+    says it is off. --job.dry_run and scripts/estimate_memory.py estimate any layout."""
     enable_jsonl: bool = True
     """Append every logged step's scalars as one JSON line to <dump_folder>/<save_jsonl_folder>/
     <run stamp>.jsonl (plot with scripts/plot_metrics.py)."""
