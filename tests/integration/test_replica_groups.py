@@ -65,6 +65,8 @@ def test_killed_group_heals_from_live_peer(lighthouse: str, tmp_path: Path) -> N
     # The restarted group took the peer's state and step, not its own fresh start, and says so
     # (not that it starts again from step 0); then both train steps 5-9 together.
     assert "replica group 1 (restart 1) healed from a live peer at step 5" in out1
+    # ... as soon as its first quorum brought the peer's state: the step's forward runs on it
+    assert "at step 5 (before the step's forward)" in out1
     assert "starts again from step 0" not in out1
     # Its data reads on after its last step (step 4 died before its update: its batches come again):
     # from its in-memory snapshot of step 3, or from the position kept per step when that snapshot

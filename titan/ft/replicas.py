@@ -95,6 +95,7 @@ class ReplicaGroups:
         self.committed = True
         self._params: list[torch.nn.Parameter] = []
         self._first_quorum = True
+        self._when = "in the step's commit"  # where a heal is applied (see _heal_before_forward)
         self.url = url = lighthouse_address()
         timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
         backend = cfg.process_group
@@ -184,8 +185,8 @@ class ReplicaGroups:
         self.record.heal_seconds += time.perf_counter() - t0
         again = f" (restart {self.restart})" if self.restart else ""
         logger.info(
-            f"replica group {self.cfg.replica_id}{again} healed from a live peer at step {self._train_step}:"
-            " the peer's weights, optimizer and lr schedule; training goes on from there"
+            f"replica group {self.cfg.replica_id}{again} healed from a live peer at step {self._train_step}"
+            f" ({self._when}): the peer's weights, optimizer and lr schedule; training goes on from there"
         )
 
     @property
@@ -215,7 +216,11 @@ class ReplicaGroups:
         and errors the step (discarded), as in should_commit."""
         manager = cast(Any, self.manager)  # torchft keeps the pending heal private
         if manager._healing:
-            manager._apply_pending_state_dict()
+            self._when = "before the step's forward"
+            try:
+                manager._apply_pending_state_dict()
+            finally:
+                self._when = "in the step's commit"
             manager._healing = False
 
     def check_quorum(self, replica_ids: list[str], heal: bool = False) -> None:
