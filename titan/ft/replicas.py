@@ -217,10 +217,8 @@ class ReplicaGroups:
         manager = cast(Any, self.manager)  # torchft keeps the pending heal private
         if manager._healing:
             self._when = "before the step's forward"
-            try:
-                manager._apply_pending_state_dict()
-            finally:
-                self._when = "in the step's commit"
+            manager._apply_pending_state_dict()
+            self._when = "in the step's commit"
             manager._healing = False
 
     def check_quorum(self, replica_ids: list[str], heal: bool = False) -> None:

@@ -15,13 +15,18 @@ import torch.distributed as dist
 
 from titan.errors import TitanError
 
-__all__ = ["fake_world"]
+__all__ = ["fake_world", "in_multi_rank_launch"]
+
+
+def in_multi_rank_launch() -> bool:
+    """This process is a rank of a multi-rank launch (torchrun's WORLD_SIZE): no fake world here."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 @contextlib.contextmanager
 def fake_world(rank: int, world_size: int) -> Iterator[None]:
     """A fake process group as `rank` of `world_size`, with the torchrun env the Trainer reads."""
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if dist.is_initialized() or in_multi_rank_launch():
         raise TitanError(
             "a fake world (dry run, simulator, memory estimate) must start in a plain process, not under"
             " torchrun (use python train.py / the script directly)"

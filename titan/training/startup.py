@@ -64,6 +64,7 @@ def _peak_text(peak_flops: float | None, device_name: str, device: torch.device,
 
 
 def _memory_text(config: JobConfig, world_size: int, capacity: float | None, what: str) -> str:
+    from titan.parallel.fake_world import in_multi_rank_launch
     from titan.training.memory import estimate_memory
 
     if not config.metrics.startup_memory_estimate:
@@ -71,7 +72,7 @@ def _memory_text(config: JobConfig, world_size: int, capacity: float | None, wha
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart not in ("", "0"):  # seconds of fake forward/backward that a restart would wait for
         return f"as in the first attempt's table (not estimated again on restart {restart})"
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # the estimate plays a rank in a fake world of its own
+    if in_multi_rank_launch():  # the estimate plays a rank in a fake world of its own
         return (
             "n/a in a rank of a multi-rank run (--job.dry_run or scripts/estimate_memory.py estimate it in one process)"
         )
